@@ -1,0 +1,405 @@
+"""The Legendre memory: the continuous system, its exact discretisation, the memory in every mode.
+
+Everything here is a plain function. The frozen constants (A, B, Abar, Bbar, H) are computed
+in float64 with numpy/scipy, cached, and cast to the compute dtype only where a JAX function
+uses them (REFERENCE §1). The JAX functions take them as arguments, so a caller computes them
+once per config and closes over them.
+
+Conventions
+-----------
+- ``theta`` is the window length in time steps; the discretisation is zero-order hold, dt = 1.
+- The input sample ``u_t`` is held over the interval (t - 1, t], and the state update is
+  ``m_t = Abar m_{t-1} + Bbar u_t`` with ``m_{-1} = 0``, so ``m_t = sum_{j<=t} H[t-j] u_j`` with
+  ``H[k] = Abar^k Bbar`` (lag 0 included).
+- Shape letters: B batch, T time, C input channels, Q order, K kernel width (Q for the full
+  memory, a reduced order q' for ``L @ H``), D number of decoded delays. Every channel has its
+  own memory, so an input ``u_BxTxC`` gives a memory ``m_BxTxCxQ``.
+
+Modes (all agree to float32 rounding; tests/test_lmu.py checks them against
+``memory_reference``, the float64 recurrence):
+- ``memory_fft``: parallel causal convolution with the impulse response, through rfft/irfft.
+- ``memory_scan``: the recurrence in ``lax.scan``.
+- ``memory_step``: one recurrent step, for decoding with a carried state.
+- ``memory_final``: the last state only, one contraction (parallel-LMU paper eq 25).
+- ``memory_reduced``: ``u * (L H)``, the q'-channel memory of appendix A.1, without
+  materialising the q-channel one.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+import numbers
+
+import jax.numpy as jnp
+import numpy as np
+import scipy.linalg
+from jax import lax
+from numpy.polynomial import legendre as np_legendre
+
+# The recurrence and the contractions over time accumulate many terms; TF32 matmuls (the GPU
+# default for float32) would cost three decimal digits. These are small matmuls, so the full
+# float32 precision is nearly free.
+_PRECISION = lax.Precision.HIGHEST
+
+# Caches hold float64 arrays of up to length * order; a few entries cover a sweep's configs.
+_CACHE_SIZE = 16
+
+
+def _check_order(order) -> int:
+    if isinstance(order, bool) or not isinstance(order, numbers.Integral) or order < 1:
+        raise ValueError(f"order must be an integer >= 1, got {order!r}")
+    return int(order)
+
+
+def _check_theta(theta) -> float:
+    try:
+        value = float(theta)
+    except (TypeError, ValueError):
+        raise ValueError(f"theta must be a positive number of time steps, got {theta!r}") from None
+    if not math.isfinite(value) or value <= 0:
+        raise ValueError(f"theta must be a positive, finite number of time steps, got {theta!r}")
+    return value
+
+
+def _read_only(array: np.ndarray) -> np.ndarray:
+    array.setflags(write=False)
+    return array
+
+
+def legendre_ab(order: int, theta: float) -> tuple[np.ndarray, np.ndarray]:
+    """The continuous Legendre delay system (REFERENCE §1, parallel-LMU eqs 8-9).
+
+    ``A[i, j] = (2i+1)/theta * (-1 if i < j else (-1)^(i-j+1))`` and
+    ``B[i] = (2i+1) (-1)^i / theta``.
+
+    Args:
+      order: q, the number of Legendre coefficients.
+      theta: window length in time steps.
+
+    Returns:
+      ``(A_QxQ, B_Q)``, float64 numpy arrays.
+    """
+    order, theta = _check_order(order), _check_theta(theta)
+    i = np.arange(order)[:, None]
+    j = np.arange(order)[None, :]
+    signs = np.where(i < j, -1.0, (-1.0) ** (i - j + 1))
+    a_QxQ = (2 * i + 1) / theta * signs
+    b_Q = (2 * np.arange(order) + 1) * (-1.0) ** np.arange(order) / theta
+    return a_QxQ, b_Q
+
+
+@functools.lru_cache(maxsize=_CACHE_SIZE)
+def _zoh(order: int, theta: float) -> tuple[np.ndarray, np.ndarray]:
+    a_QxQ, b_Q = legendre_ab(order, theta)
+    # expm of [[A, B], [0, 0]] is [[Abar, Bbar], [0, 1]]: the exact ZOH with no inverse of A.
+    block = np.zeros((order + 1, order + 1))
+    block[:order, :order] = a_QxQ
+    block[:order, order] = b_Q
+    expm = scipy.linalg.expm(block)
+    abar_QxQ = np.ascontiguousarray(expm[:order, :order])
+    bbar_Q = np.ascontiguousarray(expm[:order, order])
+    if not (np.isfinite(abar_QxQ).all() and np.isfinite(bbar_Q).all()):
+        raise FloatingPointError(
+            f"ZOH discretisation of the Legendre system is not finite for order={order}, "
+            f"theta={theta}"
+        )
+    return _read_only(abar_QxQ), _read_only(bbar_Q)
+
+
+def discretize(order: int, theta: float, dtype=np.float64) -> tuple[np.ndarray, np.ndarray]:
+    """Zero-order-hold discretisation with dt = 1: ``Abar = e^A``, ``Bbar = A^-1 (e^A - I) B``.
+
+    Computed in float64 (cached per (order, theta)) and cast to ``dtype`` at the end.
+
+    Returns:
+      ``(Abar_QxQ, Bbar_Q)`` as numpy arrays of ``dtype`` (read-only when float64).
+    """
+    abar_QxQ, bbar_Q = _zoh(_check_order(order), _check_theta(theta))
+    if np.dtype(dtype) == np.float64:
+        return abar_QxQ, bbar_Q
+    return abar_QxQ.astype(dtype), bbar_Q.astype(dtype)
+
+
+@functools.lru_cache(maxsize=_CACHE_SIZE)
+def _impulse_response(order: int, theta: float, length: int) -> np.ndarray:
+    abar_QxQ, bbar_Q = _zoh(order, theta)
+    # Doubling: with H[:k] known, H[k:2k] = H[:k] (Abar^k)^T. log2(length) matmuls instead of
+    # `length` matvecs, in float64 throughout.
+    h_TxQ = bbar_Q[None, :]
+    power_QxQ = abar_QxQ
+    while h_TxQ.shape[0] < length:
+        h_TxQ = np.concatenate([h_TxQ, h_TxQ @ power_QxQ.T])
+        if h_TxQ.shape[0] < length:
+            power_QxQ = power_QxQ @ power_QxQ
+    return _read_only(np.ascontiguousarray(h_TxQ[:length]))
+
+
+def impulse_response(order: int, theta: float, length: int, dtype=np.float64) -> np.ndarray:
+    """The impulse response ``H[t] = Abar^t Bbar`` for t = 0..length-1 (lag 0 included).
+
+    Returns:
+      ``H_TxQ`` with T = length, a numpy array of ``dtype`` computed in float64.
+    """
+    order, theta = _check_order(order), _check_theta(theta)
+    if isinstance(length, bool) or not isinstance(length, numbers.Integral) or length < 1:
+        raise ValueError(f"length must be an integer >= 1, got {length!r}")
+    h_TxQ = _impulse_response(order, theta, int(length))
+    if np.dtype(dtype) == np.float64:
+        return h_TxQ
+    return h_TxQ.astype(dtype)
+
+
+def legendre_decoder(order: int, theta: float, delay) -> np.ndarray:
+    """Weights that read ``u(t - delay)`` out of the memory ``m_t`` (parallel-LMU eq 14).
+
+    ``C_i(delay) = (-1)^i sum_l C(i, l) C(i+l, l) (-delay/theta)^l``, the shifted Legendre
+    polynomial ``P_i(2 delay/theta - 1)``. (The paper prints the second binomial as C(i+l, j);
+    that is a misprint, REFERENCE §1.) It is evaluated by the Legendre three-term recurrence,
+    which stays accurate at orders where the alternating binomial sum cancels catastrophically.
+
+    With ZOH the sample ``u_{t-k}`` is held over delays [k, k+1), so ``delay = k + 1/2`` is the
+    centre of sample k; ``delay = k`` is its leading edge.
+
+    Args:
+      order: q.
+      theta: window length in time steps.
+      delay: scalar or array of delays in [0, theta], in time steps.
+
+    Returns:
+      float64 weights of shape ``delay.shape + (Q,)``.
+    """
+    order, theta = _check_order(order), _check_theta(theta)
+    delay = np.asarray(delay, dtype=np.float64)
+    bad = ~((delay >= 0) & (delay <= theta))
+    if bad.any():
+        offending = delay[bad].ravel()[:5].tolist()
+        raise ValueError(f"delay must lie in [0, theta={theta}] time steps, got {offending}")
+    weights = np_legendre.legvander(2.0 * delay / theta - 1.0, order - 1)
+    return weights.reshape((*delay.shape, order))
+
+
+def decode(m_xQ, theta: float, delay):
+    """Read ``u(t - delay)`` out of a memory whose last axis is the order Q.
+
+    Args:
+      m_xQ: memory of shape ``(..., Q)``, e.g. ``m_BxTxCxQ``.
+      theta: the memory's window, in time steps.
+      delay: scalar (output ``(...)``) or 1-D array of D delays (output ``(..., D)``).
+    """
+    weights = legendre_decoder(m_xQ.shape[-1], theta, delay)
+    weights = jnp.asarray(weights, dtype=_compute_dtype(m_xQ.dtype))
+    return jnp.matmul(m_xQ, weights.T if weights.ndim == 2 else weights, precision=_PRECISION)
+
+
+def _compute_dtype(dtype) -> jnp.dtype:
+    # At least float32: jnp.fft has no bf16/f16 kernels, and sums over time need the mantissa.
+    return jnp.promote_types(dtype, jnp.float32)
+
+
+def _check_input(u_BxTxC) -> None:
+    if u_BxTxC.ndim != 3:
+        raise ValueError(
+            f"the memory input must have shape (batch, time, channels), got {u_BxTxC.shape}"
+        )
+
+
+def _kernel_for(u_BxTxC, kernel_TxK, name: str = "kernel"):
+    n = u_BxTxC.shape[1]
+    if kernel_TxK.ndim != 2 or kernel_TxK.shape[0] < n:
+        raise ValueError(
+            f"{name} must have shape (time >= {n}, width) for an input of {n} steps, "
+            f"got {kernel_TxK.shape}"
+        )
+    return jnp.asarray(kernel_TxK[:n], dtype=_compute_dtype(u_BxTxC.dtype))
+
+
+def fft_length(n: int) -> int:
+    """The smallest 5-smooth number (2^a 3^b 5^c) >= 2n - 1: a linear, not circular, convolution.
+
+    For n a power of two this is 2n.
+    """
+    target = max(2 * n - 1, 1)
+    best = 1 << (target - 1).bit_length()  # a power of two always qualifies
+    power5 = 1
+    while power5 < best:
+        power35 = power5
+        while power35 < best:
+            candidate = power35
+            while candidate < target:
+                candidate *= 2
+            best = min(best, candidate)
+            power35 *= 3
+        power5 *= 5
+    return best
+
+
+def causal_conv(u_BxTxC, kernel_TxK):
+    """Causal convolution of every input channel with every kernel column, by FFT.
+
+    ``y[b, t, c, k] = sum_{j<=t} kernel[t-j, k] u[b, j, c]``. Both signals are zero-padded to
+    ``fft_length(T) >= 2T - 1``, so nothing wraps around.
+
+    Args:
+      u_BxTxC: input.
+      kernel_TxK: kernel with at least T rows; rows past T are ignored.
+
+    Returns:
+      ``y_BxTxCxK`` in the input's dtype (computed in at least float32).
+    """
+    _check_input(u_BxTxC)
+    n = u_BxTxC.shape[1]
+    kernel_TxK = _kernel_for(u_BxTxC, kernel_TxK)
+    nfft = fft_length(n)
+    # Time on the last axis, where the FFT runs.
+    u_BxCxT = jnp.swapaxes(u_BxTxC.astype(kernel_TxK.dtype), 1, 2)
+    u_BxCxF = jnp.fft.rfft(u_BxCxT, n=nfft, axis=-1)
+    kernel_KxF = jnp.fft.rfft(kernel_TxK.T, n=nfft, axis=-1)
+    y_BxCxKxF = u_BxCxF[:, :, None, :] * kernel_KxF[None, None, :, :]
+    y_BxCxKxT = jnp.fft.irfft(y_BxCxKxF, n=nfft, axis=-1)[..., :n]
+    return jnp.transpose(y_BxCxKxT, (0, 3, 1, 2)).astype(u_BxTxC.dtype)
+
+
+def memory_fft(u_BxTxC, h_TxQ):
+    """The full memory in parallel: ``m_t = sum_{j<=t} H[t-j] u_j`` by FFT convolution.
+
+    Args:
+      u_BxTxC: input.
+      h_TxQ: impulse response with at least T rows (``impulse_response(q, theta, T)``).
+
+    Returns:
+      ``m_BxTxCxQ``.
+    """
+    return causal_conv(u_BxTxC, h_TxQ)
+
+
+def memory_reduced(u_BxTxC, h_TxQ, l_KxQ):
+    """The reduced-order memory ``u * (L H)`` of appendix A.1: ``L m_t`` without ``m_t``.
+
+    The q-channel memory is never formed: L is folded into the kernel (T x K) before the
+    convolution, so the FFT work and the output scale with K = q', not q. Stacking several
+    projections (e.g. L1, L2, L3 for Q, K, V) into one ``l_KxQ`` shares the input's FFT.
+
+    Args:
+      u_BxTxC: input.
+      h_TxQ: impulse response with at least T rows.
+      l_KxQ: the projection L acting on the order axis.
+
+    Returns:
+      ``y_BxTxCxK`` with ``y[b, t, c] = L m[b, t, c]``.
+    """
+    _check_input(u_BxTxC)
+    h_TxQ = _kernel_for(u_BxTxC, h_TxQ, name="h_TxQ")
+    l_KxQ = jnp.asarray(l_KxQ)
+    if l_KxQ.ndim != 2 or l_KxQ.shape[1] != h_TxQ.shape[1]:
+        raise ValueError(
+            f"L must have shape (reduced order, order={h_TxQ.shape[1]}), got {l_KxQ.shape}"
+        )
+    kernel_TxK = jnp.matmul(h_TxQ, l_KxQ.astype(h_TxQ.dtype).T, precision=_PRECISION)
+    return causal_conv(u_BxTxC, kernel_TxK)
+
+
+def memory_step(m_BxCxQ, u_BxC, abar_QxQ, bbar_Q):
+    """One recurrent step: ``m_t = Abar m_{t-1} + Bbar u_t`` for every channel.
+
+    Args:
+      m_BxCxQ: the previous state (zeros before the first input).
+      u_BxC: the input at this step.
+      abar_QxQ, bbar_Q: from ``discretize``.
+
+    Returns:
+      The new state ``m_BxCxQ`` in the state's dtype.
+    """
+    dtype = m_BxCxQ.dtype
+    abar_QxQ = jnp.asarray(abar_QxQ, dtype=dtype)
+    bbar_Q = jnp.asarray(bbar_Q, dtype=dtype)
+    decayed = jnp.matmul(m_BxCxQ, abar_QxQ.T, precision=_PRECISION)
+    return decayed + u_BxC.astype(dtype)[..., None] * bbar_Q
+
+
+def memory_scan(u_BxTxC, abar_QxQ, bbar_Q, m0_BxCxQ=None):
+    """The memory by the recurrence, in ``lax.scan``: O(T) sequential steps.
+
+    Args:
+      u_BxTxC: input.
+      abar_QxQ, bbar_Q: from ``discretize``.
+      m0_BxCxQ: the state before the first input (default zeros), to continue a sequence.
+
+    Returns:
+      ``m_BxTxCxQ`` in the compute dtype (at least float32); its last step is the state to
+      carry on with.
+    """
+    _check_input(u_BxTxC)
+    batch, _, channels = u_BxTxC.shape
+    order = np.shape(bbar_Q)[0]
+    dtype = _compute_dtype(u_BxTxC.dtype)
+    if m0_BxCxQ is None:
+        m0_BxCxQ = jnp.zeros((batch, channels, order), dtype)
+    elif m0_BxCxQ.shape != (batch, channels, order):
+        raise ValueError(
+            f"m0 must have shape (batch, channels, order) = {(batch, channels, order)}, "
+            f"got {m0_BxCxQ.shape}"
+        )
+
+    def step(m_BxCxQ, u_BxC):
+        m_BxCxQ = memory_step(m_BxCxQ, u_BxC, abar_QxQ, bbar_Q)
+        return m_BxCxQ, m_BxCxQ
+
+    _, m_TxBxCxQ = lax.scan(step, m0_BxCxQ.astype(dtype), jnp.swapaxes(u_BxTxC, 0, 1))
+    return jnp.swapaxes(m_TxBxCxQ, 0, 1)
+
+
+def memory_final(u_BxTxC, h_TxQ):
+    """Only the last state, ``m_{T-1} = sum_j H[T-1-j] u_j``: one contraction over time, no scan.
+
+    Args:
+      u_BxTxC: input.
+      h_TxQ: impulse response with at least T rows.
+
+    Returns:
+      ``m_BxCxQ``, equal to ``memory_fft(u, H)[:, -1]``.
+    """
+    _check_input(u_BxTxC)
+    h_TxQ = _kernel_for(u_BxTxC, h_TxQ, name="h_TxQ")
+    u_BxTxC = u_BxTxC.astype(h_TxQ.dtype)
+    return jnp.einsum("btc,tq->bcq", u_BxTxC, h_TxQ[::-1], precision=_PRECISION)
+
+
+def memory_reference(u_BxTxC, order: int, theta: float) -> np.ndarray:
+    """The memory by the recurrence in numpy float64: the yardstick for every other mode.
+
+    Slow (a Python loop over time); meant for tests, demos and accuracy checks.
+
+    Returns:
+      ``m_BxTxCxQ``, float64.
+    """
+    u_BxTxC = np.asarray(u_BxTxC, dtype=np.float64)
+    if u_BxTxC.ndim != 3:
+        raise ValueError(
+            f"the memory input must have shape (batch, time, channels), got {u_BxTxC.shape}"
+        )
+    abar_QxQ, bbar_Q = discretize(order, theta)
+    batch, n, channels = u_BxTxC.shape
+    m_BxTxCxQ = np.empty((batch, n, channels, abar_QxQ.shape[0]))
+    m_BxCxQ = np.zeros((batch, channels, abar_QxQ.shape[0]))
+    for t in range(n):
+        m_BxCxQ = m_BxCxQ @ abar_QxQ.T + u_BxTxC[:, t, :, None] * bbar_Q
+        m_BxTxCxQ[:, t] = m_BxCxQ
+    return m_BxTxCxQ
+
+
+__all__ = [
+    "causal_conv",
+    "decode",
+    "discretize",
+    "fft_length",
+    "impulse_response",
+    "legendre_ab",
+    "legendre_decoder",
+    "memory_fft",
+    "memory_final",
+    "memory_reduced",
+    "memory_reference",
+    "memory_scan",
+    "memory_step",
+]

@@ -1,0 +1,336 @@
+"""The Legendre memory against its definitions: formulas, scipy's ZOH, and a float64 recurrence."""
+
+from __future__ import annotations
+
+import math
+import re
+from fractions import Fraction
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+import scipy.signal
+
+from lmuscale import lmu
+from lmuscale.demo import delay_nrmse, smoothed_noise
+
+# float32 modes against the float64 recurrence: max abs error <= TOLERANCE * max|m|.
+TOLERANCE = 1e-4
+
+
+def random_u(rng: np.random.Generator, batch: int, n: int, channels: int) -> np.ndarray:
+    return rng.standard_normal((batch, n, channels)).astype(np.float32)
+
+
+def relative_error(value, reference: np.ndarray) -> float:
+    reference = np.asarray(reference, np.float64)
+    return float(np.abs(np.asarray(value, np.float64) - reference).max() / np.abs(reference).max())
+
+
+# --- the continuous system and its discretisation -------------------------------------------
+
+
+@pytest.mark.parametrize("order", [1, 2, 5, 13])
+@pytest.mark.parametrize("theta", [1.0, 7.5, 350.0])
+def test_legendre_ab_matches_the_formula_element_by_element(order, theta):
+    a, b = lmu.legendre_ab(order, theta)
+    assert a.shape == (order, order) and b.shape == (order,)
+    assert a.dtype == np.float64 and b.dtype == np.float64
+    for i in range(order):
+        assert b[i] == (2 * i + 1) * (-1) ** i / theta
+        for j in range(order):
+            sign = -1 if i < j else (-1) ** (i - j + 1)
+            assert a[i, j] == (2 * i + 1) / theta * sign, (i, j)
+
+
+@pytest.mark.parametrize("order", [1, 4, 32, 128])
+@pytest.mark.parametrize("theta", [1.0, 10.0, 350.0, 1e4])
+def test_zoh_matches_scipy_cont2discrete(order, theta):
+    a, b = lmu.legendre_ab(order, theta)
+    system = (a, b[:, None], np.zeros((1, order)), np.zeros((1, 1)))
+    abar_ref, bbar_ref, *_ = scipy.signal.cont2discrete(system, dt=1, method="zoh")
+    abar, bbar = lmu.discretize(order, theta)
+    assert abar.dtype == np.float64
+    np.testing.assert_allclose(abar, abar_ref, rtol=1e-10, atol=1e-13)
+    np.testing.assert_allclose(bbar, bbar_ref[:, 0], rtol=1e-10, atol=1e-13)
+
+
+@pytest.mark.parametrize("order", [1, 2, 64, 512, 1024])
+@pytest.mark.parametrize("theta", [1.0, 3.5, 350.0, 1e5])
+def test_zoh_is_finite_at_extreme_orders_and_windows(order, theta):
+    abar, bbar = lmu.discretize(order, theta)
+    abar32, bbar32 = lmu.discretize(order, theta, dtype=np.float32)
+    assert abar32.dtype == np.float32
+    for array in (abar, bbar, abar32, bbar32):
+        assert np.isfinite(array).all()
+    # The impulse response of a stable system stays bounded: no blow-up hiding in the powers.
+    h = lmu.impulse_response(order, theta, 64)
+    assert np.isfinite(h).all() and np.abs(h).max() < 10
+
+
+def test_impulse_response_is_powers_of_abar_times_bbar():
+    order, theta, n = 20, 37.0, 300
+    abar, bbar = lmu.discretize(order, theta)
+    h = lmu.impulse_response(order, theta, n)
+    assert h.shape == (n, order)
+    state = bbar.copy()
+    for t in range(n):
+        np.testing.assert_allclose(h[t], state, rtol=1e-10, atol=1e-14, err_msg=f"lag {t}")
+        state = abar @ state
+    assert np.array_equal(h[0], bbar)
+    np.testing.assert_array_equal(lmu.impulse_response(order, theta, 7), h[:7])
+    assert lmu.impulse_response(order, theta, n, dtype=np.float32).dtype == np.float32
+
+
+# --- the five modes against the float64 recurrence ------------------------------------------
+
+CASES = [  # batch, n, channels, order, theta
+    (3, 1, 2, 4, 2.0),
+    (2, 37, 1, 1, 5.0),
+    (2, 300, 4, 32, 100.0),
+    (1, 1000, 2, 128, 350.0),
+    (1, 4096, 3, 512, 1000.0),
+    (1, 4096, 1, 64, 4096.0),
+]
+
+
+@pytest.fixture(scope="module", params=CASES, ids=lambda c: "B{}-n{}-C{}-q{}-th{:g}".format(*c))
+def case(request):
+    batch, n, channels, order, theta = request.param
+    rng = np.random.default_rng(n + order)
+    u = random_u(rng, batch, n, channels)
+    return {
+        "u": u,
+        "order": order,
+        "theta": theta,
+        "reference": lmu.memory_reference(u, order, theta),
+        "h": lmu.impulse_response(order, theta, n),
+        "ab": lmu.discretize(order, theta),
+    }
+
+
+def test_memory_reference_is_the_convolution_with_the_impulse_response():
+    rng = np.random.default_rng(0)
+    u = rng.standard_normal((2, 50, 3))
+    h = lmu.impulse_response(6, 9.0, 50)
+    direct = np.zeros((2, 50, 3, 6))
+    for t in range(50):
+        for j in range(t + 1):
+            direct[:, t] += u[:, j, :, None] * h[t - j]
+    np.testing.assert_allclose(lmu.memory_reference(u, 6, 9.0), direct, rtol=1e-10, atol=1e-12)
+
+
+def test_fft_mode(case):
+    m = jax.jit(lmu.memory_fft)(jnp.asarray(case["u"]), case["h"])
+    assert m.shape == case["reference"].shape and m.dtype == jnp.float32
+    assert relative_error(m, case["reference"]) <= TOLERANCE
+
+
+def test_scan_mode(case):
+    m = jax.jit(lmu.memory_scan)(jnp.asarray(case["u"]), *case["ab"])
+    assert m.shape == case["reference"].shape and m.dtype == jnp.float32
+    assert relative_error(m, case["reference"]) <= TOLERANCE
+
+
+def test_step_mode(case):
+    u = jnp.asarray(case["u"])
+    step = jax.jit(lmu.memory_step)
+    state = jnp.zeros((u.shape[0], u.shape[2], case["order"]), jnp.float32)
+    worst = 0.0
+    scale = np.abs(case["reference"]).max()
+    for t in range(u.shape[1]):
+        state = step(state, u[:, t], *case["ab"])
+        worst = max(worst, float(np.abs(np.asarray(state) - case["reference"][:, t]).max()))
+    assert worst / scale <= TOLERANCE
+
+
+def test_final_state_mode(case):
+    m = jax.jit(lmu.memory_final)(jnp.asarray(case["u"]), case["h"])
+    assert m.shape == case["reference"][:, -1].shape
+    assert relative_error(m, case["reference"][:, -1]) <= TOLERANCE
+
+
+def test_reduced_order_mode(case):
+    order = case["order"]
+    l_KxQ = np.random.default_rng(order).standard_normal((max(order // 10, 1) + 2, order))
+    m = jax.jit(lmu.memory_reduced)(jnp.asarray(case["u"]), case["h"], l_KxQ.astype(np.float32))
+    reference = case["reference"] @ l_KxQ.T
+    assert m.shape == reference.shape
+    assert relative_error(m, reference) <= TOLERANCE
+
+
+def test_scan_continues_from_a_carried_state():
+    rng = np.random.default_rng(5)
+    order, theta, n, split = 24, 40.0, 300, 123
+    u = jnp.asarray(random_u(rng, 2, n, 3))
+    reference = lmu.memory_reference(np.asarray(u), order, theta)
+    abar, bbar = lmu.discretize(order, theta)
+    carried = jnp.asarray(reference[:, split - 1], jnp.float32)
+    rest = lmu.memory_scan(u[:, split:], abar, bbar, m0_BxCxQ=carried)
+    assert relative_error(rest, reference[:, split:]) <= TOLERANCE
+
+
+def test_reduced_order_path_never_forms_the_full_memory():
+    # The largest array in the reduced path's program must scale with q', not q.
+    batch, n, channels, order, reduced = 2, 256, 8, 256, 4
+    u = jnp.ones((batch, n, channels), jnp.float32)
+    h = lmu.impulse_response(order, 100.0, n, dtype=np.float32)
+    l_KxQ = jnp.ones((reduced, order), jnp.float32)
+    hlo = jax.jit(lmu.memory_reduced).lower(u, h, l_KxQ).as_text()
+    full = n * channels * order
+    shapes = re.findall(r"tensor<((?:\d+x)+)(?:f32|complex<f32>)>", hlo)
+    sizes = [math.prod(int(d) for d in shape.rstrip("x").split("x")) for shape in shapes]
+    assert sizes, "no tensor shapes found in the lowered program"
+    assert max(sizes) < full // 4
+
+
+# --- gradients, causality --------------------------------------------------------------------
+
+
+def test_gradients_of_fft_and_scan_paths_agree_with_float64():
+    rng = np.random.default_rng(7)
+    batch, n, channels, order, theta = 2, 500, 3, 48, 120.0
+    u = random_u(rng, batch, n, channels)
+    weights = rng.standard_normal((batch, n, channels, order))
+    h = lmu.impulse_response(order, theta, n)
+    abar, bbar = lmu.discretize(order, theta)
+
+    def loss(memory_fn):
+        return lambda u: jnp.sum(memory_fn(u) * weights.astype(np.float32))
+
+    grad_fft = jax.grad(loss(lambda u: lmu.memory_fft(u, h)))(jnp.asarray(u))
+    grad_scan = jax.grad(loss(lambda u: lmu.memory_scan(u, abar, bbar)))(jnp.asarray(u))
+    # d loss / d u_j = sum_{t >= j} weights_t . H[t - j], in float64.
+    reference = np.zeros((batch, n, channels))
+    for lag in range(n):
+        reference[:, : n - lag] += np.einsum("btcq,q->btc", weights[:, lag:], h[lag])
+    assert relative_error(grad_fft, reference) <= TOLERANCE
+    assert relative_error(grad_scan, reference) <= TOLERANCE
+    assert relative_error(grad_fft, np.asarray(grad_scan, np.float64)) <= TOLERANCE
+
+
+def test_gradient_with_respect_to_l_matches_the_full_memory_path():
+    rng = np.random.default_rng(8)
+    n, order = 200, 40
+    u = jnp.asarray(random_u(rng, 2, n, 3))
+    l_KxQ = jnp.asarray(rng.standard_normal((5, order)), jnp.float32)
+    weights = jnp.asarray(rng.standard_normal((2, n, 3, 5)), jnp.float32)
+    h = lmu.impulse_response(order, 50.0, n)
+
+    def reduced(l_KxQ):
+        return jnp.sum(lmu.memory_reduced(u, h, l_KxQ) * weights)
+
+    def full(l_KxQ):
+        m = lmu.memory_fft(u, h)
+        return jnp.sum(jnp.einsum("btcq,kq->btck", m, l_KxQ, precision="highest") * weights)
+
+    grad_reduced, grad_full = jax.grad(reduced)(l_KxQ), jax.grad(full)(l_KxQ)
+    assert relative_error(grad_reduced, np.asarray(grad_full, np.float64)) <= TOLERANCE
+
+
+@pytest.mark.parametrize("mode", ["fft", "scan", "reduced"])
+def test_memory_is_causal(mode):
+    rng = np.random.default_rng(3)
+    n, order, theta, cut = 512, 32, 64.0, 300
+    h = lmu.impulse_response(order, theta, n)
+    abar, bbar = lmu.discretize(order, theta)
+    l_KxQ = rng.standard_normal((4, order)).astype(np.float32)
+    run = {
+        "fft": lambda u: lmu.memory_fft(u, h),
+        "scan": lambda u: lmu.memory_scan(u, abar, bbar),
+        "reduced": lambda u: lmu.memory_reduced(u, h, l_KxQ),
+    }[mode]
+    u = random_u(rng, 2, n, 3)
+    changed = u.copy()
+    changed[:, cut + 1 :] += 10 * rng.standard_normal(changed[:, cut + 1 :].shape)
+    before, after = np.asarray(run(jnp.asarray(u))), np.asarray(run(jnp.asarray(changed)))
+    past_change = np.abs(after[:, : cut + 1] - before[:, : cut + 1]).max()
+    future_change = np.abs(after[:, cut + 1 :] - before[:, cut + 1 :]).max()
+    assert future_change > 1.0  # the perturbation reached the memory
+    # The FFT paths mix all frequencies, so the past moves by float32 rounding at most.
+    assert past_change <= 1e-6 * future_change
+
+
+# --- the decoder ----------------------------------------------------------------------------
+
+
+def exact_decoder_weight(i: int, ratio: Fraction) -> Fraction:
+    """(-1)^i sum_l C(i, l) C(i+l, l) (-ratio)^l in exact rationals (REFERENCE §1)."""
+    total = sum(math.comb(i, k) * math.comb(i + k, k) * (-ratio) ** k for k in range(i + 1))
+    return (-1) ** i * total
+
+
+@pytest.mark.parametrize("delay", [0, 1, 16, 25, 49.5, 64])
+def test_decoder_matches_the_binomial_formula(delay):
+    order, theta = 40, 64
+    weights = lmu.legendre_decoder(order, theta, delay)
+    ratio = Fraction(delay).limit_denominator(1000) / theta
+    exact = np.array([float(exact_decoder_weight(i, ratio)) for i in range(order)])
+    np.testing.assert_allclose(weights, exact, rtol=1e-9, atol=1e-9)
+
+
+def test_decoder_weights_for_several_delays_stack():
+    weights = lmu.legendre_decoder(10, 20.0, [0.0, 5.0, 20.0])
+    assert weights.shape == (3, 10)
+    np.testing.assert_array_equal(weights[1], lmu.legendre_decoder(10, 20.0, 5.0))
+    assert lmu.legendre_decoder(10, 20.0, 5.0).shape == (10,)
+    m = jnp.asarray(np.random.default_rng(0).standard_normal((4, 7, 10)), jnp.float32)
+    several, one = lmu.decode(m, 20.0, [0.0, 5.0, 20.0]), lmu.decode(m, 20.0, 5)
+    assert several.shape == (4, 7, 3) and one.shape == (4, 7)
+    np.testing.assert_allclose(several[..., 1], one, rtol=1e-6, atol=1e-6)
+
+
+@pytest.mark.parametrize("delay", [0, 32, 64])
+def test_delay_property(delay):
+    order, theta, n = 16, 64, 4096
+    signal = smoothed_noise(n, width=16, seed=11)
+    h = lmu.impulse_response(order, theta, n)
+    m = lmu.memory_fft(jnp.asarray(signal, jnp.float32)[None, :, None], h)[0, :, 0]
+    nrmse = delay_nrmse(signal, np.asarray(lmu.decode(m, theta, delay)), delay, skip=theta)
+    print(f"delay {delay}: NRMSE {nrmse:.4f}")
+    assert nrmse < 0.1
+
+
+# --- bad input --------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("call", "message"),
+    [
+        (lambda: lmu.legendre_ab(0, 10.0), "order must be an integer >= 1, got 0"),
+        (lambda: lmu.legendre_ab(4.5, 10.0), "got 4.5"),
+        (lambda: lmu.discretize(4, -1.0), "theta must be a positive, finite"),
+        (lambda: lmu.discretize(4, float("nan")), "got nan"),
+        (lambda: lmu.impulse_response(4, 10.0, 0), "length must be an integer >= 1, got 0"),
+        (lambda: lmu.legendre_decoder(4, 10.0, 10.5), "delay must lie in [0, theta=10.0]"),
+        (lambda: lmu.legendre_decoder(4, 10.0, [-1, 3]), "got [-1.0]"),
+        (lambda: lmu.memory_fft(jnp.ones((2, 8)), np.ones((8, 4))), "(batch, time, channels)"),
+        (lambda: lmu.memory_fft(jnp.ones((1, 8, 2)), np.ones((5, 4))), "time >= 8"),
+        (
+            lambda: lmu.memory_reduced(jnp.ones((1, 8, 2)), np.ones((8, 4)), np.ones((2, 3))),
+            "order=4",
+        ),
+        (
+            lambda: lmu.memory_scan(jnp.ones((1, 8, 2)), *lmu.discretize(4, 5.0), jnp.ones((1, 4))),
+            "m0 must have shape",
+        ),
+    ],
+)
+def test_bad_input_is_named(call, message):
+    with pytest.raises(ValueError, match=re.escape(message)):
+        call()
+
+
+def test_fft_length_is_the_smallest_5_smooth_linear_length():
+    def smooth(k):
+        for p in (2, 3, 5):
+            while k % p == 0:
+                k //= p
+        return k == 1
+
+    for n in [*range(1, 300), 1000, 1024, 4096, 5000, 8192]:
+        length = lmu.fft_length(n)
+        assert length >= 2 * n - 1 and smooth(length)
+        assert not any(smooth(k) for k in range(2 * n - 1, length))
+    assert lmu.fft_length(1024) == 2048
