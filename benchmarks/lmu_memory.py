@@ -22,6 +22,7 @@ and every time, so two runs can be compared as a ratio.
 from __future__ import annotations
 
 import argparse
+import importlib.metadata
 import json
 import os
 import platform
@@ -129,7 +130,7 @@ def versions() -> dict:
     return {
         "python": platform.python_version(),
         "jax": jax.__version__,
-        "jaxlib": jax.lib.__version__ if hasattr(jax.lib, "__version__") else None,
+        "jaxlib": importlib.metadata.version("jaxlib"),
         "numpy": np.__version__,
         "scipy": scipy.__version__,
         "lmuscale": __version__,
