@@ -305,6 +305,7 @@ def test_delay_property(delay):
         (lambda: lmu.impulse_response(4, 10.0, 0), "length must be an integer >= 1, got 0"),
         (lambda: lmu.legendre_decoder(4, 10.0, 10.5), "delay must lie in [0, theta=10.0]"),
         (lambda: lmu.legendre_decoder(4, 10.0, [-1, 3]), "got [-1.0]"),
+        (lambda: lmu.decode(jnp.ones((3, 4)), 10.0, [[1.0, 2.0]]), "scalar or a 1-D array"),
         (lambda: lmu.memory_fft(jnp.ones((2, 8)), np.ones((8, 4))), "(batch, time, channels)"),
         (lambda: lmu.memory_fft(jnp.ones((1, 8, 2)), np.ones((5, 4))), "time >= 8"),
         (

@@ -138,6 +138,12 @@ def _impulse_response(order: int, theta: float, length: int) -> np.ndarray:
 def impulse_response(order: int, theta: float, length: int, dtype=np.float64) -> np.ndarray:
     """The impulse response ``H[t] = Abar^t Bbar`` for t = 0..length-1 (lag 0 included).
 
+    Args:
+      order: q.
+      theta: window length in time steps.
+      length: T, the number of lags (at least the sequence length it will convolve).
+      dtype: the dtype to cast to after the float64 computation.
+
     Returns:
       ``H_TxQ`` with T = length, a numpy array of ``dtype`` computed in float64.
     """
@@ -188,6 +194,8 @@ def decode(m_xQ, theta: float, delay):
       delay: scalar (output ``(...)``) or 1-D array of D delays (output ``(..., D)``).
     """
     weights = legendre_decoder(m_xQ.shape[-1], theta, delay)
+    if weights.ndim > 2:
+        raise ValueError(f"delay must be a scalar or a 1-D array, got shape {weights.shape[:-1]}")
     weights = jnp.asarray(weights, dtype=_compute_dtype(m_xQ.dtype))
     return jnp.matmul(m_xQ, weights.T if weights.ndim == 2 else weights, precision=_PRECISION)
 
