@@ -56,6 +56,20 @@ def test_zoh_matches_scipy_cont2discrete(order, theta):
     np.testing.assert_allclose(bbar, bbar_ref[:, 0], rtol=1e-10, atol=1e-13)
 
 
+@pytest.mark.parametrize("order", [1, 3, 16, 40])
+@pytest.mark.parametrize("theta", [2.0, 35.0, 1e3])
+def test_zoh_satisfies_its_closed_form_and_the_semigroup_property(order, theta):
+    # Checks independent of the block-matrix expm (which cont2discrete also uses):
+    # Bbar = A^-1 (Abar - I) B, and e^{A/theta} = (e^{A/(2 theta)})^2 since A scales as 1/theta.
+    a, b = lmu.legendre_ab(order, theta)
+    abar, bbar = lmu.discretize(order, theta)
+    np.testing.assert_allclose(
+        bbar, np.linalg.solve(a, (abar - np.eye(order)) @ b), rtol=1e-9, atol=1e-12
+    )
+    abar_half, _ = lmu.discretize(order, 2 * theta)
+    np.testing.assert_allclose(abar, abar_half @ abar_half, rtol=1e-10, atol=1e-13)
+
+
 @pytest.mark.parametrize("order", [1, 2, 64, 512, 1024])
 @pytest.mark.parametrize("theta", [1.0, 3.5, 350.0, 1e5])
 def test_zoh_is_finite_at_extreme_orders_and_windows(order, theta):
@@ -185,6 +199,50 @@ def test_reduced_order_path_never_forms_the_full_memory():
     assert max(sizes) < full // 4
 
 
+@pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.int32])
+def test_every_mode_computes_in_float32_for_narrow_or_integer_input(dtype):
+    rng = np.random.default_rng(4)
+    order, theta, n = 12, 20.0, 64
+    u_narrow = jnp.asarray(rng.integers(-3, 4, (2, n, 3)), dtype)
+    u32 = u_narrow.astype(jnp.float32)
+    h = lmu.impulse_response(order, theta, n)
+    abar, bbar = lmu.discretize(order, theta)
+    l_KxQ = rng.standard_normal((3, order)).astype(np.float32)
+    modes = {
+        "fft": lambda u: lmu.memory_fft(u, h),
+        "scan": lambda u: lmu.memory_scan(u, abar, bbar),
+        "final": lambda u: lmu.memory_final(u, h),
+        "reduced": lambda u: lmu.memory_reduced(u, h, l_KxQ),
+        "step": lambda u: lmu.memory_step(jnp.zeros((2, 3, order), u.dtype), u[:, 0], abar, bbar),
+    }
+    for name, run in modes.items():
+        narrow, wide = run(u_narrow), run(u32)
+        assert narrow.dtype == jnp.float32, name
+        np.testing.assert_allclose(narrow, wide, rtol=1e-6, atol=1e-6, err_msg=name)
+    assert np.abs(np.asarray(modes["fft"](u_narrow))).max() > 0.1  # not truncated to zero
+
+
+def test_contractions_ask_for_full_float32_precision():
+    # On GPUs the default float32 matmul is TF32 (about 1e-3 relative); these sums must not be.
+    n, order = 16, 8
+    u = jnp.ones((1, n, 2), jnp.float32)
+    h = lmu.impulse_response(order, 10.0, n)
+    abar, bbar = lmu.discretize(order, 10.0)
+    l_KxQ = jnp.ones((3, order), jnp.float32)
+    programs = {
+        "scan": jax.jit(lmu.memory_scan).lower(u, abar, bbar),
+        "step": jax.jit(lmu.memory_step).lower(jnp.ones((1, 2, order)), u[:, 0], abar, bbar),
+        "final": jax.jit(lmu.memory_final).lower(u, h),
+        "reduced": jax.jit(lmu.memory_reduced).lower(u, h, l_KxQ),
+        "decode": jax.jit(lambda m: lmu.decode(m, 10.0, [0.0, 5.0])).lower(jnp.ones((4, order))),
+    }
+    for name, lowered in programs.items():
+        dots = [line for line in lowered.as_text().splitlines() if "dot_general" in line]
+        assert dots, f"{name}: no dot_general in the lowered program"
+        for line in dots:
+            assert line.count("HIGHEST") == 2, f"{name}: {line.strip()}"
+
+
 # --- gradients, causality --------------------------------------------------------------------
 
 
@@ -281,6 +339,17 @@ def test_decoder_weights_for_several_delays_stack():
     np.testing.assert_allclose(several[..., 1], one, rtol=1e-6, atol=1e-6)
 
 
+def test_decode_matches_float64_weights_on_a_float32_memory():
+    rng = np.random.default_rng(12)
+    order, theta = 64, 300.0
+    m64 = rng.standard_normal((3, 50, order))
+    delays = np.array([0.0, 1.5, 150.0, 299.0, 300.0])
+    reference = m64 @ lmu.legendre_decoder(order, theta, delays).T
+    decoded = lmu.decode(jnp.asarray(m64, jnp.float32), theta, delays)
+    assert decoded.dtype == jnp.float32
+    assert relative_error(decoded, reference) <= 1e-5
+
+
 @pytest.mark.parametrize("delay", [0, 32, 64])
 def test_delay_property(delay):
     order, theta, n = 16, 64, 4096
@@ -300,6 +369,11 @@ def test_delay_property(delay):
     [
         (lambda: lmu.legendre_ab(0, 10.0), "order must be an integer >= 1, got 0"),
         (lambda: lmu.legendre_ab(4.5, 10.0), "got 4.5"),
+        (lambda: lmu.legendre_ab(True, 10.0), "got True"),
+        (
+            lambda: jax.jit(lambda theta: lmu.discretize(4, theta))(10.0),
+            "known before tracing",
+        ),
         (lambda: lmu.discretize(4, -1.0), "theta must be a positive, finite"),
         (lambda: lmu.discretize(4, float("nan")), "got nan"),
         (lambda: lmu.impulse_response(4, 10.0, 0), "length must be an integer >= 1, got 0"),
@@ -335,3 +409,11 @@ def test_fft_length_is_the_smallest_5_smooth_linear_length():
         assert length >= 2 * n - 1 and smooth(length)
         assert not any(smooth(k) for k in range(2 * n - 1, length))
     assert lmu.fft_length(1024) == 2048
+
+
+def test_numpy_and_jax_integers_are_accepted_as_counts():
+    a_np, _ = lmu.legendre_ab(np.int64(5), 7.0)
+    a_jnp, _ = lmu.legendre_ab(jnp.int32(5), 7.0)
+    np.testing.assert_array_equal(a_np, lmu.legendre_ab(5, 7.0)[0])
+    np.testing.assert_array_equal(a_jnp, a_np)
+    assert lmu.impulse_response(5, 7.0, np.int32(9)).shape == (9, 5)

@@ -29,7 +29,7 @@ from __future__ import annotations
 
 import functools
 import math
-import numbers
+import operator
 
 import jax.numpy as jnp
 import numpy as np
@@ -42,21 +42,35 @@ from numpy.polynomial import legendre as np_legendre
 # float32 precision is nearly free.
 _PRECISION = lax.Precision.HIGHEST
 
-# Caches hold float64 arrays of up to length * order; a few entries cover a sweep's configs.
-_CACHE_SIZE = 16
+# A sweep uses a handful of (order, theta, length); an impulse response can reach hundreds of MB
+# (length 1e5 at order 1024 is 0.8 GB), so its cache is kept small.
+_ZOH_CACHE_SIZE = 32
+_IMPULSE_CACHE_SIZE = 8
+
+
+def _check_count(name: str, value) -> int:
+    try:
+        count = operator.index(value)
+    except TypeError:
+        count = None
+    if isinstance(value, bool) or count is None or count < 1:
+        raise ValueError(f"{name} must be an integer >= 1, got {value!r}")
+    return count
 
 
 def _check_order(order) -> int:
-    if isinstance(order, bool) or not isinstance(order, numbers.Integral) or order < 1:
-        raise ValueError(f"order must be an integer >= 1, got {order!r}")
-    return int(order)
+    return _check_count("order", order)
 
 
 def _check_theta(theta) -> float:
     try:
         value = float(theta)
     except (TypeError, ValueError):
-        raise ValueError(f"theta must be a positive number of time steps, got {theta!r}") from None
+        # A traced value lands here too: the constants are built in numpy before tracing.
+        raise ValueError(
+            f"theta must be a positive number of time steps known before tracing (a Python or "
+            f"numpy number, not a traced array), got {theta!r}"
+        ) from None
     if not math.isfinite(value) or value <= 0:
         raise ValueError(f"theta must be a positive, finite number of time steps, got {theta!r}")
     return value
@@ -89,7 +103,7 @@ def legendre_ab(order: int, theta: float) -> tuple[np.ndarray, np.ndarray]:
     return a_QxQ, b_Q
 
 
-@functools.lru_cache(maxsize=_CACHE_SIZE)
+@functools.lru_cache(maxsize=_ZOH_CACHE_SIZE)
 def _zoh(order: int, theta: float) -> tuple[np.ndarray, np.ndarray]:
     a_QxQ, b_Q = legendre_ab(order, theta)
     # expm of [[A, B], [0, 0]] is [[Abar, Bbar], [0, 1]]: the exact ZOH with no inverse of A.
@@ -121,7 +135,7 @@ def discretize(order: int, theta: float, dtype=np.float64) -> tuple[np.ndarray, 
     return abar_QxQ.astype(dtype), bbar_Q.astype(dtype)
 
 
-@functools.lru_cache(maxsize=_CACHE_SIZE)
+@functools.lru_cache(maxsize=_IMPULSE_CACHE_SIZE)
 def _impulse_response(order: int, theta: float, length: int) -> np.ndarray:
     abar_QxQ, bbar_Q = _zoh(order, theta)
     # Doubling: with H[:k] known, H[k:2k] = H[:k] (Abar^k)^T. log2(length) matmuls instead of
@@ -132,7 +146,8 @@ def _impulse_response(order: int, theta: float, length: int) -> np.ndarray:
         h_TxQ = np.concatenate([h_TxQ, h_TxQ @ power_QxQ.T])
         if h_TxQ.shape[0] < length:
             power_QxQ = power_QxQ @ power_QxQ
-    return _read_only(np.ascontiguousarray(h_TxQ[:length]))
+    # A copy, so the cache does not keep the doubling's power-of-two tail alive.
+    return _read_only(h_TxQ[:length].copy())
 
 
 def impulse_response(order: int, theta: float, length: int, dtype=np.float64) -> np.ndarray:
@@ -148,9 +163,7 @@ def impulse_response(order: int, theta: float, length: int, dtype=np.float64) ->
       ``H_TxQ`` with T = length, a numpy array of ``dtype`` computed in float64.
     """
     order, theta = _check_order(order), _check_theta(theta)
-    if isinstance(length, bool) or not isinstance(length, numbers.Integral) or length < 1:
-        raise ValueError(f"length must be an integer >= 1, got {length!r}")
-    h_TxQ = _impulse_response(order, theta, int(length))
+    h_TxQ = _impulse_response(order, theta, _check_count("length", length))
     if np.dtype(dtype) == np.float64:
         return h_TxQ
     return h_TxQ.astype(dtype)
@@ -200,9 +213,10 @@ def decode(m_xQ, theta: float, delay):
     return jnp.matmul(m_xQ, weights.T if weights.ndim == 2 else weights, precision=_PRECISION)
 
 
-def _compute_dtype(dtype) -> jnp.dtype:
+def _compute_dtype(*dtypes) -> jnp.dtype:
     # At least float32: jnp.fft has no bf16/f16 kernels, and sums over time need the mantissa.
-    return jnp.promote_types(dtype, jnp.float32)
+    # Every mode computes and returns this dtype, so an int or bf16 input is never truncated.
+    return functools.reduce(jnp.promote_types, dtypes, jnp.dtype(jnp.float32))
 
 
 def _check_input(u_BxTxC) -> None:
@@ -253,7 +267,7 @@ def causal_conv(u_BxTxC, kernel_TxK):
       kernel_TxK: kernel with at least T rows; rows past T are ignored.
 
     Returns:
-      ``y_BxTxCxK`` in the input's dtype (computed in at least float32).
+      ``y_BxTxCxK`` in the compute dtype: the input's float dtype promoted to at least float32.
     """
     _check_input(u_BxTxC)
     n = u_BxTxC.shape[1]
@@ -265,7 +279,7 @@ def causal_conv(u_BxTxC, kernel_TxK):
     kernel_KxF = jnp.fft.rfft(kernel_TxK.T, n=nfft, axis=-1)
     y_BxCxKxF = u_BxCxF[:, :, None, :] * kernel_KxF[None, None, :, :]
     y_BxCxKxT = jnp.fft.irfft(y_BxCxKxF, n=nfft, axis=-1)[..., :n]
-    return jnp.transpose(y_BxCxKxT, (0, 3, 1, 2)).astype(u_BxTxC.dtype)
+    return jnp.transpose(y_BxCxKxT, (0, 3, 1, 2))
 
 
 def memory_fft(u_BxTxC, h_TxQ):
@@ -316,12 +330,12 @@ def memory_step(m_BxCxQ, u_BxC, abar_QxQ, bbar_Q):
       abar_QxQ, bbar_Q: from ``discretize``.
 
     Returns:
-      The new state ``m_BxCxQ`` in the state's dtype.
+      The new state ``m_BxCxQ`` in the compute dtype (at least float32).
     """
-    dtype = m_BxCxQ.dtype
+    dtype = _compute_dtype(m_BxCxQ.dtype, u_BxC.dtype)
     abar_QxQ = jnp.asarray(abar_QxQ, dtype=dtype)
     bbar_Q = jnp.asarray(bbar_Q, dtype=dtype)
-    decayed = jnp.matmul(m_BxCxQ, abar_QxQ.T, precision=_PRECISION)
+    decayed = jnp.matmul(m_BxCxQ.astype(dtype), abar_QxQ.T, precision=_PRECISION)
     return decayed + u_BxC.astype(dtype)[..., None] * bbar_Q
 
 
@@ -343,17 +357,18 @@ def memory_scan(u_BxTxC, abar_QxQ, bbar_Q, m0_BxCxQ=None):
     dtype = _compute_dtype(u_BxTxC.dtype)
     if m0_BxCxQ is None:
         m0_BxCxQ = jnp.zeros((batch, channels, order), dtype)
-    elif m0_BxCxQ.shape != (batch, channels, order):
+    elif jnp.shape(m0_BxCxQ) != (batch, channels, order):
         raise ValueError(
             f"m0 must have shape (batch, channels, order) = {(batch, channels, order)}, "
-            f"got {m0_BxCxQ.shape}"
+            f"got {jnp.shape(m0_BxCxQ)}"
         )
 
     def step(m_BxCxQ, u_BxC):
         m_BxCxQ = memory_step(m_BxCxQ, u_BxC, abar_QxQ, bbar_Q)
         return m_BxCxQ, m_BxCxQ
 
-    _, m_TxBxCxQ = lax.scan(step, m0_BxCxQ.astype(dtype), jnp.swapaxes(u_BxTxC, 0, 1))
+    m0_BxCxQ = jnp.asarray(m0_BxCxQ, dtype)
+    _, m_TxBxCxQ = lax.scan(step, m0_BxCxQ, jnp.swapaxes(u_BxTxC, 0, 1))
     return jnp.swapaxes(m_TxBxCxQ, 0, 1)
 
 
