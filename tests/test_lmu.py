@@ -23,6 +23,18 @@ def random_u(rng: np.random.Generator, batch: int, n: int, channels: int) -> np.
     return rng.standard_normal((batch, n, channels)).astype(np.float32)
 
 
+def memory_modes(order: int, theta: float, n: int, l_KxQ: np.ndarray) -> dict:
+    """Every mode that maps a whole input u_BxTxC to an output, by name."""
+    h = lmu.impulse_response(order, theta, n)
+    abar, bbar = lmu.discretize(order, theta)
+    return {
+        "fft": lambda u: lmu.memory_fft(u, h),
+        "scan": lambda u: lmu.memory_scan(u, abar, bbar),
+        "final": lambda u: lmu.memory_final(u, h),
+        "reduced": lambda u: lmu.memory_reduced(u, h, l_KxQ),
+    }
+
+
 def relative_error(value, reference: np.ndarray) -> float:
     reference = np.asarray(reference, np.float64)
     return float(np.abs(np.asarray(value, np.float64) - reference).max() / np.abs(reference).max())
@@ -205,16 +217,11 @@ def test_every_mode_computes_in_float32_for_narrow_or_integer_input(dtype):
     order, theta, n = 12, 20.0, 64
     u_narrow = jnp.asarray(rng.integers(-3, 4, (2, n, 3)), dtype)
     u32 = u_narrow.astype(jnp.float32)
-    h = lmu.impulse_response(order, theta, n)
     abar, bbar = lmu.discretize(order, theta)
-    l_KxQ = rng.standard_normal((3, order)).astype(np.float32)
-    modes = {
-        "fft": lambda u: lmu.memory_fft(u, h),
-        "scan": lambda u: lmu.memory_scan(u, abar, bbar),
-        "final": lambda u: lmu.memory_final(u, h),
-        "reduced": lambda u: lmu.memory_reduced(u, h, l_KxQ),
-        "step": lambda u: lmu.memory_step(jnp.zeros((2, 3, order), u.dtype), u[:, 0], abar, bbar),
-    }
+    modes = memory_modes(order, theta, n, rng.standard_normal((3, order)).astype(np.float32))
+    modes["step"] = lambda u: lmu.memory_step(
+        jnp.zeros((2, 3, order), u.dtype), u[:, 0], abar, bbar
+    )
     for name, run in modes.items():
         narrow, wide = run(u_narrow), run(u32)
         assert narrow.dtype == jnp.float32, name
@@ -291,14 +298,7 @@ def test_gradient_with_respect_to_l_matches_the_full_memory_path():
 def test_memory_is_causal(mode):
     rng = np.random.default_rng(3)
     n, order, theta, cut = 512, 32, 64.0, 300
-    h = lmu.impulse_response(order, theta, n)
-    abar, bbar = lmu.discretize(order, theta)
-    l_KxQ = rng.standard_normal((4, order)).astype(np.float32)
-    run = {
-        "fft": lambda u: lmu.memory_fft(u, h),
-        "scan": lambda u: lmu.memory_scan(u, abar, bbar),
-        "reduced": lambda u: lmu.memory_reduced(u, h, l_KxQ),
-    }[mode]
+    run = memory_modes(order, theta, n, rng.standard_normal((4, order)).astype(np.float32))[mode]
     u = random_u(rng, 2, n, 3)
     changed = u.copy()
     changed[:, cut + 1 :] += 10 * rng.standard_normal(changed[:, cut + 1 :].shape)
