@@ -397,10 +397,7 @@ def memory_reference(u_BxTxC, order: int, theta: float) -> np.ndarray:
       ``m_BxTxCxQ``, float64.
     """
     u_BxTxC = np.asarray(u_BxTxC, dtype=np.float64)
-    if u_BxTxC.ndim != 3:
-        raise ValueError(
-            f"the memory input must have shape (batch, time, channels), got {u_BxTxC.shape}"
-        )
+    _check_input(u_BxTxC)
     abar_QxQ, bbar_Q = discretize(order, theta)
     batch, n, channels = u_BxTxC.shape
     m_BxTxCxQ = np.empty((batch, n, channels, abar_QxQ.shape[0]))
