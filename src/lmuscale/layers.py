@@ -1,0 +1,250 @@
+"""Flax modules on the Legendre memory: FFN, implicit and global self-attention, the LMU block.
+
+Every sequence module has two modes that compute the same function:
+- ``__call__(x_BxTxD)``: the whole sequence in parallel (training, evaluation);
+- ``step(state, x_BxD, ...)``: one position with an explicit carried state (decoding).
+Parameters live in the usual ``params`` collection; the frozen LMU constants (H, Abar, Bbar)
+are not parameters but float64 numpy constants from ``lmuscale.lmu``, cast at trace time.
+
+Choices the paper leaves open (papers/lmu-implicit-self-attention.md §4), made here:
+- gelu is the exact (erf) form everywhere.
+- Eq 8 "ignores the bias vectors": each L_i gets one bias per reduced-order row (q' values),
+  broadcast over the d channels.
+- Eq 9 prints softmax(Q K^T) with no temperature. Q K^T sums d products of gelu outputs, which
+  saturates the softmax at d ~ 200, so the scores are divided by sqrt(d) as in Vaswani et al.
+- The recurrent memory is kept in float32 even when the model computes in bfloat16: a
+  bfloat16 state would accumulate rounding over thousands of steps.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from typing import Any
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax import lax
+
+from lmuscale import lmu
+
+Initializer = Callable[..., jax.Array]
+DEFAULT_INIT: Initializer = nn.initializers.lecun_normal()
+LAYER_NORM_EPSILON = 1e-5
+
+
+def gelu(x):
+    return nn.gelu(x, approximate=False)
+
+
+def layer_norm(dtype, name: str | None = None) -> nn.LayerNorm:
+    return nn.LayerNorm(epsilon=LAYER_NORM_EPSILON, dtype=dtype, name=name)
+
+
+class FFN(nn.Module):
+    """Eq 11: ``y = gelu(x W1 + b1) W2 + b2``, position-wise, so it serves both modes."""
+
+    hidden: int
+    dtype: Any = jnp.float32
+    kernel_init: Initializer = DEFAULT_INIT
+    out_init: Initializer = DEFAULT_INIT
+
+    @nn.compact
+    def __call__(self, x_xD):
+        width = x_xD.shape[-1]
+        h = nn.Dense(self.hidden, dtype=self.dtype, kernel_init=self.kernel_init, name="up")(x_xD)
+        return nn.Dense(width, dtype=self.dtype, kernel_init=self.out_init, name="down")(gelu(h))
+
+
+def implicit_attention(qkv_xDx3K, bias_3K, p_K, dtype):
+    """Eqs 8-10 after the memory: ``m = p softmax(Q K^T / sqrt(d)) V`` for every position.
+
+    Args:
+      qkv_xDx3K: ``[L1; L2; L3] M`` for each position (leading axes ...), the d channels on the
+        second-to-last axis and the stacked reduced orders (Q, K, V rows) on the last.
+      bias_3K: one bias per row of each L_i.
+      p_K: the readout p of eq 10.
+
+    Returns:
+      ``m_xD``, one d-vector per position.
+    """
+    qkv = gelu(qkv_xDx3K.astype(dtype) + bias_3K.astype(dtype))
+    q, k, v = jnp.split(qkv, 3, axis=-1)
+    scores_xKxK = jnp.einsum("...di,...dj->...ij", q, k) / math.sqrt(q.shape[-2])
+    weights = jax.nn.softmax(scores_xKxK.astype(jnp.float32), axis=-1).astype(dtype)
+    mixed_xDxK = jnp.einsum("...ij,...dj->...di", weights, v)
+    return jnp.einsum("...di,i->...d", mixed_xDxK, p_K.astype(dtype))
+
+
+class ImplicitSelfAttention(nn.Module):
+    """The LMU memory (theta, q) of a d-channel input, read by implicit self-attention.
+
+    Each position's memory M_t (q x d) is reduced along the order axis by three learned
+    ``L_i`` (q' x q) to Q, K, V (q' x d); then eqs 9-10 give one d-vector. In parallel mode the
+    L_i are folded into the impulse response (appendix A.1, ``lmu.memory_reduced``), so the
+    (batch, n, d, q) memory is never formed. In step mode the state is the memory itself,
+    ``m_BxDxQ`` in float32, whose size does not depend on how many tokens came before.
+
+    Attributes:
+      order, reduced_order, theta: q, q' and the window θ in tokens.
+      batch_chunk: sequences per chunk in parallel mode; 0 means the whole batch at once.
+        Chunks are rematerialised in the backward pass, so the FFT temporaries of only one
+        chunk are alive at a time: the knob that bounds training memory.
+    """
+
+    order: int
+    reduced_order: int
+    theta: float
+    dtype: Any = jnp.float32
+    batch_chunk: int = 0
+
+    def setup(self):
+        k, q = self.reduced_order, self.order
+        # Fan-in is the order axis, the axis each L_i contracts.
+        l_init = nn.initializers.variance_scaling(
+            1.0, "fan_in", "truncated_normal", in_axis=-1, out_axis=-2, batch_axis=(0,)
+        )
+        self.l = self.param("l", l_init, (3, k, q))
+        self.bias = self.param("bias", nn.initializers.zeros, (3, k))
+        self.p = self.param("p", nn.initializers.normal(1.0 / math.sqrt(k)), (k,))
+
+    def __call__(self, x_BxTxD):
+        k, q = self.reduced_order, self.order
+        h_TxQ = lmu.impulse_response(q, self.theta, x_BxTxD.shape[1], dtype=np.float32)
+        l_3KxQ = self.l.reshape(3 * k, q)
+        bias_3K = self.bias.reshape(3 * k)
+
+        def attend(x_bxTxD):
+            qkv = lmu.memory_reduced(x_bxTxD, h_TxQ, l_3KxQ)
+            return implicit_attention(qkv, bias_3K, self.p, self.dtype)
+
+        chunk = self.batch_chunk
+        if chunk <= 0 or chunk >= x_BxTxD.shape[0]:
+            return attend(x_BxTxD)
+        one = jax.checkpoint(lambda x_TxD: attend(x_TxD[None])[0])
+        return lax.map(one, x_BxTxD, batch_size=chunk)
+
+    def step(self, m_BxDxQ, x_BxD):
+        """One position: returns ``(y_BxD, m_BxDxQ)`` with the updated memory."""
+        abar, bbar = lmu.discretize(self.order, self.theta, dtype=np.float32)
+        m_BxDxQ = lmu.memory_step(m_BxDxQ, x_BxD, abar, bbar)
+        l_3KxQ = self.l.reshape(3 * self.reduced_order, self.order).astype(jnp.float32)
+        qkv = jnp.einsum("bdq,kq->bdk", m_BxDxQ, l_3KxQ, precision=lax.Precision.HIGHEST)
+        y = implicit_attention(qkv, self.bias.reshape(-1), self.p, self.dtype)
+        return y, m_BxDxQ
+
+
+def memory_state(batch_size: int, width: int, order: int):
+    """The LMU state before the first token: ``m_BxDxQ = 0`` (float32 in every compute dtype)."""
+    return jnp.zeros((batch_size, width, order), jnp.float32)
+
+
+def kv_cache(batch_size: int, max_len: int, width: int, n_heads: int, dtype):
+    """An empty key/value cache for ``GlobalSelfAttention.step``."""
+    shape = (batch_size, max_len, n_heads, width // n_heads)
+    return {"k": jnp.zeros(shape, dtype), "v": jnp.zeros(shape, dtype)}
+
+
+class GlobalSelfAttention(nn.Module):
+    """Causal multi-head self-attention over the whole sequence (``jax.nn.dot_product_attention``).
+
+    Step mode carries a key/value cache ``{"k", "v"}`` of shape (B, max_len, heads, head_dim)
+    and the index of the position being written.
+    """
+
+    features: int
+    n_heads: int
+    dtype: Any = jnp.float32
+    kernel_init: Initializer = DEFAULT_INIT
+    out_init: Initializer = DEFAULT_INIT
+
+    def setup(self):
+        if self.features % self.n_heads:
+            raise ValueError(
+                f"n_heads={self.n_heads} must divide the width d={self.features} "
+                f"(divisors: {[h for h in range(1, self.features + 1) if self.features % h == 0]})"
+            )
+        self.qkv = nn.Dense(3 * self.features, dtype=self.dtype, kernel_init=self.kernel_init)
+        self.out = nn.Dense(self.features, dtype=self.dtype, kernel_init=self.out_init)
+
+    def _heads(self, x_xD):
+        qkv = self.qkv(x_xD).reshape(*x_xD.shape[:-1], 3, self.n_heads, -1)
+        return qkv[..., 0, :, :], qkv[..., 1, :, :], qkv[..., 2, :, :]
+
+    def __call__(self, x_BxTxD):
+        q, k, v = self._heads(x_BxTxD)
+        y_BxTxNxH = jax.nn.dot_product_attention(q, k, v, is_causal=True)
+        return self.out(y_BxTxNxH.reshape(x_BxTxD.shape))
+
+    def step(self, cache, x_BxD, index):
+        """Attend from position ``index`` to positions 0..index: returns ``(y_BxD, cache)``."""
+        q, k, v = self._heads(x_BxD[:, None])
+        cache = {
+            "k": lax.dynamic_update_slice_in_dim(cache["k"], k.astype(cache["k"].dtype), index, 1),
+            "v": lax.dynamic_update_slice_in_dim(cache["v"], v.astype(cache["v"].dtype), index, 1),
+        }
+        visible_S = jnp.arange(cache["k"].shape[1]) <= index
+        y = jax.nn.dot_product_attention(
+            q, cache["k"].astype(q.dtype), cache["v"].astype(q.dtype), mask=visible_S
+        )
+        return self.out(y.reshape(x_BxD.shape)), cache
+
+
+class LMUBlock(nn.Module):
+    """One layer of the LMU language model (paper Figure 2), pre-norm with residuals.
+
+    ``x += pre(LN(x))`` with pre = FFN (ratio 1.5) or, in the _G variant, global attention;
+    ``x += implicit_attention(memory(LN(x)))``; ``x += FFN_post(LN(x))``.
+    """
+
+    width: int
+    order: int
+    reduced_order: int
+    theta: float
+    pre_ffn_dim: int
+    post_ffn_dim: int
+    global_attention: bool = False
+    n_heads: int = 1
+    dtype: Any = jnp.float32
+    batch_chunk: int = 0
+
+    def setup(self):
+        self.norm_pre = layer_norm(self.dtype)
+        if self.global_attention:
+            self.pre = GlobalSelfAttention(self.width, self.n_heads, dtype=self.dtype)
+        else:
+            self.pre = FFN(self.pre_ffn_dim, dtype=self.dtype)
+        self.norm_memory = layer_norm(self.dtype)
+        self.memory = ImplicitSelfAttention(
+            self.order, self.reduced_order, self.theta, self.dtype, self.batch_chunk
+        )
+        self.norm_post = layer_norm(self.dtype)
+        self.post = FFN(self.post_ffn_dim, dtype=self.dtype)
+
+    def __call__(self, x_BxTxD):
+        x_BxTxD = x_BxTxD + self.pre(self.norm_pre(x_BxTxD))
+        x_BxTxD = x_BxTxD + self.memory(self.norm_memory(x_BxTxD)).astype(x_BxTxD.dtype)
+        return x_BxTxD + self.post(self.norm_post(x_BxTxD))
+
+    def init_state(self, batch_size: int, max_len: int | None = None):
+        """The zero state before the first token (needs no parameters: call it unbound)."""
+        state = {"memory": memory_state(batch_size, self.width, self.order)}
+        if self.global_attention:
+            if max_len is None:
+                raise ValueError("the global-attention variant needs max_len for its KV cache")
+            state["kv"] = kv_cache(batch_size, max_len, self.width, self.n_heads, self.dtype)
+        return state
+
+    def step(self, state, x_BxD, index):
+        new_state = {}
+        h = self.norm_pre(x_BxD)
+        if self.global_attention:
+            h, new_state["kv"] = self.pre.step(state["kv"], h, index)
+        else:
+            h = self.pre(h)
+        x_BxD = x_BxD + h
+        y, new_state["memory"] = self.memory.step(state["memory"], self.norm_memory(x_BxD))
+        x_BxD = x_BxD + y.astype(x_BxD.dtype)
+        return x_BxD + self.post(self.norm_post(x_BxD)), new_state

@@ -1,0 +1,135 @@
+"""The LMU language model with implicit self-attention (papers/lmu-implicit-self-attention.md §4).
+
+token embedding (tied with the output) -> n_layers x LMUBlock -> final LayerNorm -> logits.
+No positional embeddings: the memory sees order through its Legendre basis. The _G variant
+(``global_attention=True``) replaces each block's pre-FFN with causal multi-head attention.
+
+Decoding carries, per layer, the memory ``m_BxDxQ`` (and, in the _G variant only, a KV cache
+and the position index), so the plain LMU's state has the same size after any number of tokens.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import flax.linen as nn
+import jax.numpy as jnp
+
+from lmuscale.layers import LMUBlock, layer_norm
+from lmuscale.models.base import (
+    GPT2_VOCAB,
+    LanguageModel,
+    check_positive,
+    compute_dtype,
+    embedding_init,
+    logits_from_hidden,
+)
+
+
+@dataclasses.dataclass(frozen=True)
+class LMUConfig:
+    """Everything that fixes an LMU language model's function and parameter shapes.
+
+    Attributes:
+      d: embedding width. q: memory order. q_prime: reduced order of each L_i.
+      theta: memory window, in tokens. n_layers: LMU blocks.
+      pre_ffn_dim, post_ffn_dim: inner widths of the two FFNs (the pre-FFN is unused in the _G
+        variant, whose global attention replaces it).
+      global_attention: the LMU_G variant. n_heads: its attention heads.
+      vocab_size: tokens (GPT-2: 50257).
+      dtype: compute dtype, "float32" or "bfloat16"; parameters are always float32.
+      remat: rematerialise each block in the backward pass (less memory, ~1/3 more compute).
+      batch_chunk: sequences per chunk of the implicit attention in parallel mode (0 = the
+        whole batch at once). Its FFT temporaries are ~0.5 GB per sequence at the 1M size in
+        the backward pass; chunks of 2 keep a (16, 1024) Adam step of lmu-1M at ~2.8 GB on CPU.
+        On an accelerator with memory to spare, a larger chunk runs fewer, wider steps.
+    """
+
+    d: int
+    q: int
+    q_prime: int
+    post_ffn_dim: int
+    pre_ffn_dim: int = 0
+    theta: float = 350.0
+    n_layers: int = 3
+    global_attention: bool = False
+    n_heads: int = 1
+    vocab_size: int = GPT2_VOCAB
+    dtype: str = "float32"
+    remat: bool = False
+    batch_chunk: int = 2
+
+    def __post_init__(self):
+        for name in ("d", "q", "q_prime", "post_ffn_dim", "n_layers", "n_heads", "vocab_size"):
+            check_positive(self, name)
+        if not self.global_attention:
+            check_positive(self, "pre_ffn_dim")
+        if not self.theta > 0:
+            raise ValueError(f"LMUConfig.theta must be > 0 tokens, got {self.theta!r}")
+        if self.batch_chunk < 0:
+            raise ValueError(f"LMUConfig.batch_chunk must be >= 0, got {self.batch_chunk!r}")
+        if self.global_attention and self.d % self.n_heads:
+            raise ValueError(f"LMUConfig.n_heads={self.n_heads} does not divide d={self.d}")
+        compute_dtype(self.dtype)
+
+    @property
+    def family(self) -> str:
+        return "lmu_g" if self.global_attention else "lmu"
+
+
+class LMULanguageModel(LanguageModel):
+    config: LMUConfig
+
+    def setup(self):
+        c = self.config
+        dtype = compute_dtype(c.dtype)
+        self.embed = nn.Embed(c.vocab_size, c.d, embedding_init=embedding_init, dtype=dtype)
+        block = nn.remat(LMUBlock) if c.remat else LMUBlock
+        self.blocks = [block(**_block_fields(c), name=f"block_{i}") for i in range(c.n_layers)]
+        self.norm = layer_norm(dtype)
+
+    def output_embedding(self):
+        return self.embed.embedding
+
+    def hidden(self, tokens_BxT):
+        x_BxTxD = self.embed(tokens_BxT)
+        x_BxTxD = self.perturb_embedded(x_BxTxD)
+        for block in self.blocks:
+            x_BxTxD = block(x_BxTxD)
+        return self.norm(x_BxTxD)
+
+    def init_state(self, batch_size: int, max_len: int | None = None):
+        block = LMUBlock(**_block_fields(self.config), parent=None)
+        state = {
+            "layers": [block.init_state(batch_size, max_len) for _ in range(self.config.n_layers)]
+        }
+        if self.config.global_attention:
+            state["index"] = jnp.zeros((), jnp.int32)
+        return state
+
+    def step(self, state, token_B):
+        index = state.get("index")
+        x_BxD = self.embed(token_B)
+        layers = []
+        for block, layer_state in zip(self.blocks, state["layers"], strict=True):
+            x_BxD, layer_state = block.step(layer_state, x_BxD, index)
+            layers.append(layer_state)
+        new_state = {"layers": layers}
+        if index is not None:
+            new_state["index"] = index + 1
+        return logits_from_hidden(self.norm(x_BxD), self.output_embedding()), new_state
+
+
+def _block_fields(c: LMUConfig) -> dict:
+    return dict(
+        width=c.d,
+        order=c.q,
+        reduced_order=c.q_prime,
+        theta=c.theta,
+        pre_ffn_dim=c.pre_ffn_dim,
+        post_ffn_dim=c.post_ffn_dim,
+        global_attention=c.global_attention,
+        n_heads=c.n_heads,
+        dtype=compute_dtype(c.dtype),
+        batch_chunk=c.batch_chunk,
+    )

@@ -1,0 +1,135 @@
+"""The transformer baseline: GPT-2 style, in the same framework as the LMU models.
+
+token + learned position embeddings -> n_layers x [x += attn(LN(x)); x += MLP(LN(x))] -> LN
+-> tied logits. Causal multi-head attention, a 4d gelu MLP, GPT-2's initialisation (std 0.02,
+residual projections scaled by 1/sqrt(2 n_layers)).
+
+Aspect ratio: the LMU paper sizes its models by d = sqrt(N / 24) "to facilitate a fair
+comparison to the transformer models". A transformer has N ~= 12 n_layers d^2 non-embedding
+parameters, so that rule is exactly a 2-layer transformer: the baseline at each grid point has
+2 layers and the LMU's width d (aspect ratio d / n_layers = 24 .. 102 over Table 3, inside the
+range where Kaplan et al. find the loss insensitive to shape).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+
+import flax.linen as nn
+import jax.numpy as jnp
+
+from lmuscale.layers import FFN, GlobalSelfAttention, kv_cache, layer_norm
+from lmuscale.models.base import (
+    GPT2_VOCAB,
+    LanguageModel,
+    check_positive,
+    compute_dtype,
+    embedding_init,
+    logits_from_hidden,
+)
+
+POSITION_INIT = nn.initializers.normal(0.01)
+KERNEL_INIT = nn.initializers.normal(0.02)
+
+
+@dataclasses.dataclass(frozen=True)
+class TransformerConfig:
+    """A GPT-2 style decoder. ``max_len`` is the number of learned positions."""
+
+    d: int
+    n_heads: int
+    n_layers: int = 2
+    mlp_ratio: int = 4
+    max_len: int = 1024
+    vocab_size: int = GPT2_VOCAB
+    dtype: str = "float32"
+    remat: bool = False
+
+    def __post_init__(self):
+        for name in ("d", "n_heads", "n_layers", "mlp_ratio", "max_len", "vocab_size"):
+            check_positive(self, name)
+        if self.d % self.n_heads:
+            raise ValueError(f"TransformerConfig.n_heads={self.n_heads} does not divide d={self.d}")
+        compute_dtype(self.dtype)
+
+    @property
+    def family(self) -> str:
+        return "transformer"
+
+    @property
+    def mlp_dim(self) -> int:
+        return self.mlp_ratio * self.d
+
+
+class TransformerBlock(nn.Module):
+    config: TransformerConfig
+
+    def setup(self):
+        c = self.config
+        dtype = compute_dtype(c.dtype)
+        out_init = nn.initializers.normal(0.02 / math.sqrt(2 * c.n_layers))
+        self.norm_attention = layer_norm(dtype)
+        self.attention = GlobalSelfAttention(
+            c.d, c.n_heads, dtype=dtype, kernel_init=KERNEL_INIT, out_init=out_init
+        )
+        self.norm_mlp = layer_norm(dtype)
+        self.mlp = FFN(c.mlp_dim, dtype=dtype, kernel_init=KERNEL_INIT, out_init=out_init)
+
+    def __call__(self, x_BxTxD):
+        x_BxTxD = x_BxTxD + self.attention(self.norm_attention(x_BxTxD))
+        return x_BxTxD + self.mlp(self.norm_mlp(x_BxTxD))
+
+    def step(self, cache, x_BxD, index):
+        h, cache = self.attention.step(cache, self.norm_attention(x_BxD), index)
+        x_BxD = x_BxD + h
+        return x_BxD + self.mlp(self.norm_mlp(x_BxD)), cache
+
+
+class TransformerLanguageModel(LanguageModel):
+    config: TransformerConfig
+
+    def setup(self):
+        c = self.config
+        dtype = compute_dtype(c.dtype)
+        self.embed = nn.Embed(c.vocab_size, c.d, embedding_init=embedding_init, dtype=dtype)
+        self.positions = self.param("positions", POSITION_INIT, (c.max_len, c.d))
+        block = nn.remat(TransformerBlock) if c.remat else TransformerBlock
+        self.blocks = [block(c, name=f"block_{i}") for i in range(c.n_layers)]
+        self.norm = layer_norm(dtype)
+
+    def output_embedding(self):
+        return self.embed.embedding
+
+    def hidden(self, tokens_BxT):
+        length = tokens_BxT.shape[1]
+        if length > self.config.max_len:
+            raise ValueError(
+                f"sequence length {length} exceeds the transformer's max_len={self.config.max_len}"
+            )
+        x_BxTxD = self.embed(tokens_BxT) + self.positions[:length].astype(self.embed.dtype)
+        x_BxTxD = self.perturb_embedded(x_BxTxD)
+        for block in self.blocks:
+            x_BxTxD = block(x_BxTxD)
+        return self.norm(x_BxTxD)
+
+    def init_state(self, batch_size: int, max_len: int | None = None):
+        c = self.config
+        max_len = c.max_len if max_len is None else max_len
+        if max_len > c.max_len:
+            raise ValueError(f"max_len={max_len} exceeds the transformer's max_len={c.max_len}")
+        dtype = compute_dtype(c.dtype)
+        return {
+            "index": jnp.zeros((), jnp.int32),
+            "layers": [kv_cache(batch_size, max_len, c.d, c.n_heads, dtype)] * c.n_layers,
+        }
+
+    def step(self, state, token_B):
+        index = state["index"]
+        x_BxD = self.embed(token_B) + self.positions[index].astype(self.embed.dtype)
+        layers = []
+        for block, cache in zip(self.blocks, state["layers"], strict=True):
+            x_BxD, cache = block.step(cache, x_BxD, index)
+            layers.append(cache)
+        logits = logits_from_hidden(self.norm(x_BxD), self.output_embedding())
+        return logits, {"index": index + 1, "layers": layers}
