@@ -22,10 +22,6 @@ and every time, so two runs can be compared as a ratio.
 from __future__ import annotations
 
 import argparse
-import importlib.metadata
-import json
-import os
-import platform
 import statistics
 import sys
 import time
@@ -34,9 +30,9 @@ from pathlib import Path
 import jax
 import jax.numpy as jnp
 import numpy as np
-import scipy
+from common import machine, print_table, versions, write_json
 
-from lmuscale import __version__, lmu
+from lmuscale import lmu
 
 SHAPES = {
     "paper": {"n": 1024, "d": 204, "q": 220, "q_prime": 22, "theta": 350.0},
@@ -108,36 +104,7 @@ def bench_shape(name: str, shape: dict, batch: int, repeats: int, modes) -> list
     return rows
 
 
-def machine() -> dict:
-    device = jax.devices()[0]
-    cpu = platform.processor()
-    try:
-        with open("/proc/cpuinfo") as info:
-            cpu = next(line.split(":", 1)[1].strip() for line in info if "model name" in line)
-    except (OSError, StopIteration):
-        pass
-    return {
-        "platform": device.platform,
-        "device_kind": device.device_kind,
-        "device_count": jax.device_count(),
-        "cpu": cpu,
-        "cpu_count": os.cpu_count(),
-        "system": platform.platform(),
-    }
-
-
-def versions() -> dict:
-    return {
-        "python": platform.python_version(),
-        "jax": jax.__version__,
-        "jaxlib": importlib.metadata.version("jaxlib"),
-        "numpy": np.__version__,
-        "scipy": scipy.__version__,
-        "lmuscale": __version__,
-    }
-
-
-def print_table(rows: list[dict], batch: int) -> None:
+def print_rows(rows: list[dict], batch: int) -> None:
     def fmt(seconds):
         return f"{seconds * 1e3:.2f}"
 
@@ -145,30 +112,19 @@ def print_table(rows: list[dict], batch: int) -> None:
         return "-" if value is None else f"{value:.1f}x"
 
     header = ("shape", "mode", "output", "fwd ms", "vs scan", "fwd+bwd ms", "vs scan")
-    table = [header]
-    for r in rows:
-        table.append(
-            (
-                r["shape"],
-                r["mode"],
-                "x".join(map(str, r["output"])),
-                fmt(r["forward"]["median_s"]),
-                speedup(r["forward"]["speedup_vs_scan"]),
-                fmt(r["forward_backward"]["median_s"]),
-                speedup(r["forward_backward"]["speedup_vs_scan"]),
-            )
+    table = [
+        (
+            r["shape"],
+            r["mode"],
+            "x".join(map(str, r["output"])),
+            fmt(r["forward"]["median_s"]),
+            speedup(r["forward"]["speedup_vs_scan"]),
+            fmt(r["forward_backward"]["median_s"]),
+            speedup(r["forward_backward"]["speedup_vs_scan"]),
         )
-    widths = [max(len(row[i]) for row in table) for i in range(len(header))]
-    print(f"\nLMU memory, batch {batch}, float32, median times")
-    for i, row in enumerate(table):
-        print(
-            "  ".join(
-                cell.rjust(w) if j > 2 else cell.ljust(w)
-                for j, (cell, w) in enumerate(zip(row, widths, strict=True))
-            )
-        )
-        if i == 0:
-            print("  ".join("-" * w for w in widths))
+        for r in rows
+    ]
+    print_table(f"LMU memory, batch {batch}, float32, median times", header, table, left=3)
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -190,7 +146,7 @@ def main(argv: list[str] | None = None) -> None:
     rows = []
     for name in args.shapes:
         rows += bench_shape(name, SHAPES[name], args.batch, args.repeats, args.modes)
-    print_table(rows, args.batch)
+    print_rows(rows, args.batch)
 
     record = {
         "benchmark": "lmu_memory",
@@ -203,11 +159,7 @@ def main(argv: list[str] | None = None) -> None:
         "shapes": {name: SHAPES[name] for name in args.shapes},
         "results": rows,
     }
-    out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = out.with_suffix(out.suffix + ".tmp")
-    tmp.write_text(json.dumps(record, indent=2) + "\n")
-    tmp.replace(out)
-    print(f"\nwrote {out}")
+    write_json(out, record)
 
 
 if __name__ == "__main__":

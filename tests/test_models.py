@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import re
 
 import jax
 import jax.numpy as jnp
@@ -45,15 +46,15 @@ def tiny(family: str, **overrides):
 
 def init(model, key=0, length=8):
     tokens = jnp.zeros((1, length), jnp.int32)
-    return model.init(jax.random.key(key), tokens)
+    return jax.jit(model.init)(jax.random.key(key), tokens)
 
 
 def jiggle(params, scale: float, seed: int = 1):
     """Params plus noise, so outputs are O(1-10) and errors can't hide in tiny logits."""
-    leaves, treedef = jax.tree.flatten(params)
-    keys = jax.random.split(jax.random.key(seed), len(leaves))
-    noisy = [x + scale * jax.random.normal(k, x.shape) for x, k in zip(leaves, keys, strict=True)]
-    return jax.tree.unflatten(treedef, noisy)
+    rng = np.random.default_rng(seed)
+    return jax.tree.map(
+        lambda x: x + scale * rng.standard_normal(x.shape).astype(np.float32), params
+    )
 
 
 def random_tokens(config, batch: int, length: int, seed: int = 0):
@@ -180,6 +181,33 @@ def test_transformer_flops_match_xla_cost_analysis(size):
     assert flops.train == pytest.approx(
         6 * n + 12 * 2 * 1024 * config.d + 6 * config.d * 50257, rel=1e-3
     )
+
+
+def test_lmu_training_never_forms_the_full_memory():
+    # q = 64 >> 3 q' = 6: a (batch, n, d, q) array would be the largest tensor by far.
+    config = tiny("lmu", d=16, q=64, q_prime=2, batch_chunk=0)
+    model = build(config)
+    tokens = random_tokens(config, 2, 129)
+    params = init(model)
+
+    def loss_fn(p):
+        return model.apply(p, tokens[:, :-1], tokens[:, 1:], method=model.loss)[0]
+
+    hlo = jax.jit(jax.value_and_grad(loss_fn)).lower(params).as_text()
+    shapes = re.findall(r"tensor<((?:\d+x)+)(?:f32|complex<f32>)>", hlo)
+    largest = max(math.prod(int(d) for d in shape.rstrip("x").split("x")) for shape in shapes)
+    assert largest < 2 * 128 * 16 * 64 // 4
+
+
+def test_sizes_command_prints_every_named_model(capsys):
+    from lmuscale.models.__main__ import main
+
+    main()
+    lines = capsys.readouterr().out.splitlines()
+    assert len(lines) == 1 + len(sizes.NAMES)
+    assert [line.split()[0] for line in lines[1:]] == list(sizes.NAMES)
+    n_1m = count_params(named_config("lmu-1M")).non_embedding
+    assert f"{n_1m:,}" in lines[1 + sizes.NAMES.index("lmu-1M")].split()
 
 
 # ---------------------------------------------------------------- both modes

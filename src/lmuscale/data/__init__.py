@@ -1,0 +1,1 @@
+"""Data: tokenizers (more to come: preparing token files and the deterministic loader)."""
