@@ -60,10 +60,11 @@ def print_table(title: str, header: tuple, rows: list[tuple], left: int = 1) -> 
             print("  ".join("-" * w for w in widths))
 
 
-def write_json(out: Path, record: dict) -> None:
+def write_json(out: Path, record: dict, quiet: bool = False) -> None:
     """Write atomically: a reader never sees half a file."""
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = out.with_suffix(out.suffix + ".tmp")
     tmp.write_text(json.dumps(record, indent=2) + "\n")
     tmp.replace(out)
-    print(f"\nwrote {out}")
+    if not quiet:
+        print(f"\nwrote {out}")

@@ -78,11 +78,12 @@ def speed(name: str, batch: int, seq_len: int, steps: int) -> dict:
         memory.temp_size_in_bytes + memory.argument_size_in_bytes + memory.output_size_in_bytes
     )
     times = []
-    for _ in range(steps + 1):
+    for i in range(steps + 1):
         start = time.perf_counter()
         params, opt_state, loss = compiled(params, opt_state, tokens)
         loss.block_until_ready()
         times.append(time.perf_counter() - start)
+        print(f"  {name}: step {i} {times[-1]:.1f} s", file=sys.stderr, flush=True)
     median = statistics.median(times[1:])
     train_flops = flops_per_token(config, seq_len).train
     return {
@@ -114,9 +115,9 @@ def child(args) -> None:
 
 def run_child(name: str, argv: list[str]) -> dict:
     command = [sys.executable, __file__, "--child", name, *argv]
-    result = subprocess.run(command, capture_output=True, text=True, check=False)
+    result = subprocess.run(command, stdout=subprocess.PIPE, text=True, check=False)
     if result.returncode != 0:
-        return {"model": name, "error": result.stderr.strip().splitlines()[-1:]}
+        return {"model": name, "error": f"child exited with {result.returncode} (see stderr)"}
     return json.loads(result.stdout.strip().splitlines()[-1])
 
 
@@ -124,7 +125,7 @@ def show(records: list[dict], args) -> None:
     rows = []
     for r in records:
         if "error" in r:
-            rows.append((r["model"], "failed: " + " ".join(r["error"]), *[""] * 7))
+            rows.append((r["model"], r["error"], *[""] * 7))
             continue
         check_ = r.get("check", {})
         speed_ = r.get("speed", {})
@@ -172,12 +173,6 @@ def main(argv: list[str] | None = None) -> None:
     passed += ["--steps", str(args.steps), "--check-tokens", str(args.check_tokens)]
     passed += [] if args.speed else ["--no-speed"]
     passed += [] if args.check else ["--no-check"]
-    records = []
-    for name in args.models:
-        print(f"{name} ...", file=sys.stderr, flush=True)
-        records.append(run_child(name, passed))
-    show(records, args)
-
     info = machine()
     out = args.out or Path(__file__).parent / "results" / f"models-{info['platform']}.json"
     record = {
@@ -189,8 +184,13 @@ def main(argv: list[str] | None = None) -> None:
         "seq_len": args.seq_len,
         "check_tokens": args.check_tokens,
         "dtype": "float32",
-        "results": records,
+        "results": [],
     }
+    for name in args.models:
+        print(f"{name} ...", file=sys.stderr, flush=True)
+        record["results"].append(run_child(name, passed))
+        write_json(out, record, quiet=True)  # a long run keeps what it has measured so far
+    show(record["results"], args)
     write_json(out, record)
 
 

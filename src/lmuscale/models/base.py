@@ -1,11 +1,13 @@
 """What every language model here shares: tied logits, the chunked cross-entropy, the step API.
 
-A model subclasses ``LanguageModel`` and provides
-- ``hidden(tokens_BxT) -> h_BxTxD``: the parallel forward up to and including the final norm;
-- ``output_embedding() -> w_VxD``: the (tied) unembedding matrix;
+A model subclasses ``LanguageModel``. Its ``setup`` defines ``embed`` (an ``nn.Embed``, also
+the output projection), ``blocks`` and the final ``norm``; it provides
+- ``embed_tokens(tokens, index)``: the block input for tokens at positions 0..T-1 (index None)
+  or for one token at position ``index`` (decoding);
 - ``init_state(batch_size, max_len) -> state``: the decode state before the first token, from the
-  config alone (no parameters), so an unbound module can make it;
-- ``step(state, token_B) -> (logits_BxV, state)``: one token of recurrent decoding.
+  config alone (no parameters), so an unbound module can make it: ``{"layers": [one per
+  block], "index": position}``, the index only where a block needs it.
+Each block has ``__call__(x_BxTxD)`` and ``step(layer_state, x_BxD, index)``.
 """
 
 from __future__ import annotations
@@ -89,13 +91,13 @@ def cross_entropy(h_BxTxD, w_VxD, targets_BxT, chunk: int = LOSS_CHUNK):
 
 
 class LanguageModel(nn.Module):
-    """Parallel logits and loss, in terms of the subclass's ``hidden`` and ``output_embedding``."""
+    """Parallel logits and loss, and the recurrent step, shared by every family."""
 
-    def hidden(self, tokens_BxT):
+    def embed_tokens(self, tokens, index):
         raise NotImplementedError
 
     def output_embedding(self):
-        raise NotImplementedError
+        return self.embed.embedding
 
     def perturb_embedded(self, x_BxTxD):
         """A no-op unless the caller passes a ``perturbations`` collection, whose gradient is
@@ -103,6 +105,26 @@ class LanguageModel(nn.Module):
         if self.is_initializing():  # init returns only the params collection
             return x_BxTxD
         return self.perturb("embedded", x_BxTxD)
+
+    def hidden(self, tokens_BxT):
+        """The parallel forward up to and including the final norm: ``h_BxTxD``."""
+        x_BxTxD = self.perturb_embedded(self.embed_tokens(tokens_BxT, None))
+        for block in self.blocks:
+            x_BxTxD = block(x_BxTxD)
+        return self.norm(x_BxTxD)
+
+    def step(self, state, token_B):
+        """One token of recurrent decoding: ``(logits_BxV, state)``."""
+        index = state.get("index")
+        x_BxD = self.embed_tokens(token_B, index)
+        layers = []
+        for block, layer_state in zip(self.blocks, state["layers"], strict=True):
+            x_BxD, layer_state = block.step(layer_state, x_BxD, index)
+            layers.append(layer_state)
+        new_state = {"layers": layers}
+        if index is not None:
+            new_state["index"] = index + 1
+        return logits_from_hidden(self.norm(x_BxD), self.output_embedding()), new_state
 
     def __call__(self, tokens_BxT):
         """The parallel forward: float32 ``logits_BxTxV``. Training uses ``loss`` instead."""

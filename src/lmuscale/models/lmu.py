@@ -22,7 +22,6 @@ from lmuscale.models.base import (
     check_positive,
     compute_dtype,
     embedding_init,
-    logits_from_hidden,
 )
 
 
@@ -33,8 +32,8 @@ class LMUConfig:
     Attributes:
       d: embedding width. q: memory order. q_prime: reduced order of each L_i.
       theta: memory window, in tokens. n_layers: LMU blocks.
-      pre_ffn_dim, post_ffn_dim: inner widths of the two FFNs (the pre-FFN is unused in the _G
-        variant, whose global attention replaces it).
+      pre_ffn_dim, post_ffn_dim: inner widths of the two FFNs (the _G variant has no pre-FFN:
+        global attention replaces it, and pre_ffn_dim is ignored).
       global_attention: the LMU_G variant. n_heads: its attention heads.
       vocab_size: tokens (GPT-2: 50257).
       dtype: compute dtype, "float32" or "bfloat16"; parameters are always float32.
@@ -88,15 +87,9 @@ class LMULanguageModel(LanguageModel):
         self.blocks = [block(**_block_fields(c), name=f"block_{i}") for i in range(c.n_layers)]
         self.norm = layer_norm(dtype)
 
-    def output_embedding(self):
-        return self.embed.embedding
-
-    def hidden(self, tokens_BxT):
-        x_BxTxD = self.embed(tokens_BxT)
-        x_BxTxD = self.perturb_embedded(x_BxTxD)
-        for block in self.blocks:
-            x_BxTxD = block(x_BxTxD)
-        return self.norm(x_BxTxD)
+    def embed_tokens(self, tokens, index):
+        del index  # no positional embeddings: the memory knows the order
+        return self.embed(tokens)
 
     def init_state(self, batch_size: int, max_len: int | None = None):
         block = LMUBlock(**_block_fields(self.config), parent=None)
@@ -106,18 +99,6 @@ class LMULanguageModel(LanguageModel):
         if self.config.global_attention:
             state["index"] = jnp.zeros((), jnp.int32)
         return state
-
-    def step(self, state, token_B):
-        index = state.get("index")
-        x_BxD = self.embed(token_B)
-        layers = []
-        for block, layer_state in zip(self.blocks, state["layers"], strict=True):
-            x_BxD, layer_state = block.step(layer_state, x_BxD, index)
-            layers.append(layer_state)
-        new_state = {"layers": layers}
-        if index is not None:
-            new_state["index"] = index + 1
-        return logits_from_hidden(self.norm(x_BxD), self.output_embedding()), new_state
 
 
 def _block_fields(c: LMUConfig) -> dict:

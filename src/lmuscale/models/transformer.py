@@ -26,7 +26,6 @@ from lmuscale.models.base import (
     check_positive,
     compute_dtype,
     embedding_init,
-    logits_from_hidden,
 )
 
 POSITION_INIT = nn.initializers.normal(0.01)
@@ -98,20 +97,18 @@ class TransformerLanguageModel(LanguageModel):
         self.blocks = [block(c, name=f"block_{i}") for i in range(c.n_layers)]
         self.norm = layer_norm(dtype)
 
-    def output_embedding(self):
-        return self.embed.embedding
-
-    def hidden(self, tokens_BxT):
-        length = tokens_BxT.shape[1]
-        if length > self.config.max_len:
-            raise ValueError(
-                f"sequence length {length} exceeds the transformer's max_len={self.config.max_len}"
-            )
-        x_BxTxD = self.embed(tokens_BxT) + self.positions[:length].astype(self.embed.dtype)
-        x_BxTxD = self.perturb_embedded(x_BxTxD)
-        for block in self.blocks:
-            x_BxTxD = block(x_BxTxD)
-        return self.norm(x_BxTxD)
+    def embed_tokens(self, tokens, index):
+        if index is None:
+            length = tokens.shape[1]
+            if length > self.config.max_len:
+                raise ValueError(
+                    f"sequence length {length} exceeds the transformer's "
+                    f"max_len={self.config.max_len}"
+                )
+            positions = self.positions[:length]
+        else:
+            positions = self.positions[index]
+        return self.embed(tokens) + positions.astype(self.embed.dtype)
 
     def init_state(self, batch_size: int, max_len: int | None = None):
         c = self.config
@@ -123,13 +120,3 @@ class TransformerLanguageModel(LanguageModel):
             "index": jnp.zeros((), jnp.int32),
             "layers": [kv_cache(batch_size, max_len, c.d, c.n_heads, dtype)] * c.n_layers,
         }
-
-    def step(self, state, token_B):
-        index = state["index"]
-        x_BxD = self.embed(token_B) + self.positions[index].astype(self.embed.dtype)
-        layers = []
-        for block, cache in zip(self.blocks, state["layers"], strict=True):
-            x_BxD, cache = block.step(cache, x_BxD, index)
-            layers.append(cache)
-        logits = logits_from_hidden(self.norm(x_BxD), self.output_embedding())
-        return logits, {"index": index + 1, "layers": layers}
