@@ -439,5 +439,6 @@ def test_bfloat16_forward_stays_close_to_float32(family):
     assert logits16.dtype == jnp.float32  # logits are accumulated in float32
     assert np.isfinite(np.asarray(logits16)).all()
     scale = float(jnp.abs(logits32).max())
-    assert float(jnp.abs(logits16 - logits32).max()) <= 0.05 * scale
-    assert abs(float(loss16) - float(loss32)) <= 0.02 * float(loss32)
+    # Measured: logits within 0.8-1.8% of max|logit|, loss within 1e-4 relative.
+    assert float(jnp.abs(logits16 - logits32).max()) <= 0.03 * scale
+    assert abs(float(loss16) - float(loss32)) <= 0.002 * float(loss32)

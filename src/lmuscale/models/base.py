@@ -19,7 +19,6 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-GPT2_VOCAB = 50257
 DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16}
 
 # GPT-2's token embedding initialisation. It is also the output projection (tied), so it must

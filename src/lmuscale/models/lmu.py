@@ -15,9 +15,9 @@ import dataclasses
 import flax.linen as nn
 import jax.numpy as jnp
 
+from lmuscale.data.tokenizer import GPT2_VOCAB
 from lmuscale.layers import LMUBlock, layer_norm
 from lmuscale.models.base import (
-    GPT2_VOCAB,
     LanguageModel,
     check_positive,
     compute_dtype,

@@ -19,9 +19,9 @@ import math
 import flax.linen as nn
 import jax.numpy as jnp
 
+from lmuscale.data.tokenizer import GPT2_VOCAB
 from lmuscale.layers import FFN, GlobalSelfAttention, kv_cache, layer_norm
 from lmuscale.models.base import (
-    GPT2_VOCAB,
     LanguageModel,
     check_positive,
     compute_dtype,
