@@ -21,6 +21,7 @@ import os
 import tempfile
 from pathlib import Path
 
+import numpy as np
 import tiktoken
 
 GPT2_VOCAB = 50257
@@ -51,6 +52,12 @@ class Tokenizer:
         if self._encoding is None:
             return list(text.encode("utf-8"))
         return self._encoding.encode_ordinary(text)
+
+    def encode_array(self, text: str) -> np.ndarray:
+        """``encode`` as an int64 array (no Python list for the byte tokenizer)."""
+        if self._encoding is None:
+            return np.frombuffer(text.encode("utf-8"), np.uint8).astype(np.int64)
+        return np.asarray(self._encoding.encode_ordinary(text), np.int64)
 
     def decode(self, ids) -> str:
         ids = [int(i) for i in ids]

