@@ -10,9 +10,10 @@ Cases (GPT-2 tokenizer throughout):
   ``prepare owt2`` on it: zstd, JSON, hashing and BPE together, on real English.
 
 Each case runs --repeats times per worker count (0 = tokenise in the main process); the table
-gives medians. "wall" is the whole call (building the tokenizer, ~1.3 s, and starting the
-workers included); "stream" is the part after that, which the prepared meta.json records, and
-tokens/s is over it. The JSON holds the machine, versions and every time.
+gives medians. "wall" is the whole call; "stream" is what the prepared meta.json records: the
+wall time less opening the source and building the tokenizer (~1 s), but with spawning the
+workers (and sending them the tokenizer) included. Tokens/s is over "stream". The JSON holds
+the machine, versions and every time.
 """
 
 from __future__ import annotations

@@ -68,6 +68,22 @@ def test_permute_shuffles_well_and_differs_by_seed_and_epoch():
     assert np.sum((counts - 200) ** 2 / 200) < 27.9  # p = 0.001 for 9 degrees of freedom
 
 
+def test_permute_keeps_the_shape_of_its_input():
+    n = 1000
+    whole = permute(np.arange(n), n, 2, 0)
+    assert permute(7, n, 2, 0) == whole[7] and np.shape(permute(7, n, 2, 0)) == ()
+    grid = np.arange(12).reshape(3, 4)
+    assert np.array_equal(permute(grid, n, 2, 0), whole[grid])
+
+
+def test_batch_of_a_numpy_step_equals_the_batch_of_the_int(prepared):
+    batches = TrainBatches(
+        open_dataset(prepared), seq_len=16, global_batch=8, seed=0, process_index=0, process_count=1
+    )
+    step = 2**31 // 8 + 5  # step * global_batch overflows int32
+    assert np.array_equal(batches.window_ids(np.int32(step)), batches.window_ids(step))
+
+
 def test_permute_rejects_indices_outside_the_range():
     with pytest.raises(ValueError, match=r"range\(5\)"):
         permute(np.array([5]), 5, 0, 0)
@@ -279,11 +295,11 @@ def test_missing_and_unfinished_folders(tmp_path):
         DataError, match=re.escape(f"{tmp_path}: not a prepared dataset (no meta.json)")
     ):
         open_dataset(tmp_path)
-    (tmp_path / ".prepare").mkdir()
+    (tmp_path / "half.partial").mkdir()
     with pytest.raises(
-        DataError, match=r"an unfinished prepare .* run the same prepare command again"
+        DataError, match=r"half: an unfinished prepare .* run the same prepare command again"
     ):
-        open_dataset(tmp_path)
+        open_dataset(tmp_path / "half")
 
 
 @pytest.mark.parametrize(

@@ -69,7 +69,7 @@ def test_round_trip_through_a_real_archive(datafiles, tmp_path, tokenizer):
         assert entry["documents"] == len(want[split])
         assert entry["bytes"] == sum(len(t.encode()) for t in want[split])
     assert meta["shards"] == 2 and meta["split"]["seed"] == 0
-    assert not (tmp_path / "out" / ".prepare").exists()
+    assert not (tmp_path / "out.partial").exists()
 
 
 def test_split_rule_gives_96_3_1():
@@ -99,13 +99,19 @@ def test_adding_files_never_moves_a_document(datafiles, tmp_path):
         assert not set(before[split]) & others
 
 
-def test_token_files_do_not_depend_on_the_number_of_workers(datafiles, tmp_path):
+def test_token_files_do_not_depend_on_the_number_of_workers(datafiles, tmp_path, monkeypatch):
+    monkeypatch.setattr(prep, "CHUNK_CHARS", 2000)  # many tasks per shard, in flight together
     inputs = [
-        datafiles.jsonl_zst(f"f{i}.jsonl.zst", datafiles.texts(300, seed=i)) for i in range(4)
+        datafiles.write(
+            f"f{i}.jsonl.zst",
+            datafiles.zst(datafiles.jsonl_bytes(datafiles.texts(300, seed=i)) + b"not json\n"),
+        )
+        for i in range(4)
     ]
-    serial = run("owt2", inputs, tmp_path / "serial", workers=0, tokenizer="gpt2")
-    parallel = run("owt2", inputs, tmp_path / "parallel", workers=2, tokenizer="gpt2")
-    assert {s: serial["splits"][s] for s in SPLITS} == {s: parallel["splits"][s] for s in SPLITS}
+    serial = run("owt2", inputs, tmp_path / "serial", workers=0, max_bad_lines=4)
+    parallel = run("owt2", inputs, tmp_path / "parallel", workers=2, max_bad_lines=4)
+    assert serial["splits"] == parallel["splits"]
+    assert serial["bad_lines"]["examples"] == parallel["bad_lines"]["examples"]
     assert parallel["prepared"]["workers"] == 2
 
 
@@ -167,6 +173,20 @@ def test_bad_lines_stop_the_run_by_default_and_are_counted_when_allowed(datafile
     assert sum(s["documents"] for s in meta["splits"].values()) == 2
 
 
+def crash_at_first_record(monkeypatch):
+    """Commit after every shard, and stop the run (like Ctrl-C) right after the first record."""
+    real = prep.atomic_write_json
+
+    def crash(path, obj):
+        real(path, obj)
+        if Path(path).name == "progress.json":
+            raise KeyboardInterrupt
+
+    monkeypatch.setattr(prep, "COMMIT_SECONDS", 0.0)
+    monkeypatch.setattr(prep, "atomic_write_json", crash)
+    return lambda: monkeypatch.setattr(prep, "atomic_write_json", real)
+
+
 def test_skipped_lines_are_counted_once_across_a_resume(datafiles, tmp_path, monkeypatch):
     inputs = [
         datafiles.write(
@@ -174,22 +194,66 @@ def test_skipped_lines_are_counted_once_across_a_resume(datafiles, tmp_path, mon
         )
         for i in range(3)
     ]
-    real = prep.atomic_write_json
-
-    def crash_after_first_shard(path, obj):
-        real(path, obj)
-        if Path(path).name == "progress.json":
-            raise KeyboardInterrupt
-
-    monkeypatch.setattr(prep, "atomic_write_json", crash_after_first_shard)
+    undo = crash_at_first_record(monkeypatch)
     with pytest.raises(KeyboardInterrupt):
         run("text", inputs, tmp_path / "out", max_bad_lines=3)
-    monkeypatch.setattr(prep, "atomic_write_json", real)
+    undo()
+    assert json.loads((tmp_path / "out.partial" / "progress.json").read_text())["shards"] == 1
     meta = run("text", inputs, tmp_path / "out", max_bad_lines=3)
     assert meta["bad_lines"]["skipped"] == 3
     assert meta["bad_lines"]["examples"] == [
         f"{p.resolve()}:1: not JSON (Expecting value at column 1)" for p in inputs
     ]
+
+
+def test_bad_lines_are_met_in_file_order(datafiles, tmp_path):
+    """One found by the worker (a NUL, the byte tokenizer's end-of-text) before one found by
+    the reader (not JSON): the first in the file is the one reported."""
+    path = datafiles.write("m.jsonl", b'{"text": "nul \\u0000"}\n{"text": "ok"}\nnot json\n')
+    where = f"{path.resolve()}:"
+    with pytest.raises(DataError, match=re.escape(where + "1: text holds the end-of-text id 0")):
+        run("text", [path], tmp_path / "strict")
+    with pytest.raises(DataError, match=re.escape(where + "3: not JSON") + ".*bad line 2"):
+        run("text", [path], tmp_path / "one", max_bad_lines=1)
+    meta = run("text", [path], tmp_path / "two", max_bad_lines=2)
+    assert [e.split(": ")[0] for e in meta["bad_lines"]["examples"]] == [where + "1", where + "3"]
+
+
+def test_the_bad_line_limit_can_be_raised_on_resume(datafiles, tmp_path, monkeypatch):
+    good = datafiles.jsonl("a.jsonl", datafiles.texts(20))
+    bad = datafiles.write("b.jsonl", b"not json\n")
+    undo = crash_at_first_record(monkeypatch)
+    with pytest.raises(KeyboardInterrupt):
+        run("text", [good, bad], tmp_path / "out")
+    undo()
+    with pytest.raises(DataError, match="allow skipping with --max-bad-lines N"):
+        run("text", [good, bad], tmp_path / "out")
+    meta = run("text", [good, bad], tmp_path / "out", max_bad_lines=1)
+    assert meta["bad_lines"]["skipped"] == 1 and meta["bad_lines"]["max_bad_lines"] == 1
+
+
+def test_inputs_without_documents_are_an_error(datafiles, tmp_path):
+    archive = datafiles.tar("wrong.tar", {"2019-01.json.zst": b"wrong suffix"})
+    with pytest.raises(DataError, match="owt2: the inputs hold no documents"):
+        run("owt2", [archive], tmp_path / "out")
+    assert not (tmp_path / "out").exists()
+
+
+def test_seed_must_fit_the_hash_key(datafiles, tmp_path):
+    path = datafiles.jsonl("a.jsonl", ["x"])
+    for seed in (-1, 2**64):
+        with pytest.raises(DataError, match=re.escape(f"--seed must be in [0, 2**64), got {seed}")):
+            run("text", [path], tmp_path / "out", seed=seed)
+
+
+def test_meta_json_gets_the_usual_permissions(datafiles, tmp_path):
+    old = os.umask(0o022)
+    try:
+        run("text", [datafiles.jsonl("a.jsonl", ["x", "y"])], tmp_path / "out")
+    finally:
+        os.umask(old)
+    for name in ("meta.json", "train.bin"):
+        assert (tmp_path / "out" / name).stat().st_mode & 0o777 == 0o644, name
 
 
 def test_an_unpaired_surrogate_is_a_bad_line(datafiles, tmp_path):
@@ -212,9 +276,7 @@ def test_a_finished_folder_is_left_alone_and_another_job_is_refused(datafiles, t
         run("text", [path], tmp_path / "out", seed=1)
     (tmp_path / "other").mkdir()
     (tmp_path / "other" / "notes.md").write_text("mine")
-    with pytest.raises(
-        DataError, match=re.escape(f"{tmp_path / 'other'}: the folder is not empty")
-    ):
+    with pytest.raises(DataError, match=re.escape(f"{tmp_path / 'other'}: exists, is not empty")):
         run("text", [path], tmp_path / "other")
 
 
@@ -222,11 +284,12 @@ def test_killed_prepare_leaves_nothing_that_looks_complete_and_resumes_to_the_sa
     datafiles, tmp_path
 ):
     inputs = [
-        datafiles.jsonl(f"part-{i:02d}.jsonl", datafiles.texts(150, seed=i, words=200))
-        for i in range(20)
+        datafiles.jsonl(f"part-{i:02d}.jsonl", datafiles.texts(120, seed=i, words=200))
+        for i in range(60)
     ]
     reference = run("text", inputs, tmp_path / "reference", tokenizer="gpt2")
     out = tmp_path / "killed"
+    work = tmp_path / "killed.partial"
     command = [
         sys.executable,
         "-m",
@@ -241,72 +304,89 @@ def test_killed_prepare_leaves_nothing_that_looks_complete_and_resumes_to_the_sa
         "--quiet",
     ]
     child = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
-    progress = out / ".prepare" / "progress.json"
+    progress = work / "progress.json"
     deadline = time.monotonic() + 120
     while time.monotonic() < deadline and child.poll() is None:
-        if progress.exists() and len(json.loads(progress.read_text())["shards"]) >= 3:
+        if progress.exists():  # the first record, after COMMIT_SECONDS
             break
         time.sleep(0.002)
     assert child.poll() is None, "prepare finished before it could be killed; give it more input"
     os.kill(child.pid, signal.SIGKILL)
     child.wait()
-    shards_done = len(json.loads(progress.read_text())["shards"])
-    assert 3 <= shards_done < len(inputs)
-    # Nothing in the folder looks complete: no metadata, no token file under its final name.
-    assert sorted(p.name for p in out.iterdir()) == [".prepare"]
+    shards_done = json.loads(progress.read_text())["shards"]
+    assert 1 <= shards_done < len(inputs)
+    # Nothing looks complete: no folder under the name asked for, no metadata in the work.
+    assert not out.exists() and not (work / "meta.json").exists()
     with pytest.raises(DataError, match="an unfinished prepare"):
         open_dataset(out)
     # Whatever was written after the last record is cut off (here, a torn tail of junk).
-    with open(out / ".prepare" / "train.bin", "ab") as partial:
+    with open(work / "train.bin", "ab") as partial:
         partial.write(b"\xff" * 2**20)
     resumed = run("text", inputs, out, tokenizer="gpt2")
     assert resumed["splits"] == reference["splits"]  # same counts and sha256
     assert resumed["prepared"]["seconds"] > 0
+    assert sorted(p.name for p in out.iterdir()) == [
+        "meta.json",
+        "test.bin",
+        "train.bin",
+        "val.bin",
+    ]
+    assert not work.exists()
 
 
-def test_a_crash_between_moving_the_files_and_writing_meta_recovers(
-    datafiles, tmp_path, monkeypatch
-):
+@pytest.mark.parametrize("step", ["meta.json", "rename"])
+def test_a_crash_in_the_last_steps_recovers(datafiles, tmp_path, monkeypatch, step):
     inputs = [datafiles.jsonl(f"p{i}.jsonl", datafiles.texts(100, seed=i)) for i in range(3)]
     reference = run("text", inputs, tmp_path / "reference")
-    real = prep.atomic_write_json
+    if step == "meta.json":
+        real = prep.atomic_write_json
 
-    def crash_on_meta(path, obj):
-        if Path(path).name == "meta.json":
-            raise KeyboardInterrupt
-        real(path, obj)
+        def crash(path, obj):
+            if Path(path).name == "meta.json":
+                raise KeyboardInterrupt
+            real(path, obj)
 
-    monkeypatch.setattr(prep, "atomic_write_json", crash_on_meta)
+        monkeypatch.setattr(prep, "atomic_write_json", crash)
+    else:
+        monkeypatch.setattr(
+            prep, "_publish", lambda work, out: (_ for _ in ()).throw(KeyboardInterrupt)
+        )
     with pytest.raises(KeyboardInterrupt):
         run("text", inputs, tmp_path / "out")
-    assert (tmp_path / "out" / "train.bin").exists() and not (
-        tmp_path / "out" / "meta.json"
-    ).exists()
+    assert not (tmp_path / "out").exists()
+    assert (tmp_path / "out.partial" / "meta.json").exists() == (step == "rename")
     with pytest.raises(DataError, match="an unfinished prepare"):
         open_dataset(tmp_path / "out")
-    monkeypatch.setattr(prep, "atomic_write_json", real)
+    monkeypatch.undo()
     assert run("text", inputs, tmp_path / "out")["splits"] == reference["splits"]
 
 
 def test_changed_inputs_need_restart(datafiles, tmp_path, monkeypatch):
     inputs = [datafiles.jsonl(f"p{i}.jsonl", datafiles.texts(100, seed=i)) for i in range(3)]
-    real = prep.atomic_write_json
-    calls = []
-
-    def crash_after_first_shard(path, obj):
-        real(path, obj)
-        if Path(path).name == "progress.json":
-            calls.append(path)
-            raise KeyboardInterrupt
-
-    monkeypatch.setattr(prep, "atomic_write_json", crash_after_first_shard)
+    undo = crash_at_first_record(monkeypatch)
     with pytest.raises(KeyboardInterrupt):
         run("text", inputs, tmp_path / "out")
-    monkeypatch.setattr(prep, "atomic_write_json", real)
+    undo()
     with pytest.raises(DataError, match="holds an unfinished prepare of a different job"):
         run("text", inputs[:2], tmp_path / "out")
     fresh = run("text", inputs[:2], tmp_path / "out", restart=True)
     assert fresh["splits"] == run("text", inputs[:2], tmp_path / "clean")["splits"]
+
+
+def test_renamed_tar_members_of_the_same_size_are_noticed_on_resume(
+    datafiles, tmp_path, monkeypatch
+):
+    members = {f"a-{i}.jsonl": datafiles.jsonl_bytes(datafiles.texts(30, seed=i)) for i in range(3)}
+    archive = datafiles.tar("owt2.tar", members)
+    undo = crash_at_first_record(monkeypatch)
+    with pytest.raises(KeyboardInterrupt):
+        run("owt2", [archive], tmp_path / "out")
+    undo()
+    size = archive.stat().st_size
+    datafiles.tar("owt2.tar", {name.replace("a-", "b-"): data for name, data in members.items()})
+    assert archive.stat().st_size == size  # the plan (files and sizes) cannot tell
+    with pytest.raises(DataError, match="the inputs changed since the interrupted run"):
+        run("owt2", [archive], tmp_path / "out")
 
 
 def test_memory_does_not_grow_with_the_archive(datafiles, tmp_path):

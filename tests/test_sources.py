@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import random
 import re
 import sys
 import types
@@ -145,7 +146,7 @@ def test_a_file_that_is_not_a_tar_is_named(datafiles):
         items("owt2", [str(fake)])
 
 
-def test_a_truncated_zstd_stream_is_an_error_not_fewer_documents(datafiles):
+def test_a_zstd_stream_cut_inside_a_frame_is_an_error_not_fewer_documents(datafiles):
     whole = datafiles.zst(datafiles.jsonl_bytes(datafiles.texts(2000)))
     cut = datafiles.write("cut.jsonl.zst", whole[: len(whole) // 2])
     with pytest.raises(DataError, match=re.escape(f"{cut.resolve()}: truncated zstd stream")):
@@ -255,6 +256,28 @@ def test_tfds_never_downloads(monkeypatch):
         DataError, match="tfds:toy is not prepared in /nowhere/tfds; lmuscale never downloads"
     ):
         open_source("tfds:toy")
+
+
+def test_lines_do_not_depend_on_how_the_stream_is_cut():
+    rng = random.Random(0)
+    data = b"".join(
+        rng.choice([b"a", b"bc", b"\n", b"\n\n", b"long line " * 50]) for _ in range(400)
+    )
+    want = data.split(b"\n")
+    if want[-1] == b"":
+        want.pop()  # a final newline ends the last line; it does not start another
+    for _ in range(50):
+        cuts = sorted(rng.sample(range(1, len(data)), rng.randint(0, 40)))
+        chunks = [data[a:b] for a, b in zip([0, *cuts], [*cuts, len(data)], strict=True)]
+        assert list(sources._lines(chunks)) == list(enumerate(want, start=1))
+
+
+def test_an_empty_zstd_file_is_an_error(datafiles):
+    empty = datafiles.write("empty.jsonl.zst", b"")
+    with pytest.raises(
+        DataError, match=re.escape(f"{empty.resolve()}: empty file, not a zstd stream")
+    ):
+        items("owt2", [str(empty)])
 
 
 def test_zstd_reader_is_bounded_by_its_chunks(datafiles):

@@ -1,8 +1,11 @@
 """The on-disk format of a prepared folder, shared by the writer (prepare) and the reader (loader).
 
-meta.json                  written last: its presence means the folder is complete
-train.bin val.bin test.bin flat token ids (uint16, or uint32 when the vocab needs it),
-                           one end-of-text id after each document
+- ``OUT/meta.json``: source, tokenizer, dtype, split rule and seed, counts and sha256 per split;
+- ``OUT/train.bin``, ``val.bin``, ``test.bin``: flat token ids (uint16, or uint32 when the vocab
+  needs it), one end-of-text id after each document.
+
+A prepare in progress builds all of it in ``OUT.partial/`` and renames that folder to ``OUT``
+as its last step, so ``OUT`` either does not exist or is complete.
 """
 
 from __future__ import annotations
@@ -17,9 +20,13 @@ from lmuscale.data.sources import DataError
 
 FORMAT = "lmuscale-tokens/1"
 META = "meta.json"
-WORK = ".prepare"  # an unfinished prepare keeps its state here
 SPLITS = ("train", "val", "test")
 READ_BYTES = 1 << 22
+
+
+def work_folder(out: Path) -> Path:
+    """Where a prepare of ``out`` keeps its unfinished work."""
+    return out.with_name(out.name + ".partial")
 
 
 def token_dtype(vocab_size: int) -> np.dtype:
@@ -74,17 +81,17 @@ _REQUIRED = {
 def read_meta(folder: Path) -> dict:
     """meta.json of a prepared folder, checked for every key the loader relies on."""
     path = folder / META
+    if not path.exists() and work_folder(folder).exists():
+        raise DataError(
+            f"{folder}: an unfinished prepare (in {work_folder(folder)}); run the same prepare "
+            "command again to finish it"
+        )
     if not folder.is_dir():
         raise DataError(
             f"{folder}: no such folder; prepare a dataset there first, e.g. "
             f"python -m lmuscale.data prepare shakespeare --out {folder}"
         )
     if not path.exists():
-        if (folder / WORK).exists():
-            raise DataError(
-                f"{folder}: an unfinished prepare (no {META} yet); run the same prepare "
-                "command again to finish it"
-            )
         raise DataError(f"{folder}: not a prepared dataset (no {META})")
     try:
         meta = json.loads(path.read_text())

@@ -2,9 +2,9 @@
 
 A split of N tokens holds W = (N - 1) // seq_len windows; window i is
 ``tokens[i * seq_len : i * seq_len + seq_len + 1]`` (inputs are its first seq_len tokens,
-targets its last seq_len), so consecutive windows share one token and every token after the
-first is a target exactly once. Windows cross document boundaries; the end-of-text ids mark
-them.
+targets its last seq_len), so consecutive windows share one token and tokens 1 .. W * seq_len
+are each a target exactly once (the last (N - 1) % seq_len tokens of a split never are).
+Windows cross document boundaries; the end-of-text ids mark them.
 
 Training: sample k = step * global_batch + row is window ``perm_e(k mod W)`` of epoch
 e = k // W, where ``perm_e`` is a pseudo-random permutation of range(W) keyed by (seed, e): a
@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import dataclasses
 import hashlib
+import operator
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -151,7 +152,8 @@ def permute(index: np.ndarray, n: int, seed: int, epoch: int) -> np.ndarray:
     A balanced Feistel network on 2h bits (2**2h >= n) is a bijection of range(2**2h); cycle
     walking (apply it again while the result is >= n) restricts it to a bijection of range(n).
     """
-    index = np.asarray(index, np.int64)
+    shape = np.shape(index)
+    index = np.atleast_1d(np.asarray(index, np.int64)).reshape(-1)
     if n < 1 or (index.size and (index.min() < 0 or index.max() >= n)):
         raise ValueError(f"indices must lie in range({n})")
     half = max(1, (int(n - 1).bit_length() + 1) // 2)
@@ -167,7 +169,7 @@ def permute(index: np.ndarray, n: int, seed: int, epoch: int) -> np.ndarray:
     out = encrypt(index.astype(np.uint64))
     while (outside := out >= np.uint64(n)).any():
         out[outside] = encrypt(out[outside])
-    return out.astype(np.int64)
+    return out.astype(np.int64).reshape(shape)
 
 
 # --- batches --------------------------------------------------------------------------------
@@ -216,6 +218,7 @@ class TrainBatches:
 
     def window_ids(self, step: int) -> np.ndarray:
         """Window ids of the whole global batch at ``step``, shape (global_batch,)."""
+        step = operator.index(step)  # a Python int: no fixed-width overflow below
         if step < 0:
             raise ValueError(f"step must be >= 0, got {step}")
         sample = step * self.global_batch + np.arange(self.global_batch, dtype=np.int64)

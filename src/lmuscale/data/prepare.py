@@ -8,16 +8,17 @@ text alone, so adding input files never moves a document already seen; identical
 land in the same split. Within a split, documents keep the source's order, so the files are
 the same for any number of workers.
 
-Interruption and resume: work happens in ``OUT/.prepare/`` (plan, progress, partial token
-files). After each shard the partial files are fsynced and the progress record is replaced
-atomically; a rerun of the same command truncates the partial files to the last record and
-goes on with the next shard. At the end the token files are checksummed, moved into place,
-and ``meta.json`` is written last. A folder without ``meta.json`` never loads.
+Interruption and resume: everything is built in ``OUT.partial/`` (the plan, a progress record
+and the token files). At a shard boundary, at most every COMMIT_SECONDS, the token files are
+fsynced and the progress record (shards done, a hash chain of their names, counts) replaced
+atomically. A rerun of the same command cuts the token files back to the last record and
+goes on with the next shard. At the end the files are checksummed, ``meta.json`` is written,
+and ``OUT.partial`` is renamed to ``OUT``: a folder under the name asked for is complete.
 
 Bad lines (not JSON, no "text", not UTF-8, or text holding the end-of-text id): by default
 the first one stops the run with its file and line. ``max_bad_lines = N`` skips up to N of
 them instead, each reported on stderr and counted in ``meta.json`` (with the first few
-named); one more stops the run.
+named); one more stops the run. The limit may be raised when resuming.
 """
 
 from __future__ import annotations
@@ -43,14 +44,14 @@ from lmuscale.data.format import (
     FORMAT,
     META,
     SPLITS,
-    WORK,
     read_meta,
     scan_tokens,
     token_dtype,
+    work_folder,
 )
 from lmuscale.data.sources import BadLine, DataError, Document, Source, open_source
 from lmuscale.data.tokenizer import Tokenizer, get_tokenizer
-from lmuscale.files import atomic_write_json
+from lmuscale.files import atomic_write_json, fsync_dir
 
 FRACTIONS = {"train": 0.96, "val": 0.03, "test": 0.01}
 SPLIT_RULE = (
@@ -60,6 +61,7 @@ SPLIT_RULE = (
 CHUNK_CHARS = 1 << 18  # text per task sent to a worker
 CHUNK_DOCS = 2048
 EXAMPLES = 20  # bad lines named in the metadata
+COMMIT_SECONDS = 0.5  # the most often progress is made durable (fsyncs are not free)
 SMALL_INPUT = 32 << 20  # bytes of input below which the default is to tokenise in-process
 
 
@@ -160,7 +162,10 @@ def _chunks(items: Iterable[Document | BadLine]) -> Iterator[list | BadLine]:
     """Documents grouped into tasks of about CHUNK_CHARS of text; bad lines pass through."""
     chunk, chars = [], 0
     for item in items:
-        if isinstance(item, BadLine):
+        if isinstance(item, BadLine):  # after the documents before it: reports keep file order
+            if chunk:
+                yield chunk
+                chunk, chars = [], 0
             yield item
             continue
         chunk.append((item.text, item.where))
@@ -172,7 +177,8 @@ def _chunks(items: Iterable[Document | BadLine]) -> Iterator[list | BadLine]:
         yield chunk
 
 
-def _plan(source: Source, tokenizer, seed: int, max_bad_lines: int) -> dict:
+def _plan(source: Source, tokenizer: Tokenizer, seed: int) -> dict:
+    """What must match for a folder (finished or not) to be this job's."""
     return {
         "format": FORMAT,
         "source": source.describe(),
@@ -183,49 +189,54 @@ def _plan(source: Source, tokenizer, seed: int, max_bad_lines: int) -> dict:
         },
         "dtype": token_dtype(tokenizer.vocab_size).name,
         "seed": seed,
-        "max_bad_lines": max_bad_lines,
     }
 
 
 def _same_job(meta: dict, plan: dict) -> bool:
-    """Whether a finished folder is what ``plan`` would make (the bad-line limit aside)."""
     made = (meta["format"], meta["source"], meta["dtype"], meta.get("split", {}).get("seed"))
     wanted = (plan["format"], plan["source"], plan["dtype"], plan["seed"])
     tokenizer = {key: meta["tokenizer"][key] for key in plan["tokenizer"]}
     return made == wanted and tokenizer == plan["tokenizer"]
 
 
-def _start(out: Path, plan: dict, restart: bool) -> dict:
-    """Create or resume ``OUT/.prepare``; returns the progress record to start from."""
-    work = out / WORK
-    if out.exists() and not out.is_dir():
-        raise DataError(f"{out}: exists and is not a folder")
-    if out.exists() and not work.exists() and any(out.iterdir()):
+def _chain(chain: str, shard: str) -> str:
+    """A running hash of the finished shards' names, to recognise them on resume."""
+    return hashlib.sha256(f"{chain}\n{shard}".encode()).hexdigest()
+
+
+def _start(out: Path, work: Path, plan: dict, restart: bool) -> dict | None:
+    """Create or resume ``work``; returns the progress record to go on from (None when the
+    work is finished and only needs publishing)."""
+    if out.exists() and (not out.is_dir() or any(out.iterdir())):
         raise DataError(
-            f"{out}: the folder is not empty and holds no prepare in progress; "
+            f"{out}: exists, is not empty and holds no prepared dataset; "
             "use an empty or new --out folder"
         )
     if work.exists():
+        if (work / META).exists() and not restart:
+            return None
         try:
             old = json.loads((work / "plan.json").read_text())
         except (OSError, json.JSONDecodeError):
-            old = None
-        if old != plan and not restart:
+            old = None  # killed before the plan was written: nothing to keep
+        if old is not None and old != plan and not restart:
             raise DataError(
                 f"{work}: holds an unfinished prepare of a different job "
                 f"({json.dumps(old)[:300]}); rerun that command to finish it, "
                 "or pass --restart to discard it"
             )
-        if restart or old is None:  # no plan: killed before anything was recorded
+        if restart or old is None:
             shutil.rmtree(work)
     if not work.exists():
         work.mkdir(parents=True)
         atomic_write_json(work / "plan.json", plan)
-    progress_file = work / "progress.json"
-    if progress_file.exists():
-        return json.loads(progress_file.read_text())
+    progress = work / "progress.json"
+    if progress.exists():
+        return json.loads(progress.read_text())
     return {
-        "shards": [],
+        "shards": 0,
+        "chain": "",
+        "last_shard": None,
         "tokens": dict.fromkeys(SPLITS, 0),
         "documents": dict.fromkeys(SPLITS, 0),
         "bytes": dict.fromkeys(SPLITS, 0),
@@ -235,21 +246,11 @@ def _start(out: Path, plan: dict, restart: bool) -> dict:
     }
 
 
-def _open_partials(out: Path, tokens: dict, itemsize: int) -> dict:
-    """Partial token files, cut back to the last recorded shard."""
-    files = {}
-    for split in SPLITS:
-        partial, final = out / WORK / f"{split}.bin", out / f"{split}.bin"
-        if not partial.exists() and final.exists():  # moved, but meta.json never written
-            os.replace(final, partial)
-        f = open(partial, "r+b" if partial.exists() else "w+b")  # noqa: SIM115 (closed in prepare)
-        size = tokens[split] * itemsize
-        if os.fstat(f.fileno()).st_size < size:
-            raise DataError(f"{partial}: shorter than its progress record says; use --restart")
-        f.truncate(size)
-        f.seek(size)
-        files[split] = f
-    return files
+def _cpus() -> int:
+    """CPUs this process may run on (the affinity mask, as SLURM and containers set it)."""
+    if hasattr(os, "sched_getaffinity"):
+        return len(os.sched_getaffinity(0))
+    return os.cpu_count() or 1
 
 
 def prepare(
@@ -271,53 +272,71 @@ def prepare(
     workers are spawned, so a script that calls this needs the ``if __name__ == "__main__":``
     guard. A folder that already holds this job's result is left as it is.
     """
-    out = Path(out)
+    out = Path(out).absolute()
     if max_bad_lines < 0:
         raise DataError(f"--max-bad-lines must be >= 0, got {max_bad_lines}")
     if workers is not None and workers < 0:
         raise DataError(f"--workers must be >= 0, got {workers}")
+    if not 0 <= seed < 2**64:
+        raise DataError(f"--seed must be in [0, 2**64), got {seed}")
     source = open_source(spec, list(inputs))
     tok = get_tokenizer(tokenizer)
-    plan = _plan(source, tok, seed, max_bad_lines)
+    plan = _plan(source, tok, seed)
     if (out / META).exists():
         meta = read_meta(out)
         if _same_job(meta, plan):
             print(f"{out}: already prepared ({meta['source']['spec']})", file=sys.stderr)
             return meta
         raise DataError(
-            f"{out}: already holds a prepared dataset of {meta.get('source', {}).get('spec')!r} "
+            f"{out}: already holds a prepared dataset of {meta['source'].get('spec')!r} "
             "with other settings; use another --out or remove it"
         )
-    if workers is None:  # worker start-up costs more than it saves on small inputs
-        small = source.nbytes is not None and source.nbytes < SMALL_INPUT
-        workers = 0 if small else os.cpu_count() or 1
-    run = _Run(out, plan, _start(out, plan, restart), workers, progress, spec)
-    if workers > 0:
-        pool = concurrent.futures.ProcessPoolExecutor(
-            workers,
-            mp_context=multiprocessing.get_context("spawn"),  # safe after jax or threads
-            initializer=_start_worker,
-            initargs=(tok, seed),
-        )
-    else:
-        _start_worker(tok, seed)
-        pool = _InProcess()
-    try:
-        run.shards(source, pool)
-    finally:
-        pool.shutdown(cancel_futures=True)
-        run.close()
-    return _finish(out, plan, tok, run.state, workers)
+    work = work_folder(out)
+    state = _start(out, work, plan, restart)
+    if state is not None:
+        if workers is None:  # worker start-up costs more than it saves on small inputs
+            small = source.nbytes is not None and source.nbytes < SMALL_INPUT
+            workers = 0 if small else _cpus()
+        with _Run(
+            work, state, np.dtype(plan["dtype"]), max_bad_lines, workers, progress, spec
+        ) as run:
+            if workers > 0:
+                pool = concurrent.futures.ProcessPoolExecutor(
+                    workers,
+                    mp_context=multiprocessing.get_context("spawn"),  # safe after jax or threads
+                    initializer=_start_worker,
+                    initargs=(tok, seed),
+                )
+            else:
+                _start_worker(tok, seed)
+                pool = _InProcess()
+            try:
+                run.shards(source, pool)
+            finally:
+                pool.shutdown(cancel_futures=True)
+        _finish(work, plan, tok, run.state, workers, max_bad_lines)
+    _publish(work, out)
+    return read_meta(out)
 
 
 class _Run:
-    """The state of one prepare: partial files, counters, the bad-line policy, the bar."""
+    """One prepare's open state: token files, counters, the bad-line policy, the bar."""
 
-    def __init__(self, out: Path, plan: dict, state: dict, workers: int, progress: bool, spec):
-        self.out, self.state, self.workers = out, state, workers
-        self.dtype = np.dtype(plan["dtype"])
-        self.files = _open_partials(out, state["tokens"], self.dtype.itemsize)
-        self.bad = _BadLines(plan["max_bad_lines"], state["bad_lines"], state["bad_examples"])
+    def __init__(self, work, state, dtype, max_bad_lines, workers, progress, spec):
+        self.work, self.state, self.dtype, self.workers = work, state, dtype, workers
+        self.bad = _BadLines(max_bad_lines, state["bad_lines"], state["bad_examples"])
+        self.started = self.committed = time.perf_counter()
+        self.earlier_seconds = state["seconds"]  # of the runs this one resumes
+        self.new_tokens = 0
+        self.files = {}
+        for split in SPLITS:  # cut back to the last record: later bytes may be torn
+            path, size = work / f"{split}.bin", state["tokens"][split] * dtype.itemsize
+            self.files[split] = f = open(path, "r+b" if path.exists() else "w+b")  # noqa: SIM115
+            if os.fstat(f.fileno()).st_size < size:
+                self.close()
+                raise DataError(f"{path}: shorter than its progress record says; use --restart")
+            f.truncate(size)
+            f.seek(size)
         self.bar = tqdm(
             desc=f"prepare {spec}",
             unit=" docs",
@@ -327,25 +346,34 @@ class _Run:
             dynamic_ncols=True,
             mininterval=0.1 if sys.stderr.isatty() else 10.0,
         )
-        self.started = time.perf_counter()
-        self.earlier_seconds = state["seconds"]  # of the runs this one resumes
-        self.new_tokens = 0
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    def close(self) -> None:
+        if hasattr(self, "bar"):
+            self.bar.close()
+        for f in self.files.values():
+            f.close()
 
     def shards(self, source: Source, pool) -> None:
         """Tokenise the unfinished shards, keeping at most 2 chunks per worker in flight.
 
-        Results, bad lines and shard ends are handled in source order through one queue, so a
-        shard is committed once its last chunk is written (the workers stay busy across shard
-        boundaries) and the committed record counts exactly the shards before it.
+        Results, bad lines and shard ends go through one queue in source order, so the
+        workers stay busy across shard boundaries, bad lines are met in file order, and a
+        record is only ever written at a shard boundary.
         """
-        done, seen = list(self.state["shards"]), 0
-        pending = collections.deque()  # futures, bad lines, and shard names to commit
+        done, chain, seen = self.state["shards"], "", 0
+        pending = collections.deque()  # futures, bad lines, and names of finished shards
 
         def drain(keep: int) -> None:
             while len(pending) > keep:
                 item = pending.popleft()
                 if isinstance(item, str):
-                    self.commit(item)
+                    self.finished(item)
                 elif isinstance(item, BadLine):
                     self.bad(item.where, item.reason)
                 else:
@@ -353,26 +381,31 @@ class _Run:
 
         for index, shard in enumerate(source.shards()):
             seen = index + 1
-            if index < len(done):
-                if done[index] != shard.name:
+            if index < done:  # finished by an earlier run: only check it is the same shard
+                chain = _chain(chain, shard.name)
+                if index == done - 1 and chain != self.state["chain"]:
                     raise DataError(
-                        f"{shard.name}: the inputs changed since the interrupted run (shard "
-                        f"{index + 1} was {done[index]}); use --restart"
+                        f"{source.spec}: the inputs changed since the interrupted run (its "
+                        f"{done} finished shards, the last {self.state['last_shard']}, are not "
+                        "the first ones now); use --restart"
                     )
                 continue
-            for chunk in _chunks(shard.documents()):
-                if isinstance(chunk, BadLine) and self.bad.limit == 0:
-                    self.bad(chunk.where, chunk.reason)  # strict: stop now, not after the queue
-                pending.append(
-                    chunk if isinstance(chunk, BadLine) else pool.submit(_tokenize, chunk)
-                )
+            for item in _chunks(shard.documents()):
+                if isinstance(item, BadLine):
+                    pending.append(item)
+                    if self.bad.limit == 0:
+                        drain(keep=0)  # strict: stop at the first bad line, in file order
+                else:
+                    pending.append(pool.submit(_tokenize, item))
                 drain(keep=2 * max(self.workers, 1))
             pending.append(shard.name)
         drain(keep=0)
-        if seen < len(done):
+        if seen < done:
             raise DataError(
-                f"{source.spec}: fewer shards than the interrupted run saw; use --restart"
+                f"{source.spec}: fewer shards ({seen}) than the interrupted run finished "
+                f"({done}); use --restart"
             )
+        self.commit()
 
     def write(self, result: dict) -> None:
         for where, reason in result["bad"]:
@@ -391,37 +424,44 @@ class _Run:
             f"{self.new_tokens / max(elapsed, 1e-9):,.0f} tok/s"
         )
 
-    def commit(self, shard: str) -> None:
-        """Make the shard durable: data first, then the record that points past it."""
+    def finished(self, shard: str) -> None:
+        self.state["shards"] += 1
+        self.state["chain"] = _chain(self.state["chain"], shard)
+        self.state["last_shard"] = shard
+        if time.perf_counter() - self.committed >= COMMIT_SECONDS:
+            self.commit()
+
+    def commit(self) -> None:
+        """Make the finished shards durable: data first, then the record that points past it."""
         for f in self.files.values():
             f.flush()
             os.fsync(f.fileno())
-        self.state["shards"].append(shard)
         self.state["bad_lines"], self.state["bad_examples"] = self.bad.count, self.bad.examples
         self.state["seconds"] = self.earlier_seconds + time.perf_counter() - self.started
-        atomic_write_json(self.out / WORK / "progress.json", self.state)
-
-    def close(self) -> None:
-        self.bar.close()
-        for f in self.files.values():
-            f.close()
+        atomic_write_json(self.work / "progress.json", self.state)
+        self.committed = time.perf_counter()
 
 
-def _finish(out: Path, plan: dict, tok, state: dict, workers: int) -> dict:
-    """Checksum the token files, move them into place, and write meta.json last."""
+def _finish(work: Path, plan: dict, tok: Tokenizer, state: dict, workers: int, max_bad: int):
+    """Checksum the token files and write meta.json beside them."""
+    if sum(state["documents"].values()) == 0:
+        raise DataError(
+            f"{plan['source']['spec']}: the inputs hold no documents "
+            f"({', '.join(f for f, _ in plan['source']['files'][:3])}...)"
+        )
     dtype = np.dtype(plan["dtype"])
     splits = {}
     for split in SPLITS:
-        partial = out / WORK / f"{split}.bin"
-        if partial.stat().st_size != state["tokens"][split] * dtype.itemsize:
-            raise DataError(f"{partial}: size disagrees with the token count; use --restart")
-        digest, position, value = scan_tokens(partial, dtype, tok.vocab_size)
+        path = work / f"{split}.bin"
+        if path.stat().st_size != state["tokens"][split] * dtype.itemsize:
+            raise DataError(f"{path}: size disagrees with the token count; use --restart")
+        digest, position, value = scan_tokens(path, dtype, tok.vocab_size)
         if position is not None:
             raise DataError(
-                f"{partial}: token {position} is {value}, outside the vocab of {tok.vocab_size}"
+                f"{path}: token {position} is {value}, outside the vocab of {tok.vocab_size}"
             )
         splits[split] = {
-            "file": f"{split}.bin",
+            "file": path.name,
             "documents": state["documents"][split],
             "tokens": state["tokens"][split],
             "bytes": state["bytes"][split],
@@ -436,9 +476,9 @@ def _finish(out: Path, plan: dict, tok, state: dict, workers: int) -> dict:
         "dtype": dtype.name,
         "split": {"rule": SPLIT_RULE, "fractions": FRACTIONS, "seed": plan["seed"]},
         "splits": splits,
-        "shards": len(state["shards"]),
+        "shards": state["shards"],
         "bad_lines": {
-            "max_bad_lines": plan["max_bad_lines"],
+            "max_bad_lines": max_bad,
             "skipped": state["bad_lines"],
             "examples": state["bad_examples"],
         },
@@ -450,8 +490,14 @@ def _finish(out: Path, plan: dict, tok, state: dict, workers: int) -> dict:
             "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
         },
     }
-    for split in SPLITS:
-        os.replace(out / WORK / f"{split}.bin", out / f"{split}.bin")
-    atomic_write_json(out / META, meta)
-    shutil.rmtree(out / WORK)
-    return meta
+    atomic_write_json(work / META, meta)
+
+
+def _publish(work: Path, out: Path) -> None:
+    """The last step: drop the bookkeeping and rename the finished folder into place."""
+    for name in ("plan.json", "progress.json"):
+        (work / name).unlink(missing_ok=True)
+    if out.exists():
+        out.rmdir()  # empty (checked at the start); rename cannot replace a folder everywhere
+    os.replace(work, out)
+    fsync_dir(out.parent)

@@ -74,11 +74,14 @@ def _zstd_chunks(raw, where: str) -> Iterator[bytes]:
     """Decompressed bytes of a zstd stream (one or more frames); a cut-off frame is an error.
 
     zstandard's stream_reader returns a truncated frame's bytes without complaint, so frames
-    are followed here and the stream must end exactly at the end of one.
+    are followed here and the stream must end exactly at the end of one. (A file of several
+    frames cut exactly between two of them cannot be told from a shorter file; OpenWebText2's
+    files are one frame each.)
     """
     context = zstandard.ZstdDecompressor()
-    frame, open_frame = context.decompressobj(), False
+    frame, open_frame, empty = context.decompressobj(), False, True
     while data := _read(raw, where):
+        empty = False
         while data:
             try:
                 out = frame.decompress(data)
@@ -92,6 +95,8 @@ def _zstd_chunks(raw, where: str) -> Iterator[bytes]:
                 frame, open_frame = context.decompressobj(), False
             else:
                 data = b""
+    if empty:
+        raise DataError(f"{where}: empty file, not a zstd stream")
     if open_frame:
         raise DataError(f"{where}: truncated zstd stream (it ends inside a frame)")
 
@@ -105,15 +110,19 @@ def _read(raw, where: str) -> bytes:
 
 def _lines(chunks: Iterable[bytes]) -> Iterator[tuple[int, bytes]]:
     """(1-based line number, line without its newline) from a stream of byte chunks."""
-    number, rest = 0, b""
+    number, rest = 0, []  # the pieces of an unfinished line, joined once it ends
     for chunk in chunks:
-        parts = (rest + chunk).split(b"\n")
-        rest = parts.pop()
+        if b"\n" not in chunk:
+            rest.append(chunk)
+            continue
+        parts = chunk.split(b"\n")
+        parts[0] = b"".join([*rest, parts[0]])
+        rest = [parts.pop()]
         for line in parts:
             number += 1
             yield number, line
-    if rest:
-        yield number + 1, rest
+    if last := b"".join(rest):
+        yield number + 1, last
 
 
 def _file_chunks(path: Path) -> Iterator[bytes]:
