@@ -358,6 +358,9 @@ def test_a_crash_in_the_last_steps_recovers(datafiles, tmp_path, monkeypatch, st
     with pytest.raises(DataError, match="an unfinished prepare"):
         open_dataset(tmp_path / "out")
     monkeypatch.undo()
+    if step == "rename":  # a finished work folder is published only for the same job
+        with pytest.raises(DataError, match="holds a finished prepare of a different job"):
+            run("text", inputs, tmp_path / "out", seed=3)
     assert run("text", inputs, tmp_path / "out")["splits"] == reference["splits"]
 
 

@@ -213,7 +213,12 @@ def _start(out: Path, work: Path, plan: dict, restart: bool) -> dict | None:
             "use an empty or new --out folder"
         )
     if work.exists():
-        if (work / META).exists() and not restart:
+        if (work / META).exists() and not restart:  # finished, but not yet renamed into place
+            if not _same_job(read_meta(work), plan):
+                raise DataError(
+                    f"{work}: holds a finished prepare of a different job; pass --restart "
+                    "to discard it"
+                )
             return None
         try:
             old = json.loads((work / "plan.json").read_text())
