@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import importlib.metadata
-import json
 import os
 import platform
 from pathlib import Path
@@ -13,6 +12,7 @@ import numpy as np
 import scipy
 
 from lmuscale import __version__
+from lmuscale.files import atomic_write_json
 
 
 def machine() -> dict:
@@ -63,8 +63,6 @@ def print_table(title: str, header: tuple, rows: list[tuple], left: int = 1) -> 
 def write_json(out: Path, record: dict, quiet: bool = False) -> None:
     """Write atomically: a reader never sees half a file."""
     out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = out.with_suffix(out.suffix + ".tmp")
-    tmp.write_text(json.dumps(record, indent=2) + "\n")
-    tmp.replace(out)
+    atomic_write_json(out, record)
     if not quiet:
         print(f"\nwrote {out}")

@@ -104,8 +104,9 @@ def _tokenize(chunk: list[tuple[str, str]]) -> dict:
             bad.append((where, f"text holds an unpaired surrogate (U+{ord(text[e.start]):04X})"))
             continue
         doc = tokenizer.encode_array(text)
-        if doc.size and (doc.min() < 0 or doc.max() >= tokenizer.vocab_size):
-            wrong = int(doc.max() if doc.max() >= tokenizer.vocab_size else doc.min())
+        low, high = (int(doc.min()), int(doc.max())) if doc.size else (0, 0)
+        if low < 0 or high >= tokenizer.vocab_size:
+            wrong = high if high >= tokenizer.vocab_size else low
             raise DataError(
                 f"{where}: token id {wrong} is out of range for {tokenizer.name}'s vocab of "
                 f"{tokenizer.vocab_size} ({token_dtype(tokenizer.vocab_size)} files)"

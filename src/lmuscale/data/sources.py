@@ -61,7 +61,11 @@ class Source:
     spec: str
     files: tuple[tuple[str, int], ...]
     shards: Callable[[], Iterator[Shard]]
-    nbytes: int | None = None  # input size, where it is known before reading
+
+    @property
+    def nbytes(self) -> int | None:
+        """Input size in bytes, where it is known before reading (not for tfds)."""
+        return None if self.spec.startswith("tfds:") else sum(size for _, size in self.files)
 
     def describe(self) -> dict:
         return {"spec": self.spec, "files": [list(f) for f in self.files]}
@@ -279,10 +283,6 @@ def _sized(paths: Iterable[Path]) -> tuple[tuple[str, int], ...]:
     return tuple((str(p), p.stat().st_size) for p in paths)
 
 
-def _nbytes(paths: Iterable[Path]) -> int:
-    return sum(p.stat().st_size for p in paths)
-
-
 def owt2_source(inputs: list[str]) -> Source:
     """The OpenWebText2 release: .jsonl.zst.tar archives, folders of .jsonl.zst, or files."""
     if not inputs:
@@ -298,7 +298,7 @@ def owt2_source(inputs: list[str]) -> Source:
             else:
                 yield _file_shard(path)
 
-    return Source("owt2", _sized(files), shards, _nbytes(files))
+    return Source("owt2", _sized(files), shards)
 
 
 def text_source(inputs: list[str]) -> Source:
@@ -306,7 +306,7 @@ def text_source(inputs: list[str]) -> Source:
     if not inputs:
         raise DataError("text needs at least one path or glob of .txt, .jsonl or .jsonl.zst files")
     files = _files(inputs, (".txt", ".jsonl", ".jsonl.zst"), "text")
-    return Source("text", _sized(files), lambda: (_file_shard(p) for p in files), _nbytes(files))
+    return Source("text", _sized(files), lambda: (_file_shard(p) for p in files))
 
 
 # --- Shakespeare (the embedded default) -----------------------------------------------------
@@ -373,7 +373,6 @@ def shakespeare_source(inputs: list[str]) -> Source:
         "shakespeare",
         _sized(plays),
         lambda: (Shard(str(p), lambda p=p: play_scenes(p)) for p in plays),
-        _nbytes(plays),
     )
 
 
