@@ -1,4 +1,4 @@
-"""Fixtures shared by the data tests: small input files written by the test itself."""
+"""Shared fixtures: small input files written by the test itself, and a prepared byte corpus."""
 
 from __future__ import annotations
 
@@ -79,3 +79,45 @@ class DataFiles:
 @pytest.fixture
 def datafiles(tmp_path) -> DataFiles:
     return DataFiles(tmp_path / "inputs")
+
+
+def markov_texts(n: int, seed: int = 0, length: int = 300) -> list[str]:
+    """``n`` documents from a small word-level Markov chain: text a model can learn from."""
+    rng = random.Random(seed)
+    words = [
+        "the",
+        "memory",
+        "holds",
+        "a",
+        "window",
+        "of",
+        "the",
+        "past",
+        "and",
+        "reads",
+        "it",
+        "back",
+        "in",
+        "order",
+    ]
+    follow = {w: rng.sample(words, 3) for w in words}
+    texts = []
+    for i in range(n):
+        word, out = rng.choice(words), [f"doc{i}"]
+        while sum(len(w) + 1 for w in out) < length:
+            out.append(word)
+            word = rng.choice(follow[word])
+        texts.append(" ".join(out))
+    return texts
+
+
+@pytest.fixture(scope="session")
+def byte_corpus(tmp_path_factory) -> Path:
+    """A prepared byte-level dataset of 400 documents (~120 kB), shared by the training tests."""
+    from lmuscale.data.prepare import prepare
+
+    root = tmp_path_factory.mktemp("byte-corpus")
+    source = DataFiles(root).jsonl("docs.jsonl", markov_texts(400))
+    out = root / "prepared"
+    prepare("text", [str(source)], out=out, tokenizer="bytes", progress=False)
+    return out

@@ -1,0 +1,143 @@
+"""Tokens/s and MFU of the full train step (the one ``lmuscale.train`` runs), per model and n.
+
+    python benchmarks/train_throughput.py [--families lmu lmu_g transformer]
+        [--sizes 55k ... 1M] [--seq-lens 1024 4096 8192] [--tokens 65536]
+        [--dtype float32|bfloat16] [--steps 5] [--out FILE]
+
+For each family, Table 3 size and sequence length n, it builds the jitted, donated train step of
+``lmuscale.train.step`` (Adam, schedule, plateau scale, norms, the chunked loss) on a mesh of
+all devices, with a batch of max(1, --tokens // n) sequences per step, and times --steps steps
+after one warm-up (compile) step; tokens/s is the median. MFU = tokens/s x training FLOPs per
+token (``flops_per_token(config, n).train``) / (devices x peak FLOP/s), with the peak from
+``lmuscale.train.metrics.PEAK_FLOPS`` (or --peak-flops); none is known for CPUs. The
+transformer's learned positions are sized to n. Failures (e.g. out of memory) are recorded,
+not fatal.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+from pathlib import Path
+
+import jax
+import numpy as np
+from common import machine, print_table, versions, write_json
+from ml_collections import ConfigDict
+
+from lmuscale.models import build, count_params, flops_per_token, named_config
+from lmuscale.models.sizes import FAMILIES, SIZES, TransformerConfig
+from lmuscale.train import base_config, optim
+from lmuscale.train import step as step_lib
+from lmuscale.train.metrics import device_peak, mfu
+
+
+def measure(name: str, seq_len: int, batch: int, dtype: str, steps: int, peak) -> dict:
+    overrides = {"dtype": dtype}
+    config = named_config(name, **overrides)
+    if isinstance(config, TransformerConfig):
+        config = named_config(name, max_len=seq_len, **overrides)
+    train: ConfigDict = base_config(config)
+    model = build(config)
+    tx, lr = optim.optimizer(train.optim, train.train.steps)
+    init = step_lib.init_fn(model, tx, optim.plateau(train.optim), 0, seq_len)
+    mesh = step_lib.make_mesh(1)
+    data = step_lib.data_parallel_size(mesh)
+    batch = max(batch, data) // data * data
+    abstract = jax.eval_shape(init)
+    state = step_lib.init_state(init, mesh)
+    train_step = step_lib.make_train_step(model, tx, lr, mesh, abstract)
+    rng = np.random.default_rng(0)
+    tokens = rng.integers(0, config.vocab_size, (1, batch, seq_len + 1), dtype=np.int32)
+    tokens = step_lib.to_global(tokens, step_lib.batch_sharding(mesh, 3, axis=1))
+    start = time.perf_counter()
+    state, metrics = train_step(state, tokens)
+    jax.block_until_ready(metrics)
+    compile_s = time.perf_counter() - start
+    times = []
+    for _ in range(steps):
+        start = time.perf_counter()
+        state, metrics = train_step(state, tokens)
+        jax.block_until_ready(metrics)
+        times.append(time.perf_counter() - start)
+    seconds = statistics.median(times)
+    flops = flops_per_token(config, seq_len)
+    speed = batch * seq_len / seconds
+    return {
+        "model": name,
+        "seq_len": seq_len,
+        "batch": batch,
+        "dtype": dtype,
+        "non_embedding_params": count_params(config).non_embedding,
+        "train_flops_per_token": flops.train,
+        "step_seconds": seconds,
+        "step_seconds_all": times,
+        "first_step_seconds": compile_s,
+        "tokens_per_second": speed,
+        "mfu": mfu(speed, flops.train, mesh.devices.size, peak),
+        "loss": float(metrics["loss"]),
+    }
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--families", nargs="+", default=list(FAMILIES), choices=FAMILIES)
+    parser.add_argument("--sizes", nargs="+", default=list(SIZES), choices=SIZES)
+    parser.add_argument("--seq-lens", nargs="+", type=int, default=[1024, 4096, 8192])
+    parser.add_argument("--tokens", type=int, default=65536, help="tokens per step")
+    parser.add_argument("--dtype", default="bfloat16", choices=["float32", "bfloat16"])
+    parser.add_argument("--steps", type=int, default=5)
+    parser.add_argument("--peak-flops", type=float, default=0.0, help="per device")
+    parser.add_argument("--out", type=Path)
+    args = parser.parse_args()
+    peak = device_peak(args.dtype, args.peak_flops)
+    results, rows = [], []
+    for seq_len in args.seq_lens:
+        for family in args.families:
+            for size in args.sizes:
+                name = f"{family}-{size}"
+                batch = max(1, args.tokens // seq_len)
+                try:
+                    r = measure(name, seq_len, batch, args.dtype, args.steps, peak)
+                except Exception as error:  # an OOM on one model must not lose the others
+                    r = {"model": name, "seq_len": seq_len, "batch": batch, "error": repr(error)}
+                results.append(r)
+                if "error" in r:
+                    rows.append((name, seq_len, batch, "-", "-", "-", r["error"][:60]))
+                else:
+                    rows.append(
+                        (
+                            name,
+                            seq_len,
+                            r["batch"],
+                            f"{r['step_seconds'] * 1e3:,.1f}",
+                            f"{r['tokens_per_second']:,.0f}",
+                            "n/a" if r["mfu"] is None else f"{100 * r['mfu']:.1f}%",
+                            "",
+                        )
+                    )
+                print(*rows[-1], flush=True)
+    info = machine()
+    print_table(
+        f"train step on {jax.device_count()} x {info['device_kind']} ({args.dtype})",
+        ("model", "n", "batch", "ms/step", "tokens/s", "MFU", "error"),
+        rows,
+    )
+    kind = info["platform"]
+    out = args.out or Path(__file__).parent / "results" / f"train_throughput-{kind}.json"
+    write_json(
+        out,
+        {
+            "benchmark": "train_throughput",
+            "machine": info,
+            "versions": versions(),
+            "args": {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()},
+            "peak_flops": peak,
+            "results": results,
+        },
+    )
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,271 @@
+"""Training configs: Python files of ml_collections ConfigDicts, checked before anything runs.
+
+A config file defines ``get_config(name)`` (``name`` is the part after ``:`` in
+``experiments/owt2.py:lmu-1M``, or None) and returns ``base_config(model)`` with its changes.
+Every key and its type come from ``base_config``; the ``model`` section's keys are the fields
+of the model's config dataclass plus ``family``. A file or command line that adds a key, or
+gives a value of the wrong type, is an error that names the key.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import importlib.util
+import json
+import math
+import traceback
+from pathlib import Path
+
+from ml_collections import ConfigDict
+
+from lmuscale.models import LMUConfig, ModelConfig, TransformerConfig
+
+# Keys that may differ when a run resumes: none of them changes the trained numbers.
+RESUMABLE_CHANGES = ("log.", "distributed.", "data.verify", "data.path", "peak_flops")
+
+
+class ConfigError(ValueError):
+    """A config that cannot run: the message names the file, key or value."""
+
+
+def base_config(model: ModelConfig) -> ConfigDict:
+    """Every key a training config has, with the paper's defaults (REFERENCE §2).
+
+    Adam with its default settings at peak learning rate 1e-3; linear warmup, cosine decay to
+    zero at ``train.steps``, and the learning rate halved when the validation loss has not
+    improved (by ``plateau_rtol``) for ``plateau_patience`` evaluations; 512 x 1024-token
+    sequences per step for 25,000 steps (13.1B tokens).
+    """
+    c = ConfigDict()
+    c.name = ""
+    c.model = model_section(model)
+    c.data = ConfigDict(
+        {
+            # A folder made by ``python -m lmuscale.data prepare``. When it does not exist and
+            # ``source`` is an embedded corpus (shakespeare), training prepares it first.
+            "path": "",
+            "source": "",
+            "tokenizer": "gpt2",
+            "seq_len": 1024,
+            "verify": True,  # check the token files' sha256 against meta.json (process 0)
+        }
+    )
+    c.train = ConfigDict({"seed": 0, "steps": 25_000, "global_batch": 512, "microbatches": 1})
+    c.optim = ConfigDict(
+        {
+            "learning_rate": 1e-3,
+            "warmup_steps": 500,
+            "b1": 0.9,
+            "b2": 0.999,
+            "eps": 1e-8,
+            "grad_clip": 0.0,  # max global gradient norm; 0 = no clipping
+            "plateau_factor": 0.5,
+            "plateau_patience": 3,  # evaluations without improvement
+            "plateau_rtol": 1e-4,
+            "plateau_cooldown": 0,
+            "plateau_min_scale": 0.0,
+        }
+    )
+    c.eval = ConfigDict(
+        {
+            "every": 1000,  # steps between validation losses (also at the end)
+            "global_batch": 64,
+            "batches": 50,  # batches per periodic validation (0 = the whole split)
+            "final_batches": 0,  # batches for the final val/test losses (0 = whole splits)
+        }
+    )
+    c.checkpoint = ConfigDict({"every": 1000, "keep": 3})
+    c.log = ConfigDict({"every": 50, "progress": True, "tensorboard": True})
+    c.mesh = ConfigDict({"model": 1})  # the data axis takes every other device
+    c.distributed = ConfigDict(
+        {"initialize": False, "coordinator_address": "", "num_processes": 0, "process_id": -1}
+    )
+    c.peak_flops = 0.0  # per device, for MFU; 0 = from the table of known devices
+    return c
+
+
+def model_section(model: ModelConfig) -> ConfigDict:
+    fields = dataclasses.asdict(model)
+    if isinstance(model, LMUConfig):
+        del fields["global_attention"]
+    return ConfigDict({"family": model.family, **fields})
+
+
+def model_config(section) -> ModelConfig:
+    """The model dataclass of a config's ``model`` section (its own checks apply)."""
+    fields = dict(section)
+    family = fields.pop("family")
+    try:
+        if family == "transformer":
+            return TransformerConfig(**fields)
+        if family in ("lmu", "lmu_g"):
+            return LMUConfig(**fields, global_attention=family == "lmu_g")
+    except (TypeError, ValueError) as error:
+        raise ConfigError(f"model: {error}") from None
+    raise ConfigError(f"model.family must be lmu, lmu_g or transformer, got {family!r}")
+
+
+def flatten(config, prefix: str = "") -> dict:
+    out = {}
+    for key, value in config.items():
+        if isinstance(value, ConfigDict | dict):
+            out.update(flatten(value, f"{prefix}{key}."))
+        else:
+            out[f"{prefix}{key}"] = value
+    return out
+
+
+def _type_name(value) -> str:
+    return {bool: "bool", int: "int", float: "float", str: "str"}.get(type(value), "other")
+
+
+def _a(kind: str) -> str:
+    return f"an {kind}" if kind == "int" else f"a {kind}"
+
+
+def _unknown(key: str, known) -> str:
+    close = difflib.get_close_matches(key, list(known), n=1)
+    hint = f"; did you mean {close[0]!r}?" if close else ""
+    return f"unknown config key {key!r}{hint}"
+
+
+def check(config: ConfigDict, where: str = "config") -> None:
+    """Every key of ``config`` exists in the base config of its model, with the same type."""
+    model = config.get("model")
+    if not isinstance(model, ConfigDict) or "family" not in model:
+        raise ConfigError(f"{where}: no model section; build configs with base_config(model)")
+    schema = flatten(base_config(model_config(model)))
+    values = flatten(config)
+    for key, value in values.items():
+        if key not in schema:
+            raise ConfigError(f"{where}: {_unknown(key, schema)}")
+        want = _type_name(schema[key])
+        got = _type_name(value)
+        if want != got and not (want == "float" and got == "int"):
+            raise ConfigError(f"{where}: {key} must be {_a(want)}, got {value!r} ({got})")
+    missing = sorted(set(schema) - set(values))
+    if missing:
+        raise ConfigError(f"{where}: missing keys {', '.join(missing)}")
+    _check_values(config, where)
+
+
+def _check_values(c: ConfigDict, where: str) -> None:
+    def positive(key: str, value, allow_zero: bool = False):
+        low = 0 if allow_zero else 1
+        if value < low or (isinstance(value, float) and not math.isfinite(value)):
+            sign = ">= 0" if allow_zero else "> 0"
+            raise ConfigError(f"{where}: {key} must be {sign}, got {value!r}")
+
+    for key in ("train.steps", "train.global_batch", "train.microbatches", "data.seq_len"):
+        positive(key, flatten(c)[key])
+    for key in ("eval.every", "eval.global_batch", "checkpoint.every", "checkpoint.keep"):
+        positive(key, flatten(c)[key])
+    for key in ("log.every", "mesh.model"):
+        positive(key, flatten(c)[key])
+    for key in ("optim.warmup_steps", "optim.grad_clip", "eval.batches", "eval.final_batches"):
+        positive(key, flatten(c)[key], allow_zero=True)
+    if c.train.global_batch % c.train.microbatches:
+        raise ConfigError(
+            f"{where}: train.global_batch ({c.train.global_batch}) must be a multiple of "
+            f"train.microbatches ({c.train.microbatches})"
+        )
+    if c.optim.warmup_steps >= c.train.steps:
+        raise ConfigError(
+            f"{where}: optim.warmup_steps ({c.optim.warmup_steps}) must be below train.steps "
+            f"({c.train.steps})"
+        )
+    if not 0 < c.optim.plateau_factor < 1:
+        raise ConfigError(f"{where}: optim.plateau_factor must be in (0, 1)")
+    if not 0 < c.optim.plateau_rtol <= 1:
+        raise ConfigError(f"{where}: optim.plateau_rtol must be in (0, 1]")
+    model = model_config(c.model)
+    max_len = getattr(model, "max_len", None)
+    if max_len is not None and c.data.seq_len > max_len:
+        raise ConfigError(
+            f"{where}: data.seq_len ({c.data.seq_len}) exceeds model.max_len ({max_len})"
+        )
+
+
+def load(spec: str) -> ConfigDict:
+    """``path/to/file.py[:name]`` -> the file's ``get_config(name)``, checked and locked."""
+    path_text, _, name = spec.partition(":")
+    path = Path(path_text)
+    if path.suffix != ".py" or not path.is_file():
+        raise ConfigError(f"config file {path_text!r} not found (expected FILE.py[:NAME])")
+    module_name = f"_lmuscale_config_{abs(hash(path.resolve()))}"
+    module_spec = importlib.util.spec_from_file_location(module_name, path)
+    module = importlib.util.module_from_spec(module_spec)
+    try:
+        module_spec.loader.exec_module(module)
+        get_config = getattr(module, "get_config", None)
+        if get_config is None:
+            raise ConfigError(f"{path}: defines no get_config(name)")
+        config = get_config(name or None)
+    except ConfigError:
+        raise
+    except Exception as error:
+        raise ConfigError(f"{_where_in(path, error)}: {type(error).__name__}: {error}") from None
+    if not isinstance(config, ConfigDict):
+        raise ConfigError(f"{path}: get_config returned {type(config).__name__}, not ConfigDict")
+    check(config, where=str(path))
+    config.lock()
+    return config
+
+
+def _where_in(path: Path, error: BaseException) -> str:
+    """``file:line`` of the deepest frame of ``error`` inside ``path`` (else just the file)."""
+    line = None
+    for frame in traceback.extract_tb(error.__traceback__):
+        if Path(frame.filename).resolve() == path.resolve():
+            line = frame.lineno
+    if isinstance(error, SyntaxError) and error.lineno:
+        line = error.lineno
+    return f"{path}:{line}" if line else str(path)
+
+
+def _parse(key: str, text: str, current):
+    kind = _type_name(current)
+    try:
+        if kind == "bool":
+            lowered = text.lower()
+            if lowered not in ("true", "false", "1", "0"):
+                raise ValueError
+            return lowered in ("true", "1")
+        if kind == "int":
+            return int(text)
+        if kind == "float":
+            return float(text)
+    except ValueError:
+        raise ConfigError(f"--config.{key}: expected {_a(kind)}, got {text!r}") from None
+    return text
+
+
+def override(config: ConfigDict, overrides: list[str]) -> ConfigDict:
+    """Apply ``key=value`` strings (``train.steps=100``), each typed like the key's default."""
+    values = flatten(config)
+    for item in overrides:
+        key, sep, text = item.partition("=")
+        if not sep:
+            raise ConfigError(f"--config.{item}: expected --config.KEY=VALUE")
+        if key not in values:
+            raise ConfigError(f"--config.{key}: {_unknown(key, values)}")
+        node = config
+        *parents, leaf = key.split(".")
+        for part in parents:
+            node = node[part]
+        with config.unlocked():
+            node[leaf] = _parse(key, text, values[key])
+    check(config, where="command line")
+    return config
+
+
+def to_json(config: ConfigDict) -> str:
+    return json.dumps(config.to_dict(), indent=2, sort_keys=True) + "\n"
+
+
+def differences(saved: dict, config: ConfigDict) -> list[str]:
+    """Keys whose value differs from a saved config.json and would change the run."""
+    old, new = flatten(saved), flatten(config)
+    changed = sorted(k for k in set(old) | set(new) if old.get(k) != new.get(k))
+    return [k for k in changed if not k.startswith(RESUMABLE_CHANGES)]

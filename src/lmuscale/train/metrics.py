@@ -1,0 +1,113 @@
+"""What a run records: metrics.jsonl and eval.jsonl (data first), TensorBoard, MFU.
+
+Only process 0 writes. A resumed run first cuts both JSONL files back to the restored step
+(dropping lines a killed run wrote after its last checkpoint, and a torn last line), and
+starts TensorBoard with ``purge_step`` so that TensorBoard hides the old events past it: each
+step appears once.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+
+import jax
+
+from lmuscale.files import atomic_write_bytes
+
+# Dense peak FLOP/s per device by device kind (first match wins) and compute dtype. On GPUs,
+# float32 matmuls run as TF32 under JAX's default precision, so float32 uses the TF32 peak.
+# Vendor data sheets; sparsity excluded.
+PEAK_FLOPS = (
+    ("H100 PCIe", {"bfloat16": 756e12, "float32": 378e12}),
+    ("H100", {"bfloat16": 989.4e12, "float32": 494.7e12}),
+    ("H200", {"bfloat16": 989.4e12, "float32": 494.7e12}),
+    ("A100", {"bfloat16": 312e12, "float32": 156e12}),
+    ("TPU v4", {"bfloat16": 275e12, "float32": 275e12}),
+    ("TPU v5 lite", {"bfloat16": 197e12, "float32": 197e12}),
+    ("TPU v5", {"bfloat16": 459e12, "float32": 459e12}),
+    ("TPU v6 lite", {"bfloat16": 918e12, "float32": 918e12}),
+)
+
+
+def peak_flops(device_kind: str, dtype: str) -> float | None:
+    """Peak FLOP/s of one device for ``dtype`` compute, or None for an unknown device."""
+    for name, peaks in PEAK_FLOPS:
+        if name.lower() in device_kind.lower():
+            return peaks[dtype]
+    return None
+
+
+def device_peak(dtype: str, configured: float = 0.0) -> float | None:
+    if configured > 0:
+        return configured
+    return peak_flops(jax.devices()[0].device_kind, dtype)
+
+
+def mfu(tokens_per_second: float, train_flops_per_token: float, devices: int, peak) -> float:
+    """Model FLOPs utilisation: achieved model FLOP/s over the devices' peak (None if unknown)."""
+    if not peak:
+        return None
+    return tokens_per_second * train_flops_per_token / (devices * peak)
+
+
+def _cut(path: Path, step: int) -> None:
+    """Keep the whole lines of ``path`` whose step is <= ``step`` (atomically)."""
+    if not path.exists():
+        return
+    kept = []
+    for line in path.read_bytes().split(b"\n"):
+        try:
+            record = json.loads(line)
+        except ValueError:
+            continue  # a line torn by a kill
+        if isinstance(record, dict) and record.get("step", math.inf) <= step:
+            kept.append(line + b"\n")
+    atomic_write_bytes(path, b"".join(kept))
+
+
+def _json_value(value):
+    if isinstance(value, float) and not math.isfinite(value):
+        return str(value)  # JSON has no NaN; "nan" / "inf" keep the line loadable
+    return value
+
+
+class MetricsLog:
+    """Append-only JSONL logs plus TensorBoard scalars, for process 0 (no-ops elsewhere)."""
+
+    def __init__(self, workdir: Path, resume_step: int, *, enabled: bool, tensorboard: bool):
+        self.enabled = enabled
+        self.paths = {"train": workdir / "metrics.jsonl", "eval": workdir / "eval.jsonl"}
+        self.files = {}
+        self.writer = None
+        if not enabled:
+            return
+        for kind, path in self.paths.items():
+            _cut(path, resume_step)
+            self.files[kind] = path.open("a", encoding="utf-8")
+        if tensorboard:
+            from tensorboardX import SummaryWriter
+
+            self.writer = SummaryWriter(
+                str(workdir / "tensorboard"), purge_step=resume_step + 1 if resume_step else None
+            )
+
+    def write(self, kind: str, record: dict) -> None:
+        if not self.enabled:
+            return
+        clean = {k: _json_value(v) for k, v in record.items()}
+        file = self.files[kind]
+        file.write(json.dumps(clean) + "\n")
+        file.flush()
+        if self.writer is not None:
+            for key, value in record.items():
+                if key != "step" and isinstance(value, int | float) and not isinstance(value, bool):
+                    self.writer.add_scalar(f"{kind}/{key}", value, record["step"])
+            self.writer.flush()
+
+    def close(self) -> None:
+        for file in self.files.values():
+            file.close()
+        if self.writer is not None:
+            self.writer.close()

@@ -1,0 +1,192 @@
+"""The train state, the mesh and its shardings, and the jitted train and eval steps.
+
+The state is a dict pytree ``{"step", "params", "opt_state", "plateau"}``: everything a resumed
+run needs, since the batch at a step is a function of (seed, step) and the models draw no
+random numbers while training.
+
+Sharding: one ``Mesh`` over all devices with axes ("data", "model"). Batches are split over
+"data". Parameters and optimiser moments are replicated when the model axis has size 1;
+otherwise each array is split over "model" along its largest dimension that the axis size
+divides (ZeRO-3 style: XLA gathers what each op needs). The train step is a ``jax.jit`` with
+these shardings given explicitly and the old state donated.
+"""
+
+from __future__ import annotations
+
+import math
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+from jax.sharding import Mesh, NamedSharding
+from jax.sharding import PartitionSpec as P
+
+from lmuscale.models import LanguageModel
+
+AXES = ("data", "model")
+
+
+def make_mesh(model_axis: int = 1, devices=None) -> Mesh:
+    """A (data, model) mesh over ``devices`` (default: all of them, across processes)."""
+    devices = list(jax.devices() if devices is None else devices)
+    if model_axis < 1 or len(devices) % model_axis:
+        raise ValueError(
+            f"mesh.model ({model_axis}) must divide the number of devices ({len(devices)})"
+        )
+    grid = np.array(devices, dtype=object).reshape(len(devices) // model_axis, model_axis)
+    return Mesh(grid, AXES)
+
+
+def spec_for(shape: tuple[int, ...], model_axis: int) -> P:
+    """Replicated, or split over "model" along the largest dimension it divides."""
+    if model_axis == 1 or not shape:
+        return P()
+    candidates = [i for i, n in enumerate(shape) if n % model_axis == 0]
+    if not candidates:
+        return P()
+    axis = max(candidates, key=lambda i: shape[i])
+    return P(*[("model" if i == axis else None) for i in range(len(shape))])
+
+
+def state_shardings(mesh: Mesh, abstract_state):
+    model_axis = mesh.shape["model"]
+    return jax.tree.map(
+        lambda leaf: NamedSharding(mesh, spec_for(leaf.shape, model_axis)), abstract_state
+    )
+
+
+def batch_sharding(mesh: Mesh, ndim: int, axis: int = 0) -> NamedSharding:
+    """Split dimension ``axis`` of an ``ndim``-dimensional batch over "data"."""
+    return NamedSharding(mesh, P(*[("data" if i == axis else None) for i in range(ndim)]))
+
+
+def replicated(mesh: Mesh) -> NamedSharding:
+    return NamedSharding(mesh, P())
+
+
+def to_global(local_rows: np.ndarray, sharding: NamedSharding) -> jax.Array:
+    """A global array from each process's rows (its contiguous block of the sharded axis)."""
+    return jax.make_array_from_process_local_data(sharding, local_rows)
+
+
+def init_fn(model: LanguageModel, tx, plateau, seed: int, seq_len: int):
+    """``() -> state``: the initial state, parameters drawn from ``seed``."""
+
+    def init():
+        tokens = jnp.zeros((1, seq_len), jnp.int32)
+        params = model.init(jax.random.key(seed), tokens)
+        return {
+            "step": jnp.zeros((), jnp.int32),
+            "params": params,
+            "opt_state": tx.init(params),
+            "plateau": plateau.init(params),
+        }
+
+    return init
+
+
+def init_state(init, mesh: Mesh):
+    """The initial state, each array created directly with its sharding."""
+    shardings = state_shardings(mesh, jax.eval_shape(init))
+    return jax.jit(init, out_shardings=shardings)()
+
+
+def loss_fn(model: LanguageModel, params, tokens_BxT1):
+    """Mean next-token loss in nats of a batch of seq_len + 1 token windows."""
+    mean, _ = model.apply(params, tokens_BxT1[:, :-1], tokens_BxT1[:, 1:], method=model.loss)
+    return mean
+
+
+def norm(tree) -> jax.Array:
+    """The global L2 norm of a pytree, in float32."""
+    leaves = jax.tree.leaves(tree)
+    return jnp.sqrt(sum(jnp.sum(jnp.square(x.astype(jnp.float32))) for x in leaves))
+
+
+def make_train_step(model: LanguageModel, tx, lr_schedule, mesh: Mesh, abstract_state):
+    """``(state, tokens_MxBxT1) -> (state, metrics)``, jitted with the state donated.
+
+    M micro-batches of B windows each: gradients are summed over them in a ``lax.scan`` and
+    divided by M (gradient accumulation: the update equals that of one batch of M * B). The
+    updates are scaled by the plateau scale. ``metrics["finite"]`` is False when the loss or
+    the new parameters hold a NaN or an infinity.
+    """
+    grad = jax.value_and_grad(lambda p, t: loss_fn(model, p, t))
+
+    def step(state, tokens_MxBxT1):
+        params = state["params"]
+        micro = tokens_MxBxT1.shape[0]
+        if micro == 1:
+            loss, grads = grad(params, tokens_MxBxT1[0])
+        else:
+
+            def accumulate(total, tokens_BxT1):
+                loss, g = grad(params, tokens_BxT1)
+                return jax.tree.map(jnp.add, total, g), loss
+
+            zeros = jax.tree.map(jnp.zeros_like, params)
+            grads, losses = jax.lax.scan(accumulate, zeros, tokens_MxBxT1)
+            grads = jax.tree.map(lambda g: g / micro, grads)
+            loss = losses.mean()
+        updates, opt_state = tx.update(grads, state["opt_state"], params)
+        scale = state["plateau"].scale
+        updates = jax.tree.map(lambda u: u * scale.astype(u.dtype), updates)
+        params = optax.apply_updates(params, updates)
+        param_norm = norm(params)
+        metrics = {
+            "loss": loss,
+            "grad_norm": norm(grads),
+            "param_norm": param_norm,
+            "lr": lr_schedule(state["step"]) * scale,
+            "finite": jnp.isfinite(loss) & jnp.isfinite(param_norm),
+        }
+        new_state = {
+            "step": state["step"] + 1,
+            "params": params,
+            "opt_state": opt_state,
+            "plateau": state["plateau"],
+        }
+        return new_state, metrics
+
+    shardings = state_shardings(mesh, abstract_state)
+    return jax.jit(
+        step,
+        in_shardings=(shardings, batch_sharding(mesh, 3, axis=1)),
+        out_shardings=(shardings, replicated(mesh)),
+        donate_argnums=0,
+    )
+
+
+def make_eval_step(model: LanguageModel, mesh: Mesh, abstract_params):
+    """``(params, tokens_BxT1, valid_B) -> sums``: summed loss over valid rows, per position.
+
+    Returns float32 ``{"sum": (), "per_position": (T,), "rows": ()}``; the caller adds them up
+    in float64 across batches.
+    """
+
+    def evaluate(params, tokens_BxT1, valid_B):
+        # Gather the parameters first: with model-sharded parameters, XLA:CPU otherwise gives
+        # the FFT an operand layout its runtime rejects (RET_CHECK in fft_thunk.cc).
+        params = jax.lax.with_sharding_constraint(params, replicated(mesh))
+        _, per_position_BxT = model.apply(
+            params, tokens_BxT1[:, :-1], tokens_BxT1[:, 1:], method=model.loss
+        )
+        weight_Bx1 = valid_B.astype(jnp.float32)[:, None]
+        masked = per_position_BxT * weight_Bx1
+        return {
+            "sum": masked.sum(),
+            "per_position": masked.sum(axis=0),
+            "rows": weight_Bx1.sum(),
+        }
+
+    param_shardings = state_shardings(mesh, abstract_params)
+    return jax.jit(
+        evaluate,
+        in_shardings=(param_shardings, batch_sharding(mesh, 2), batch_sharding(mesh, 1)),
+        out_shardings=replicated(mesh),
+    )
+
+
+def data_parallel_size(mesh: Mesh) -> int:
+    return math.prod(mesh.shape[a] for a in AXES if a != "model")

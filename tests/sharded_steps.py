@@ -1,0 +1,63 @@
+"""Run by tests/test_train_sharding.py in a subprocess with 8 host CPU devices.
+
+Prints one JSON object: the losses and final parameters of the same train steps on a
+1-device mesh, an 8-way data mesh and a 4 x 2 (data, model) mesh, plus a whole ``run`` on the
+4 x 2 mesh.
+"""
+
+import os
+import sys
+
+os.environ["XLA_FLAGS"] = "--xla_force_host_platform_device_count=8"
+
+import json
+
+import jax
+import numpy as np
+from small_config import small
+
+from lmuscale.data import TrainBatches, open_dataset
+from lmuscale.models import build
+from lmuscale.train import model_config, optim, run
+from lmuscale.train import step as step_lib
+
+
+def steps(config, mesh, n: int):
+    model = build(model_config(config.model))
+    tx, lr = optim.optimizer(config.optim, config.train.steps)
+    init = step_lib.init_fn(model, tx, optim.plateau(config.optim), 0, config.data.seq_len)
+    abstract = jax.eval_shape(init)
+    state = step_lib.init_state(init, mesh)
+    train_step = step_lib.make_train_step(model, tx, lr, mesh, abstract)
+    batches = TrainBatches(open_dataset(config.data.path), seq_len=32, global_batch=16, seed=0)
+    sharding = step_lib.batch_sharding(mesh, 3, axis=1)
+    losses, layouts = [], set()
+    for s in range(n):
+        tokens = step_lib.to_global(batches(s).reshape(2, 8, 33), sharding)
+        state, metrics = train_step(state, tokens)
+        losses.append([float(metrics["loss"]), float(metrics["grad_norm"])])
+    for leaf in jax.tree.leaves(state["params"]):
+        layouts.add(json.dumps(list(leaf.sharding.spec)))
+    params = [np.asarray(leaf).ravel().tolist() for leaf in jax.tree.leaves(state["params"])]
+    return {"losses": losses, "params": params, "layouts": sorted(layouts)}
+
+
+def main(data: str, workdir: str) -> None:
+    assert jax.device_count() == 8, jax.devices()
+    config = small(data)
+    config.train.update(global_batch=16, microbatches=2)
+    out = {}
+    for name, devices, model_axis in [
+        ("1", jax.devices()[:1], 1),
+        ("8", jax.devices(), 1),
+        ("4x2", jax.devices(), 2),
+    ]:
+        out[name] = steps(config, step_lib.make_mesh(model_axis, devices), 5)
+    run_config = small(data)
+    run_config.mesh.model = 2
+    out["run"] = run(run_config, workdir)
+    print(json.dumps(out))
+
+
+if __name__ == "__main__":
+    main(*sys.argv[1:])

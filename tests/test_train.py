@@ -1,0 +1,221 @@
+"""The training loop in-process: schedule, plateau, accumulation, evaluation, logs, failures."""
+
+from __future__ import annotations
+
+import json
+import math
+import struct
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from small_config import small
+
+from lmuscale.data import open_dataset
+from lmuscale.models import build, count_params
+from lmuscale.train import ConfigError, TrainingDiverged, model_config, optim, run
+from lmuscale.train import step as step_lib
+from lmuscale.train.checkpoint import Checkpoints
+
+
+def test_schedule_is_linear_warmup_then_cosine_to_zero():
+    lr = optim.schedule(peak=2.0, warmup_steps=10, total_steps=110)
+    for s in range(0, 111, 5):
+        warm, cosine = 2.0 * s / 10, 0.5 * 2.0 * (1 + math.cos(math.pi * (s - 10) / 100))
+        want = warm if s < 10 else cosine
+        assert float(lr(s)) == pytest.approx(want, rel=1e-6, abs=1e-7), s
+    assert float(lr(10)) == pytest.approx(2.0)
+    assert float(lr(60)) == pytest.approx(1.0)
+    assert float(lr(110)) == pytest.approx(0.0, abs=1e-7)
+
+
+def test_plateau_halves_the_scale_after_patience_evaluations_without_improvement():
+    c = small().optim
+    c.update(plateau_factor=0.5, plateau_patience=2, plateau_rtol=0.01)
+    transform = optim.plateau(c)
+    state = transform.init({"w": jnp.zeros(3)})
+    scales = []
+    # 4.97 is not an improvement on 5.0 by 1%; 4.0 is.
+    for value in [5.0, 4.97, 4.97, 4.0, 4.0, 3.99, 3.99, 3.99, 3.99]:
+        state = optim.plateau_update(transform, state, value)
+        scales.append(float(state.scale))
+    assert scales == [1.0, 1.0, 0.5, 0.5, 0.5, 0.25, 0.25, 0.125, 0.125]
+
+
+def _setup(config, microbatches, mesh=None):
+    config.train.microbatches = microbatches
+    model = build(model_config(config.model))
+    tx, lr = optim.optimizer(config.optim, config.train.steps)
+    plateau = optim.plateau(config.optim)
+    init = step_lib.init_fn(model, tx, plateau, 0, config.data.seq_len)
+    mesh = mesh or step_lib.make_mesh(1)
+    train_step = step_lib.make_train_step(model, tx, lr, mesh, jax.eval_shape(init))
+    return step_lib.init_state(init, mesh), train_step
+
+
+def test_gradient_accumulation_equals_one_large_batch(byte_corpus):
+    from lmuscale.data import TrainBatches
+
+    config = small(str(byte_corpus))
+    config.optim.warmup_steps = 0
+    dataset = open_dataset(byte_corpus)
+    batches = TrainBatches(dataset, seq_len=32, global_batch=8, seed=0)
+    results = {}
+    for micro in (1, 4):
+        state, train_step = _setup(small(str(byte_corpus)), micro)
+        losses = []
+        for s in range(3):
+            tokens = jnp.asarray(batches(s).reshape(micro, -1, 33))
+            state, metrics = train_step(state, tokens)
+            losses.append((float(metrics["loss"]), float(metrics["grad_norm"])))
+        results[micro] = (losses, jax.device_get(state["params"]))
+    np.testing.assert_allclose(results[1][0], results[4][0], rtol=2e-6)
+    flat1, flat4 = (jax.tree.leaves(results[m][1]) for m in (1, 4))
+    for a, b in zip(flat1, flat4, strict=True):
+        np.testing.assert_allclose(a, b, rtol=0, atol=2e-5)
+
+
+@pytest.fixture(scope="module")
+def finished(byte_corpus, tmp_path_factory):
+    """One complete small run: (config, workdir, summary)."""
+    workdir = tmp_path_factory.mktemp("run")
+    config = small(str(byte_corpus))
+    config.optim.update(plateau_rtol=0.5, plateau_patience=1)  # the plateau scale will move
+    summary = run(config, workdir)
+    return config, workdir, summary
+
+
+def _final_params(config, workdir):
+    model = build(model_config(config.model))
+    tx, _ = optim.optimizer(config.optim, config.train.steps)
+    init = step_lib.init_fn(model, tx, optim.plateau(config.optim), 0, config.data.seq_len)
+    checkpoints = Checkpoints(workdir / "checkpoints", keep=2)
+    state, meta = checkpoints.restore(checkpoints.latest_step(), jax.eval_shape(init))
+    checkpoints.close()
+    return model, state, meta
+
+
+def test_final_losses_equal_a_direct_evaluation_of_every_window(finished, byte_corpus):
+    config, workdir, summary = finished
+    model, state, _ = _final_params(config, workdir)
+    dataset = open_dataset(byte_corpus)
+    for split in ("val", "test"):
+        n = dataset.windows(split, 32)
+        windows = dataset.read_windows(split, 32, np.arange(n))
+        _, per_position = model.apply(
+            state["params"], windows[:, :-1], windows[:, 1:], method=model.loss
+        )
+        per_position = np.asarray(per_position, np.float64)
+        assert summary[f"{split}_tokens"] == n * 32
+        assert summary[f"{split}_loss"] == pytest.approx(per_position.mean(), rel=1e-5)
+        np.testing.assert_allclose(summary[f"{split}_per_position"], per_position.mean(0), 1e-5)
+        meta = dataset.meta["splits"][split]
+        bits = per_position.mean() / math.log(2) * meta["tokens"] / meta["bytes"]
+        assert summary[f"{split}_bits_per_byte"] == pytest.approx(bits, rel=1e-5)
+    assert summary["status"] == "finished"
+    assert summary["params"]["non_embedding"] == count_params(model.config).non_embedding
+    assert summary["tokens"] == 12 * 8 * 32
+
+
+def test_metrics_log_every_step_with_its_learning_rate(finished):
+    config, workdir, _ = finished
+    records = [json.loads(line) for line in (workdir / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in records] == list(range(1, 13))
+    evals = [json.loads(line) for line in (workdir / "eval.jsonl").read_text().splitlines()]
+    assert [e["step"] for e in evals] == [4, 8, 12]
+    # plateau_rtol 0.5, patience 1: each evaluation after the first halves the scale
+    assert [e["lr_scale"] for e in evals] == [1.0, 0.5, 0.25]
+    lr = optim.schedule(config.optim.learning_rate, 2, 12)
+    for r in records:
+        scale = 1.0 if r["step"] <= 8 else 0.5  # the scale set by the evaluation before
+        assert r["lr"] == pytest.approx(float(lr(r["step"] - 1)) * scale, rel=1e-6, abs=1e-8)
+        assert r["tokens"] == r["step"] * 8 * 32
+        assert r["grad_norm"] > 0 and r["loss"] > 0 and r["elapsed"] > 0
+        assert r["mfu"] is None  # no peak is known for a CPU
+    assert all(r["tokens_per_second"] > 0 for r in records[1:])
+    assert records[0]["loss"] == pytest.approx(math.log(256), abs=0.1)
+
+
+def _tensorboard_scalars(folder) -> dict:
+    """tag -> {step: value} from TFRecord event files (length, crc, Event proto, crc)."""
+    from tensorboardX.proto import event_pb2
+
+    scalars = {}
+    for path in sorted(folder.glob("events.out.tfevents.*")):
+        data = path.read_bytes()
+        offset = 0
+        while offset < len(data):
+            (length,) = struct.unpack("<Q", data[offset : offset + 8])
+            event = event_pb2.Event.FromString(data[offset + 12 : offset + 12 + length])
+            offset += 12 + length + 4
+            for value in event.summary.value:
+                scalars.setdefault(value.tag, {})[event.step] = value.simple_value
+    return scalars
+
+
+def test_tensorboard_holds_the_same_scalars(finished):
+    _, workdir, _ = finished
+    scalars = _tensorboard_scalars(workdir / "tensorboard")
+    records = [json.loads(line) for line in (workdir / "metrics.jsonl").read_text().splitlines()]
+    assert scalars["train/loss"] == pytest.approx({r["step"]: r["loss"] for r in records})
+    assert sorted(scalars["eval/val_loss"]) == [4, 8, 12]
+
+
+def test_a_finished_run_is_not_run_again(finished):
+    config, workdir, summary = finished
+    before = (workdir / "metrics.jsonl").read_bytes()
+    assert run(config, workdir) == summary
+    assert (workdir / "metrics.jsonl").read_bytes() == before
+
+
+COMPILATIONS: list[str] = []
+jax.monitoring.register_event_duration_secs_listener(
+    lambda name, *args, **kwargs: COMPILATIONS.append(name) if "backend_compile" in name else None
+)
+
+
+def test_the_compilation_listener_sees_compilations():
+    COMPILATIONS.clear()
+    jax.jit(lambda x: x * 3 + 1)(jnp.arange(7.0))
+    assert COMPILATIONS
+
+
+@pytest.mark.parametrize(
+    ("changes", "message"),
+    [
+        ({"data.path": "{missing}"}, r"no dataset at .*missing; prepare one with"),
+        ({"data.tokenizer": "gpt2"}, r"meta\.json: the dataset was tokenised with 'bytes' but"),
+        ({"model.vocab_size": 512}, r"meta\.json: the dataset's vocabulary has 256 ids .* 512"),
+        ({"data.seq_len": 100_000}, r"data: .*val\.bin: the val split has \d+ tokens, fewer than"),
+        ({"data.path": ""}, r"data\.path is empty"),
+    ],
+)
+def test_bad_datasets_are_rejected_before_anything_compiles(
+    byte_corpus, tmp_path, changes, message
+):
+    config = small(str(byte_corpus))
+    for key, value in changes.items():
+        section, name = key.split(".")
+        config[section][name] = (
+            value.format(missing=tmp_path / "missing") if isinstance(value, str) else value
+        )
+    COMPILATIONS.clear()
+    with pytest.raises(ConfigError, match=message):
+        run(config, tmp_path / "work")
+    assert not COMPILATIONS
+    assert not (tmp_path / "work").exists()
+
+
+def test_a_diverging_run_stops_and_keeps_the_last_good_checkpoint(byte_corpus, tmp_path):
+    config = small(str(byte_corpus))
+    # warmup step 0 has lr 0; step 1 has lr 2.5e37: the parameters overflow at step 2
+    config.optim.update(learning_rate=1e38, warmup_steps=4)
+    config.checkpoint.every = 1
+    with pytest.raises(TrainingDiverged, match=r"diverged at step 2: .*last good checkpoint is"):
+        run(config, tmp_path)
+    summary = json.loads((tmp_path / "summary.json").read_text())
+    assert summary["status"] == "diverged" and summary["step"] == 2
+    assert Checkpoints(tmp_path / "checkpoints", keep=2).latest_step() == 1
+    _, state, _ = _final_params(config, tmp_path)
+    assert all(np.isfinite(leaf).all() for leaf in jax.tree.leaves(state["params"]))

@@ -1,0 +1,155 @@
+"""Training configs: files, named configs, command-line overrides, and every rejection."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from lmuscale.models import NAMES, named_config
+from lmuscale.train import ConfigError, load, model_config, override
+from lmuscale.train.__main__ import main, parse
+from lmuscale.train.loop import check_workdir
+
+ROOT = Path(__file__).resolve().parents[1]
+OWT2 = ROOT / "experiments" / "owt2.py"
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_paper_configs_are_table3_models_with_the_papers_training(name):
+    config = load(f"{OWT2}:{name}")
+    assert model_config(config.model) == named_config(name)
+    assert config.train.steps == 25_000
+    assert config.train.global_batch * config.data.seq_len == 512 * 1024
+    assert config.train.steps * 512 * 1024 == 13_107_200_000  # "13.1B tokens"
+    assert config.optim.learning_rate == 1e-3  # Keras/optax Adam default
+    assert (config.optim.b1, config.optim.b2, config.optim.eps) == (0.9, 0.999, 1e-8)
+
+
+def test_data_path_comes_from_the_environment(monkeypatch):
+    monkeypatch.setenv("LMUSCALE_OWT2", "/somewhere/owt2")
+    assert load(f"{OWT2}:lmu-55k").data.path == "/somewhere/owt2"
+
+
+def test_unknown_name_names_the_file_and_line():
+    with pytest.raises(ConfigError, match=r"owt2\.py:\d+: ValueError: unknown config 'lmu-2M'"):
+        load(f"{OWT2}:lmu-2M")
+
+
+def test_overrides_are_typed_like_their_defaults():
+    config = load(f"{OWT2}:tiny")
+    override(
+        config,
+        [
+            "train.steps=100",
+            "optim.learning_rate=3e-4",
+            "optim.grad_clip=1",
+            "model.dtype=bfloat16",
+            "log.progress=false",
+            "data.path=/x",
+        ],
+    )
+    assert config.train.steps == 100 and isinstance(config.train.steps, int)
+    assert config.optim.learning_rate == 3e-4
+    assert config.optim.grad_clip == 1.0 and isinstance(config.optim.grad_clip, float)
+    assert model_config(config.model).dtype == "bfloat16"
+    assert config.log.progress is False
+    assert config.data.path == "/x"
+
+
+@pytest.mark.parametrize(
+    ("item", "message"),
+    [
+        ("train.stepz=5", r"unknown config key 'train\.stepz'; did you mean 'train\.steps'"),
+        ("nope=1", r"unknown config key 'nope'"),
+        ("train.steps=abc", r"--config\.train\.steps: expected an int, got 'abc'"),
+        ("train.steps=1.5", r"expected an int, got '1\.5'"),
+        ("log.progress=maybe", r"expected a bool"),
+        ("train.steps", r"expected --config\.KEY=VALUE"),
+        ("train.steps=0", r"train\.steps must be > 0, got 0"),
+        ("train.microbatches=3", r"global_batch \(16\) must be a multiple of train\.microbatches"),
+        ("optim.warmup_steps=250", r"warmup_steps \(250\) must be below train\.steps \(250\)"),
+        ("model.family=rnn", r"model\.family must be lmu, lmu_g or transformer"),
+        ("model.q=0", r"model: .*q"),
+    ],
+)
+def test_bad_overrides_are_rejected_by_name(item, message):
+    with pytest.raises(ConfigError, match=message):
+        override(load(f"{OWT2}:tiny"), [item])
+
+
+def test_transformer_sequence_cannot_exceed_its_positions():
+    with pytest.raises(ConfigError, match=r"data\.seq_len \(2048\) exceeds model\.max_len"):
+        override(load(f"{OWT2}:transformer-55k"), ["data.seq_len=2048"])
+
+
+def _config_file(tmp_path, body: str) -> str:
+    path = tmp_path / "exp.py"
+    path.write_text(
+        "from lmuscale.models import named_config\n"
+        "from lmuscale.train import base_config\n\n"
+        "def get_config(name):\n"
+        "    config = base_config(named_config('lmu-55k'))\n"
+        f"{body}"
+        "    return config\n"
+    )
+    return f"{path}:x"
+
+
+@pytest.mark.parametrize(
+    ("body", "message"),
+    [
+        (
+            "    config.train.learning_rate = 1.0\n",
+            r"exp\.py: unknown config key 'train\.learning_rate'; did you mean 'optim\.lea",
+        ),
+        ("    config.train.steps = '100'\n", r"exp\.py:6: TypeError: .*field 'steps'"),
+        ("    config.train.steps = True\n", r"train\.steps must be an int, got True \(bool\)"),
+        ("    config.model.d = 1.5\n", r"exp\.py:6: TypeError: .*field 'd'"),
+        ("    del config['eval']\n", r"exp\.py: missing keys eval\.batches"),
+        ("    config.data.seq_len = (\n", r"exp\.py:\d+: SyntaxError"),
+    ],
+)
+def test_bad_config_files_are_rejected_with_file_and_key(tmp_path, body, message):
+    with pytest.raises(ConfigError, match=message):
+        load(_config_file(tmp_path, body))
+
+
+def test_a_config_file_cannot_add_keys(tmp_path):
+    body = "    with config.unlocked():\n        config.train.stepz = 3\n"
+    with pytest.raises(ConfigError, match=r"exp\.py: unknown config key 'train\.stepz'"):
+        load(_config_file(tmp_path, body))
+
+
+def test_missing_config_file():
+    with pytest.raises(ConfigError, match=r"config file 'nowhere\.py' not found"):
+        load("nowhere.py:x")
+
+
+def test_loaded_configs_are_locked():
+    config = load(f"{OWT2}:tiny")
+    with pytest.raises(AttributeError):
+        config.train.stepz = 1
+
+
+def test_command_line_parsing_and_exit_code(capsys):
+    args, overrides = parse(
+        ["--config", "e.py:x", "--config.train.steps", "5", "--workdir", "w", "--config.a=b"]
+    )
+    assert (args.config, args.workdir, overrides) == ("e.py:x", "w", ["train.steps=5", "a=b"])
+    code = main(["--config", f"{OWT2}:tiny", "--workdir", "unused", "--config.train.stepz=5"])
+    assert code == 1
+    assert "unknown config key 'train.stepz'" in capsys.readouterr().err
+
+
+def test_resuming_another_config_is_refused_but_log_settings_may_change(tmp_path):
+    config = load(f"{OWT2}:tiny")
+    (tmp_path / "checkpoints" / "200").mkdir(parents=True)
+    (tmp_path / "config.json").write_text(json.dumps(config.to_dict()))
+    changed = override(load(f"{OWT2}:tiny"), ["log.every=7", "log.progress=false"])
+
+    check_workdir(changed, tmp_path)
+    other = override(load(f"{OWT2}:tiny"), ["optim.learning_rate=0.01"])
+    with pytest.raises(ConfigError, match=r"optim\.learning_rate: 0\.003 -> 0\.01"):
+        check_workdir(other, tmp_path)

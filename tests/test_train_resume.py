@@ -1,0 +1,142 @@
+"""Exact resume: a run killed with SIGKILL and started again equals an uninterrupted run.
+
+Both runs are real subprocesses of ``python -m lmuscale.train``. The killed run is stopped as
+soon as its first checkpoint is complete; the restarted run must then log the same losses, the
+same validation losses and plateau scales, and end with bit-identical parameters.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import jax
+import numpy as np
+import pytest
+
+from lmuscale.train.checkpoint import Checkpoints
+
+HERE = Path(__file__).resolve().parent
+STEPS = 120
+OVERRIDES = [
+    f"--config.train.steps={STEPS}",
+    "--config.checkpoint.every=10",
+    "--config.checkpoint.keep=3",
+    "--config.eval.every=6",
+    # every evaluation after the first lowers the plateau scale, so its state must resume too
+    "--config.optim.plateau_rtol=0.5",
+    "--config.optim.plateau_patience=1",
+    "--config.optim.plateau_min_scale=0.01",
+]
+
+
+def _command(workdir: Path) -> list[str]:
+    config = f"{HERE / 'small_config.py'}:small"
+    return [sys.executable, "-m", "lmuscale.train", "--config", config, "--workdir", str(workdir)]
+
+
+def _env(data: Path) -> dict:
+    return {**os.environ, "LMUSCALE_TEST_DATA": str(data), "PYTHONPATH": str(HERE)}
+
+
+def _train(workdir: Path, data: Path) -> None:
+    result = subprocess.run(
+        [*_command(workdir), *OVERRIDES, "--quiet"],
+        env=_env(data),
+        capture_output=True,
+        text=True,
+        timeout=600,
+        check=False,
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+
+
+def _complete_checkpoints(workdir: Path) -> list[int]:
+    folder = workdir / "checkpoints"
+    if not folder.is_dir():
+        return []
+    return sorted(int(p.name) for p in folder.iterdir() if p.name.isdigit())
+
+
+def _records(path: Path, keys) -> list:
+    lines = path.read_text().splitlines()
+    return [tuple(json.loads(line)[k] for k in keys) for line in lines]
+
+
+def _params(workdir: Path):
+    checkpoints = Checkpoints(workdir / "checkpoints", keep=3)
+    step = checkpoints.latest_step()
+    restored = checkpoints.manager.restore(step)
+    checkpoints.close()
+    return step, jax.tree.leaves(restored["state"]["params"])
+
+
+@pytest.fixture(scope="module")
+def runs(byte_corpus, tmp_path_factory):
+    root = tmp_path_factory.mktemp("resume")
+    whole, killed = root / "whole", root / "killed"
+    _train(whole, byte_corpus)
+
+    process = subprocess.Popen(
+        [*_command(killed), *OVERRIDES, "--quiet"],
+        env=_env(byte_corpus),
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+    )
+    deadline = time.monotonic() + 300
+    while not _complete_checkpoints(killed) and process.poll() is None:
+        assert time.monotonic() < deadline, "no checkpoint within 300 s"
+        time.sleep(0.01)
+    process.send_signal(signal.SIGKILL)
+    process.wait()
+    stderr = process.stderr.read().decode()
+    process.stderr.close()
+    interrupted = {
+        "returncode": process.returncode,
+        "checkpoints": _complete_checkpoints(killed),
+        "logged": len((killed / "metrics.jsonl").read_text().splitlines()),
+        "stderr": stderr,
+    }
+    print(f"killed run: { ({k: v for k, v in interrupted.items() if k != 'stderr'}) }")
+    _train(killed, byte_corpus)
+    return whole, killed, interrupted
+
+
+def test_the_run_was_killed_mid_run_after_a_checkpoint(runs):
+    _, killed, interrupted = runs
+    assert interrupted["returncode"] == -signal.SIGKILL, interrupted["stderr"][-2000:]
+    assert interrupted["checkpoints"], "killed before any checkpoint"
+    assert max(interrupted["checkpoints"]) < STEPS
+    assert (killed / "summary.json").exists()  # written by the second start
+
+
+def test_resumed_losses_equal_the_uninterrupted_run_bit_for_bit(runs):
+    whole, killed, _ = runs
+    keys = ("step", "loss", "lr", "grad_norm", "param_norm", "tokens")
+    assert _records(killed / "metrics.jsonl", keys) == _records(whole / "metrics.jsonl", keys)
+    keys = ("step", "val_loss", "lr_scale")
+    evals = _records(whole / "eval.jsonl", keys)
+    assert _records(killed / "eval.jsonl", keys) == evals
+    assert len({scale for _, _, scale in evals}) > 3  # the plateau scale really moved
+
+
+def test_resumed_final_parameters_are_bit_identical(runs):
+    whole, killed, _ = runs
+    step_a, params_a = _params(whole)
+    step_b, params_b = _params(killed)
+    assert step_a == step_b == STEPS
+    for a, b in zip(params_a, params_b, strict=True):
+        assert a.dtype == b.dtype and np.array_equal(a, b)
+
+
+def test_resumed_summary_equals_the_uninterrupted_one(runs):
+    whole, killed, _ = runs
+    a = json.loads((whole / "summary.json").read_text())
+    b = json.loads((killed / "summary.json").read_text())
+    for key in ("val_loss", "test_loss", "val_per_position", "lr_scale", "tokens"):
+        assert a[key] == b[key], key
