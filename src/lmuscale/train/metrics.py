@@ -89,9 +89,8 @@ class MetricsLog:
         if tensorboard:
             from tensorboardX import SummaryWriter
 
-            self.writer = SummaryWriter(
-                str(workdir / "tensorboard"), purge_step=resume_step + 1 if resume_step else None
-            )
+            # Also at step 0: a run killed before its first checkpoint left events to hide.
+            self.writer = SummaryWriter(str(workdir / "tensorboard"), purge_step=resume_step + 1)
 
     def write(self, kind: str, record: dict) -> None:
         if not self.enabled:
