@@ -24,21 +24,18 @@ from pathlib import Path
 import jax
 import numpy as np
 from common import machine, print_table, versions, write_json
-from ml_collections import ConfigDict
 
 from lmuscale.models import build, count_params, flops_per_token, named_config
-from lmuscale.models.sizes import FAMILIES, SIZES, TransformerConfig
+from lmuscale.models.sizes import FAMILIES, SIZES
 from lmuscale.train import base_config, optim
 from lmuscale.train import step as step_lib
 from lmuscale.train.metrics import device_peak, mfu
 
 
 def measure(name: str, seq_len: int, batch: int, dtype: str, steps: int, peak) -> dict:
-    overrides = {"dtype": dtype}
-    config = named_config(name, **overrides)
-    if isinstance(config, TransformerConfig):
-        config = named_config(name, max_len=seq_len, **overrides)
-    train: ConfigDict = base_config(config)
+    positions = {"max_len": seq_len} if name.startswith("transformer") else {}
+    config = named_config(name, dtype=dtype, **positions)
+    train = base_config(config)
     model = build(config)
     tx, lr = optim.optimizer(train.optim, train.train.steps)
     init = step_lib.init_fn(model, tx, optim.plateau(train.optim), 0, seq_len)

@@ -57,13 +57,13 @@ def _setup(config, microbatches, mesh=None):
 def test_gradient_accumulation_equals_one_large_batch(byte_corpus):
     from lmuscale.data import TrainBatches
 
-    config = small(str(byte_corpus))
-    config.optim.warmup_steps = 0
     dataset = open_dataset(byte_corpus)
     batches = TrainBatches(dataset, seq_len=32, global_batch=8, seed=0)
     results = {}
     for micro in (1, 4):
-        state, train_step = _setup(small(str(byte_corpus)), micro)
+        config = small(str(byte_corpus))
+        config.optim.warmup_steps = 0  # every one of the 3 steps updates the parameters
+        state, train_step = _setup(config, micro)
         losses = []
         for s in range(3):
             tokens = jnp.asarray(batches(s).reshape(micro, -1, 33))

@@ -20,8 +20,7 @@ class Checkpoints:
         options = ocp.CheckpointManagerOptions(
             max_to_keep=keep, create=True, cleanup_tmp_directories=True
         )
-        self.directory = Path(directory)
-        self.manager = ocp.CheckpointManager(self.directory.absolute(), options=options)
+        self.manager = ocp.CheckpointManager(Path(directory).absolute(), options=options)
 
     def latest_step(self) -> int | None:
         return self.manager.latest_step()

@@ -23,6 +23,19 @@ from lmuscale.models import LMUConfig, ModelConfig, TransformerConfig
 
 # Keys that may differ when a run resumes: none of them changes the trained numbers.
 RESUMABLE_CHANGES = ("log.", "distributed.", "data.verify", "data.path", "peak_flops")
+POSITIVE = (
+    "train.steps",
+    "train.global_batch",
+    "train.microbatches",
+    "data.seq_len",
+    "eval.every",
+    "eval.global_batch",
+    "checkpoint.every",
+    "checkpoint.keep",
+    "log.every",
+    "mesh.model",
+)
+NON_NEGATIVE = ("optim.warmup_steps", "optim.grad_clip", "eval.batches", "eval.final_batches")
 
 
 class ConfigError(ValueError):
@@ -157,14 +170,11 @@ def _check_values(c: ConfigDict, where: str) -> None:
             sign = ">= 0" if allow_zero else "> 0"
             raise ConfigError(f"{where}: {key} must be {sign}, got {value!r}")
 
-    for key in ("train.steps", "train.global_batch", "train.microbatches", "data.seq_len"):
-        positive(key, flatten(c)[key])
-    for key in ("eval.every", "eval.global_batch", "checkpoint.every", "checkpoint.keep"):
-        positive(key, flatten(c)[key])
-    for key in ("log.every", "mesh.model"):
-        positive(key, flatten(c)[key])
-    for key in ("optim.warmup_steps", "optim.grad_clip", "eval.batches", "eval.final_batches"):
-        positive(key, flatten(c)[key], allow_zero=True)
+    values = flatten(c)
+    for key in POSITIVE:
+        positive(key, values[key])
+    for key in NON_NEGATIVE:
+        positive(key, values[key], allow_zero=True)
     if c.train.global_batch % c.train.microbatches:
         raise ConfigError(
             f"{where}: train.global_batch ({c.train.global_batch}) must be a multiple of "
