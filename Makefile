@@ -7,9 +7,12 @@ STAMP := $(VENV)/.installed
 .PHONY: demo test
 
 demo: $(STAMP)
-	$(BIN)/python -m lmuscale.demo
+	$(BIN)/python -m lmuscale.sweep sweeps/demo.py
 
+# scripts/slurm/install.sh installs slurm-wlm and munge (as root, with apt-get) for the SLURM
+# test; where it cannot, it says so and that one test skips.
 test: $(STAMP)
+	bash scripts/slurm/install.sh
 	$(BIN)/ruff check .
 	$(BIN)/ruff format --check .
 	$(BIN)/python -m pytest

@@ -140,3 +140,32 @@ def test_resumed_summary_equals_the_uninterrupted_one(runs):
     b = json.loads((killed / "summary.json").read_text())
     for key in ("val_loss", "test_loss", "val_per_position", "lr_scale", "tokens"):
         assert a[key] == b[key], key
+
+
+def test_sigterm_writes_a_checkpoint_at_the_current_step_and_resumes_exactly(runs, tmp_path):
+    """What a scheduler's preemption notice does: stop after this step, with a checkpoint."""
+    whole, _, _ = runs
+    stopped = tmp_path / "stopped"
+    data = Path(json.loads((whole / "config.json").read_text())["data"]["path"])
+    process = subprocess.Popen(
+        [*_command(stopped), *OVERRIDES, "--quiet"],
+        env=_env(data),
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+    )
+    metrics = stopped / "metrics.jsonl"
+    deadline = time.monotonic() + 300
+    while not (metrics.exists() and len(metrics.read_text().splitlines()) >= 13):
+        assert process.poll() is None and time.monotonic() < deadline
+        time.sleep(0.01)
+    process.send_signal(signal.SIGTERM)
+    _, stderr = process.communicate(timeout=120)
+    assert process.returncode == 4, stderr.decode()[-2000:]
+    logged = json.loads(metrics.read_text().splitlines()[-1])["step"]
+    assert "stopped: SIGTERM received" in stderr.decode()
+    assert max(_complete_checkpoints(stopped)) == logged < STEPS
+    _train(stopped, data)
+    keys = ("step", "loss", "lr", "grad_norm", "param_norm", "tokens")
+    assert _records(stopped / "metrics.jsonl", keys) == _records(whole / "metrics.jsonl", keys)
+    keys = ("step", "val_loss", "lr_scale")
+    assert _records(stopped / "eval.jsonl", keys) == _records(whole / "eval.jsonl", keys)

@@ -7,11 +7,12 @@ Python, ``run(load("experiments/owt2.py:tiny"), "runs/tiny")``.
 from __future__ import annotations
 
 from lmuscale.train.config import ConfigError, base_config, load, model_config, override
-from lmuscale.train.loop import TrainingDiverged, run
+from lmuscale.train.loop import TrainingDiverged, TrainingInterrupted, run
 
 __all__ = [
     "ConfigError",
     "TrainingDiverged",
+    "TrainingInterrupted",
     "base_config",
     "load",
     "model_config",

@@ -2,7 +2,8 @@
 
 Runs (or resumes) one training run. Exit status: 0 when finished, 1 for a bad config or
 dataset (the message names the key, file or value), 2 for bad arguments, 3 when the loss
-diverged.
+diverged, 4 when SIGTERM/SIGUSR1/SIGUSR2 stopped it after a checkpoint (run it again to
+resume).
 """
 
 from __future__ import annotations
@@ -40,7 +41,14 @@ def parse(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
 
 def main(argv: list[str] | None = None) -> int:
     args, overrides = parse(sys.argv[1:] if argv is None else argv)
-    from lmuscale.train import ConfigError, TrainingDiverged, load, override, run
+    from lmuscale.train import (
+        ConfigError,
+        TrainingDiverged,
+        TrainingInterrupted,
+        load,
+        override,
+        run,
+    )
 
     try:
         config = override(load(args.config), overrides)
@@ -51,6 +59,9 @@ def main(argv: list[str] | None = None) -> int:
     except TrainingDiverged as error:
         print(f"error: {error}", file=sys.stderr)
         return 3
+    except TrainingInterrupted as error:
+        print(f"stopped: {error}", file=sys.stderr)
+        return 4
     print(
         f"val loss {summary['val_loss']:.4f} nats ({summary['val_bits_per_byte']:.4f} bits/byte), "
         f"test loss {summary['test_loss']:.4f} nats; summary in {args.workdir}/summary.json"

@@ -215,7 +215,7 @@ def load(spec: str) -> ConfigDict:
     except ConfigError:
         raise
     except Exception as error:
-        raise ConfigError(f"{_where_in(path, error)}: {type(error).__name__}: {error}") from None
+        raise ConfigError(f"{where_in(path, error)}: {type(error).__name__}: {error}") from None
     if not isinstance(config, ConfigDict):
         raise ConfigError(f"{path}: get_config returned {type(config).__name__}, not ConfigDict")
     check(config, where=str(path))
@@ -223,7 +223,7 @@ def load(spec: str) -> ConfigDict:
     return config
 
 
-def _where_in(path: Path, error: BaseException) -> str:
+def where_in(path: Path, error: BaseException) -> str:
     """``file:line`` of the deepest frame of ``error`` inside ``path`` (else just the file)."""
     line = None
     for frame in traceback.extract_tb(error.__traceback__):

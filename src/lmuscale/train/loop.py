@@ -14,6 +14,11 @@ Workdir:
   eval.jsonl      one line per validation (val loss, plateau scale)
   tensorboard/    the same scalars as event files
   summary.json    at the end: final val/test loss, per-position loss, bits per byte, sizes
+
+SIGTERM, SIGUSR1 or SIGUSR2 (a scheduler's notice of preemption or time limit) makes a
+single-process run write a checkpoint at the end of the current step and raise
+``TrainingInterrupted``, so a requeued run loses nothing. Schedulers often send more than one
+of them at once, so further signals change nothing; SIGKILL stops a run at once.
 """
 
 from __future__ import annotations
@@ -21,6 +26,8 @@ from __future__ import annotations
 import dataclasses
 import json
 import math
+import signal
+import threading
 import time
 from pathlib import Path
 
@@ -43,8 +50,39 @@ EMBEDDED_SOURCES = ("shakespeare",)
 SUMMARY = "summary.json"
 
 
+STOP_SIGNALS = (signal.SIGTERM, signal.SIGUSR1, signal.SIGUSR2)
+
+
 class TrainingDiverged(RuntimeError):
     """The loss or the parameters became NaN or infinite."""
+
+
+class TrainingInterrupted(RuntimeError):
+    """A stop signal arrived; the run saved a checkpoint and can be resumed."""
+
+
+class _StopSignals:
+    """Turns the first stop signal into a flag the loop reads between steps."""
+
+    def __init__(self):
+        self.received = None
+        self.previous = {}
+
+    def __enter__(self):
+        # Signals reach only the main thread, and in a multi-process run every process would
+        # have to agree on the step to stop at: there the default handling stays.
+        if threading.current_thread() is threading.main_thread() and jax.process_count() == 1:
+            for sig in STOP_SIGNALS:
+                self.previous[sig] = signal.signal(sig, self._handle)
+        return self
+
+    def _handle(self, signum, frame):
+        self.received = self.received or signal.Signals(signum).name
+
+    def __exit__(self, *exc):
+        for sig, handler in self.previous.items():
+            signal.signal(sig, handler)
+        self.previous = {}
 
 
 def initialize_distributed(section) -> None:
@@ -180,7 +218,8 @@ def run(config: ConfigDict, workdir: str | Path, *, progress: bool | None = None
         atomic_write_json(workdir / "config.json", c.to_dict())
     trainer = _Trainer(c, workdir, model_config, dataset, mesh, primary, show)
     try:
-        return trainer.train()
+        with _StopSignals() as stop:
+            return trainer.train(stop)
     finally:
         trainer.close()
 
@@ -224,7 +263,7 @@ class _Trainer:
 
     # -- the loop ---------------------------------------------------------------------------
 
-    def train(self) -> dict:
+    def train(self, stop: _StopSignals | None = None) -> dict:
         c = self.c
         summary_path = self.workdir / SUMMARY
         if self.start == c.train.steps and summary_path.exists():
@@ -279,10 +318,22 @@ class _Trainer:
                     self.checkpoints.save(done, self.state, {"elapsed": self._elapsed()})
                     self.last_checkpoint = done
                     mark = (time.perf_counter(), done)
+                if stop is not None and stop.received and not last:
+                    self._interrupt(done, pending, stop.received)
         finally:
             bar.close()
         self.checkpoints.wait()
         return self._finish()
+
+    def _interrupt(self, done: int, pending: list, name: str) -> None:
+        self._check(pending)
+        if self.last_checkpoint != done:
+            self.checkpoints.save(done, self.state, {"elapsed": self._elapsed()})
+        self.checkpoints.wait()
+        raise TrainingInterrupted(
+            f"{name} received: stopped after step {done} of {self.c.train.steps} with a "
+            f"checkpoint in {self.workdir / 'checkpoints'}; run again to resume"
+        )
 
     def _check(self, pending) -> list:
         """Fetch pending step metrics; stop at the first step with a non-finite loss."""

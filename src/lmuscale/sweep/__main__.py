@@ -1,0 +1,118 @@
+"""``python -m lmuscale.sweep SWEEP_FILE [--workdir DIR] [--dry-run] [--only PATTERN]
+[--executor local|slurm] [--parallel K] [--detach]``.
+
+Runs every trial of a sweep file (``sweeps/owt2.py``), each in its own folder under
+``WORKDIR/trials/``, and writes ``WORKDIR/results.jsonl`` and ``results.csv``. Run the same
+command again at any time: finished trials are skipped and interrupted ones resume.
+
+Exit status: 0 when every selected trial finished, 1 when one failed, diverged or did not
+finish (the table says which), 2 for bad arguments or a bad sweep file.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+
+def parse(argv: list[str]) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(
+        prog="python -m lmuscale.sweep",
+        description="Run (or resume) the trials of a sweep file and collect their results.",
+    )
+    parser.add_argument("sweep", help="a sweep file, e.g. sweeps/owt2.py")
+    parser.add_argument("--workdir", help="folder of the sweep (default: runs/SWEEP_NAME)")
+    parser.add_argument(
+        "--dry-run",
+        action="store_true",
+        help="print sizes, tokens, FLOPs and estimated times, and run nothing",
+    )
+    parser.add_argument(
+        "--only", metavar="PATTERN", help="trials whose name matches these globs (a,b*,...)"
+    )
+    parser.add_argument("--executor", choices=("local", "slurm"), default="local")
+    parser.add_argument(
+        "--parallel",
+        type=int,
+        metavar="K",
+        help="trials at a time (local: default 1, each on its own GPUs; slurm: array limit)",
+    )
+    parser.add_argument(
+        "--detach", action="store_true", help="slurm: submit and return without waiting"
+    )
+    parser.add_argument(
+        "--slurm",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="a submitit parameter for --executor slurm, e.g. slurm_partition=gpu (repeatable)",
+    )
+    parser.add_argument(
+        "--throughput",
+        type=float,
+        metavar="FLOPS",
+        help="model FLOP/s per trial for --dry-run's estimate (default: the sweep's THROUGHPUT)",
+    )
+    parser.add_argument("--quiet", action="store_true", help="no progress bar")
+    args = parser.parse_args(argv)
+    if args.parallel is not None and args.parallel < 1:
+        parser.error("--parallel must be at least 1")
+    if args.detach and args.executor != "slurm":
+        parser.error("--detach needs --executor slurm")
+    if args.throughput is not None and args.throughput <= 0:
+        parser.error("--throughput must be positive")
+    return args
+
+
+def slurm_params(items: list[str]) -> dict:
+    params = {}
+    for item in items:
+        key, sep, text = item.partition("=")
+        if not sep or not key:
+            raise SystemExit(f"error: --slurm {item!r}: expected KEY=VALUE")
+        for kind in (int, float):
+            try:
+                params[key] = kind(text)
+                break
+            except ValueError:
+                continue
+        else:
+            params[key] = text
+    return params
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse(sys.argv[1:] if argv is None else argv)
+    from lmuscale.sweep.runner import run_sweep, select
+    from lmuscale.sweep.spec import SweepError, load_sweep
+
+    try:
+        sweep = load_sweep(args.sweep)
+        workdir = Path(args.workdir or Path("runs") / sweep.name)
+        if args.dry_run:
+            from lmuscale.sweep.plan import plan, table
+
+            rows = plan(select(sweep, args.only), workdir, args.throughput or sweep.throughput)
+            print(table(rows))
+            return 0
+        return run_sweep(
+            sweep,
+            workdir,
+            only=args.only,
+            executor=args.executor,
+            parallel=args.parallel or (1 if args.executor == "local" else None),
+            detach=args.detach,
+            slurm=slurm_params(args.slurm),
+            show=False if args.quiet else None,
+        )
+    except SweepError as error:
+        print(f"error: {error}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print("interrupted; run the same command again to resume", file=sys.stderr)
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

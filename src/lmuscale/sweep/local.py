@@ -1,0 +1,119 @@
+"""The local executor: each trial in a worker process, one at a time or K at a time.
+
+With K > 1 and GPUs visible, each worker gets its own share of them through
+CUDA_VISIBLE_DEVICES; on a CPU the workers share it.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+from lmuscale.sweep.spec import SweepError
+from lmuscale.sweep.trials import DONE, LOG, is_locked, record_crash, status
+from lmuscale.sweep.worker import BUSY
+
+POLL_SECONDS = 0.5
+STOP_GRACE_SECONDS = 120  # how long stopped workers get to write their checkpoint
+
+
+def gpu_slots(parallel: int) -> list[dict]:
+    """The environment of each of ``parallel`` worker slots."""
+    visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+    if visible is not None:
+        gpus = [g.strip() for g in visible.split(",") if g.strip()]
+    elif shutil.which("nvidia-smi"):
+        listing = subprocess.run(["nvidia-smi", "-L"], capture_output=True, text=True)
+        gpus = [
+            str(i) for i, line in enumerate(listing.stdout.splitlines()) if line.startswith("GPU")
+        ]
+    else:
+        gpus = []
+    if not gpus:
+        return [{} for _ in range(parallel)]
+    if parallel > len(gpus):
+        raise SweepError(f"--parallel {parallel} is more than the {len(gpus)} GPUs visible")
+    per = len(gpus) // parallel
+    return [
+        {"CUDA_VISIBLE_DEVICES": ",".join(gpus[i * per : (i + 1) * per])} for i in range(parallel)
+    ]
+
+
+def run_local(
+    folders: list[Path],
+    parallel: int,
+    on_update: Callable[[dict[Path, str]], None],
+    on_end: Callable[[Path, str], None],
+) -> None:
+    """Train every folder that is not done; ``on_update`` sees the running folders each poll,
+    ``on_end`` each folder whose worker ended (with its status)."""
+    free = gpu_slots(parallel)
+    queue = [f for f in folders if status(f) not in DONE]
+    waiting: list[Path] = []  # locked by another runner: retried when the lock is free
+    running: dict[Path, tuple[subprocess.Popen, dict]] = {}
+    try:
+        while queue or waiting or running:
+            for folder in [f for f in waiting if not is_locked(f)]:
+                waiting.remove(folder)
+                if status(folder) in DONE:
+                    on_end(folder, status(folder))
+                else:
+                    queue.append(folder)
+            while queue and free:
+                folder = queue.pop(0)
+                if is_locked(folder):
+                    waiting.append(folder)
+                    continue
+                slot = free.pop(0)
+                running[folder] = (_start(folder, slot), slot)
+            on_update({f: "running" for f in running} | {f: "waiting" for f in waiting})
+            time.sleep(POLL_SECONDS)
+            for folder, (process, slot) in list(running.items()):
+                code = process.poll()
+                if code is None:
+                    continue
+                del running[folder]
+                free.append(slot)
+                if code == BUSY:
+                    waiting.append(folder)
+                    continue
+                if code not in (0, 3, 4):
+                    record_crash(folder, code)
+                on_end(folder, status(folder))
+    except BaseException:
+        _stop(running)
+        raise
+
+
+def _start(folder: Path, slot: dict) -> subprocess.Popen:
+    with open(folder / LOG, "ab") as log:
+        log.write(f"\n=== {time.strftime('%Y-%m-%d %H:%M:%S')} worker started\n".encode())
+        log.flush()
+        # A session of its own: Ctrl-C reaches the runner, which stops the workers cleanly.
+        return subprocess.Popen(
+            [sys.executable, "-m", "lmuscale.sweep.worker", str(folder)],
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            stdin=subprocess.DEVNULL,
+            env=os.environ | slot,
+            start_new_session=True,
+        )
+
+
+def _stop(running: dict) -> None:
+    """SIGTERM every worker (each writes a checkpoint and exits), then wait for them."""
+    for process, _ in running.values():
+        if process.poll() is None:
+            process.send_signal(signal.SIGTERM)
+    deadline = time.monotonic() + STOP_GRACE_SECONDS
+    for process, _ in running.values():
+        try:
+            process.wait(timeout=max(0.0, deadline - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            process.kill()

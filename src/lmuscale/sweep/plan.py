@@ -1,0 +1,97 @@
+"""``--dry-run``: the sweep as a table of sizes, tokens, FLOPs and an estimated time.
+
+The time of a trial is its training FLOPs (FLOPs per token x tokens) over a throughput in model
+FLOP/s, taken from the first of:
+
+1. ``measured``: the trial's own metrics.jsonl (median tokens/s x FLOPs per token);
+2. ``family``: the median of what the sweep's other trials of the same family measured;
+3. ``configured``: ``--throughput`` or the sweep file's THROUGHPUT.
+
+Evaluation and compilation are not counted.
+"""
+
+from __future__ import annotations
+
+import json
+import statistics
+from pathlib import Path
+
+from lmuscale.sweep.runner import _duration
+from lmuscale.sweep.trials import result_row
+
+
+def measured_flops(folder: Path, flops_per_token: float) -> float | None:
+    """Median model FLOP/s of a trial's logged steps, or None before it has logged any."""
+    speeds = []
+    try:
+        with open(folder / "metrics.jsonl") as f:
+            for line in f:
+                try:
+                    speed = json.loads(line).get("tokens_per_second")
+                except json.JSONDecodeError:
+                    continue
+                if speed:
+                    speeds.append(speed)
+    except FileNotFoundError:
+        return None
+    return statistics.median(speeds) * flops_per_token if speeds else None
+
+
+def plan(trials, workdir: Path, throughput: float | None) -> list[dict]:
+    rows = []
+    for trial in trials:
+        folder = workdir / "trials" / trial.folder_name
+        row = result_row(trial, folder)
+        row["flops_per_second"] = measured_flops(folder, row["flops_per_token"])
+        row["source"] = "measured" if row["flops_per_second"] else None
+        rows.append(row)
+    by_family: dict[str, list[float]] = {}
+    for row in rows:
+        if row["flops_per_second"]:
+            by_family.setdefault(row["family"], []).append(row["flops_per_second"])
+    for row in rows:
+        if row["source"]:
+            continue
+        if row["family"] in by_family:
+            row["flops_per_second"] = statistics.median(by_family[row["family"]])
+            row["source"] = "family"
+        elif throughput:
+            row["flops_per_second"] = throughput
+            row["source"] = "configured"
+    for row in rows:
+        speed = row["flops_per_second"]
+        row["seconds"] = row["total_flops"] / speed if speed else None
+    return rows
+
+
+def _count(n: float) -> str:
+    for unit, scale in (("E", 1e18), ("P", 1e15), ("T", 1e12), ("G", 1e9), ("M", 1e6), ("k", 1e3)):
+        if abs(n) >= scale:
+            return f"{n / scale:.3g}{unit}"
+    return f"{n:.3g}"
+
+
+def table(rows: list[dict]) -> str:
+    """The dry-run table as Markdown, with a total line."""
+    header = (
+        "| trial | family | N (non-emb.) | total params | FLOPs/token | tokens | total FLOPs "
+        "| FLOP/s | from | est. time | status |"
+    )
+    lines = [header, "|---|---|---:|---:|---:|---:|---:|---:|---|---:|---|"]
+    for r in rows:
+        lines.append(
+            f"| {r['trial']} | {r['family']} | {r['N']:,} | {r['total_params']:,} "
+            f"| {_count(r['flops_per_token'])} | {_count(r['tokens'])} "
+            f"| {_count(r['total_flops'])} "
+            f"| {_count(r['flops_per_second']) if r['flops_per_second'] else '-'} "
+            f"| {r['source'] or '-'} | {_duration(r['seconds'])} | {r['status']} |"
+        )
+    known = [r["seconds"] for r in rows if r["seconds"] is not None]
+    total_time = _duration(sum(known)) if known else "-"
+    if known and len(known) < len(rows):
+        total_time += f" ({len(rows) - len(known)} unknown)"
+    lines.append(
+        f"| **total** ({len(rows)}) | | | | | {_count(sum(r['tokens'] for r in rows))} "
+        f"| {_count(sum(r['total_flops'] for r in rows))} | | | {total_time} | |"
+    )
+    return "\n".join(lines)

@@ -1,0 +1,239 @@
+"""Running a sweep: trial folders, embedded data, the executor, the results table.
+
+The runner keeps no state of its own: every trial's status is read from its folder (summary,
+error, lock, checkpoints), and the results table is rewritten from the folders after every
+change. So a runner killed at any moment, started again, picks up where things are: finished
+trials are skipped, interrupted ones resume from their last checkpoint.
+"""
+
+from __future__ import annotations
+
+import fcntl
+import fnmatch
+import os
+import time
+from pathlib import Path
+
+from tqdm import tqdm
+
+from lmuscale.files import atomic_write_json
+from lmuscale.sweep.spec import ResolvedTrial, Sweep, SweepError
+from lmuscale.sweep.trials import (
+    DONE,
+    last_record,
+    prepare_folder,
+    read_json,
+    result_row,
+    status,
+    write_results,
+)
+
+EMBEDDED_SOURCES = ("shakespeare",)
+
+
+def select(sweep: Sweep, only: str | None) -> list[ResolvedTrial]:
+    """The trials whose name matches any of the comma-separated globs in ``only``."""
+    if not only:
+        return list(sweep.trials)
+    patterns = [p.strip() for p in only.split(",") if p.strip()]
+    chosen = [t for t in sweep.trials if any(fnmatch.fnmatchcase(t.name, p) for p in patterns)]
+    if not chosen:
+        names = ", ".join(t.name for t in sweep.trials)
+        raise SweepError(f"--only {only!r} matches no trial of {sweep.path}; the trials: {names}")
+    return chosen
+
+
+def folders(sweep: Sweep, workdir: Path, trials: list[ResolvedTrial]) -> dict[str, Path]:
+    """Create every trial folder (and ``sweep.json``, the index of the sweep's folders)."""
+    workdir.mkdir(parents=True, exist_ok=True)
+    index = {
+        "sweep": str(sweep.path.absolute()),
+        "trials": {t.name: f"trials/{t.folder_name}" for t in sweep.trials},
+    }
+    if read_json(workdir / "sweep.json") != index:
+        atomic_write_json(workdir / "sweep.json", index)
+    out = {}
+    for trial in trials:
+        out[trial.name] = workdir / "trials" / trial.folder_name
+        prepare_folder(out[trial.name], trial)
+    return out
+
+
+def prepare_data(trials: list[ResolvedTrial], progress: bool) -> None:
+    """Prepare each missing embedded dataset once, before workers start (they would race)."""
+    from lmuscale.data.format import META
+    from lmuscale.data.prepare import prepare
+
+    done = set()
+    for trial in trials:
+        data = trial.config.data
+        path = Path(data.path)
+        if data.source not in EMBEDDED_SOURCES or path in done or (path / META).exists():
+            continue
+        path.parent.mkdir(parents=True, exist_ok=True)
+        with open(path.parent / f".{path.name}.lock", "w") as lock:
+            fcntl.flock(lock, fcntl.LOCK_EX)  # another runner may be preparing it
+            if not (path / META).exists():
+                prepare(data.source, [], out=path, tokenizer=data.tokenizer, progress=progress)
+        done.add(path)
+
+
+def results(workdir: Path, sweep: Sweep, paths: dict[str, Path]) -> list[dict]:
+    """Rewrite results.jsonl and results.csv from the folders of every trial of the sweep."""
+    rows = []
+    for trial in sweep.trials:
+        folder = paths.get(trial.name, workdir / "trials" / trial.folder_name)
+        rows.append(result_row(trial, folder))
+    write_results(workdir, rows)
+    return rows
+
+
+class Progress:
+    """A bar over the steps of every selected trial, read from their metrics.jsonl."""
+
+    def __init__(self, paths: dict[str, Path], trials: list[ResolvedTrial], show: bool):
+        self.paths = paths
+        self.steps = {t.name: t.config.train.steps for t in trials}
+        self.bar = tqdm(
+            total=sum(self.steps.values()),
+            unit="step",
+            disable=not show,
+            dynamic_ncols=True,
+            desc="sweep",
+        )
+        self.last = 0.0
+
+    def step_of(self, name: str) -> int:
+        if status(self.paths[name]) in DONE:
+            return self.steps[name]
+        record = last_record(self.paths[name] / "metrics.jsonl")
+        return min(int(record["step"]), self.steps[name]) if record else 0
+
+    def update(self, active: dict[Path, str], force: bool = False) -> None:
+        if self.bar.disable or (not force and time.monotonic() - self.last < 2.0):
+            return
+        self.last = time.monotonic()
+        self.bar.n = sum(self.step_of(name) for name in self.paths)
+        names = [p.name.rsplit("-", 1)[0] for p, s in active.items() if s == "running"]
+        self.bar.set_postfix_str(", ".join(names) or "-", refresh=False)
+        self.bar.refresh()
+
+    def write(self, text: str) -> None:
+        self.bar.write(text) if not self.bar.disable else print(text, flush=True)
+
+    def close(self) -> None:
+        self.update({}, force=True)
+        self.bar.close()
+
+
+def describe(row: dict) -> str:
+    name, state = row["trial"], row["status"]
+    if state == "finished":
+        return (
+            f"{name}: finished, val loss {row['val_loss']:.4f}, test loss {row['test_loss']:.4f} "
+            f"({_duration(row['wall_seconds'])})"
+        )
+    if state in ("failed", "diverged"):
+        first = (row["error"] or "").strip().splitlines()
+        return f"{name}: {state}: {first[-1] if first else '?'} (see trials/{row['folder']})"
+    return f"{name}: {state}" + (f" at step {row['step']}" if row["step"] else "")
+
+
+def results_table(rows: list[dict]) -> str:
+    """The results as Markdown: sizes, tokens, losses (nats per token), bits/byte, time."""
+    lines = [
+        "| trial | family | N | total params | tokens | val loss | test loss | val bits/byte "
+        "| wall | status |",
+        "|---|---|---:|---:|---:|---:|---:|---:|---:|---|",
+    ]
+
+    def number(value, digits=4):
+        return "-" if value is None else f"{value:.{digits}f}"
+
+    for r in rows:
+        lines.append(
+            f"| {r['trial']} | {r['family']} | {r['N']:,} | {r['total_params']:,} "
+            f"| {r['tokens']:,} | {number(r['val_loss'])} | {number(r['test_loss'])} "
+            f"| {number(r['val_bits_per_byte'])} | {_duration(r['wall_seconds'])} | {r['status']} |"
+        )
+    return "\n".join(lines)
+
+
+def _duration(seconds) -> str:
+    if seconds is None:
+        return "-"
+    seconds = float(seconds)
+    if seconds < 90:
+        return f"{seconds:.0f} s"
+    if seconds < 5400:
+        return f"{seconds / 60:.1f} min"
+    return f"{seconds / 3600:.1f} h"
+
+
+def run_sweep(
+    sweep: Sweep,
+    workdir: Path,
+    *,
+    only: str | None = None,
+    executor: str = "local",
+    parallel: int = 1,
+    detach: bool = False,
+    slurm: dict | None = None,
+    show: bool | None = None,
+) -> int:
+    """Run (or resume) the selected trials; returns the exit status (0: all finished)."""
+    show = os.isatty(2) if show is None else show
+    trials = select(sweep, only)
+    paths = folders(sweep, workdir, trials)
+    by_folder = {paths[t.name]: t for t in trials}
+    rows = {r["trial"]: r for r in results(workdir, sweep, paths)}
+    todo = [t for t in trials if rows[t.name]["status"] not in DONE]
+    print(
+        f"sweep {sweep.path}: {len(trials)} trials, {len(trials) - len(todo)} already done, "
+        f"{len(todo)} to run ({executor}); results in {workdir}/results.csv",
+        flush=True,
+    )
+    if executor == "local":
+        from lmuscale.sweep.local import run_local
+
+        prepare_data(todo, show)
+        progress = Progress(paths, trials, show)
+
+        def on_end(folder: Path, _state: str) -> None:
+            table = {r["trial"]: r for r in results(workdir, sweep, paths)}
+            progress.write(describe(table[by_folder[folder].name]))
+
+        try:
+            run_local([paths[t.name] for t in todo], parallel, progress.update, on_end)
+        finally:
+            progress.close()
+            results(workdir, sweep, paths)
+    elif executor == "slurm":
+        from lmuscale.sweep.slurm import run_slurm
+
+        prepare_data(todo, show)
+        submitted = run_slurm(sweep, workdir, [paths[t.name] for t in todo], parallel, slurm)
+        print(f"submitted {submitted}", flush=True)
+        if detach:
+            print("run the same command without --detach to wait for the results", flush=True)
+            return 0
+        from lmuscale.sweep.slurm import wait
+
+        progress = Progress(paths, trials, show)
+        try:
+            wait(workdir, progress.update, progress.write)
+        finally:
+            progress.close()
+    else:
+        raise SweepError(f"--executor {executor!r}: expected local or slurm")
+    final = results(workdir, sweep, paths)
+    chosen = [r for r in final if r["trial"] in paths]
+    print(results_table(chosen), flush=True)
+    for row in chosen:
+        if row["status"] != "finished":
+            print(describe(row), flush=True)
+    finished = all(r["status"] == "finished" for r in chosen)
+    everything = all(r["status"] in DONE for r in final)
+    if everything and sweep.after is not None:
+        sweep.after(workdir)
+    return 0 if finished else 1

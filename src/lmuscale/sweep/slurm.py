@@ -1,0 +1,182 @@
+"""The SLURM executor: one job array through submitit, one trial per array task.
+
+Each task runs the trial's worker (``python -m lmuscale.sweep.worker FOLDER``), with its output
+in the trial's train.log and links to submitit's own logs beside it. On preemption or near the
+time limit SLURM signals the task (USR2); the task tells the worker to write a checkpoint and
+stop, and submitit requeues the task, which resumes from that checkpoint. Jobs are recorded
+in ``WORKDIR/slurm/jobs.json``, so a second runner (or ``--detach`` and a later run) waits for
+trials that are already queued instead of submitting them again.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+from lmuscale.files import atomic_write_json
+from lmuscale.sweep.local import STOP_GRACE_SECONDS
+from lmuscale.sweep.spec import Sweep, SweepError
+from lmuscale.sweep.trials import DONE, LOG, is_locked, read_json, record_crash, status
+from lmuscale.sweep.worker import BUSY
+
+try:
+    import submitit
+    from submitit.helpers import Checkpointable, DelayedSubmission
+except ImportError:  # the local executor needs none of it
+    submitit = None
+    Checkpointable = object
+
+DEFAULTS = {"timeout_min": 24 * 60, "slurm_signal_delay_s": 120}
+POLL_SECONDS = 2.0
+REQUEUE_GRACE_SECONDS = 30.0
+
+
+class TrialJob(Checkpointable):
+    """What one array task runs: the trial's worker, stopped cleanly on preemption."""
+
+    def __init__(self):
+        self.process = None
+
+    def __getstate__(self):  # the running process stays behind when submitit pickles this
+        return {}
+
+    def __setstate__(self, state):
+        self.process = None
+
+    def __call__(self, folder: str) -> str:
+        folder = Path(folder)
+        job = submitit.JobEnvironment()
+        for source, suffix in ((job.paths.stdout, "out"), (job.paths.stderr, "err")):
+            link = folder / f"slurm-{job.job_id}.{suffix}"
+            if not link.is_symlink():
+                link.symlink_to(Path(str(source)).absolute())
+        while True:
+            with open(folder / LOG, "ab") as log:
+                stamp = time.strftime("%Y-%m-%d %H:%M:%S")
+                log.write(f"\n=== {stamp} worker started by SLURM job {job.job_id}\n".encode())
+                log.flush()
+                self.process = subprocess.Popen(
+                    [sys.executable, "-m", "lmuscale.sweep.worker", str(folder)],
+                    stdout=log,
+                    stderr=subprocess.STDOUT,
+                    stdin=subprocess.DEVNULL,
+                )
+            code = self.process.wait()
+            if code != BUSY:
+                break
+            while is_locked(folder):  # another runner trains it: wait, then look again
+                time.sleep(POLL_SECONDS)
+        if code not in (0, 3, 4):
+            record_crash(folder, code)
+        return status(folder)
+
+    def checkpoint(self, folder: str):
+        """Called by submitit on USR2: stop the worker after a checkpoint, then requeue."""
+        if self.process is not None:
+            _stop(self.process.pid)
+        return DelayedSubmission(TrialJob(), folder)
+
+
+def _stop(pid: int) -> None:
+    """SIGTERM the worker and reap it. This runs inside submitit's signal handler, which
+    interrupted ``Popen.wait`` in ``__call__``: Popen's own wait would block on its lock."""
+    try:
+        os.kill(pid, signal.SIGTERM)
+    except ProcessLookupError:
+        return
+    deadline = time.monotonic() + STOP_GRACE_SECONDS
+    while time.monotonic() < deadline:
+        try:
+            if os.waitpid(pid, os.WNOHANG)[0]:
+                return
+        except ChildProcessError:
+            return
+        time.sleep(0.2)
+    os.kill(pid, signal.SIGKILL)
+
+
+def _jobs_path(workdir: Path) -> Path:
+    return workdir / "slurm" / "jobs.json"
+
+
+def queued(job_ids: list[str]) -> set[str]:
+    """The array tasks (``JOB_TASK``) of these jobs that SLURM still has queued or running."""
+    if not job_ids:
+        return set()
+    result = subprocess.run(
+        ["squeue", "-h", "-r", "-o", "%i", "-j", ",".join(job_ids)],
+        capture_output=True,
+        text=True,
+    )
+    if result.returncode != 0:
+        if "Invalid job id" in result.stderr:  # every one of them has left the queue
+            return set()
+        raise SweepError(f"squeue failed: {result.stderr.strip()}")
+    return {line.strip() for line in result.stdout.splitlines() if line.strip()}
+
+
+def _recorded(workdir: Path) -> dict[str, str]:
+    """Trial folder -> array task id (``JOB_TASK``) of every recorded submission."""
+    return (read_json(_jobs_path(workdir)) or {}).get("tasks", {})
+
+
+def run_slurm(
+    sweep: Sweep, workdir: Path, folders: list[Path], parallel: int | None, params: dict | None
+) -> str:
+    """Submit one job array for the folders not already queued; returns a description."""
+    if submitit is None:
+        raise SweepError("--executor slurm needs submitit: pip install submitit")
+    recorded = _recorded(workdir)
+    live = queued(sorted({task.split("_")[0] for task in recorded.values()}))
+    todo = [f for f in folders if recorded.get(f.name) not in live]
+    if not todo:
+        return "nothing (every trial to run is already queued)"
+    executor = submitit.AutoExecutor(folder=workdir / "slurm" / "%j", cluster="slurm")
+    settings = {**DEFAULTS, **sweep.slurm, **(params or {})}
+    settings.setdefault("slurm_array_parallelism", parallel or len(todo))
+    settings.setdefault("name", f"lmuscale-{sweep.name}")
+    try:
+        executor.update_parameters(**settings)
+    except (ValueError, TypeError) as error:
+        raise SweepError(f"SLURM parameters {settings}: {error}") from None
+    jobs = executor.map_array(TrialJob(), [str(f.absolute()) for f in todo])
+    for folder, job in zip(todo, jobs, strict=True):
+        recorded[folder.name] = job.job_id
+    atomic_write_json(_jobs_path(workdir), {"tasks": recorded})
+    array = jobs[0].job_id.split("_")[0]
+    return f"SLURM job array {array} ({len(jobs)} tasks)"
+
+
+def wait(workdir: Path, on_update: Callable[[dict], None], write: Callable[[str], None]) -> None:
+    """Wait until every recorded array task has left SLURM's queue for good.
+
+    A preempted task leaves the queue for a moment before it is requeued, so a task that is
+    gone while its trial is unfinished counts as ended only after ``REQUEUE_GRACE_SECONDS``.
+    """
+    recorded = _recorded(workdir)
+    jobs = sorted({task.split("_")[0] for task in recorded.values()})
+    folders = {task: workdir / "trials" / name for name, task in recorded.items()}
+    gone_since: dict[str, float] = {}
+    ended = set()
+    while True:
+        live = queued(jobs)
+        now = time.monotonic()
+        for task, folder in folders.items():
+            if task in live:
+                gone_since.pop(task, None)
+                continue
+            gone_since.setdefault(task, now)
+            state = status(folder)
+            final = state in (*DONE, "failed") or now - gone_since[task] >= REQUEUE_GRACE_SECONDS
+            if final and task not in ended:
+                ended.add(task)
+                write(f"{folder.name}: task {task} ended, {state}")
+        if ended >= set(folders):
+            return
+        on_update({folders[t]: "running" for t in live if t in folders})
+        time.sleep(POLL_SECONDS)

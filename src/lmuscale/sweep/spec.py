@@ -1,0 +1,175 @@
+"""Sweep files: Python modules whose ``get_trials()`` lists the training runs of a sweep.
+
+A sweep file defines
+
+- ``get_trials()``: an iterable of ``Trial(name, config, overrides)``. ``config`` is a
+  ConfigDict (a named config) or ``"FILE.py:NAME"`` of an experiment file, relative to the
+  sweep file's folder; ``overrides`` maps config keys to values (``{"train.steps": 1000}``).
+- ``THROUGHPUT`` (optional): the model FLOP/s one trial achieves, for ``--dry-run``'s time
+  estimate until the trials' own measurements exist.
+- ``SLURM`` (optional): submitit parameters for ``--executor slurm`` (``timeout_min``,
+  ``slurm_partition``, ``gpus_per_node``, ...).
+- ``after(workdir)`` (optional): called once every trial has finished, e.g. to draw figures.
+
+Each trial is resolved to a checked config; its folder is ``NAME-HASH``, where HASH is a
+sha256 of every config key that changes the trained numbers (so not ``log.*`` or
+``data.path``): editing a trial's config gives it a new folder, and nothing else does.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import hashlib
+import importlib.util
+import json
+import re
+import sys
+from collections.abc import Callable, Mapping
+from pathlib import Path
+from typing import Any
+
+from ml_collections import ConfigDict
+
+from lmuscale.train.config import (
+    RESUMABLE_CHANGES,
+    ConfigError,
+    check,
+    flatten,
+    load,
+    override,
+    where_in,
+)
+
+NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._+=-]*")
+
+
+class SweepError(ValueError):
+    """A sweep file that cannot run: the message names the file and line, and the trial."""
+
+
+@dataclasses.dataclass(frozen=True)
+class Trial:
+    """One training run: ``config`` is a ConfigDict or ``"FILE.py:NAME"`` (relative to the
+    sweep file), changed by ``overrides`` (``{"train.steps": 250_000}``)."""
+
+    name: str
+    config: ConfigDict | str
+    overrides: Mapping[str, Any] = dataclasses.field(default_factory=dict)
+    origin: str = dataclasses.field(default="", compare=False, repr=False)
+
+    def __post_init__(self):
+        if not self.origin:  # the sweep file's line that made this trial, for error messages
+            frame = sys._getframe(2)
+            object.__setattr__(self, "origin", f"{frame.f_code.co_filename}:{frame.f_lineno}")
+
+
+@dataclasses.dataclass(frozen=True)
+class ResolvedTrial:
+    name: str
+    config: ConfigDict  # checked and locked; data.path is absolute
+    key: str  # the config hash
+
+    @property
+    def folder_name(self) -> str:
+        return f"{self.name}-{self.key}"
+
+
+@dataclasses.dataclass(frozen=True)
+class Sweep:
+    path: Path
+    trials: list[ResolvedTrial]
+    throughput: float | None = None  # model FLOP/s per trial, from the sweep file
+    slurm: dict = dataclasses.field(default_factory=dict)
+    after: Callable[[Path], Any] | None = None
+
+    @property
+    def name(self) -> str:
+        return self.path.stem
+
+
+def config_hash(config: ConfigDict | dict) -> str:
+    """12 hex digits of a sha256 over the keys that change the trained numbers."""
+    flat = {k: v for k, v in flatten(config).items() if not k.startswith(RESUMABLE_CHANGES)}
+    text = json.dumps(flat, sort_keys=True, separators=(",", ":"))
+    return hashlib.sha256(text.encode()).hexdigest()[:12]
+
+
+def load_sweep(path: str | Path) -> Sweep:
+    """Run the sweep file and resolve every trial; errors name the file and line."""
+    path = Path(path)
+    if path.suffix != ".py" or not path.is_file():
+        raise SweepError(f"sweep file {str(path)!r} not found (expected a .py file)")
+    module_spec = importlib.util.spec_from_file_location(f"_lmuscale_sweep_{path.stem}", path)
+    module = importlib.util.module_from_spec(module_spec)
+    try:
+        module_spec.loader.exec_module(module)
+        get_trials = getattr(module, "get_trials", None)
+        if not callable(get_trials):
+            raise SweepError(f"{path}: defines no get_trials() returning Trial(...) items")
+        trials = list(get_trials())
+    except SweepError:
+        raise
+    except ConfigError as error:
+        raise SweepError(str(error)) from None
+    except Exception as error:
+        raise SweepError(f"{where_in(path, error)}: {type(error).__name__}: {error}") from None
+    if not trials:
+        raise SweepError(f"{path}: get_trials() returned no trials")
+    resolved, seen = [], {}
+    for trial in trials:
+        if not isinstance(trial, Trial):
+            raise SweepError(f"{path}: get_trials() gave {trial!r}; expected Trial(...) items")
+        where = f"{_short(trial.origin)} (trial {trial.name!r})"
+        if not isinstance(trial.name, str) or not NAME.fullmatch(trial.name):
+            raise SweepError(
+                f"{where}: a trial name is letters, digits and . _ + = - (it names a folder)"
+            )
+        if trial.name in seen:
+            raise SweepError(
+                f"{where}: the name is already used by the trial at {seen[trial.name]}"
+            )
+        seen[trial.name] = _short(trial.origin)
+        resolved.append(_resolve(trial, path.parent, where))
+    throughput = getattr(module, "THROUGHPUT", None)
+    if throughput is not None and not (isinstance(throughput, int | float) and throughput > 0):
+        raise SweepError(f"{path}: THROUGHPUT must be a positive number of FLOP/s")
+    slurm = getattr(module, "SLURM", {})
+    if not isinstance(slurm, dict):
+        raise SweepError(f"{path}: SLURM must be a dict of submitit parameters")
+    after = getattr(module, "after", None)
+    return Sweep(path, resolved, throughput and float(throughput), dict(slurm), after)
+
+
+def _resolve(trial: Trial, folder: Path, where: str) -> ResolvedTrial:
+    try:
+        if isinstance(trial.config, str):
+            file, sep, name = trial.config.partition(":")
+            config = load(f"{folder / file}{sep}{name}")
+        elif isinstance(trial.config, ConfigDict):
+            config = ConfigDict(trial.config.to_dict())
+        else:
+            raise ConfigError(
+                f"config is {type(trial.config).__name__}; expected a ConfigDict or 'FILE.py:NAME'"
+            )
+        with config.unlocked():
+            config.name = trial.name
+            if config.data.path:
+                config.data.path = str(Path(config.data.path).absolute())
+        override(config, [f"{key}={_text(value)}" for key, value in trial.overrides.items()])
+        check(config, where="")
+    except ConfigError as error:
+        raise SweepError(f"{where}: {str(error).removeprefix(': ')}") from None
+    config.lock()
+    return ResolvedTrial(trial.name, config, config_hash(config))
+
+
+def _text(value) -> str:
+    return str(value).lower() if isinstance(value, bool) else str(value)
+
+
+def _short(origin: str) -> str:
+    file, _, line = origin.rpartition(":")
+    with contextlib.suppress(ValueError):
+        file = str(Path(file).relative_to(Path.cwd()))
+    return f"{file}:{line}"

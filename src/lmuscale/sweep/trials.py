@@ -1,0 +1,231 @@
+"""Trial folders: what a trial's folder says about it, its lock, and the sweep's results table.
+
+A trial folder is the training workdir (config.json, checkpoints/, metrics.jsonl, eval.jsonl,
+summary.json) plus
+
+    trial.json      the resolved config, written by the runner
+    lock            held (flock) by the process that trains the trial, released when it dies
+    train.log       the worker's output, every attempt appended
+    attempts.jsonl  one line per attempt: start and end time, host, pid, outcome
+    error.json      the exception and traceback of a failed attempt (removed by the next one)
+"""
+
+from __future__ import annotations
+
+import csv
+import fcntl
+import io
+import json
+import math
+import os
+from pathlib import Path
+
+from lmuscale.files import atomic_write_bytes, atomic_write_json
+from lmuscale.models import count_params, flops_per_token
+from lmuscale.sweep.spec import ResolvedTrial
+from lmuscale.train.config import model_config
+
+TRIAL, LOCK, LOG, ATTEMPTS, ERROR, SUMMARY = (
+    "trial.json",
+    "lock",
+    "train.log",
+    "attempts.jsonl",
+    "error.json",
+    "summary.json",
+)
+DONE = ("finished", "diverged")  # final results: never run again
+RESULT_FIELDS = (
+    "trial",
+    "family",
+    "N",
+    "total_params",
+    "seq_len",
+    "global_batch",
+    "steps",
+    "tokens",
+    "flops_per_token",
+    "total_flops",
+    "val_loss",
+    "test_loss",
+    "val_bits_per_byte",
+    "test_bits_per_byte",
+    "wall_seconds",
+    "status",
+    "step",
+    "error",
+    "folder",
+    "val_per_position",
+    "test_per_position",
+)
+
+
+class TrialLock:
+    """An exclusive flock on ``FOLDER/lock``; the kernel drops it when its holder dies."""
+
+    def __init__(self, folder: Path):
+        self.path = Path(folder) / LOCK
+        self.fd = None
+
+    def acquire(self) -> bool:
+        fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            os.close(fd)
+            return False
+        self.fd = fd
+        return True
+
+    def release(self) -> None:
+        if self.fd is not None:
+            os.close(self.fd)  # closing the last descriptor releases the flock
+            self.fd = None
+
+
+def is_locked(folder: Path) -> bool:
+    lock = TrialLock(folder)
+    if not lock.path.exists():
+        return False
+    free = lock.acquire()
+    lock.release()
+    return not free
+
+
+def read_json(path: Path) -> dict | None:
+    try:
+        return json.loads(path.read_text())
+    except (FileNotFoundError, json.JSONDecodeError):
+        return None
+
+
+def prepare_folder(folder: Path, trial: ResolvedTrial) -> None:
+    """Create the folder and its trial.json (the same bytes on every run of the runner)."""
+    folder.mkdir(parents=True, exist_ok=True)
+    record = {"name": trial.name, "key": trial.key, "config": trial.config.to_dict()}
+    if read_json(folder / TRIAL) != record:
+        atomic_write_json(folder / TRIAL, record)
+
+
+def status(folder: Path) -> str:
+    """finished | diverged | failed | running | interrupted | pending."""
+    summary = read_json(folder / SUMMARY)
+    if summary and summary.get("status") in DONE:
+        return summary["status"]
+    if is_locked(folder):
+        return "running"
+    if (folder / ERROR).exists():
+        return "failed"
+    if any((folder / "checkpoints").glob("[0-9]*")):
+        return "interrupted"
+    return "pending"
+
+
+def last_record(path: Path) -> dict | None:
+    """The last complete JSON line of a JSONL file (a torn last line is skipped)."""
+    try:
+        with open(path, "rb") as f:
+            f.seek(0, os.SEEK_END)
+            f.seek(max(0, f.tell() - 65536))
+            lines = f.read().splitlines()
+    except FileNotFoundError:
+        return None
+    for line in reversed(lines):
+        try:
+            return json.loads(line)
+        except json.JSONDecodeError:
+            continue
+    return None
+
+
+def result_row(trial: ResolvedTrial, folder: Path) -> dict:
+    """One row of the results table, from the config and whatever the folder holds."""
+    c = trial.config
+    model = model_config(c.model)
+    params = count_params(model)
+    flops = flops_per_token(model, c.data.seq_len).train
+    tokens = c.train.steps * c.train.global_batch * c.data.seq_len
+    row = dict.fromkeys(RESULT_FIELDS)
+    row.update(
+        trial=trial.name,
+        family=model.family,
+        N=params.non_embedding,
+        total_params=params.total,
+        seq_len=c.data.seq_len,
+        global_batch=c.train.global_batch,
+        steps=c.train.steps,
+        tokens=tokens,
+        flops_per_token=flops,
+        total_flops=flops * tokens,
+        status=status(folder),
+        folder=folder.name,
+    )
+    summary = read_json(folder / SUMMARY) or {}
+    if row["status"] == "finished":
+        for key in (
+            "val_loss",
+            "test_loss",
+            "val_bits_per_byte",
+            "test_bits_per_byte",
+            "wall_seconds",
+            "val_per_position",
+            "test_per_position",
+        ):
+            row[key] = summary.get(key)
+        row["step"] = c.train.steps
+    else:
+        last = last_record(folder / "metrics.jsonl")
+        if last:
+            row["step"], row["wall_seconds"] = last.get("step"), last.get("elapsed")
+        if row["status"] == "diverged":
+            row["error"], row["step"] = summary.get("error"), summary.get("step")
+        elif row["status"] == "failed":
+            error = read_json(folder / ERROR) or {}
+            row["error"] = error.get("traceback") or error.get("error")
+    return row
+
+
+def write_results(workdir: Path, rows: list[dict]) -> None:
+    """``results.jsonl`` and ``results.csv``, each replaced atomically (per-position losses
+    are JSON lists in the CSV)."""
+    lines = "".join(json.dumps(_clean(row)) + "\n" for row in rows)
+    atomic_write_bytes(workdir / "results.jsonl", lines.encode())
+    buffer = io.StringIO()
+    writer = csv.DictWriter(buffer, fieldnames=RESULT_FIELDS, lineterminator="\n")
+    writer.writeheader()
+    for row in rows:
+        writer.writerow(
+            {
+                k: json.dumps(v) if isinstance(v, list) else ("" if v is None else v)
+                for k, v in _clean(row).items()
+            }
+        )
+    atomic_write_bytes(workdir / "results.csv", buffer.getvalue().encode())
+
+
+def _clean(row: dict) -> dict:
+    """NaN and infinity become null: JSON has neither."""
+    return {k: None if isinstance(v, float) and not math.isfinite(v) else v for k, v in row.items()}
+
+
+def record_crash(folder: Path, returncode: int) -> None:
+    """A worker that died without its own error.json (a signal, a crash in native code, the
+    kernel's OOM killer) gets one that says how it ended and ends with its last output."""
+    if (folder / ERROR).exists():
+        return
+    lock = TrialLock(folder)
+    if not lock.acquire():  # someone else has started the trial again: not ours to mark
+        return
+    try:
+        how = f"exit status {returncode}"
+        if returncode < 0:
+            import signal
+
+            how = f"signal {signal.Signals(-returncode).name}"
+        try:
+            tail = (folder / LOG).read_text(errors="replace").splitlines()[-30:]
+        except FileNotFoundError:
+            tail = []
+        text = "\n".join([f"the worker ended with {how}; the end of {LOG}:", *tail])
+        atomic_write_json(folder / ERROR, {"error": f"worker ended with {how}", "traceback": text})
+    finally:
+        lock.release()

@@ -1,0 +1,117 @@
+"""``python -m lmuscale.sweep.worker TRIAL_FOLDER``: train one trial of a sweep, once.
+
+The runners (local and SLURM) start this process per trial. It holds the trial's lock for as
+long as it lives, so two runners never train the same trial at once, and on Linux it dies
+with the process that started it, so killing a runner leaves no orphan training behind.
+
+Exit status: 0 finished (or already finished), 1 failed (error.json has the traceback),
+3 diverged, 4 stopped by a signal after a checkpoint, 75 the trial is locked by another
+process.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import json
+import os
+import signal
+import socket
+import sys
+import time
+import traceback
+from pathlib import Path
+
+from lmuscale.files import atomic_write_json
+from lmuscale.sweep.trials import ATTEMPTS, DONE, ERROR, SUMMARY, TRIAL, TrialLock, read_json
+
+FINISHED, FAILED, DIVERGED, INTERRUPTED, BUSY = 0, 1, 3, 4, 75
+
+
+def die_with_parent() -> None:
+    """Ask Linux to SIGKILL this process when its parent dies (prctl PR_SET_PDEATHSIG)."""
+    if not sys.platform.startswith("linux"):
+        return
+    parent = os.getppid()
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        libc.prctl(1, signal.SIGKILL, 0, 0, 0)  # 1 = PR_SET_PDEATHSIG
+    except (OSError, AttributeError):
+        return
+    if os.getppid() != parent:  # the parent died before prctl took effect
+        os._exit(BUSY)
+
+
+def _attempt(folder: Path, record: dict) -> None:
+    line = json.dumps(
+        {"time": time.time(), "host": socket.gethostname(), "pid": os.getpid()} | record
+    )
+    with open(folder / ATTEMPTS, "a") as f:
+        f.write(line + "\n")
+
+
+def train(folder: Path) -> int:
+    from ml_collections import ConfigDict
+
+    from lmuscale.train import TrainingDiverged, TrainingInterrupted, run
+    from lmuscale.train.config import check
+
+    lock = TrialLock(folder)
+    if not lock.acquire():
+        print(f"{folder.name}: locked by another process; not started", flush=True)
+        return BUSY
+    try:
+        summary = read_json(folder / SUMMARY)
+        if summary and summary.get("status") in DONE:
+            return FINISHED if summary["status"] == "finished" else DIVERGED
+        (folder / ERROR).unlink(missing_ok=True)
+        _attempt(folder, {"event": "start"})
+        try:
+            config = ConfigDict(json.loads((folder / TRIAL).read_text())["config"])
+            check(config, where=str(folder / TRIAL))
+            config.lock()
+            summary = run(config, folder, progress=False)
+        except TrainingDiverged as error:
+            _attempt(folder, {"event": "end", "outcome": "diverged"})
+            print(f"diverged: {error}", flush=True)
+            return DIVERGED
+        except TrainingInterrupted as error:
+            _attempt(folder, {"event": "end", "outcome": "interrupted"})
+            print(f"stopped: {error}", flush=True)
+            return INTERRUPTED
+        except KeyboardInterrupt:
+            _attempt(folder, {"event": "end", "outcome": "interrupted"})
+            return INTERRUPTED
+        except Exception as error:
+            text = traceback.format_exc()
+            atomic_write_json(
+                folder / ERROR,
+                {
+                    "error": f"{type(error).__name__}: {error}",
+                    "traceback": text,
+                    "time": time.time(),
+                },
+            )
+            _attempt(folder, {"event": "end", "outcome": "failed"})
+            print(text, flush=True)
+            return FAILED
+        _attempt(folder, {"event": "end", "outcome": "finished"})
+        print(
+            f"finished: val loss {summary['val_loss']:.4f}, test loss {summary['test_loss']:.4f}",
+            flush=True,
+        )
+        return FINISHED
+    finally:
+        lock.release()
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if len(argv) != 1:
+        print("usage: python -m lmuscale.sweep.worker TRIAL_FOLDER", file=sys.stderr)
+        return 2
+    die_with_parent()
+    return train(Path(argv[0]))
+
+
+if __name__ == "__main__":
+    sys.exit(main())

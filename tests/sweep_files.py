@@ -1,0 +1,43 @@
+"""Sweep files for the sweep tests, written into a test's folder.
+
+Every trial is ``tests/small_config.py:small`` (a 1-layer byte LMU) on the ``byte_corpus``
+dataset, whose path reaches the runner through ``$LMUSCALE_TEST_DATA``.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+SMALL = f"{HERE / 'small_config.py'}:small"
+
+
+def write_sweep(folder: Path, trials: dict[str, dict], name: str = "sweep.py") -> Path:
+    """A sweep file with one ``Trial(name, small, overrides)`` per item."""
+    lines = ["from lmuscale.sweep import Trial", "", "", "def get_trials():"]
+    for trial, overrides in trials.items():
+        lines.append(f"    yield Trial({trial!r}, {SMALL!r}, {overrides!r})")
+    path = folder / name
+    path.write_text("\n".join(lines) + "\n")
+    return path
+
+
+def environment(data: Path) -> dict:
+    return os.environ | {"LMUSCALE_TEST_DATA": str(data), "JAX_PLATFORMS": "cpu"}
+
+
+def sweep_command(sweep: Path, workdir: Path, *extra: str) -> list[str]:
+    return [sys.executable, "-m", "lmuscale.sweep", str(sweep), "--workdir", str(workdir), *extra]
+
+
+def run_sweep(sweep: Path, workdir: Path, data: Path, *extra: str, timeout: float = 600):
+    return subprocess.run(
+        sweep_command(sweep, workdir, "--quiet", *extra),
+        env=environment(data),
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+    )

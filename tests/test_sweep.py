@@ -1,0 +1,311 @@
+"""Sweep files, trial folders and the dry-run table (in-process), and the local runner end to
+end (real subprocesses): a failing trial, a runner killed with SIGKILL and started again, and
+two runners on one workdir."""
+
+from __future__ import annotations
+
+import csv
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+from sweep_files import SMALL, environment, run_sweep, sweep_command, write_sweep
+
+from lmuscale.models import count_params
+from lmuscale.sweep import SweepError, Trial, config_hash, load_sweep
+from lmuscale.sweep.plan import plan, table
+from lmuscale.sweep.trials import RESULT_FIELDS, TrialLock, is_locked
+from lmuscale.train import load, model_config
+
+REPO = Path(__file__).resolve().parent.parent
+
+
+# -- sweep files -------------------------------------------------------------------------------
+
+
+def _bad_sweep(tmp_path, body: str) -> str:
+    path = tmp_path / "bad.py"
+    path.write_text(body)
+    with pytest.raises(SweepError) as error:
+        load_sweep(path)
+    return str(error.value)
+
+
+def test_sweep_file_errors_name_file_and_line(tmp_path):
+    header = "from lmuscale.sweep import Trial\n\n\ndef get_trials():\n"
+    message = _bad_sweep(tmp_path, "x = (\n")
+    assert f"{tmp_path / 'bad.py'}:1" in message and "SyntaxError" in message
+
+    message = _bad_sweep(tmp_path, header + "    yield Trial('a', 'x.py:a')\n    1 / 0\n")
+    assert f"{tmp_path / 'bad.py'}:6" in message and "ZeroDivisionError" in message
+
+    message = _bad_sweep(
+        tmp_path, header + f"    yield Trial('a', {SMALL!r}, {{'train.stepz': 3}})\n"
+    )
+    assert "bad.py:5" in message and "'a'" in message and "train.stepz" in message
+    assert "train.steps" in message  # the close match
+
+    message = _bad_sweep(
+        tmp_path, header + f"    yield Trial('a', {SMALL!r}, {{'train.steps': 0}})\n"
+    )
+    assert "bad.py:5" in message and "train.steps" in message
+
+    body = header + f"    yield Trial('a', {SMALL!r})\n    yield Trial('a', {SMALL!r})\n"
+    message = _bad_sweep(tmp_path, body)
+    assert "bad.py:6" in message and "already used" in message and "bad.py:5" in message
+
+    message = _bad_sweep(tmp_path, header + f"    yield Trial('a/b', {SMALL!r})\n")
+    assert "bad.py:5" in message and "folder" in message
+
+    message = _bad_sweep(tmp_path, header + "    yield Trial('a', 'missing.py:a')\n")
+    assert "bad.py:5" in message and "missing.py" in message
+
+    assert "get_trials" in _bad_sweep(tmp_path, "TRIALS = []\n")
+    assert "no trials" in _bad_sweep(tmp_path, header + "    return []\n")
+
+
+def test_trial_configs_resolve_overrides_and_names(tmp_path, byte_corpus, monkeypatch):
+    monkeypatch.setenv("LMUSCALE_TEST_DATA", str(byte_corpus))
+    sweep = load_sweep(write_sweep(tmp_path, {"a": {"train.steps": 7}, "b": {}}))
+    a, b = sweep.trials
+    assert (a.config.name, a.config.train.steps, b.config.train.steps) == ("a", 7, 12)
+    assert a.config.data.path == str(byte_corpus)
+    assert a.folder_name == f"a-{config_hash(a.config)}"
+    # A ConfigDict trial and an equal file trial resolve to the same config and folder hash.
+    config = load(SMALL)
+    with config.unlocked():
+        config.data.path = str(byte_corpus)
+    trial = Trial("a", config, {"train.steps": 7})
+    path = tmp_path / "direct.py"
+    path.write_text("")
+    from lmuscale.sweep.spec import _resolve
+
+    assert _resolve(trial, tmp_path, "here").key == a.key
+
+
+def test_config_hash_covers_exactly_what_changes_the_numbers(byte_corpus):
+    config = load(SMALL)
+    key = config_hash(config)
+    same = load(SMALL)
+    with same.unlocked():
+        same.log.every = 5
+        same.data.path = "/elsewhere"
+        same.data.verify = False
+    assert config_hash(same) == key
+    for change in ({"train.steps": 13}, {"train.seed": 1}, {"optim.learning_rate": 0.02}):
+        other = load(SMALL)
+        (section, leaf), value = next(iter(change)).split("."), next(iter(change.values()))
+        with other.unlocked():
+            other[section][leaf] = value
+        assert config_hash(other) != key, change
+    # Stable across processes (str hashing is salted per process; the folder name is not).
+    code = (
+        "from lmuscale.sweep import config_hash; from lmuscale.train import load; "
+        f"print(config_hash(load({SMALL!r})))"
+    )
+    env = os.environ | {"PYTHONHASHSEED": "123", "JAX_PLATFORMS": "cpu"}
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env)
+    assert out.stdout.strip() == key, out.stderr
+
+
+def test_dry_run_table_counts_and_throughputs(tmp_path, byte_corpus, monkeypatch):
+    monkeypatch.setenv("LMUSCALE_TEST_DATA", str(byte_corpus))
+    sweep = load_sweep(write_sweep(tmp_path, {"a": {}, "b": {"train.steps": 24}}))
+    rows = plan(sweep.trials, tmp_path / "work", throughput=1e9)
+    a, b = rows
+    assert a["tokens"] == 12 * 8 * 32 and b["tokens"] == 24 * 8 * 32
+    assert a["total_flops"] == a["flops_per_token"] * a["tokens"]
+    assert a["seconds"] == pytest.approx(a["total_flops"] / 1e9)
+    assert a["source"] == "configured" and a["status"] == "pending"
+    # A trial that has logged steps is estimated from its own median speed, and the other trial
+    # of its family from that.
+    folder = tmp_path / "work" / "trials" / sweep.trials[0].folder_name
+    folder.mkdir(parents=True)
+    speeds = [1000.0, 3000.0, 2000.0]
+    lines = [json.dumps({"step": i + 1, "tokens_per_second": s}) for i, s in enumerate(speeds)]
+    (folder / "metrics.jsonl").write_text("\n".join(lines) + "\n{torn")
+    a, b = plan(sweep.trials, tmp_path / "work", throughput=1e9)
+    assert a["source"] == "measured" and b["source"] == "family"
+    assert a["flops_per_second"] == pytest.approx(2000.0 * a["flops_per_token"])
+    assert b["seconds"] == pytest.approx(b["total_flops"] / a["flops_per_second"])
+    text = table([a, b])
+    assert "**total** (2)" in text and "measured" in text and "family" in text
+    assert not (tmp_path / "work" / "results.csv").exists()  # the dry run writes nothing
+
+
+def test_dry_run_cli_writes_nothing(tmp_path):
+    out = subprocess.run(
+        sweep_command(REPO / "sweeps" / "owt2.py", tmp_path / "w", "--dry-run"),
+        capture_output=True,
+        text=True,
+        env=os.environ | {"JAX_PLATFORMS": "cpu"},
+    )
+    assert out.returncode == 0, out.stderr
+    rows = [line for line in out.stdout.splitlines() if line.startswith("| ")]
+    assert len(rows) == 1 + 24 + 1  # header, 18 paper runs + 6 transformers at 10x, total
+    assert "| lmu-1M | lmu | 1,000,053 |" in out.stdout
+    assert "| transformer-1M-10x | transformer | 1,004,496 |" in out.stdout
+    assert not (tmp_path / "w").exists()
+
+
+def test_trial_lock_is_exclusive_and_dies_with_its_holder(tmp_path):
+    lock = TrialLock(tmp_path)
+    assert lock.acquire() and is_locked(tmp_path)
+    assert not TrialLock(tmp_path).acquire()
+    lock.release()
+    assert not is_locked(tmp_path)
+    holder = subprocess.Popen(
+        [
+            sys.executable,
+            "-c",
+            "import time; from lmuscale.sweep.trials import TrialLock; "
+            f"assert TrialLock({str(tmp_path)!r}).acquire(); print('held', flush=True); "
+            "time.sleep(60)",
+        ],
+        stdout=subprocess.PIPE,
+        text=True,
+    )
+    assert holder.stdout.readline().strip() == "held"
+    assert is_locked(tmp_path)
+    holder.kill()
+    holder.wait()
+    assert not is_locked(tmp_path)
+
+
+# -- the runner, end to end ------------------------------------------------------------------
+
+
+def _results(workdir: Path) -> dict[str, dict]:
+    rows = [json.loads(line) for line in (workdir / "results.jsonl").read_text().splitlines()]
+    with open(workdir / "results.csv") as f:
+        table = list(csv.DictReader(f))
+    assert [r["trial"] for r in table] == [r["trial"] for r in rows]
+    assert list(table[0]) == list(RESULT_FIELDS)
+    for row, line in zip(rows, table, strict=True):  # the CSV holds the same values
+        if row["val_loss"] is not None:
+            assert float(line["val_loss"]) == row["val_loss"]
+            assert json.loads(line["val_per_position"]) == row["val_per_position"]
+    return {r["trial"]: r for r in rows}
+
+
+def _starts(workdir: Path, row: dict) -> list[dict]:
+    path = workdir / "trials" / row["folder"] / "attempts.jsonl"
+    return [json.loads(line) for line in path.read_text().splitlines()]
+
+
+def test_failing_trial_is_marked_and_the_others_finish(tmp_path, byte_corpus):
+    sweep = write_sweep(
+        tmp_path,
+        {
+            "good": {},
+            "broken": {"data.path": str(tmp_path / "no-data")},
+            "other": {"train.seed": 1},
+        },
+    )
+    work = tmp_path / "work"
+    out = run_sweep(sweep, work, byte_corpus)
+    assert out.returncode == 1, out.stdout + out.stderr
+    rows = _results(work)
+    assert [rows[n]["status"] for n in ("good", "broken", "other")] == [
+        "finished",
+        "failed",
+        "finished",
+    ]
+    error = rows["broken"]["error"]
+    assert "Traceback" in error and "ConfigError" in error and "no-data" in error
+    assert rows["broken"]["val_loss"] is None and "broken: failed" in out.stdout
+    params = count_params(model_config(load(SMALL).model))
+    for name in ("good", "other"):
+        row = rows[name]
+        assert (row["N"], row["total_params"]) == (params.non_embedding, params.total)
+        assert row["tokens"] == 12 * 8 * 32 and row["steps"] == 12
+        assert len(row["val_per_position"]) == 32 and row["wall_seconds"] > 0
+        summary = json.loads((work / "trials" / row["folder"] / "summary.json").read_text())
+        assert row["val_loss"] == summary["val_loss"] and row["test_loss"] == summary["test_loss"]
+    assert rows["good"]["val_loss"] != rows["other"]["val_loss"]  # another seed
+
+    # Run again: the finished trials are not run again; the failed one is tried again.
+    again = run_sweep(sweep, work, byte_corpus)
+    assert again.returncode == 1
+    assert "1 to run" in again.stdout
+    assert [e["event"] for e in _starts(work, rows["good"])] == ["start", "end"]
+    assert [e.get("outcome") for e in _starts(work, rows["broken"])][1::2] == ["failed", "failed"]
+
+
+def _wait_for(predicate, timeout: float, what: str):
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if predicate():
+            return
+        time.sleep(0.05)
+    raise AssertionError(f"timed out waiting for {what}")
+
+
+def test_runner_killed_and_restarted_completes_each_trial_once(tmp_path, byte_corpus):
+    trials = {"first": {"train.steps": 40}, "second": {"train.steps": 16, "train.seed": 1}}
+    sweep = write_sweep(tmp_path, trials)
+    reference = tmp_path / "reference"
+    assert run_sweep(sweep, reference, byte_corpus).returncode == 0
+
+    work = tmp_path / "work"
+    runner = subprocess.Popen(
+        sweep_command(sweep, work, "--quiet"),
+        env=environment(byte_corpus),
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
+    _wait_for(lambda: list((work / "trials").glob("first-*/checkpoints/8")), 120, "checkpoint 8")
+    runner.send_signal(signal.SIGKILL)
+    runner.wait()
+    first = next((work / "trials").glob("first-*"))
+    # The worker dies with the runner, and its lock with it.
+    _wait_for(lambda: not is_locked(first), 20, "the worker to die with its runner")
+    assert not (first / "summary.json").exists()
+
+    out = run_sweep(sweep, work, byte_corpus)
+    assert out.returncode == 0, out.stdout + out.stderr
+    assert "2 to run" in out.stdout
+    rows, expected = _results(work), _results(reference)
+    for name in trials:
+        row = rows[name]
+        assert row["status"] == "finished"
+        for key in ("val_loss", "test_loss", "val_per_position", "test_per_position"):
+            assert row[key] == expected[name][key], (name, key)
+        steps = [
+            json.loads(line)["step"]
+            for line in (work / "trials" / row["folder"] / "metrics.jsonl").read_text().splitlines()
+        ]
+        assert steps == list(range(1, trials[name]["train.steps"] + 1)), name  # each step once
+    outcomes = [e.get("outcome") for e in _starts(work, rows["first"])]
+    assert outcomes == [None, None, "finished"]  # killed mid-run (no end line), then resumed
+    # A third run finds everything done and runs nothing.
+    third = run_sweep(sweep, work, byte_corpus)
+    assert third.returncode == 0 and "0 to run" in third.stdout
+
+
+def test_two_runners_on_one_workdir_never_run_a_trial_twice(tmp_path, byte_corpus):
+    sweep = write_sweep(tmp_path, {"a": {}, "b": {"train.seed": 1}, "c": {"train.seed": 2}})
+    work = tmp_path / "work"
+    runners = [
+        subprocess.Popen(
+            sweep_command(sweep, work, "--quiet"),
+            env=environment(byte_corpus),
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+        )
+        for _ in range(2)
+    ]
+    outputs = [r.communicate(timeout=600)[0] for r in runners]
+    assert [r.returncode for r in runners] == [0, 0], outputs
+    rows = _results(work)
+    for name, row in rows.items():
+        assert row["status"] == "finished"
+        events = _starts(work, row)
+        assert [e["event"] for e in events] == ["start", "end"], (name, events)
+        assert events[1]["outcome"] == "finished"

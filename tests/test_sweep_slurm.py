@@ -1,0 +1,131 @@
+"""The SLURM executor on a real single-node cluster (Debian's slurm-wlm and munge).
+
+``scripts/slurm/cluster.sh`` starts a private cluster in a temporary folder; ``make test``
+installs the packages first where it can (``scripts/slurm/install.sh``: root and apt-get).
+A 2-trial sweep is submitted as a job array with ``--detach``, then a second runner waits for
+it. One task is preempted mid-run (USR2, as SLURM sends before a time limit or preemption):
+the worker writes a checkpoint, submitit requeues the task, and the trial resumes. Its results
+must equal a run of the same sweep with the local executor.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import time
+from pathlib import Path
+
+import pytest
+from sweep_files import environment, run_sweep, sweep_command, write_sweep
+
+REPO = Path(__file__).resolve().parent.parent
+CLUSTER = REPO / "scripts" / "slurm" / "cluster.sh"
+TOOLS = ("munged", "slurmctld", "slurmd", "sbatch", "squeue", "scontrol", "scancel")
+
+
+@pytest.fixture(scope="module")
+def slurm_conf(tmp_path_factory):
+    missing = [tool for tool in TOOLS if shutil.which(tool) is None]
+    if missing:
+        pytest.skip(
+            f"SLURM is not installed here ({', '.join(missing)} missing) and could not be: "
+            "scripts/slurm/install.sh, which `make test` runs, needs root and apt-get"
+        )
+    pytest.importorskip("submitit", reason="submitit is a dev dependency: pip install -e .[dev]")
+    folder = tmp_path_factory.mktemp("slurm")
+    started = subprocess.run(
+        ["bash", str(CLUSTER), "start", str(folder)], capture_output=True, text=True
+    )
+    assert started.returncode == 0, (
+        f"the test cluster did not start:\n{started.stdout}{started.stderr}"
+    )
+    try:
+        yield folder / "slurm.conf"
+    finally:
+        subprocess.run(["bash", str(CLUSTER), "stop", str(folder)], capture_output=True)
+
+
+def _slurm(conf: Path, *args: str) -> str:
+    out = subprocess.run(
+        list(args), capture_output=True, text=True, env=os.environ | {"SLURM_CONF": str(conf)}
+    )
+    assert out.returncode == 0, out.stderr
+    return out.stdout
+
+
+def _wait_for(predicate, timeout: float, what: str):
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        value = predicate()
+        if value:
+            return value
+        time.sleep(0.1)
+    raise AssertionError(f"timed out waiting for {what}")
+
+
+def test_slurm_sweep_survives_preemption(slurm_conf, tmp_path, byte_corpus):
+    steps = 60
+    sweep = write_sweep(tmp_path, {"a": {"train.steps": steps}, "b": {"train.seed": 1}})
+    work = tmp_path / "work"
+    env = environment(byte_corpus) | {"SLURM_CONF": str(slurm_conf)}
+    slurm = ["--executor", "slurm", "--slurm", "cpus_per_task=1", "--quiet"]
+
+    detached = subprocess.run(
+        sweep_command(sweep, work, *slurm, "--detach"), env=env, capture_output=True, text=True
+    )
+    assert detached.returncode == 0, detached.stdout + detached.stderr
+    assert "submitted SLURM job array" in detached.stdout and "(2 tasks)" in detached.stdout
+    tasks = json.loads((work / "slurm" / "jobs.json").read_text())["tasks"]
+    assert len(tasks) == 2 and len({t.split("_")[0] for t in tasks.values()}) == 1  # one array
+
+    waiter = subprocess.Popen(
+        sweep_command(sweep, work, *slurm),
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
+    folder_a = next(work.glob("trials/a-*"))
+    task_a = tasks[folder_a.name]
+    _wait_for(lambda: (folder_a / "checkpoints" / "8").exists(), 180, "trial a's checkpoint 8")
+    _slurm(slurm_conf, "scancel", "--signal=USR2", task_a)
+    # SLURM holds a requeued batch job for about two minutes; release it at once.
+    _wait_for(
+        lambda: (
+            "BeginTime" in _slurm(slurm_conf, "squeue", "-h", "-r", "-o", "%i %r", "-j", task_a)
+        ),
+        120,
+        "the preempted task to be requeued",
+    )
+    # Not within the second of the requeue: slurmd refuses a credential from the same second as
+    # the revoked one ("Job credential revoked"), and the task would end without running.
+    time.sleep(3)
+    _slurm(slurm_conf, "scontrol", "update", f"JobId={task_a}", "StartTime=now")
+    output = waiter.communicate(timeout=300)[0]
+    assert waiter.returncode == 0, output
+    assert "nothing (every trial to run is already queued)" in output  # not submitted twice
+
+    rows = {json.loads(line)["trial"]: json.loads(line) for line in (work / "results.jsonl").open()}
+    assert [rows[n]["status"] for n in ("a", "b")] == ["finished", "finished"]
+    outcomes = [json.loads(line).get("outcome") for line in (folder_a / "attempts.jsonl").open()]
+    assert outcomes == [None, "interrupted", None, "finished"], outcomes
+    log = (folder_a / "train.log").read_text()
+    assert "stopped: SIG" in log and log.count(f"started by SLURM job {task_a}") == 2
+    steps_logged = [json.loads(line)["step"] for line in (folder_a / "metrics.jsonl").open()]
+    assert steps_logged == list(range(1, steps + 1))  # each step once, across the requeue
+    # submitit's own logs are linked from the trial folder.
+    out_log = folder_a / f"slurm-{task_a}.out"
+    assert out_log.is_symlink() and out_log.resolve().is_file()
+    assert "preempted" in (folder_a / f"slurm-{task_a}.err").read_text()
+
+    local = run_sweep(sweep, tmp_path / "local", byte_corpus)
+    assert local.returncode == 0, local.stdout + local.stderr
+    reference = {
+        json.loads(line)["trial"]: json.loads(line)
+        for line in (tmp_path / "local" / "results.jsonl").open()
+    }
+    for name in ("a", "b"):
+        for key in ("val_loss", "test_loss", "val_per_position"):
+            assert rows[name][key] == reference[name][key], (name, key)
