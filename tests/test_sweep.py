@@ -81,8 +81,6 @@ def test_trial_configs_resolve_overrides_and_names(tmp_path, byte_corpus, monkey
     with config.unlocked():
         config.data.path = str(byte_corpus)
     trial = Trial("a", config, {"train.steps": 7})
-    path = tmp_path / "direct.py"
-    path.write_text("")
     from lmuscale.sweep.spec import _resolve
 
     assert _resolve(trial, tmp_path, "here").key == a.key
@@ -259,9 +257,11 @@ def test_runner_killed_and_restarted_completes_each_trial_once(tmp_path, byte_co
         stdout=subprocess.DEVNULL,
         stderr=subprocess.DEVNULL,
     )
-    _wait_for(lambda: list((work / "trials").glob("first-*/checkpoints/8")), 120, "checkpoint 8")
-    runner.send_signal(signal.SIGKILL)
-    runner.wait()
+    try:
+        _wait_for(lambda: list(work.glob("trials/first-*/checkpoints/8")), 120, "checkpoint 8")
+    finally:
+        runner.send_signal(signal.SIGKILL)
+        runner.wait()
     first = next((work / "trials").glob("first-*"))
     # The worker dies with the runner, and its lock with it.
     _wait_for(lambda: not is_locked(first), 20, "the worker to die with its runner")
@@ -289,23 +289,38 @@ def test_runner_killed_and_restarted_completes_each_trial_once(tmp_path, byte_co
 
 
 def test_two_runners_on_one_workdir_never_run_a_trial_twice(tmp_path, byte_corpus):
-    sweep = write_sweep(tmp_path, {"a": {}, "b": {"train.seed": 1}, "c": {"train.seed": 2}})
+    trials = {"a": {"train.steps": 40}, "b": {"train.seed": 1}, "c": {"train.seed": 2}}
+    sweep = write_sweep(tmp_path, trials)
     work = tmp_path / "work"
-    runners = [
-        subprocess.Popen(
+
+    def start():
+        return subprocess.Popen(
             sweep_command(sweep, work, "--quiet"),
             env=environment(byte_corpus),
             stdout=subprocess.PIPE,
             stderr=subprocess.STDOUT,
             text=True,
         )
-        for _ in range(2)
-    ]
-    outputs = [r.communicate(timeout=600)[0] for r in runners]
+
+    runners = [start()]
+    try:
+        # The second runner starts while the first one's worker holds trial a.
+        _wait_for(lambda: list(work.glob("trials/a-*/attempts.jsonl")), 120, "a to start")
+        runners.append(start())
+        outputs = [r.communicate(timeout=600)[0] for r in runners]
+    finally:
+        for runner in runners:
+            runner.kill()
     assert [r.returncode for r in runners] == [0, 0], outputs
     rows = _results(work)
+    trained_by = {}
     for name, row in rows.items():
         assert row["status"] == "finished"
         events = _starts(work, row)
         assert [e["event"] for e in events] == ["start", "end"], (name, events)
         assert events[1]["outcome"] == "finished"
+        trained_by[name] = int(events[0]["runner"])
+    first, second = (r.pid for r in runners)
+    assert trained_by["a"] == first
+    assert second in trained_by.values(), trained_by  # both runners trained something
+    assert "a: finished" in outputs[1]  # the second waited for a and reported it

@@ -22,8 +22,12 @@ stop() {
     done
 }
 
-free_port() {
-    python3 -c 'import socket; s = socket.socket(); s.bind(("127.0.0.1", 0)); print(s.getsockname()[1])'
+free_ports() {  # two distinct free ports, both held until both are known
+    python3 -c 'import socket
+socks = [socket.socket() for _ in range(2)]
+for s in socks:
+    s.bind(("127.0.0.1", 0))
+print(*(s.getsockname()[1] for s in socks))'
 }
 
 if [ "$command" = stop ]; then
@@ -39,17 +43,19 @@ mkdir -p "$dir/state" "$dir/spool" "$dir/munge"
 chmod 700 "$dir/munge"
 dd if=/dev/urandom of="$dir/munge/munge.key" bs=1024 count=1 status=none
 chmod 400 "$dir/munge/munge.key"
+trap 'stop' ERR
 munged --force --socket="$dir/munge/socket" --key-file="$dir/munge/munge.key" \
     --pid-file="$dir/munged.pid" --log-file="$dir/munged.log" --seed-file="$dir/munge/seed"
 
 node="$(hostname -s)"
+read -r controller_port node_port < <(free_ports)
 cpus="$(nproc)"
 memory_mb="$(awk '/MemTotal/ {print int($2 / 1024 * 0.9)}' /proc/meminfo)"
 cat >"$dir/slurm.conf" <<CONF
 ClusterName=lmuscale-test
 SlurmctldHost=$node(127.0.0.1)
-SlurmctldPort=$(free_port)
-SlurmdPort=$(free_port)
+SlurmctldPort=$controller_port
+SlurmdPort=$node_port
 SlurmUser=$(id -un)
 AuthType=auth/munge
 CredType=cred/munge

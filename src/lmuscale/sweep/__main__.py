@@ -12,6 +12,7 @@ finish (the table says which), 2 for bad arguments or a bad sweep file.
 from __future__ import annotations
 
 import argparse
+import signal
 import sys
 from pathlib import Path
 
@@ -71,6 +72,10 @@ def slurm_params(items: list[str]) -> dict:
         key, sep, text = item.partition("=")
         if not sep or not key:
             raise SystemExit(f"error: --slurm {item!r}: expected KEY=VALUE")
+        words = {"true": True, "false": False, "none": None}
+        if text.lower() in words:
+            params[key] = words[text.lower()]
+            continue
         for kind in (int, float):
             try:
                 params[key] = kind(text)
@@ -84,6 +89,10 @@ def slurm_params(items: list[str]) -> dict:
 
 def main(argv: list[str] | None = None) -> int:
     args = parse(sys.argv[1:] if argv is None else argv)
+    # A runner told to stop (kill, a closed terminal) stops its workers cleanly, as on Ctrl-C:
+    # each writes a checkpoint at its current step.
+    for sig in (signal.SIGTERM, signal.SIGHUP):
+        signal.signal(sig, signal.default_int_handler)
     from lmuscale.sweep.runner import run_sweep, select
     from lmuscale.sweep.spec import SweepError, load_sweep
 

@@ -17,7 +17,7 @@ from pathlib import Path
 
 from lmuscale.sweep.spec import SweepError
 from lmuscale.sweep.trials import DONE, LOG, is_locked, record_crash, status
-from lmuscale.sweep.worker import BUSY
+from lmuscale.sweep.worker import BUSY, PARENT
 
 POLL_SECONDS = 0.5
 STOP_GRACE_SECONDS = 120  # how long stopped workers get to write their checkpoint
@@ -61,8 +61,9 @@ def run_local(
         while queue or waiting or running:
             for folder in [f for f in waiting if not is_locked(f)]:
                 waiting.remove(folder)
-                if status(folder) in DONE:
-                    on_end(folder, status(folder))
+                state = status(folder)
+                if state in (*DONE, "failed"):  # another runner's result: not retried here
+                    on_end(folder, state)
                 else:
                     queue.append(folder)
             while queue and free:
@@ -101,7 +102,7 @@ def _start(folder: Path, slot: dict) -> subprocess.Popen:
             stdout=log,
             stderr=subprocess.STDOUT,
             stdin=subprocess.DEVNULL,
-            env=os.environ | slot,
+            env=os.environ | slot | {PARENT: str(os.getpid())},
             start_new_session=True,
         )
 

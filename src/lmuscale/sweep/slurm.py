@@ -19,10 +19,9 @@ from collections.abc import Callable
 from pathlib import Path
 
 from lmuscale.files import atomic_write_json
-from lmuscale.sweep.local import STOP_GRACE_SECONDS
 from lmuscale.sweep.spec import Sweep, SweepError
 from lmuscale.sweep.trials import DONE, LOG, is_locked, read_json, record_crash, status
-from lmuscale.sweep.worker import BUSY
+from lmuscale.sweep.worker import BUSY, PARENT
 
 try:
     import submitit
@@ -31,7 +30,11 @@ except ImportError:  # the local executor needs none of it
     submitit = None
     Checkpointable = object
 
-DEFAULTS = {"timeout_min": 24 * 60, "slurm_signal_delay_s": 120}
+# The USR2 notice comes 180 s before the time limit; the worker gets 120 s of it to write its
+# checkpoint, which leaves time to requeue. A 250k-step trial may need many requeues.
+DEFAULTS = {"timeout_min": 24 * 60, "slurm_signal_delay_s": 180}
+MAX_REQUEUES = 1000
+STOP_GRACE_SECONDS = 120
 POLL_SECONDS = 2.0
 REQUEUE_GRACE_SECONDS = 30.0
 
@@ -65,6 +68,7 @@ class TrialJob(Checkpointable):
                     stdout=log,
                     stderr=subprocess.STDOUT,
                     stdin=subprocess.DEVNULL,
+                    env=os.environ | {PARENT: str(os.getpid())},
                 )
             code = self.process.wait()
             if code != BUSY:
@@ -77,7 +81,7 @@ class TrialJob(Checkpointable):
 
     def checkpoint(self, folder: str):
         """Called by submitit on USR2: stop the worker after a checkpoint, then requeue."""
-        if self.process is not None:
+        if self.process is not None and self.process.returncode is None:
             _stop(self.process.pid)
         return DelayedSubmission(TrialJob(), folder)
 
@@ -108,16 +112,20 @@ def queued(job_ids: list[str]) -> set[str]:
     """The array tasks (``JOB_TASK``) of these jobs that SLURM still has queued or running."""
     if not job_ids:
         return set()
-    result = subprocess.run(
-        ["squeue", "-h", "-r", "-o", "%i", "-j", ",".join(job_ids)],
-        capture_output=True,
-        text=True,
-    )
-    if result.returncode != 0:
-        if "Invalid job id" in result.stderr:  # every one of them has left the queue
-            return set()
-        raise SweepError(f"squeue failed: {result.stderr.strip()}")
-    return {line.strip() for line in result.stdout.splitlines() if line.strip()}
+    command = ["squeue", "-h", "-r", "-o", "%i", "-j", ",".join(job_ids)]
+    for attempt in range(10):  # a busy controller may not answer at once
+        try:
+            result = subprocess.run(command, capture_output=True, text=True, timeout=60)
+        except subprocess.TimeoutExpired:
+            error = "no answer in 60 s"
+        else:
+            if result.returncode == 0:
+                return {line.strip() for line in result.stdout.splitlines() if line.strip()}
+            if "Invalid job id" in result.stderr:  # every one of them has left the queue
+                return set()
+            error = result.stderr.strip()
+        time.sleep(min(60, 2**attempt))
+    raise SweepError(f"{' '.join(command)} failed 10 times: {error}")
 
 
 def _recorded(workdir: Path) -> dict[str, str]:
@@ -133,10 +141,13 @@ def run_slurm(
         raise SweepError("--executor slurm needs submitit: pip install submitit")
     recorded = _recorded(workdir)
     live = queued(sorted({task.split("_")[0] for task in recorded.values()}))
-    todo = [f for f in folders if recorded.get(f.name) not in live]
+    # Trials already queued, or being trained by another runner, are not submitted again.
+    todo = [f for f in folders if recorded.get(f.name) not in live and not is_locked(f)]
     if not todo:
-        return "nothing (every trial to run is already queued)"
-    executor = submitit.AutoExecutor(folder=workdir / "slurm" / "%j", cluster="slurm")
+        return "nothing (every trial to run is already queued or running)"
+    executor = submitit.AutoExecutor(
+        folder=workdir / "slurm" / "%j", cluster="slurm", slurm_max_num_timeout=MAX_REQUEUES
+    )
     settings = {**DEFAULTS, **sweep.slurm, **(params or {})}
     settings.setdefault("slurm_array_parallelism", parallel or len(todo))
     settings.setdefault("name", f"lmuscale-{sweep.name}")
@@ -144,7 +155,10 @@ def run_slurm(
         executor.update_parameters(**settings)
     except (ValueError, TypeError) as error:
         raise SweepError(f"SLURM parameters {settings}: {error}") from None
-    jobs = executor.map_array(TrialJob(), [str(f.absolute()) for f in todo])
+    try:
+        jobs = executor.map_array(TrialJob(), [str(f.absolute()) for f in todo])
+    except Exception as error:  # sbatch's own message says what the cluster refused
+        raise SweepError(f"SLURM refused the job array: {type(error).__name__}: {error}") from None
     for folder, job in zip(todo, jobs, strict=True):
         recorded[folder.name] = job.job_id
     atomic_write_json(_jobs_path(workdir), {"tasks": recorded})

@@ -152,14 +152,21 @@ def _resolve(trial: Trial, folder: Path, where: str) -> ResolvedTrial:
             raise ConfigError(
                 f"config is {type(trial.config).__name__}; expected a ConfigDict or 'FILE.py:NAME'"
             )
+        if not isinstance(trial.overrides, Mapping):
+            raise ConfigError(f"overrides must be a dict of config keys, not {trial.overrides!r}")
         with config.unlocked():
             config.name = trial.name
+        override(config, [f"{key}={_text(value)}" for key, value in trial.overrides.items()])
+        with config.unlocked():
             if config.data.path:
                 config.data.path = str(Path(config.data.path).absolute())
-        override(config, [f"{key}={_text(value)}" for key, value in trial.overrides.items()])
         check(config, where="")
     except ConfigError as error:
-        raise SweepError(f"{where}: {str(error).removeprefix(': ')}") from None
+        # override() speaks of the command line; here the keys come from the sweep file.
+        message = str(error).removeprefix(": ").removeprefix("command line: ")
+        raise SweepError(f"{where}: {message.replace('--config.', 'overrides: ')}") from None
+    except Exception as error:
+        raise SweepError(f"{where}: {type(error).__name__}: {error}") from None
     config.lock()
     return ResolvedTrial(trial.name, config, config_hash(config))
 

@@ -115,7 +115,8 @@ def status(folder: Path) -> str:
         return "running"
     if (folder / ERROR).exists():
         return "failed"
-    if any((folder / "checkpoints").glob("[0-9]*")):
+    checkpoints = folder / "checkpoints"
+    if checkpoints.is_dir() and any(p.name.isdigit() for p in checkpoints.iterdir()):
         return "interrupted"
     return "pending"
 
@@ -202,9 +203,13 @@ def write_results(workdir: Path, rows: list[dict]) -> None:
     atomic_write_bytes(workdir / "results.csv", buffer.getvalue().encode())
 
 
-def _clean(row: dict) -> dict:
-    """NaN and infinity become null: JSON has neither."""
-    return {k: None if isinstance(v, float) and not math.isfinite(v) else v for k, v in row.items()}
+def _clean(value):
+    """NaN and infinity become null, also inside lists: JSON has neither."""
+    if isinstance(value, dict):
+        return {k: _clean(v) for k, v in value.items()}
+    if isinstance(value, list):
+        return [_clean(v) for v in value]
+    return None if isinstance(value, float) and not math.isfinite(value) else value
 
 
 def record_crash(folder: Path, returncode: int) -> None:
@@ -216,6 +221,9 @@ def record_crash(folder: Path, returncode: int) -> None:
     if not lock.acquire():  # someone else has started the trial again: not ours to mark
         return
     try:
+        summary = read_json(folder / SUMMARY)
+        if (folder / ERROR).exists() or (summary and summary.get("status") in DONE):
+            return
         how = f"exit status {returncode}"
         if returncode < 0:
             import signal

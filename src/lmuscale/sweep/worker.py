@@ -27,24 +27,27 @@ from lmuscale.sweep.trials import ATTEMPTS, DONE, ERROR, SUMMARY, TRIAL, TrialLo
 FINISHED, FAILED, DIVERGED, INTERRUPTED, BUSY = 0, 1, 3, 4, 75
 
 
+PARENT = "LMUSCALE_SWEEP_PARENT"  # the pid of the runner (or SLURM task) that started us
+
+
 def die_with_parent() -> None:
     """Ask Linux to SIGKILL this process when its parent dies (prctl PR_SET_PDEATHSIG)."""
     if not sys.platform.startswith("linux"):
         return
-    parent = os.getppid()
     try:
         libc = ctypes.CDLL(None, use_errno=True)
         libc.prctl(1, signal.SIGKILL, 0, 0, 0)  # 1 = PR_SET_PDEATHSIG
     except (OSError, AttributeError):
         return
-    if os.getppid() != parent:  # the parent died before prctl took effect
+    # The parent may have died while this process was importing, before prctl took effect.
+    expected = os.environ.get(PARENT)
+    if expected and os.getppid() != int(expected):
         os._exit(BUSY)
 
 
 def _attempt(folder: Path, record: dict) -> None:
-    line = json.dumps(
-        {"time": time.time(), "host": socket.gethostname(), "pid": os.getpid()} | record
-    )
+    where = {"time": time.time(), "host": socket.gethostname(), "pid": os.getpid()}
+    line = json.dumps(where | {"runner": os.environ.get(PARENT)} | record)
     with open(folder / ATTEMPTS, "a") as f:
         f.write(line + "\n")
 
@@ -56,7 +59,12 @@ def train(folder: Path) -> int:
     from lmuscale.train.config import check
 
     lock = TrialLock(folder)
-    if not lock.acquire():
+    # A runner's status check holds the lock for an instant: try a few times before giving up.
+    for _ in range(10):
+        if lock.acquire():
+            break
+        time.sleep(0.1)
+    else:
         print(f"{folder.name}: locked by another process; not started", flush=True)
         return BUSY
     try:

@@ -81,7 +81,7 @@ class _StopSignals:
 
     def __exit__(self, *exc):
         for sig, handler in self.previous.items():
-            signal.signal(sig, handler)
+            signal.signal(sig, signal.SIG_DFL if handler is None else handler)
         self.previous = {}
 
 
