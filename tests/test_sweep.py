@@ -18,7 +18,10 @@ from sweep_files import SMALL, environment, run_sweep, sweep_command, write_swee
 
 from lmuscale.models import count_params
 from lmuscale.sweep import SweepError, Trial, config_hash, load_sweep
+from lmuscale.sweep.__main__ import slurm_params
+from lmuscale.sweep.local import gpu_slots
 from lmuscale.sweep.plan import plan, table
+from lmuscale.sweep.runner import select
 from lmuscale.sweep.trials import RESULT_FIELDS, TrialLock, is_locked
 from lmuscale.train import load, model_config
 
@@ -175,6 +178,39 @@ def test_trial_lock_is_exclusive_and_dies_with_its_holder(tmp_path):
     assert not is_locked(tmp_path)
 
 
+def test_only_selects_by_glob_and_names_the_trials_when_nothing_matches(
+    tmp_path, byte_corpus, monkeypatch
+):
+    monkeypatch.setenv("LMUSCALE_TEST_DATA", str(byte_corpus))
+    sweep = load_sweep(write_sweep(tmp_path, {"lmu-a": {}, "lmu-b": {}, "tf-a": {}}))
+    assert [t.name for t in select(sweep, "lmu-*")] == ["lmu-a", "lmu-b"]
+    assert [t.name for t in select(sweep, "*-a,lmu-b")] == ["lmu-a", "lmu-b", "tf-a"]
+    with pytest.raises(SweepError, match=r"matches no trial.*lmu-a, lmu-b, tf-a"):
+        select(sweep, "gru-*")
+
+
+def test_parallel_workers_get_disjoint_gpus(monkeypatch):
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "0,1,2,3,4,5,6,7")
+    slots = [s["CUDA_VISIBLE_DEVICES"] for s in gpu_slots(4)]
+    assert slots == ["0,1", "2,3", "4,5", "6,7"]
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "3,5")
+    assert [s["CUDA_VISIBLE_DEVICES"] for s in gpu_slots(2)] == ["3", "5"]
+    with pytest.raises(SweepError, match="--parallel 3 is more than the 2 GPUs"):
+        gpu_slots(3)
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "")
+    assert gpu_slots(2) == [{}, {}]  # no GPU: the workers share the CPU
+
+
+def test_slurm_parameters_from_the_command_line():
+    params = slurm_params(["slurm_partition=gpu", "gpus_per_node=8", "use_srun=false", "x=0.5"])
+    assert params == {
+        "slurm_partition": "gpu",
+        "gpus_per_node": 8,
+        "use_srun": False,
+        "x": 0.5,
+    }
+
+
 # -- the runner, end to end ------------------------------------------------------------------
 
 
@@ -206,7 +242,7 @@ def test_failing_trial_is_marked_and_the_others_finish(tmp_path, byte_corpus):
         },
     )
     work = tmp_path / "work"
-    out = run_sweep(sweep, work, byte_corpus)
+    out = run_sweep(sweep, work, byte_corpus, "--parallel", "2")  # two workers at a time
     assert out.returncode == 1, out.stdout + out.stderr
     rows = _results(work)
     assert [rows[n]["status"] for n in ("good", "broken", "other")] == [

@@ -74,7 +74,7 @@ def _count(n: float) -> str:
 def table(rows: list[dict]) -> str:
     """The dry-run table as Markdown, with a total line."""
     header = (
-        "| trial | family | N (non-emb.) | total params | FLOPs/token | tokens | total FLOPs "
+        "| trial | family | N (non-emb.) | total params | train FLOPs/token | tokens | total FLOPs "
         "| FLOP/s | from | est. time | status |"
     )
     lines = [header, "|---|---|---:|---:|---:|---:|---:|---:|---|---:|---|"]
