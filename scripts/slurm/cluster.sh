@@ -8,6 +8,11 @@ command="${1:?usage: cluster.sh start|stop DIR}"
 dir="$(realpath -m "${2:?usage: cluster.sh start|stop DIR}")"
 
 stop() {
+    # Cancel this cluster's jobs first, so no job step outlives its slurmd.
+    if [ -f "$dir/slurm.conf" ] && [ -f "$dir/slurmctld.pid" ]; then
+        SLURM_CONF="$dir/slurm.conf" timeout 10 scancel --quiet --user="$(id -un)" 2>/dev/null || true
+        sleep 1
+    fi
     for name in slurmd slurmctld munged; do
         if [ -f "$dir/$name.pid" ]; then
             kill "$(cat "$dir/$name.pid")" 2>/dev/null || true
@@ -20,6 +25,9 @@ stop() {
             rm -f "$dir/$name.pid"
         fi
     done
+    # Daemons whose pid file is gone are found by this cluster's files on their command line.
+    pkill -9 -f -- "-f $dir/slurm.conf" 2>/dev/null || true
+    pkill -9 -f -- "--socket=$dir/munge/socket" 2>/dev/null || true
 }
 
 free_ports() {  # two distinct free ports, both held until both are known
@@ -80,8 +88,8 @@ NodeName=$node NodeAddr=127.0.0.1 CPUs=$cpus RealMemory=$memory_mb State=UNKNOWN
 PartitionName=test Nodes=ALL Default=YES MaxTime=INFINITE State=UP
 CONF
 export SLURM_CONF="$dir/slurm.conf"
-slurmctld
-slurmd -N "$node"
+slurmctld -f "$dir/slurm.conf"
+slurmd -f "$dir/slurm.conf" -N "$node"
 for _ in $(seq 60); do
     state="$(sinfo -h -n "$node" -o %t 2>/dev/null || true)"
     if [ "$state" = idle ]; then
