@@ -9,6 +9,7 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
@@ -41,3 +42,14 @@ def run_sweep(sweep: Path, workdir: Path, data: Path, *extra: str, timeout: floa
         text=True,
         timeout=timeout,
     )
+
+
+def wait_for(predicate, timeout: float, what: str):
+    """Poll ``predicate`` until it returns something true; fail after ``timeout`` seconds."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        value = predicate()
+        if value:
+            return value
+        time.sleep(0.05)
+    raise AssertionError(f"timed out waiting for {what}")

@@ -10,11 +10,10 @@ import os
 import signal
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import pytest
-from sweep_files import SMALL, environment, run_sweep, sweep_command, write_sweep
+from sweep_files import SMALL, environment, run_sweep, sweep_command, wait_for, write_sweep
 
 from lmuscale.models import count_params
 from lmuscale.sweep import SweepError, Trial, config_hash, load_sweep
@@ -271,15 +270,6 @@ def test_failing_trial_is_marked_and_the_others_finish(tmp_path, byte_corpus):
     assert [e.get("outcome") for e in _starts(work, rows["broken"])][1::2] == ["failed", "failed"]
 
 
-def _wait_for(predicate, timeout: float, what: str):
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if predicate():
-            return
-        time.sleep(0.05)
-    raise AssertionError(f"timed out waiting for {what}")
-
-
 def test_runner_killed_and_restarted_completes_each_trial_once(tmp_path, byte_corpus):
     trials = {"first": {"train.steps": 40}, "second": {"train.steps": 16, "train.seed": 1}}
     sweep = write_sweep(tmp_path, trials)
@@ -294,13 +284,13 @@ def test_runner_killed_and_restarted_completes_each_trial_once(tmp_path, byte_co
         stderr=subprocess.DEVNULL,
     )
     try:
-        _wait_for(lambda: list(work.glob("trials/first-*/checkpoints/8")), 120, "checkpoint 8")
+        wait_for(lambda: list(work.glob("trials/first-*/checkpoints/8")), 120, "checkpoint 8")
     finally:
         runner.send_signal(signal.SIGKILL)
         runner.wait()
     first = next((work / "trials").glob("first-*"))
     # The worker dies with the runner, and its lock with it.
-    _wait_for(lambda: not is_locked(first), 20, "the worker to die with its runner")
+    wait_for(lambda: not is_locked(first), 20, "the worker to die with its runner")
     assert not (first / "summary.json").exists()
 
     out = run_sweep(sweep, work, byte_corpus)
@@ -341,7 +331,7 @@ def test_two_runners_on_one_workdir_never_run_a_trial_twice(tmp_path, byte_corpu
     runners = [start()]
     try:
         # The second runner starts while the first one's worker holds trial a.
-        _wait_for(lambda: list(work.glob("trials/a-*/attempts.jsonl")), 120, "a to start")
+        wait_for(lambda: list(work.glob("trials/a-*/attempts.jsonl")), 120, "a to start")
         runners.append(start())
         outputs = [r.communicate(timeout=600)[0] for r in runners]
     finally:

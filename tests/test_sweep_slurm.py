@@ -18,7 +18,7 @@ import time
 from pathlib import Path
 
 import pytest
-from sweep_files import environment, run_sweep, sweep_command, write_sweep
+from sweep_files import environment, run_sweep, sweep_command, wait_for, write_sweep
 
 REPO = Path(__file__).resolve().parent.parent
 CLUSTER = REPO / "scripts" / "slurm" / "cluster.sh"
@@ -52,16 +52,6 @@ def _slurm(conf: Path, *args: str) -> str:
     return out.stdout
 
 
-def _wait_for(predicate, timeout: float, what: str):
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        value = predicate()
-        if value:
-            return value
-        time.sleep(0.1)
-    raise AssertionError(f"timed out waiting for {what}")
-
-
 def test_slurm_sweep_survives_preemption(slurm_conf, tmp_path, byte_corpus):
     steps = 60
     sweep = write_sweep(tmp_path, {"a": {"train.steps": steps}, "b": {"train.seed": 1}})
@@ -87,10 +77,10 @@ def test_slurm_sweep_survives_preemption(slurm_conf, tmp_path, byte_corpus):
     try:
         folder_a = next(work.glob("trials/a-*"))
         task_a = tasks[folder_a.name]
-        _wait_for(lambda: (folder_a / "checkpoints" / "8").exists(), 180, "trial a's checkpoint 8")
+        wait_for(lambda: (folder_a / "checkpoints" / "8").exists(), 180, "trial a's checkpoint 8")
         _slurm(slurm_conf, "scancel", "--signal=USR2", task_a)
         # SLURM holds a requeued batch job for about two minutes; release it at once.
-        _wait_for(
+        wait_for(
             lambda: (
                 "BeginTime" in _slurm(slurm_conf, "squeue", "-h", "-r", "-o", "%i %r", "-j", task_a)
             ),

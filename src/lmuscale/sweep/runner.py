@@ -28,8 +28,6 @@ from lmuscale.sweep.trials import (
     write_results,
 )
 
-EMBEDDED_SOURCES = ("shakespeare",)
-
 
 def select(sweep: Sweep, only: str | None) -> list[ResolvedTrial]:
     """The trials whose name matches any of the comma-separated globs in ``only``."""
@@ -63,6 +61,7 @@ def prepare_data(trials: list[ResolvedTrial], progress: bool) -> None:
     """Prepare each missing embedded dataset once, before workers start (they would race)."""
     from lmuscale.data.format import META
     from lmuscale.data.prepare import prepare
+    from lmuscale.train.loop import EMBEDDED_SOURCES
 
     done = set()
     for trial in trials:
@@ -205,9 +204,11 @@ def run_sweep(
 
         try:
             run_local([paths[t.name] for t in todo], parallel, progress.update, on_end)
+        except BaseException:
+            results(workdir, sweep, paths)  # the rows of the trials that were stopped
+            raise
         finally:
             progress.close()
-            results(workdir, sweep, paths)
     elif executor == "slurm":
         from lmuscale.sweep.slurm import run_slurm
 

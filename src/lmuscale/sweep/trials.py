@@ -18,6 +18,7 @@ import io
 import json
 import math
 import os
+import signal
 from pathlib import Path
 
 from lmuscale.files import atomic_write_bytes, atomic_write_json
@@ -226,8 +227,6 @@ def record_crash(folder: Path, returncode: int) -> None:
             return
         how = f"exit status {returncode}"
         if returncode < 0:
-            import signal
-
             how = f"signal {signal.Signals(-returncode).name}"
         try:
             tail = (folder / LOG).read_text(errors="replace").splitlines()[-30:]
