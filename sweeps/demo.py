@@ -5,7 +5,8 @@
 Byte-level models (vocabulary 256, so the embedding is small next to N) on the 38 plays of the
 embedded corpus, prepared into data/shakespeare-bytes on first use with no network. Every
 trial sees the same 200 steps of 16 x 128 bytes (410k tokens), so at these sizes the loss
-should fall as N grows. The whole sweep takes about five minutes on two CPU cores.
+should fall as N grows. The whole sweep takes about five minutes on two CPU cores; then
+``after`` fits and draws Figures 3-5 into WORKDIR/analysis.
 """
 
 from lmuscale.models import LMUConfig, TransformerConfig
@@ -55,3 +56,11 @@ def get_trials():
         yield Trial(f"lmu-d{d}", config(lmu(d)))
     for d in WIDTHS:
         yield Trial(f"transformer-d{d}", config(transformer(d)))
+
+
+def after(workdir):
+    """Once every trial is done: fits, Figures 3-5 and fits.md in WORKDIR/analysis."""
+    from lmuscale.analysis import analyse
+
+    report = analyse(workdir / "results.jsonl", workdir / "analysis", n_boot=200)
+    print(f"analysis: {', '.join(str(p) for p in report.files)}")

@@ -1,0 +1,61 @@
+# ---
+# jupyter:
+#   jupytext:
+#     formats: ipynb,py:percent
+#     text_representation:
+#       extension: .py
+#       format_name: percent
+#   kernelspec:
+#     display_name: Python 3
+#     language: python
+#     name: python3
+# ---
+
+# %% [markdown]
+# # Figure 5: the LMU at its budget against the transformer at 10x the steps
+#
+# Measured transformer runs at a larger budget where the sweep has them (`sweeps/owt2.py`
+# has `transformer-SIZE-10x`), and Kaplan's L(N, S) at that budget for GPT-2 tokens. Then the
+# transformer steps each LMU run's loss would take by Kaplan's eq. 1.6: infinite where the
+# loss is below the transformer's infinite-training limit.
+# Set `LMUSCALE_RESULTS` to a sweep's `results.jsonl` (default: the demo sweep's).
+
+# %%
+import math
+import os
+from pathlib import Path
+
+from IPython.display import Image, display
+
+from lmuscale import scaling
+from lmuscale.analysis import figures, fit_all, load_results
+
+RESULTS = Path(os.environ.get("LMUSCALE_RESULTS", "../runs/demo/results.jsonl"))
+N_BOOT = int(os.environ.get("LMUSCALE_N_BOOT", "1000"))
+results = load_results(RESULTS)
+fits = fit_all(results, n_boot=N_BOOT, ci=0.95, seed=0)
+
+# %% [markdown]
+# Saved as PNG and PDF in an `analysis` folder beside the results, then shown:
+
+# %%
+fig = figures.figure5(results, fits)
+(RESULTS.parent / "analysis").mkdir(exist_ok=True)
+saved = figures.save(fig, RESULTS.parent / "analysis" / "fig5")
+print(*saved, sep="\n")
+display(Image(filename=str(saved[0])))
+
+# %% [markdown]
+# Transformer steps to reach each LMU run's loss at the same N (Kaplan eq. 1.6, at the run's
+# batch), for GPT-2 tokens:
+
+# %%
+if results.gpt2_tokens:
+    for run in results.runs:
+        if run.family not in ("lmu", "lmu_g"):
+            continue
+        steps = float(scaling.steps_to_match(run.loss, run.n, run.batch_tokens))
+        ratio = math.inf if math.isinf(steps) else steps * run.batch_tokens / run.tokens
+        print(f"{run.trial}: loss {run.loss:.4f}, transformer steps {steps:,.0f} ({ratio:.2f}x)")
+else:
+    print(f"not applicable: these losses are per {results.tokenizer} token, not GPT-2's")

@@ -1,0 +1,429 @@
+"""Figures 3, 4 and 5 of the LMU paper from a results table, as matplotlib figures.
+
+Every figure keeps its notes (what is missing, what was left out and why) in a text panel
+under the axes, so nothing is silently absent and no text sits on top of the data.
+"""
+
+from __future__ import annotations
+
+import io
+import textwrap
+from pathlib import Path
+
+import matplotlib
+import numpy as np
+from matplotlib import ticker
+from matplotlib.backends.backend_agg import FigureCanvasAgg
+from matplotlib.figure import Figure
+
+from lmuscale.analysis.fitting import find
+from lmuscale.analysis.results import LMU_FAMILIES, Results, label
+from lmuscale.files import atomic_write_bytes
+from lmuscale.scaling import (
+    LMU_G_PAPER,
+    LMU_PAPER,
+    LSTM,
+    PAPER_STEPS,
+    transformer_loss,
+)
+
+COLORS = {"lmu": "#1f77b4", "lmu_g": "#2ca02c", "transformer": "#d62728", "lstm": "#9467bd"}
+MARKERS = {"lmu": "o", "lmu_g": "s", "transformer": "^", "lstm": "D"}
+REFERENCE_COLOR = "#555555"
+PAPER_SIZES = (55_000, 1_000_000)  # the range of the paper's Figure 3
+STYLE = {
+    "font.size": 9,
+    "axes.titlesize": 10,
+    "axes.labelsize": 9,
+    "legend.fontsize": 7.5,
+    "xtick.labelsize": 8,
+    "ytick.labelsize": 8,
+    "axes.grid": True,
+    "grid.alpha": 0.3,
+}
+DPI = 200
+SMOOTH = 1.2  # Figure 4's smoothing window: positions within this factor either side
+NOTE_WIDTH = 90  # characters per line of the notes under the axes
+
+
+def color(family: str) -> str:
+    extra = ("#ff7f0e", "#8c564b", "#e377c2", "#17becf", "#bcbd22")
+    return COLORS.get(family, extra[sum(map(ord, family)) % len(extra)])
+
+
+def human(x: float) -> str:
+    """55000 -> "55k", 1.3e10 -> "13.1B": parameter and token counts in axis ticks and labels."""
+    for scale, suffix in ((1e12, "T"), (1e9, "B"), (1e6, "M"), (1e3, "k")):
+        if abs(x) >= scale:
+            return f"{x / scale:.3g}{suffix}"
+    return f"{x:.3g}"
+
+
+def figure3(results: Results, fits, *, size_range=None):
+    """Loss against non-embedding parameters at the base budget, log-log: measured points,
+    power-law fits with bootstrap CI bands, and (for GPT-2 tokens) the reference curves."""
+    base = results.base_tokens
+    notes = []
+    with matplotlib.rc_context(STYLE):
+        fig, ax = _figure()
+        sizes = []
+        for family in results.families:
+            runs = results.group(family, base)
+            if not runs:
+                budgets = ", ".join(human(t) for t in results.budgets(family))
+                notes.append(
+                    f"{label(family)} has no run at {human(base)} tokens (only {budgets})."
+                )
+                continue
+            n = np.array([r.n for r in runs])
+            sizes += list(n)
+            ax.scatter(
+                n,
+                [r.loss for r in runs],
+                color=color(family),
+                marker=MARKERS.get(family, "o"),
+                s=28,
+                zorder=3,
+                label=f"{label(family)} (measured)",
+            )
+            _draw_fit(ax, find(fits, family, base, "power_law"), n, notes)
+        lo, hi = min(sizes), max(sizes)
+        if results.gpt2_tokens:
+            lo, hi = min(lo, PAPER_SIZES[0]), max(hi, PAPER_SIZES[1])
+            grid = np.geomspace(lo / 1.25, hi * 1.25, 200)
+            ax.plot(
+                grid,
+                transformer_loss(grid, PAPER_STEPS),
+                color=REFERENCE_COLOR,
+                lw=1.3,
+                label="Transformer, 25k steps (Kaplan eq. 1.6)",
+            )
+            ax.plot(grid, LSTM(grid), color=REFERENCE_COLOR, ls="--", lw=1.3, label=LSTM.label)
+            for curve, family in ((LMU_PAPER, "lmu"), (LMU_G_PAPER, "lmu_g")):
+                ax.plot(grid, curve(grid), color=color(family), ls=":", lw=1.5, label=curve.label)
+        else:
+            notes.append(_not_gpt2(results))
+        notes += _skipped(results)
+        steps = _steps_at(results, base)
+        ax.set_title(f"{_split(results)} loss after {human(base)} tokens ({steps} steps)")
+        _axes_n(ax, lo, hi)
+        _axes_loss(ax, results)
+        _legend(fig, ax)
+        _notes(fig, notes)
+    return fig
+
+
+def figure4(results: Results, size: float | None = None):
+    """Per-position loss against token position (log x) for each family at the run nearest in
+    log N to ``size`` (default: the largest LMU)."""
+    base = results.base_tokens
+    notes = []
+    if size is None:
+        lmus = [r for r in results.runs if r.family in LMU_FAMILIES and r.tokens == base]
+        size = max(r.n for r in (lmus or [r for r in results.runs if r.tokens == base]))
+    with matplotlib.rc_context(STYLE):
+        fig, ax = _figure()
+        drawn = 0
+        for family in results.families:
+            runs = results.group(family, base)
+            if not runs:
+                continue
+            run = min(runs, key=lambda r: abs(np.log(r.n / size)))
+            if not run.per_position:
+                notes.append(
+                    f"{label(family)}: {run.trial} has no {results.split}_per_position "
+                    "in the results."
+                )
+                continue
+            loss = np.asarray(run.per_position, dtype=float)
+            position = np.arange(1, len(loss) + 1)
+            ax.plot(position, loss, color=color(family), lw=0.6, alpha=0.3)
+            ax.plot(
+                position,
+                smooth_log(loss),
+                color=color(family),
+                lw=1.6,
+                label=f"{label(family)} (N = {human(run.n)}, {run.trial})",
+            )
+            drawn += 1
+        for family in ("lmu", "lmu_g", "transformer"):
+            if not results.group(family, base):
+                notes.append(f"No {label(family)} run at {human(base)} tokens in the results.")
+        if drawn:
+            notes.append(
+                f"Thin: each position's loss. Thick: the mean over positions within a factor "
+                f"{SMOOTH:g} either side (a window that is constant in log position)."
+            )
+        else:
+            notes.append("Nothing to draw: no run has per-position losses.")
+            ax.text(0.5, 0.5, "no per-position losses", ha="center", transform=ax.transAxes)
+        notes += _skipped(results)
+        ax.set_xscale("log")
+        ax.set_xlabel("Position in the context (tokens)")
+        ax.set_ylabel(f"{_split(results)} loss at that position ({_unit(results)})")
+        ax.set_title(f"Per-position {results.split} loss at N ≈ {human(size)}")
+        ax.xaxis.set_major_formatter(ticker.FuncFormatter(lambda x, _: f"{x:g}"))
+        if drawn:
+            _legend(fig, ax)
+        _notes(fig, notes)
+    return fig
+
+
+def figure5(results: Results, fits):
+    """The LMU families at their budget against the transformer at more tokens: measured
+    transformer runs at the largest budget above the LMU's where the sweep has them, and
+    Kaplan's L(N, S) at that budget (10x without such runs) for GPT-2 tokens."""
+    base = results.base_tokens
+    base_steps = _steps_at(results, base, raw=True)
+    batch = base / base_steps
+    notes = []
+    with matplotlib.rc_context(STYLE):
+        fig, ax = _figure()
+        sizes = []
+        for family in LMU_FAMILIES:
+            runs = results.group(family, base)
+            if not runs:
+                notes.append(f"No {label(family)} run at {human(base)} tokens in the results.")
+                continue
+            n = np.array([r.n for r in runs])
+            sizes += list(n)
+            ax.scatter(
+                n,
+                [r.loss for r in runs],
+                color=color(family),
+                marker=MARKERS[family],
+                s=28,
+                zorder=3,
+                label=f"{label(family)}, {human(base)} tokens",
+            )
+            _draw_fit(ax, find(fits, family, base, "power_law"), n, notes)
+        bigger = [t for t in results.budgets("transformer") if t > base]
+        ratio = max(bigger) / base if bigger else 10.0
+        if bigger:
+            runs = results.group("transformer", max(bigger))
+            n = np.array([r.n for r in runs])
+            sizes += list(n)
+            ax.scatter(
+                n,
+                [r.loss for r in runs],
+                facecolors="none",
+                edgecolors=color("transformer"),
+                marker=MARKERS["transformer"],
+                s=34,
+                zorder=3,
+                label=f"Transformer, {human(max(bigger))} tokens (measured)",
+            )
+            _draw_fit(ax, find(fits, "transformer", max(bigger), "power_law"), n, notes, ls="--")
+        if not sizes:
+            sizes = [r.n for r in results.runs]
+        if results.gpt2_tokens:
+            grid = np.geomspace(min(sizes) / 1.25, max(sizes) * 1.25, 200)
+            steps = ratio * base_steps
+            ax.plot(
+                grid,
+                transformer_loss(grid, steps, batch),
+                color=REFERENCE_COLOR,
+                lw=1.3,
+                ls="--",
+                label=f"Transformer, {steps:,.0f} steps (Kaplan eq. 1.6)",
+            )
+        elif not bigger:
+            runs = results.group("transformer", base)
+            ratio = 1.0
+            if not runs:
+                notes.append(
+                    "No transformer run in the results, and Kaplan's curve is for GPT-2 tokens "
+                    f"({_unit(results)} here): there is nothing to compare against."
+                )
+            else:
+                sizes += [r.n for r in runs]
+                ax.scatter(
+                    [r.n for r in runs],
+                    [r.loss for r in runs],
+                    color=REFERENCE_COLOR,
+                    marker=MARKERS["transformer"],
+                    s=22,
+                    zorder=2,
+                    label=f"Transformer, {human(base)} tokens (same budget)",
+                )
+                notes.append(
+                    "No transformer run at more than the LMU's budget, and Kaplan's curve is for "
+                    f"GPT-2 tokens ({_unit(results)} here): the transformer shown has the same "
+                    "budget."
+                )
+        notes += _skipped(results)
+        lo, hi = min(sizes), max(sizes)
+        ax.set_title(
+            f"LMU at {human(base)} tokens vs. transformer at {human(ratio * base)} "
+            f"({ratio:g}x the tokens)"
+        )
+        _axes_n(ax, lo, hi)
+        _axes_loss(ax, results)
+        _legend(fig, ax)
+        _notes(fig, notes)
+    return fig
+
+
+def smooth_log(values, factor: float | None = None):
+    """Mean of ``values`` (position 1, 2, ...) over positions [t / factor, t * factor] for each
+    t: noise averages out at long context without blurring the first few tokens."""
+    factor = SMOOTH if factor is None else factor
+    values = np.asarray(values, dtype=float)
+    position = np.arange(1, len(values) + 1)
+    low = np.clip(np.ceil(position / factor).astype(int), 1, len(values))
+    high = np.clip(np.floor(position * factor).astype(int), 1, len(values))
+    total = np.concatenate([[0.0], np.cumsum(values)])
+    return (total[high] - total[low - 1]) / (high - low + 1)
+
+
+def save(fig, path_without_suffix: Path) -> list[Path]:
+    """Write ``.png`` and ``.pdf`` atomically; returns the paths."""
+    paths = []
+    for suffix in (".png", ".pdf"):
+        buffer = io.BytesIO()
+        fig.savefig(buffer, format=suffix[1:], dpi=DPI)
+        path = Path(f"{path_without_suffix}{suffix}")
+        atomic_write_bytes(path, buffer.getvalue())
+        paths.append(path)
+    return paths
+
+
+def text_overlaps(fig) -> list[tuple[str, str]]:
+    """Pairs of visible texts (titles, axis labels, tick labels, legends, notes) whose boxes
+    overlap once drawn; an empty list for a clean figure."""
+    fig.canvas.draw()
+    renderer = fig.canvas.get_renderer()
+    boxes = []
+    for ax in fig.axes:
+        items = [ax.title, ax.xaxis.label, ax.yaxis.label, *ax.texts]
+        for ticks, (lo, hi), coord in (
+            (ax.get_xticklabels(), sorted(ax.get_xlim()), 0),
+            (ax.get_yticklabels(), sorted(ax.get_ylim()), 1),
+        ):  # labels of ticks outside the view are not drawn
+            items += [t for t in ticks if t.get_text() and lo <= t.get_position()[coord] <= hi]
+        legend = ax.get_legend()
+        for item in items:
+            if item.get_visible() and item.get_text():
+                boxes.append((item.get_text()[:40], item.get_window_extent(renderer)))
+        if legend is not None:
+            boxes.append(("legend", legend.get_window_extent(renderer)))
+    overlaps = []
+    for i, (name_a, a) in enumerate(boxes):
+        for name_b, b in boxes[i + 1 :]:
+            if a.width and b.width and a.overlaps(b):
+                overlaps.append((name_a, name_b))
+    return overlaps
+
+
+def _figure():
+    """A figure of its own (not pyplot's, so nothing accumulates and any backend works), with
+    a second grid row that ``_notes`` fills."""
+    fig = Figure(figsize=(9.0, 4.6), layout="constrained")
+    FigureCanvasAgg(fig)
+    ax = fig.add_subplot(fig.add_gridspec(2, 1, height_ratios=[1, 0.001])[0])
+    return fig, ax
+
+
+def _legend(fig, ax) -> None:
+    """The legend to the right of the axes, where it cannot cover a point or a curve."""
+    handles, labels = ax.get_legend_handles_labels()
+    fig.legend(handles, labels, loc="outside right upper", frameon=False)
+
+
+def _notes(fig, notes: list[str]) -> None:
+    """Put the notes in a text panel under the axes (the figure grows to fit them)."""
+    if not notes:
+        return
+    lines = [line for note in notes for line in textwrap.wrap(note, NOTE_WIDTH)]
+    height = 0.16 * len(lines) + 0.1
+    width, old = fig.get_size_inches()
+    fig.set_size_inches(width, old + height)
+    spec = fig.axes[0].get_subplotspec().get_gridspec()
+    spec.set_height_ratios([old, height])
+    panel = fig.add_subplot(spec[1])
+    panel.axis("off")
+    panel.text(0, 1, "\n".join(lines), va="top", ha="left", fontsize=7.5, transform=panel.transAxes)
+
+
+def _draw_fit(ax, group_fit, n, notes, ls="-") -> None:
+    family = group_fit.family if group_fit else None
+    if group_fit is None or group_fit.fit is None:
+        if group_fit is not None:
+            notes.append(f"{group_fit.name}: no power-law fit ({group_fit.error}).")
+        return
+    fit = group_fit.fit
+    grid = np.geomspace(min(n) / 1.15, max(n) * 1.15, 100)
+    alpha = fit.params["alpha"]
+    ci = ""
+    if np.isfinite(fit.ci_low[1]):
+        ci = f" ({fit.ci:.0%} CI {fit.ci_low[1]:.3f}-{fit.ci_high[1]:.3f})"
+    ax.plot(
+        grid,
+        fit.predict(grid),
+        color=color(family),
+        ls=ls,
+        lw=1.6,
+        label=f"{label(family)} fit: $\\alpha$ = {alpha:.3f}{ci}",
+    )
+    low, high = fit.band(grid)
+    if np.all(np.isfinite(low)):
+        ax.fill_between(grid, low, high, color=color(family), alpha=0.15, lw=0)
+    else:
+        notes.append(f"{group_fit.name}: too few usable bootstrap resamples for a CI band.")
+
+
+def _axes_n(ax, lo, hi) -> None:
+    ax.set_xscale("log")
+    ax.set_xlim(lo / 1.3, hi * 1.3)
+    ax.xaxis.set_major_locator(ticker.LogLocator(base=10, subs=(1.0, 2.0, 5.0)))
+    ax.xaxis.set_major_formatter(ticker.FuncFormatter(lambda x, _: human(x)))
+    ax.xaxis.set_minor_formatter(ticker.NullFormatter())
+    ax.set_xlabel("Non-embedding parameters N")
+
+
+def _axes_loss(ax, results: Results) -> None:
+    ax.set_yscale("log")
+    ax.set_ylabel(f"{_split(results)} loss ({_unit(results)})")
+    lo, hi = ax.get_ylim()
+    span = hi - lo
+    steps = [s for s in (0.02, 0.05, 0.1, 0.2, 0.25, 0.5, 1.0, 2.0, 5.0) if span / s <= 8]
+    if not steps:  # a range this wide reads fine with matplotlib's own log ticks
+        return
+    step = steps[0]
+    ticks = np.arange(np.ceil(lo / step) * step, hi + 1e-9, step)
+    ax.yaxis.set_major_locator(ticker.FixedLocator(ticks))
+    ax.yaxis.set_major_formatter(
+        ticker.FuncFormatter(lambda y, _: f"{y:.2f}".rstrip("0").rstrip("."))
+    )
+    ax.yaxis.set_minor_locator(ticker.NullLocator())
+
+
+def _unit(results: Results) -> str:
+    tokenizer = results.tokenizer
+    if tokenizer in (None, "gpt2"):
+        return "nats per token"
+    if tokenizer == "bytes":
+        return "nats per byte"
+    return f"nats per {tokenizer} token"
+
+
+def _split(results: Results) -> str:
+    return {"test": "Test", "val": "Validation"}[results.split]
+
+
+def _steps_at(results: Results, tokens: float, raw=False):
+    steps = float(np.median([r.steps for r in results.runs if r.tokens == tokens]))
+    return steps if raw else f"{steps:,.0f}"
+
+
+def _not_gpt2(results: Results) -> str:
+    return (
+        "Reference curves (Kaplan's transformer, the LSTM, the paper's LMU fits) are in nats per "
+        f"GPT-2 token; these losses are {_unit(results)}, so the curves are left out."
+    )
+
+
+def _skipped(results: Results) -> list[str]:
+    if not results.skipped:
+        return []
+    return [f"Left out ({len(results.skipped)}): " + "; ".join(results.skipped)]

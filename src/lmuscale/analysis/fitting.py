@@ -1,0 +1,84 @@
+"""Which fits an analysis makes: every form each (family, token budget) group can support."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+from tqdm import tqdm
+
+from lmuscale.analysis.results import Results, label
+from lmuscale.scaling import (
+    BATCH_TOKENS,
+    Fit,
+    FitError,
+    fit_chinchilla,
+    fit_power_law,
+    fit_saturating,
+)
+
+
+@dataclass(frozen=True)
+class GroupFit:
+    """One form fitted to one family, at one budget (``tokens``) or across budgets (None)."""
+
+    family: str
+    tokens: float | None
+    steps: float | None
+    form: str
+    trials: tuple[str, ...]
+    fit: Fit | None
+    error: str | None = None
+
+    @property
+    def name(self) -> str:
+        if self.tokens is None:
+            return f"{label(self.family)}, all budgets"
+        where = f"{self.steps:,.0f} steps"
+        if round(self.tokens) != round(self.steps * BATCH_TOKENS):  # not the paper's batch
+            where += f" x {self.tokens / self.steps:,.0f} tokens"
+        return f"{label(self.family)}, {where}"
+
+
+def fit_all(results: Results, *, n_boot: int, ci: float, seed: int, progress=False) -> list:
+    """Power law and saturating fits per (family, budget); a Chinchilla fit per family that
+    has two or more budgets. A group too small for a form gets a ``GroupFit`` whose ``error``
+    says why. ``progress`` shows a bar on stderr."""
+    jobs = []
+    for family in results.families:
+        budgets = results.budgets(family)
+        for tokens in budgets:
+            runs = results.group(family, tokens)
+            for form in ("power_law", "saturating"):
+                jobs.append((family, tokens, runs, form))
+        if len(budgets) > 1:
+            runs = [r for r in results.runs if r.family == family]
+            jobs.append((family, None, runs, "chinchilla"))
+    fits = []
+    bar = tqdm(jobs, desc="fitting", unit="fit", disable=not progress, leave=False)
+    for family, tokens, runs, form in bar:
+        bar.set_postfix_str(f"{label(family)}, {form}")
+        n = np.array([r.n for r in runs])
+        loss = np.array([r.loss for r in runs])
+        steps = None if tokens is None else float(np.median([r.steps for r in runs]))
+        try:
+            if form == "power_law":
+                fit = fit_power_law(n, loss, n_boot=n_boot, ci=ci, seed=seed)
+            elif form == "saturating":
+                fit = fit_saturating(n, loss, n_boot=n_boot, ci=ci, seed=seed)
+            else:
+                tokens_each = np.array([r.tokens for r in runs])
+                fit = fit_chinchilla(n, tokens_each, loss, n_boot=n_boot, ci=ci, seed=seed)
+            error = None
+        except FitError as e:
+            fit, error = None, str(e)
+        trials = tuple(r.trial for r in runs)
+        fits.append(GroupFit(family, tokens, steps, form, trials, fit, error))
+    return fits
+
+
+def find(fits, family: str, tokens: float | None, form: str) -> GroupFit | None:
+    for f in fits:
+        if f.family == family and f.tokens == tokens and f.form == form:
+            return f
+    return None

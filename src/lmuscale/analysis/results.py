@@ -1,0 +1,226 @@
+"""Reading a sweep's results table (``results.jsonl`` or ``results.csv``) for analysis.
+
+Needs the columns trial, family, N (non-embedding parameters), steps, tokens and the chosen
+loss (``test_loss`` or ``val_loss``, nats per token). Optional: status (rows other than
+"finished" are skipped), global_batch and seq_len, total_params, tokenizer, and the
+per-position losses (``test_per_position`` / ``val_per_position``) for Figure 4.
+"""
+
+from __future__ import annotations
+
+import csv
+import json
+import math
+from collections import Counter
+from dataclasses import dataclass, field
+from pathlib import Path
+
+REQUIRED = ("trial", "family", "N", "steps", "tokens")
+LOSSES = {"test": "test_loss", "val": "val_loss"}
+LABELS = {"lmu": "LMU", "lmu_g": "LMU_G", "transformer": "Transformer", "lstm": "LSTM"}
+LMU_FAMILIES = ("lmu", "lmu_g")
+
+
+class ResultsError(ValueError):
+    """A results file that cannot be analysed; the message names the file, line and column."""
+
+
+@dataclass(frozen=True)
+class Run:
+    """One finished trial. ``loss`` is in nats per token; ``per_position`` may be None."""
+
+    trial: str
+    family: str
+    n: float
+    steps: float
+    tokens: float
+    loss: float
+    line: int
+    total_params: float | None = None
+    tokenizer: str | None = None
+    per_position: list[float] | None = None
+
+    @property
+    def batch_tokens(self) -> float:
+        return self.tokens / self.steps
+
+
+@dataclass
+class Results:
+    path: Path
+    split: str  # "test" or "val"
+    runs: list[Run]
+    skipped: list[str] = field(default_factory=list)  # one line per row left out, with why
+    columns: tuple[str, ...] = ()
+
+    @property
+    def loss_key(self) -> str:
+        return LOSSES[self.split]
+
+    @property
+    def families(self) -> list[str]:
+        order = {f: i for i, f in enumerate(("lmu", "lmu_g", "transformer", "lstm"))}
+        return sorted({r.family for r in self.runs}, key=lambda f: (order.get(f, 99), f))
+
+    @property
+    def tokenizer(self) -> str | None:
+        """The runs' tokenizer: one name, "mixed", or None when the table has no column."""
+        names = {r.tokenizer for r in self.runs if r.tokenizer}
+        if not names:
+            return None
+        return names.pop() if len(names) == 1 else "mixed"
+
+    @property
+    def gpt2_tokens(self) -> bool:
+        """Whether losses are per GPT-2 token, so Kaplan's and the paper's curves apply (a
+        table without a tokenizer column is taken to be)."""
+        return self.tokenizer in (None, "gpt2")
+
+    @property
+    def base_tokens(self) -> float:
+        """The budget Figure 3 compares at: the commonest token count of the LMU runs (of all
+        runs without LMUs); the smallest on a tie."""
+        runs = [r for r in self.runs if r.family in LMU_FAMILIES] or self.runs
+        counts = Counter(r.tokens for r in runs)
+        return min(counts, key=lambda t: (-counts[t], t))
+
+    def group(self, family: str, tokens: float) -> list[Run]:
+        return sorted(
+            (r for r in self.runs if r.family == family and r.tokens == tokens), key=lambda r: r.n
+        )
+
+    def budgets(self, family: str) -> list[float]:
+        return sorted({r.tokens for r in self.runs if r.family == family})
+
+
+def label(family: str) -> str:
+    return LABELS.get(family, family)
+
+
+def load_results(path, split: str = "test") -> Results:
+    """Read and check a results table; rows that did not finish or have no finite loss are
+    left out and listed in ``skipped``. Raises ``ResultsError`` naming the file, line and
+    column of anything malformed, or when no row is usable."""
+    path = Path(path)
+    if split not in LOSSES:
+        raise ResultsError(f"split must be one of {sorted(LOSSES)}, got {split!r}")
+    if not path.is_file():
+        raise ResultsError(f"{path}: no such results file (a sweep writes WORKDIR/results.jsonl)")
+    if path.suffix == ".jsonl":
+        rows, columns = _read_jsonl(path)
+    elif path.suffix == ".csv":
+        rows, columns = _read_csv(path)
+    else:
+        raise ResultsError(f"{path}: expected a .jsonl or .csv results table")
+    if not rows:
+        raise ResultsError(f"{path}: the table has no rows")
+    loss_key = LOSSES[split]
+    missing = [c for c in (*REQUIRED, loss_key) if c not in columns]
+    if missing:
+        raise ResultsError(
+            f"{path}: missing column{'s' if len(missing) > 1 else ''} {', '.join(missing)} "
+            f"(the table has: {', '.join(columns) or 'nothing'})"
+        )
+    results = Results(path, split, [], [], tuple(columns))
+    for line, row in rows:
+        run = _run(path, line, row, split, results.skipped)
+        if run is not None:
+            results.runs.append(run)
+    if not results.runs:
+        raise ResultsError(
+            f"{path}: no finished row with a finite {loss_key}; left out: "
+            + "; ".join(results.skipped)
+        )
+    return results
+
+
+def _read_jsonl(path: Path):
+    rows, columns = [], {}
+    for line, text in enumerate(path.read_text(encoding="utf-8").splitlines(), 1):
+        if not text.strip():
+            continue
+        try:
+            row = json.loads(text)
+        except json.JSONDecodeError as e:
+            raise ResultsError(f"{path}:{line}: not JSON ({e.msg})") from None
+        if not isinstance(row, dict):
+            raise ResultsError(f"{path}:{line}: expected a JSON object, got {type(row).__name__}")
+        rows.append((line, row))
+        columns.update(dict.fromkeys(row))
+    return rows, list(columns)
+
+
+def _read_csv(path: Path):
+    with path.open(newline="", encoding="utf-8") as f:
+        reader = csv.DictReader(f)
+        columns = list(reader.fieldnames or [])
+        rows = []
+        for row in reader:
+            if None in row:
+                raise ResultsError(
+                    f"{path}:{reader.line_num}: more cells than the {len(columns)} columns"
+                )
+            rows.append((reader.line_num, {k: (None if v == "" else v) for k, v in row.items()}))
+    return rows, columns
+
+
+def _run(path, line, row, split, skipped) -> Run | None:
+    where = f"{path}:{line}"
+    trial = str(row.get("trial") or f"line {line}")
+    status = row.get("status")
+    if status not in (None, "finished"):
+        skipped.append(f"{trial}: status {status}")
+        return None
+    loss = _number(row.get(LOSSES[split]), where, LOSSES[split], allow_missing=True)
+    if loss is None or not math.isfinite(loss) or loss <= 0:
+        skipped.append(f"{trial} ({where}): {LOSSES[split]} is {row.get(LOSSES[split])}")
+        return None
+    family = row.get("family")
+    if not family:
+        raise ResultsError(f"{where}: column family is empty")
+    values = {}
+    for key in ("N", "steps", "tokens"):
+        value = _number(row.get(key), where, key)
+        if not math.isfinite(value) or value <= 0:
+            raise ResultsError(f"{where}: column {key} must be a positive number, got {value}")
+        values[key] = value
+    per_position = row.get(f"{split}_per_position")
+    if isinstance(per_position, str):
+        try:
+            per_position = json.loads(per_position)
+        except json.JSONDecodeError:
+            raise ResultsError(f"{where}: column {split}_per_position is not a JSON list") from None
+    if per_position is not None:
+        # a sweep writes a non-finite loss as null
+        if not isinstance(per_position, list) or not all(
+            v is None or (isinstance(v, int | float) and not isinstance(v, bool))
+            for v in per_position
+        ):
+            raise ResultsError(f"{where}: column {split}_per_position must be a list of numbers")
+        per_position = [math.nan if v is None else float(v) for v in per_position]
+    total = row.get("total_params")
+    return Run(
+        trial=trial,
+        family=str(family),
+        n=values["N"],
+        steps=values["steps"],
+        tokens=values["tokens"],
+        loss=loss,
+        line=line,
+        total_params=None if total is None else _number(total, where, "total_params"),
+        tokenizer=row.get("tokenizer"),
+        per_position=per_position or None,
+    )
+
+
+def _number(value, where, column, allow_missing=False):
+    if value is None:
+        if allow_missing:
+            return None
+        raise ResultsError(f"{where}: column {column} is empty")
+    if isinstance(value, bool):
+        raise ResultsError(f"{where}: column {column} is {value!r}, not a number")
+    try:
+        return float(value)
+    except (TypeError, ValueError):
+        raise ResultsError(f"{where}: column {column} is {value!r}, not a number") from None

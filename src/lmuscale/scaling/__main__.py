@@ -1,0 +1,41 @@
+"""``python -m lmuscale.scaling``: the reference curves at Table 3's sizes, as a table."""
+
+from __future__ import annotations
+
+import argparse
+
+import numpy as np
+
+from lmuscale.scaling.reference import (
+    BATCH_TOKENS,
+    LMU_G_PAPER,
+    LMU_PAPER,
+    PAPER_STEPS,
+    TABLE3_SIZES,
+    reference_table,
+    steps_to_match,
+)
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m lmuscale.scaling", description=__doc__)
+    parser.add_argument("--steps", type=float, default=PAPER_STEPS, help="transformer steps")
+    parser.add_argument("--batch-tokens", type=float, default=BATCH_TOKENS)
+    args = parser.parse_args(argv)
+    rows = reference_table(TABLE3_SIZES, args.steps, args.batch_tokens)
+    keys = list(rows[0])
+    print("Losses in nats per GPT-2 token; N = non-embedding parameters.")
+    print("| " + " | ".join(keys) + " |")
+    print("|" + "---:|" * len(keys))
+    for row in rows:
+        print("| " + " | ".join([f"{row['N']:,.0f}"] + [f"{row[k]:.4f}" for k in keys[1:]]) + " |")
+    sizes = np.array(TABLE3_SIZES, dtype=float)
+    for label, curve in (("LMU", LMU_PAPER), ("LMU_G", LMU_G_PAPER)):
+        steps = steps_to_match(curve(sizes), sizes, args.batch_tokens)
+        shown = ", ".join("inf" if np.isinf(s) else f"{s:,.0f}" for s in steps)
+        print(f"transformer steps to match the paper's {label} fit (eq 1.6): {shown}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

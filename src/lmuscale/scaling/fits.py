@@ -1,0 +1,502 @@
+"""Scaling-law fits with standard errors, bootstrap confidence intervals and residuals.
+
+Three forms, all fitted to log L (so every point counts by its relative error):
+- ``fit_power_law``: L = (Nc / N)^alpha, ordinary least squares of log L on log N.
+- ``fit_saturating``: L = E + A / N^alpha, least squares on log L.
+- ``fit_chinchilla``: L = E + A / N^alpha + B / D^beta (D = training tokens), as in Hoffmann
+  et al. (2022), approach 3: a Huber loss (delta = 1e-3) on log L, L-BFGS from a grid of starts.
+
+The nonlinear forms are written as log L = LSE(a - alpha log N, [b - beta log D,] e) with
+A = exp(a), B = exp(b), E = exp(e). Confidence intervals are percentile intervals over a case
+bootstrap: points are resampled with replacement and refitted; resamples with fewer distinct
+points than the form needs are dropped (``Fit.samples`` holds the rest).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import itertools
+from dataclasses import dataclass
+
+import numpy as np
+from scipy import optimize
+
+HUBER_DELTA = 1e-3
+# Hoffmann et al.'s grid of initialisations (REFERENCE §3): 5 x 5 x 5 x 6 x 6 = 4,500 starts.
+CHINCHILLA_GRID = {
+    "alpha": np.arange(0.0, 2.01, 0.5),
+    "beta": np.arange(0.0, 2.01, 0.5),
+    "e": np.arange(-1.0, 1.01, 0.5),
+    "a": np.arange(0.0, 25.01, 5.0),
+    "b": np.arange(0.0, 25.01, 5.0),
+}
+# The same grid without the data term, for L = E + A / N^alpha: 150 starts.
+SATURATING_GRID = {key: CHINCHILLA_GRID[key] for key in ("alpha", "e", "a")}
+# Bootstrap refits restart from the full fit's optimum and the best few distinct grid optima.
+BOOTSTRAP_RESTARTS = 8
+
+FORMS = {
+    "power_law": ("Nc", "alpha"),
+    "saturating": ("E", "A", "alpha"),
+    "chinchilla": ("E", "A", "alpha", "B", "beta"),
+}
+FORMULAS = {
+    "power_law": "L = (Nc / N)^alpha",
+    "saturating": "L = E + A / N^alpha",
+    "chinchilla": "L = E + A / N^alpha + B / D^beta",
+}
+
+
+class FitError(ValueError):
+    """The data cannot support the fit (too few points, too few distinct sizes, bad values)."""
+
+
+@dataclass(frozen=True)
+class Fit:
+    """A fitted form. Arrays of parameters follow ``names``; losses are in nats."""
+
+    form: str
+    names: tuple[str, ...]
+    estimate: np.ndarray
+    stderr: np.ndarray  # analytic (OLS / Gauss-Newton); bootstrap SD for "chinchilla"
+    ci_low: np.ndarray
+    ci_high: np.ndarray
+    ci: float
+    samples: np.ndarray  # (n_ok, k) bootstrap estimates
+    n_boot: int  # resamples drawn (``len(samples)`` of them were usable)
+    n: np.ndarray  # non-embedding parameters of each point
+    tokens: np.ndarray | None  # training tokens of each point ("chinchilla" only)
+    loss: np.ndarray
+    residuals: np.ndarray  # log(loss) - log(prediction), per point, in input order
+
+    @property
+    def params(self) -> dict[str, float]:
+        return dict(zip(self.names, map(float, self.estimate), strict=True))
+
+    @property
+    def formula(self) -> str:
+        return FORMULAS[self.form]
+
+    @property
+    def rms_residual(self) -> float:
+        return float(np.sqrt(np.mean(self.residuals**2)))
+
+    def predict(self, n, tokens=None, params=None):
+        """The fitted loss at ``n`` (and ``tokens`` for "chinchilla"), in nats."""
+        p = dict(zip(self.names, self.estimate if params is None else params, strict=True))
+        n = np.asarray(n, dtype=float)
+        if self.form == "power_law":
+            return (p["Nc"] / n) ** p["alpha"]
+        loss = p["E"] + p["A"] / n ** p["alpha"]
+        if self.form == "chinchilla":
+            if tokens is None:
+                raise ValueError("a chinchilla fit needs tokens to predict")
+            loss = loss + p["B"] / np.asarray(tokens, dtype=float) ** p["beta"]
+        return loss
+
+    def band(self, n, tokens=None):
+        """(low, high): the CI of the prediction at each ``n`` over the bootstrap samples;
+        NaN when too few resamples were usable."""
+        n = np.asarray(n, dtype=float)
+        if len(self.samples) < 10:
+            nan = np.full(n.shape, np.nan)
+            return nan, nan
+        curves = np.stack([self.predict(n, tokens, s) for s in self.samples])
+        tail = 50 * (1 - self.ci)
+        return np.percentile(curves, tail, axis=0), np.percentile(curves, 100 - tail, axis=0)
+
+
+def fit_power_law(n, loss, *, n_boot: int = 1000, ci: float = 0.95, seed: int = 0) -> Fit:
+    """L = (Nc / N)^alpha by least squares of log L on log N (2 parameters).
+
+    Standard errors are OLS's (NaN with exactly 2 points); Nc's comes from log Nc by the delta
+    method. Raises ``FitError`` with fewer than 2 distinct N.
+    """
+    n, loss = _check(n, loss, None, form="power_law")
+    x, y = np.log(n), np.log(loss)
+
+    def solve(idx):
+        slope, intercept = np.polyfit(x[idx], y[idx], 1)
+        return np.array([np.exp(-intercept / slope), -slope])
+
+    estimate = solve(np.arange(len(n)))
+    resamples = _resamples(np.stack([n], axis=1), 2, n_boot, seed)
+    samples = np.array([solve(idx) for idx in resamples]).reshape(-1, 2)
+    return _make_fit(
+        "power_law", estimate, _power_law_stderr(x, y), samples, n_boot, ci, n, None, loss
+    )
+
+
+def _power_law_stderr(x, y):
+    dof = len(x) - 2
+    if dof <= 0:
+        return np.full(2, np.nan)
+    design = np.stack([np.ones_like(x), x], axis=1)
+    coef, *_ = np.linalg.lstsq(design, y, rcond=None)
+    sigma2 = np.sum((y - design @ coef) ** 2) / dof
+    cov = sigma2 * np.linalg.inv(design.T @ design)
+    intercept, slope = coef
+    grad = np.array([-1 / slope, intercept / slope**2])  # of log Nc = -intercept / slope
+    se_log_nc = np.sqrt(grad @ cov @ grad)
+    return np.array([np.exp(-intercept / slope) * se_log_nc, np.sqrt(cov[1, 1])])
+
+
+def fit_saturating(
+    n, loss, *, n_boot: int = 1000, ci: float = 0.95, seed: int = 0, grid=None
+) -> Fit:
+    """L = E + A / N^alpha by least squares on log L (3 parameters).
+
+    L-BFGS from every start of ``grid`` (default ``SATURATING_GRID``, 150 starts). Standard
+    errors come from the Gauss-Newton covariance at the optimum (NaN with exactly 3 points,
+    or where the data cannot tell the parameters apart). Raises ``FitError`` with fewer than
+    3 distinct N.
+    """
+    n, loss = _check(n, loss, None, form="saturating")
+    problem = _LSEProblem(np.log(n), None, np.log(loss), delta=None)
+    theta = problem.best(problem.grid_starts(grid or SATURATING_GRID))
+    resamples = _resamples(np.stack([n], axis=1), 3, n_boot, seed)
+    samples = _natural(problem.bootstrap(resamples))
+    return _make_fit(
+        "saturating", _natural(theta), problem.stderr(theta), samples, n_boot, ci, n, None, loss
+    )
+
+
+def fit_chinchilla(
+    n,
+    tokens,
+    loss,
+    *,
+    n_boot: int = 200,
+    ci: float = 0.95,
+    seed: int = 0,
+    delta: float = HUBER_DELTA,
+    grid=None,
+) -> Fit:
+    """L = E + A / N^alpha + B / D^beta (Hoffmann et al. 2022, approach 3; 5 parameters).
+
+    Minimises the sum of Huber_delta(LSE(a - alpha log N, b - beta log D, e) - log L) by
+    L-BFGS from every point of ``grid`` (default ``CHINCHILLA_GRID``, 4,500 starts) and keeps
+    the best. ``stderr`` is the bootstrap standard deviation. Raises ``FitError`` with fewer
+    than 5 distinct (N, D) points, or fewer than 3 distinct N or D (with two budgets E, B and
+    beta are not identifiable: any beta fits equally well).
+    """
+    n, loss, tokens = _check(n, loss, tokens, form="chinchilla")
+    problem = _LSEProblem(np.log(n), np.log(tokens), np.log(loss), delta=delta)
+    theta = problem.best(problem.grid_starts(grid or CHINCHILLA_GRID))
+    points = np.stack([n, tokens], axis=1)
+    resamples = _resamples(
+        points,
+        5,
+        n_boot,
+        seed,
+        need=lambda idx: len(set(tokens[idx])) > 2 and len(set(n[idx])) > 2,
+    )
+    samples = _natural(problem.bootstrap(resamples))
+    stderr = samples.std(axis=0, ddof=1) if len(samples) >= 10 else np.full(5, np.nan)
+    return _make_fit("chinchilla", _natural(theta), stderr, samples, n_boot, ci, n, tokens, loss)
+
+
+def _check(n, loss, tokens, *, form: str):
+    names = FORMS[form]
+    n = np.asarray(n, dtype=float).ravel()
+    loss = np.asarray(loss, dtype=float).ravel()
+    arrays = {"N": n, "loss": loss}
+    if tokens is not None:
+        arrays["tokens"] = tokens = np.asarray(tokens, dtype=float).ravel()
+    for name, values in arrays.items():
+        if len(values) != len(n):
+            raise FitError(f"{form}: {name} has {len(values)} values but N has {len(n)}")
+        bad = ~np.isfinite(values) | (values <= 0)
+        if bad.any():
+            raise FitError(
+                f"{form}: {name} must be finite and positive; got {values[bad].tolist()} "
+                f"at positions {np.flatnonzero(bad).tolist()}"
+            )
+    points = np.stack([n] if tokens is None else [n, tokens], axis=1)
+    distinct = len(np.unique(points, axis=0))
+    if distinct < len(names):
+        what = "distinct N" if tokens is None else "distinct (N, D) points"
+        raise FitError(
+            f"{form} ({FORMULAS[form]}) has {len(names)} parameters and needs at least "
+            f"{len(names)} {what}; got {distinct} (N = {sorted(set(n.tolist()))})"
+        )
+    # E + B / D^beta has three parameters, so two budgets (or two sizes for E + A / N^alpha)
+    # fit any beta (alpha) equally well.
+    for name, values in (("N", n), ("D", tokens)):
+        if form != "power_law" and values is not None and len(np.unique(values)) < 3:
+            shown = ", ".join(f"{v:.4g}" for v in np.unique(values))
+            raise FitError(
+                f"{form} ({FORMULAS[form]}) needs at least three distinct {name} to tell E from "
+                f"the {name} term; got {shown}"
+            )
+    return (n, loss) if tokens is None else (n, loss, tokens)
+
+
+def _resamples(points, k, n_boot, seed, need=None) -> np.ndarray:
+    """Case-bootstrap index sets, (R, n): ``n_boot`` draws less those with fewer than ``k``
+    distinct points (or failing ``need``)."""
+    rng = np.random.default_rng(seed)
+    count = len(points)
+    kept = []
+    for _ in range(n_boot):
+        idx = rng.integers(0, count, count)
+        if len(np.unique(points[idx], axis=0)) >= k and (need is None or need(idx)):
+            kept.append(idx)
+    return np.array(kept, dtype=int).reshape(-1, count)
+
+
+def _make_fit(form, estimate, stderr, samples, n_boot, ci, n, tokens, loss) -> Fit:
+    if not 0 < ci < 1:
+        raise ValueError(f"ci must be in (0, 1), got {ci}")
+    k = len(FORMS[form])
+    samples = samples[np.all(np.isfinite(samples), axis=1)]
+    tail = 50 * (1 - ci)
+    if len(samples) >= 10:
+        low, high = np.percentile(samples, [tail, 100 - tail], axis=0)
+    else:
+        low = high = np.full(k, np.nan)
+    fit = Fit(
+        form=form,
+        names=FORMS[form],
+        estimate=np.asarray(estimate, dtype=float),
+        stderr=np.asarray(stderr, dtype=float),
+        ci_low=low,
+        ci_high=high,
+        ci=ci,
+        samples=samples,
+        n_boot=n_boot,
+        n=n,
+        tokens=tokens,
+        loss=loss,
+        residuals=np.zeros(len(n)),
+    )
+    residuals = np.log(loss) - np.log(fit.predict(n, tokens))
+    return dataclasses.replace(fit, residuals=residuals)
+
+
+def _natural(theta):
+    """(..., 3) of (a, alpha, e) -> (E, A, alpha); (..., 5) of (a, alpha, b, beta, e) ->
+    (E, A, alpha, B, beta)."""
+    theta = np.asarray(theta, dtype=float)
+    if theta.shape[-1] == 3:
+        a, alpha, e = np.moveaxis(theta, -1, 0)
+        return np.stack([np.exp(e), np.exp(a), alpha], axis=-1)
+    a, alpha, b, beta, e = np.moveaxis(theta, -1, 0)
+    return np.stack([np.exp(e), np.exp(a), alpha, np.exp(b), beta], axis=-1)
+
+
+class _LSEProblem:
+    """log L ~ LSE(a - alpha x [, b - beta z], e), with x = log N, z = log D, y = log L.
+
+    theta is (a, alpha, e) without z and (a, alpha, b, beta, e) with it. The objective is
+    0.5 * sum r^2 (``delta`` None) or sum Huber_delta(r), with r = LSE(...) - y. Data may carry
+    a leading batch axis (one problem per bootstrap resample); thetas always do.
+    """
+
+    def __init__(self, x, z, y, delta):
+        self.x, self.z, self.y, self.delta = x, z, y, delta
+        self.keys = ("a", "alpha", "e") if z is None else ("a", "alpha", "b", "beta", "e")
+        self.restarts: list[np.ndarray] = []
+
+    def subset(self, idx) -> _LSEProblem:
+        """The problem on rows ``idx`` of the data: (n,) gives one problem, (R, n) gives R."""
+        z = None if self.z is None else self.z[idx]
+        return _LSEProblem(self.x[idx], z, self.y[idx], self.delta)
+
+    def _parts(self, theta_SxK, rows=None):
+        """Residuals (S, n) and d LSE / d theta [(S, n) per parameter]. With batched data,
+        ``rows`` picks the problems that ``theta_SxK`` belongs to."""
+        x, z, y = self.x, self.z, self.y
+        if rows is not None and x.ndim == 2:
+            x, y = x[rows], y[rows]
+            z = None if z is None else z[rows]
+        col = [theta_SxK[:, i : i + 1] for i in range(theta_SxK.shape[1])]
+        if z is None:
+            a, alpha, e = col
+            terms = [a - alpha * x]
+        else:
+            a, alpha, b, beta, e = col
+            terms = [a - alpha * x, b - beta * z]
+        terms.append(np.broadcast_to(e, terms[0].shape))
+        top = np.maximum.reduce(terms)
+        exps = [np.exp(t - top) for t in terms]
+        total = sum(exps)
+        r = top + np.log(total) - y
+        w = [ex / total for ex in exps]
+        dlse = [w[0], -w[0] * x, w[1]]
+        if z is not None:  # (a, alpha, b, beta, e)
+            dlse = [w[0], -w[0] * x, w[1], -w[1] * z, w[2]]
+        return r, dlse
+
+    def values(self, theta_SxK, rows=None):
+        """Objective (S,) and its gradient (S, K) for a batch of parameter vectors."""
+        r, dlse = self._parts(theta_SxK, rows)
+        if self.delta is None:
+            value, psi = 0.5 * np.sum(r**2, axis=-1), r
+        else:
+            d = self.delta
+            absr = np.abs(r)
+            value = np.sum(np.where(absr <= d, 0.5 * r**2, d * (absr - 0.5 * d)), axis=-1)
+            psi = np.clip(r, -d, d)
+        grad = np.stack([np.sum(psi * g, axis=-1) for g in dlse], axis=-1)
+        return value, grad
+
+    def polish(self, start):
+        """scipy's L-BFGS-B from ``start``, to tight tolerances (a single problem)."""
+
+        def fun(theta):
+            value, grad = self.values(theta[None])
+            return float(value[0]), grad[0]
+
+        result = optimize.minimize(
+            fun, start, jac=True, method="L-BFGS-B", options={"maxiter": 2000, "ftol": 1e-15}
+        )
+        return result.x, float(result.fun)
+
+    def grid_starts(self, grid) -> np.ndarray:
+        """Every combination of the grid's values, (S, K) in ``self.keys`` order."""
+        return np.array(list(itertools.product(*(grid[k] for k in self.keys))), dtype=float)
+
+    def best(self, starts_SxK) -> np.ndarray:
+        """L-BFGS from every start at once, then the best few distinct ends polished by
+        scipy's L-BFGS-B; returns the lowest. Keeps the distinct optima as ``restarts``."""
+        theta, value = batched_lbfgs(self.values, starts_SxK)
+        order = np.argsort(np.where(np.isfinite(value), value, np.inf))
+        candidates: list[np.ndarray] = []
+        for i in order:
+            if not np.isfinite(value[i]):
+                break
+            if all(np.max(np.abs(theta[i] - t)) > 1e-3 for t in candidates):
+                candidates.append(theta[i])
+            if len(candidates) == BOOTSTRAP_RESTARTS:
+                break
+        if not candidates:
+            raise FitError("no start of the optimiser reached a finite objective")
+        polished = sorted((self.polish(t) for t in candidates), key=lambda item: item[1])
+        self.restarts = [t for t, _ in polished]
+        return polished[0][0]
+
+    def bootstrap(self, resamples_RxN) -> np.ndarray:
+        """Refit every resample at once, L-BFGS from each of ``restarts``; (R, K) thetas of
+        the best restart per resample."""
+        starts = np.array(self.restarts)
+        count, k = len(starts), starts.shape[1]
+        if len(resamples_RxN) == 0:
+            return np.zeros((0, k))
+        batch = self.subset(np.repeat(resamples_RxN, count, axis=0))
+        theta, value = batched_lbfgs(batch.values, np.tile(starts, (len(resamples_RxN), 1)))
+        value = np.where(np.isfinite(value), value, np.inf).reshape(-1, count)
+        best = np.argmin(value, axis=1)
+        theta = theta.reshape(-1, count, k)[np.arange(len(best)), best]
+        return theta[np.isfinite(value[np.arange(len(best)), best])]
+
+    def stderr(self, theta) -> np.ndarray:
+        """Gauss-Newton standard errors of (E, A, alpha) for the squared loss."""
+        k = len(theta)
+        dof = self.y.shape[-1] - k
+        if dof <= 0:
+            return np.full(k, np.nan)
+        r, dlse = self._parts(np.asarray(theta)[None])
+        jac = np.stack([g[0] for g in dlse], axis=1)
+        try:
+            cov = np.sum(r**2) / dof * np.linalg.inv(jac.T @ jac)
+        except np.linalg.LinAlgError:
+            return np.full(k, np.nan)
+        se = np.sqrt(np.clip(np.diag(cov), 0, None))
+        a, _, e = theta
+        return np.array([np.exp(e) * se[2], np.exp(a) * se[0], se[1]])  # E = e^e, A = e^a
+
+
+HALVINGS = 6
+
+
+def batched_lbfgs(fun, theta_SxK, *, memory=10, max_iter=300, gtol=1e-10, ftol=1e-10):
+    """Minimise S independent problems at once with L-BFGS (two-loop recursion, backtracking
+    Armijo line search). ``fun(theta, rows) -> (values, grads)`` evaluates the problems
+    ``rows`` (all when None) at ``theta`` (len(rows), K).
+
+    Each problem keeps its own history and step; a problem stops when its gradient is below
+    ``gtol``, a step lowers its objective by less than ``ftol`` relative, or a steepest-descent
+    line search finds no decrease (a failed L-BFGS direction is retried as steepest descent).
+    Returns (theta (S, K), values (S,)).
+    """
+    theta = np.array(theta_SxK, dtype=float)
+    s_count, k = theta.shape
+    dot = functools.partial(np.einsum, "ij,ij->i")
+    with np.errstate(all="ignore"):
+        value, grad = fun(theta, None)
+        s_hist = np.zeros((memory, s_count, k))
+        y_hist = np.zeros((memory, s_count, k))
+        rho = np.zeros((memory, s_count))
+        fresh = np.ones(s_count, dtype=bool)  # no history yet: steepest descent, short step
+        active = np.isfinite(value) & np.all(np.isfinite(grad), axis=1)
+        for it in range(max_iter):
+            active &= np.max(np.abs(grad), axis=1) > gtol
+            a = np.flatnonzero(active)  # only the problems still running cost anything
+            if not len(a):
+                break
+            g0, x0, f0 = grad[a], theta[a], value[a]
+            sh, yh, rh = s_hist[:, a], y_hist[:, a], rho[:, a]
+            # Two-loop recursion; slots with rho = 0 are empty and change nothing.
+            q = g0.copy()
+            newest = (it - 1) % memory
+            alphas = np.zeros((memory, len(a)))
+            for j in range(memory):
+                i = (newest - j) % memory
+                alphas[i] = rh[i] * dot(sh[i], q)
+                q -= alphas[i][:, None] * yh[i]
+            sy, yy = dot(sh[newest], yh[newest]), dot(yh[newest], yh[newest])
+            gamma = np.where(rh[newest] > 0, sy / np.where(yy > 0, yy, 1), 1.0)
+            r = gamma[:, None] * q
+            for j in range(memory):
+                i = (newest + 1 + j) % memory
+                r += sh[i] * (alphas[i] - rh[i] * dot(yh[i], r))[:, None]
+            direction = -r
+            slope = dot(direction, g0)
+            reset = ~(slope < 0) | ~np.isfinite(slope)
+            if reset.any():  # not a descent direction: steepest descent, history cleared
+                direction[reset] = -g0[reset]
+                slope[reset] = -dot(g0[reset], g0[reset])
+                rho[:, a[reset]] = 0
+            fresh[a[reset]] = True
+            step = np.ones(len(a))
+            first = fresh[a]  # an unscaled direction (no history): a first step of at most 1
+            step[first] = np.minimum(1.0, 1.0 / np.max(np.abs(g0[first]), axis=1))
+            accepted = np.zeros(len(a), dtype=bool)
+            x1, f1, g1 = x0.copy(), f0.copy(), g0.copy()
+            # Backtracking: the full step first (usually taken), then HALVINGS smaller ones per
+            # problem in each further call: t/2, t/4, ...
+            for attempt in range(1 + 60 // HALVINGS):
+                idx = np.flatnonzero(~accepted)
+                if not len(idx):
+                    break
+                tries = 1 if attempt == 0 else HALVINGS
+                shrink = 0.5 ** np.arange(attempt > 0, tries + (attempt > 0))
+                t = step[idx, None] * shrink  # (m, tries)
+                trial = x0[idx, None, :] + t[..., None] * direction[idx, None, :]
+                v, g = fun(trial.reshape(-1, k), np.repeat(a[idx], tries))
+                v, g = v.reshape(-1, tries), g.reshape(-1, tries, k)
+                ok = np.isfinite(v) & (v <= f0[idx, None] + 1e-4 * t * slope[idx, None])
+                found = ok.any(axis=1)
+                pick = np.argmax(ok, axis=1)[found]
+                rows = idx[found]
+                x1[rows], f1[rows], g1[rows] = trial[found, pick], v[found, pick], g[found, pick]
+                accepted[rows] = True
+                step[idx[~found]] *= shrink[-1]
+            scale = np.maximum(np.maximum(np.abs(f0), np.abs(f1)), 1e-300)
+            # A failed search along an L-BFGS direction retries as steepest descent with the
+            # history cleared; only a failed steepest-descent search means convergence.
+            retry = ~accepted & ~first
+            rho[:, a[retry]] = 0
+            fresh[a] = retry
+            active[a] = (accepted & (f0 - f1 > ftol * scale)) | retry
+            slot = it % memory
+            s_new, y_new = x1 - x0, g1 - g0
+            curv = dot(s_new, y_new)
+            keep = accepted & (curv > 1e-300)
+            s_hist[slot, a] = np.where(keep[:, None], s_new, 0)
+            y_hist[slot, a] = np.where(keep[:, None], y_new, 0)
+            rho[slot, a] = np.where(keep, 1 / np.where(keep, curv, 1), 0)
+            theta[a], value[a], grad[a] = x1, f1, g1
+    return theta, value

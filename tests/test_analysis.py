@@ -1,0 +1,267 @@
+"""``lmuscale.analysis``: figures and tables from results tables, good and bad."""
+
+from __future__ import annotations
+
+import csv
+import json
+import math
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+from results_files import paper_rows, row, write_jsonl
+
+from lmuscale import scaling
+from lmuscale.analysis import ResultsError, analyse, figures, fit_all, load_results, tables
+from lmuscale.analysis.__main__ import main, parse_size
+from lmuscale.sweep.trials import write_results
+
+FIGURES = ("fig3", "fig4", "fig5")
+
+
+def legend_labels(fig) -> list[str]:
+    return [t.get_text() for legend in fig.legends for t in legend.get_texts()]
+
+
+def notes(fig) -> str:
+    return " ".join(t.get_text() for ax in fig.axes for t in ax.texts)
+
+
+def draw(results, fits=None):
+    fits = fits if fits is not None else fit_all(results, n_boot=50, ci=0.95, seed=0)
+    return {
+        "fig3": figures.figure3(results, fits),
+        "fig4": figures.figure4(results),
+        "fig5": figures.figure5(results, fits),
+    }
+
+
+def test_cli_writes_figures_and_fits(tmp_path, capsys):
+    results = write_jsonl(tmp_path / "results.jsonl", paper_rows())
+    out = tmp_path / "analysis"
+    assert main([str(results), "--out", str(out), "--n-boot", "60", "--quiet"]) == 0
+    for name in FIGURES:
+        assert (out / f"{name}.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+        assert (out / f"{name}.pdf").read_bytes()[:5] == b"%PDF-"
+    with (out / "fits.csv").open() as f:
+        table = list(csv.DictReader(f))
+    lmu = {
+        r["parameter"]: r
+        for r in table
+        if r["fit"] == "LMU, 25,000 steps" and r["form"] == "power_law"
+    }
+    # the rows were drawn from the paper's LMU fit with 0.5% noise: it must be inside the CI
+    assert float(lmu["alpha"]["ci_low"]) < 0.072 < float(lmu["alpha"]["ci_high"])
+    assert float(lmu["Nc"]["ci_low"]) < 1.95e14 < float(lmu["Nc"]["ci_high"])
+    residuals = json.loads(lmu["alpha"]["residuals"])
+    assert sorted(residuals) == sorted(f"lmu-{n // 1000}k" for n in scaling.TABLE3_SIZES)
+    forms = {(r["fit"], r["form"]): r for r in table}
+    assert ("Transformer, 250,000 steps", "power_law") in forms
+    # two budgets cannot pin down E + B / D^beta: refused, with the reason in the table
+    assert "three distinct D" in forms["Transformer, all budgets", "chinchilla"]["error"]
+    text = (out / "fits.md").read_text()
+    # the reference table and the data-efficiency table (the paper's LMU beats eq 1.6's limit)
+    assert f"| 55,000 | {scaling.transformer_loss(55_000, 25_000):.4f} |" in text
+    assert "inf (below the eq. 1.6 limit)" in text
+
+
+def test_chinchilla_fit_with_three_budgets(tmp_path):
+    """The transformer rows follow Kaplan eq 1.6 at 25k, 100k and 250k steps; the Chinchilla
+    form's N exponent should land near eq 1.6's alpha_N = 0.077."""
+    rows = paper_rows(noise=0.001, more_steps=(100_000,))
+    results = load_results(write_jsonl(tmp_path / "r.jsonl", rows))
+    fits = fit_all(results, n_boot=10, ci=0.95, seed=0)
+    (fit,) = [g for g in fits if g.form == "chinchilla"]
+    assert fit.fit is not None and len(fit.trials) == 18
+    assert fit.fit.params["alpha"] == pytest.approx(0.077, abs=0.02)
+    assert fit.fit.rms_residual < 0.003
+    table = tables.fit_rows(fits)
+    assert [r["parameter"] for r in table if r["form"] == "chinchilla"] == list(fit.fit.names)
+
+
+def test_figures_have_labels_units_legends_and_no_overlapping_text(tmp_path):
+    results = load_results(write_jsonl(tmp_path / "r.jsonl", paper_rows()))
+    drawn = draw(results)
+    for name, fig in drawn.items():
+        ax = fig.axes[0]
+        assert "nats per token" in ax.get_ylabel(), name
+        assert ax.get_xlabel() and ax.get_title(), name
+        assert figures.text_overlaps(fig) == [], name
+    labels3 = legend_labels(drawn["fig3"])
+    for expected in (
+        "Transformer, 25k steps (Kaplan eq. 1.6)",
+        scaling.LSTM.label,
+        scaling.LMU_PAPER.label,
+        scaling.LMU_G_PAPER.label,
+        "LMU (measured)",
+    ):
+        assert expected in labels3
+    assert any(label.startswith("LMU_G fit") for label in labels3)
+    assert drawn["fig3"].axes[0].get_xscale() == "log"
+    assert "Transformer, 3.28T tokens (measured)" not in legend_labels(drawn["fig5"])
+    assert "Transformer, 131B tokens (measured)" in legend_labels(drawn["fig5"])
+    assert "10x the tokens" in drawn["fig5"].axes[0].get_title()
+    # Figure 4 draws each family's per-position curve of the largest LMU size, raw and smoothed
+    lines = drawn["fig4"].axes[0].get_lines()
+    assert len(lines) == 6 and all(len(line.get_xdata()) == 1024 for line in lines)
+    assert {label.split(", ")[-1][:-1] for label in legend_labels(drawn["fig4"])} == {
+        "lmu-1000k",
+        "lmu_g-1000k",
+        "transformer-1000k",
+    }
+    assert drawn["fig4"].axes[0].get_xscale() == "log"
+
+
+def test_overlap_check_can_fail():
+    fig = figures._figure()[0]
+    ax = fig.axes[0]
+    ax.set_title("a title")
+    ax.text(0.5, 1.01, "on top of the title", transform=ax.transAxes, ha="center")
+    assert figures.text_overlaps(fig)
+
+
+def test_fig5_uses_kaplan_without_measured_long_runs(tmp_path):
+    results = load_results(write_jsonl(tmp_path / "r.jsonl", paper_rows(tenx=False)))
+    labels = legend_labels(draw(results)["fig5"])
+    assert "Transformer, 250,000 steps (Kaplan eq. 1.6)" in labels
+    assert not any("measured" in label and "Transformer" in label for label in labels)
+
+
+def test_fig4_size_choice(tmp_path):
+    results = load_results(write_jsonl(tmp_path / "r.jsonl", paper_rows()))
+    fig = figures.figure4(results, size=parse_size("100k"))
+    assert all("-100k" in label for label in legend_labels(fig))
+    assert parse_size("1M") == 1e6 and parse_size("55000") == 55_000
+
+
+def test_byte_level_results_leave_out_the_gpt2_references(tmp_path):
+    rows = [r | {"tokenizer": "bytes"} for r in paper_rows(tenx=False)]
+    results = load_results(write_jsonl(tmp_path / "r.jsonl", rows))
+    drawn = draw(results)
+    assert not any("Kaplan" in label for label in legend_labels(drawn["fig3"]))
+    assert "left out" in notes(drawn["fig3"])
+    assert "nats per byte" in drawn["fig3"].axes[0].get_ylabel()
+    assert "same budget" in notes(drawn["fig5"])
+    for fig in drawn.values():
+        assert figures.text_overlaps(fig) == []
+
+
+def test_missing_columns_are_named(tmp_path):
+    rows = [{k: v for k, v in r.items() if k not in ("N", "tokens")} for r in paper_rows()]
+    path = write_jsonl(tmp_path / "r.jsonl", rows)
+    with pytest.raises(ResultsError, match=r"r\.jsonl: missing columns N, tokens \(the table"):
+        load_results(path)
+    proc = subprocess.run(
+        [sys.executable, "-m", "lmuscale.analysis", str(path), "--out", str(tmp_path / "o")],
+        capture_output=True,
+        text=True,
+        check=False,
+    )
+    assert proc.returncode == 1 and "missing columns N, tokens" in proc.stderr
+
+
+def test_malformed_cells_name_file_line_and_column(tmp_path):
+    path = tmp_path / "r.jsonl"
+    rows = paper_rows()
+    write_jsonl(path, rows)
+    path.write_text(path.read_text() + "{not json\n")
+    with pytest.raises(ResultsError, match=rf"r\.jsonl:{len(rows) + 1}: not JSON"):
+        load_results(path)
+    rows[3]["N"] = "lots"
+    write_jsonl(path, rows)
+    with pytest.raises(ResultsError, match=r"r\.jsonl:4: column N is 'lots', not a number"):
+        load_results(path)
+
+
+def test_nan_losses_and_unfinished_rows_are_left_out_and_said(tmp_path):
+    rows = paper_rows(tenx=False)
+    rows[0]["test_loss"] = float("nan")
+    rows[1].update(status="failed", test_loss=None)
+    report = analyse(write_jsonl(tmp_path / "r.jsonl", rows), tmp_path / "out", n_boot=20)
+    results = report.results
+    assert len(results.runs) == len(rows) - 2
+    assert any("lmu-55k" in s and "nan" in s.lower() for s in results.skipped)
+    assert any("lmu-100k: status failed" in s for s in results.skipped)
+    fig = figures.figure3(results, report.fits)
+    assert "lmu-55k" in notes(fig) and "lmu-100k" in notes(fig)
+    assert "Left out (2)" in (tmp_path / "out" / "fits.md").read_text()
+    assert len(report.files) == 8
+    for r in rows:
+        r["test_loss"] = float("nan")
+    with pytest.raises(ResultsError, match="no finished row with a finite test_loss"):
+        load_results(write_jsonl(tmp_path / "r.jsonl", rows))
+
+
+def test_transformer_only_byte_results_and_wide_ranges_still_draw(tmp_path):
+    rows = [r | {"tokenizer": "bytes"} for r in paper_rows(tenx=False) if r["family"] == "lmu"]
+    drawn = draw(load_results(write_jsonl(tmp_path / "r.jsonl", rows)))
+    assert "nothing to compare against" in notes(drawn["fig5"])
+    assert "1x the tokens" in drawn["fig5"].axes[0].get_title()
+    # a 10-step smoke run: Kaplan's curve spans tens of nats, past the hand-picked tick steps
+    rows = [row("lmu-tiny", "lmu", 5e4, 1, 10.5), row("lmu-tiny2", "lmu", 1e5, 1, 10.4)]
+    for r in rows:
+        r["tokens"] = 512
+    drawn = draw(load_results(write_jsonl(tmp_path / "r2.jsonl", rows)))
+    assert drawn["fig5"].axes[0].get_ylim()[1] > 40
+
+
+def test_null_per_position_entries_are_gaps(tmp_path):
+    rows = paper_rows(tenx=False)
+    rows[5]["test_per_position"][3] = None
+    results = load_results(write_jsonl(tmp_path / "r.jsonl", rows))
+    (run,) = [r for r in results.runs if r.trial == rows[5]["trial"]]
+    assert math.isnan(run.per_position[3]) and not math.isnan(run.per_position[4])
+
+
+def test_one_family_only(tmp_path):
+    rows = [r for r in paper_rows() if r["family"] == "lmu"]
+    results = load_results(write_jsonl(tmp_path / "r.jsonl", rows))
+    drawn = draw(results)
+    assert "No LMU_G run" in notes(drawn["fig4"]) and "No Transformer run" in notes(drawn["fig4"])
+    assert "No LMU_G run" in notes(drawn["fig5"])
+    # no transformer runs at all: the comparison is Kaplan's curve
+    assert "Transformer, 250,000 steps (Kaplan eq. 1.6)" in legend_labels(drawn["fig5"])
+
+
+def test_one_size_only(tmp_path):
+    rows = [r for r in paper_rows() if r["N"] == 100_000]
+    path = write_jsonl(tmp_path / "r.jsonl", rows)
+    analyse(path, tmp_path / "out", n_boot=20)
+    text = (tmp_path / "out" / "fits.md").read_text()
+    assert "not fitted: power_law (L = (Nc / N)^alpha) has 2 parameters" in text
+    fig = draw(load_results(path))["fig3"]
+    assert "no power-law fit" in notes(fig)
+    assert len(fig.axes[0].collections) == 3  # the three families' points, no CI bands
+
+
+def test_csv_and_jsonl_from_the_sweep_writer_agree(tmp_path):
+    rows = [*paper_rows()[:6], row("extra", "transformer", 1e5, 100, 5.5) | {"error": None}]
+    write_results(tmp_path, rows)
+    a = load_results(tmp_path / "results.jsonl")
+    b = load_results(tmp_path / "results.csv")
+    assert a.runs and [r.__dict__ | {"line": 0} for r in a.runs] == [
+        r.__dict__ | {"line": 0} for r in b.runs
+    ]
+    assert all(
+        math.isclose(x, y)
+        for x, y in zip(a.runs[0].per_position, b.runs[0].per_position, strict=True)
+    )
+
+
+def test_fits_are_deterministic(tmp_path):
+    results = load_results(write_jsonl(tmp_path / "r.jsonl", paper_rows(tenx=False)))
+    a = fit_all(results, n_boot=30, ci=0.9, seed=3)
+    b = fit_all(results, n_boot=30, ci=0.9, seed=3)
+    for x, y in zip(a, b, strict=True):
+        if x.fit is not None:
+            np.testing.assert_array_equal(x.fit.ci_low, y.fit.ci_low)
+
+
+def test_fig4_smoothing_is_a_log_window_mean():
+    values = np.random.default_rng(0).normal(size=300)
+    smooth = figures.smooth_log(values, 1.2)
+    for t in (1, 5, 50, 299):
+        window = [v for p, v in enumerate(values, 1) if t / 1.2 <= p <= t * 1.2]
+        assert smooth[t - 1] == pytest.approx(np.mean(window))
+    np.testing.assert_allclose(figures.smooth_log(np.full(50, 3.0)), 3.0)

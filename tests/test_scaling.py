@@ -1,0 +1,200 @@
+"""Reference curves against the formulas computed here independently, and fits that recover
+known parameters from noisy synthetic data."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from lmuscale import scaling
+from lmuscale.scaling import FitError, fits
+
+SIZES = np.array(scaling.TABLE3_SIZES, dtype=float)
+
+
+def eq_1_6_by_iteration(n: float, steps: float, batch: float = 512 * 1024) -> float:
+    """Kaplan eq 1.6 solved by fixed-point iteration, a different method from the module's
+    bracketing root finder, with the constants typed in from REFERENCE §3."""
+    loss = 10.0
+    for _ in range(500):
+        bcrit = 2e8 / loss ** (1 / 0.21)
+        smin = steps / (1 + bcrit / batch)
+        loss = (6.5e13 / n) ** 0.077 + (2.1e3 / smin) ** 0.76
+    return loss
+
+
+def test_eq_1_1_and_the_papers_power_laws():
+    np.testing.assert_allclose(scaling.KAPLAN_CONVERGED(SIZES), (8.8e13 / SIZES) ** 0.076)
+    np.testing.assert_allclose(scaling.LSTM(SIZES), (SIZES / 7.45e14) ** -0.071)
+    np.testing.assert_allclose(scaling.LMU_PAPER(SIZES), (SIZES / 1.95e14) ** -0.072)
+    np.testing.assert_allclose(scaling.LMU_G_PAPER(SIZES), (SIZES / 3.80e14) ** -0.069)
+
+
+@pytest.mark.parametrize("steps", [25_000, 250_000, 1_000])
+def test_eq_1_6_matches_an_independent_solution(steps):
+    ours = scaling.transformer_loss(SIZES, steps)
+    theirs = [eq_1_6_by_iteration(n, steps) for n in SIZES]
+    np.testing.assert_allclose(ours, theirs, rtol=1e-12)
+    # L really solves its own equation
+    for n, loss in zip(SIZES, ours, strict=True):
+        smin = scaling.min_steps(steps, loss)
+        assert loss == pytest.approx((6.5e13 / n) ** 0.077 + (2.1e3 / smin) ** 0.76, rel=1e-13)
+
+
+def test_eq_1_6_is_not_the_misprinted_form():
+    """REFERENCE §3: the paper's (S/Smin)^-0.76 adds ~0.8 nats; the real step term at 25k steps
+    is ~0.15-0.2 nats, and the loss falls towards (Nc/N)^alpha_N as steps grow."""
+    floor = scaling.transformer_floor(SIZES)
+    gap = scaling.transformer_loss(SIZES, 25_000) - floor
+    assert np.all((gap > 0.1) & (gap < 0.25))
+    losses = [scaling.transformer_loss(1e5, s) for s in (1e3, 1e4, 1e5, 1e6, 1e8)]
+    assert np.all(np.diff(losses) < 0)
+    assert scaling.transformer_loss(1e5, np.inf) == scaling.transformer_floor(1e5)
+
+
+def test_steps_to_match_inverts_eq_1_6():
+    for steps in (2_000.0, 25_000.0, 250_000.0):
+        loss = scaling.transformer_loss(SIZES, steps)
+        np.testing.assert_allclose(scaling.steps_to_match(loss, SIZES), steps, rtol=1e-9)
+    # another batch size: the same identity
+    loss = scaling.transformer_loss(2e5, 7_000, batch_tokens=65_536)
+    assert scaling.steps_to_match(loss, 2e5, batch_tokens=65_536) == pytest.approx(7_000)
+
+
+def test_steps_to_match_is_infinite_below_the_infinite_training_limit():
+    for curve in (scaling.LMU_PAPER, scaling.LMU_G_PAPER):
+        steps = scaling.steps_to_match(curve(SIZES), SIZES)
+        assert np.all(np.isinf(steps)) and np.all(steps > 0)
+    floor = scaling.transformer_floor(SIZES)
+    assert np.all(np.isinf(scaling.steps_to_match(floor, SIZES)))
+    assert np.all(np.isinf(scaling.steps_to_match(floor * 0.9, SIZES)))
+    just_above = scaling.steps_to_match(floor * 1.001, SIZES)
+    assert np.all(np.isfinite(just_above)) and np.all(just_above > 1e5)
+
+
+def test_reference_table_at_table3_sizes():
+    rows = scaling.reference_table()
+    assert [r["N"] for r in rows] == list(SIZES)
+    for r in rows:
+        assert r["transformer_25k_steps"] == pytest.approx(eq_1_6_by_iteration(r["N"], 25_000))
+        assert r["transformer_250k_steps"] == pytest.approx(eq_1_6_by_iteration(r["N"], 250_000))
+        assert r["lmu_paper"] < r["transformer_floor_eq_1_6"] < r["transformer_250k_steps"]
+
+
+def test_bad_inputs_are_named():
+    with pytest.raises(ValueError, match="N must be positive"):
+        scaling.transformer_loss(-1.0, 100)
+    with pytest.raises(ValueError, match="steps must be positive"):
+        scaling.transformer_loss(1e5, 0)
+
+
+def noisy(values, sigma, seed):
+    return values * np.exp(np.random.default_rng(seed).normal(0, sigma, np.shape(values)))
+
+
+def test_power_law_recovers_known_parameters():
+    n = np.geomspace(1e4, 1e7, 12)
+    loss = noisy((1e14 / n) ** 0.07, 0.01, seed=3)
+    fit = scaling.fit_power_law(n, loss, n_boot=500, seed=1)
+    alpha, nc = fit.params["alpha"], fit.params["Nc"]
+    assert abs(alpha - 0.07) < 3 * fit.stderr[1]
+    assert fit.ci_low[1] < 0.07 < fit.ci_high[1]
+    assert fit.ci_low[0] < 1e14 < fit.ci_high[0]
+    assert abs(np.log(nc / 1e14)) < 3 * fit.stderr[0] / nc
+    np.testing.assert_allclose(fit.residuals, np.log(loss) - np.log((nc / n) ** alpha))
+    assert 0.5 * 0.01 < fit.rms_residual < 1.5 * 0.01
+    # the band covers the fitted curve and is wider outside the data
+    low, high = fit.band(np.array([1e3, 1e5]))
+    assert np.all(low < fit.predict([1e3, 1e5])) and np.all(fit.predict([1e3, 1e5]) < high)
+    assert high[0] - low[0] > high[1] - low[1]
+
+
+def test_power_law_is_exact_without_noise_and_has_ols_errors():
+    n = np.geomspace(5e4, 1e6, 6)
+    fit = scaling.fit_power_law(n, (1.95e14 / n) ** 0.072, n_boot=0)
+    assert fit.params["alpha"] == pytest.approx(0.072, rel=1e-10)
+    assert fit.params["Nc"] == pytest.approx(1.95e14, rel=1e-8)
+    assert np.all(np.isnan(fit.ci_low))  # no resamples, no interval
+    # stderr of the slope, by the textbook formula
+    loss = noisy((1.95e14 / n) ** 0.072, 0.02, seed=0)
+    fit = scaling.fit_power_law(n, loss, n_boot=0)
+    x, y = np.log(n), np.log(loss)
+    slope, intercept = np.polyfit(x, y, 1)
+    s2 = np.sum((y - intercept - slope * x) ** 2) / (len(x) - 2)
+    assert fit.stderr[1] == pytest.approx(np.sqrt(s2 / np.sum((x - x.mean()) ** 2)))
+
+
+def test_saturating_recovers_known_parameters():
+    n = np.geomspace(1e5, 1e10, 10)
+    truth = {"E": 1.7, "A": 400.0, "alpha": 0.34}
+    loss = noisy(1.7 + 400.0 / n**0.34, 0.002, seed=5)
+    fit = scaling.fit_saturating(n, loss, n_boot=300, seed=2)
+    for i, name in enumerate(fit.names):
+        assert fit.ci_low[i] < truth[name] < fit.ci_high[i], name
+    assert fit.params["alpha"] == pytest.approx(0.34, abs=0.03)
+    assert fit.params["E"] == pytest.approx(1.7, abs=0.1)
+    assert np.all(np.isfinite(fit.stderr))
+    assert fit.rms_residual < 0.003
+
+
+def test_chinchilla_recovers_known_parameters_and_ignores_an_outlier():
+    """Hoffmann et al.'s own estimates as the truth; Huber makes one bad point harmless."""
+    n, d = np.meshgrid(np.geomspace(1e7, 1e10, 6), np.geomspace(1e9, 1e12, 4))
+    n, d = n.ravel(), d.ravel()
+    truth = {"E": 1.69, "A": 406.4, "alpha": 0.34, "B": 410.7, "beta": 0.28}
+    loss = noisy(1.69 + 406.4 / n**0.34 + 410.7 / d**0.28, 0.002, seed=7)
+    loss[5] *= 1.3
+    fit = scaling.fit_chinchilla(n, d, loss, n_boot=40, seed=0)
+    assert fit.params["alpha"] == pytest.approx(0.34, abs=0.03)
+    assert fit.params["beta"] == pytest.approx(0.28, abs=0.03)
+    assert fit.params["E"] == pytest.approx(1.69, abs=0.1)
+    for name in ("E", "alpha", "beta"):
+        i = fit.names.index(name)
+        assert fit.ci_low[i] < truth[name] < fit.ci_high[i], name
+    assert abs(fit.residuals[5] - np.log(1.3)) < 0.01  # the outlier stays an outlier
+    assert np.median(np.abs(np.delete(fit.residuals, 5))) < 0.003
+
+
+def test_fits_refuse_too_few_points():
+    with pytest.raises(FitError, match=r"2 parameters and needs at least 2 distinct N; got 1"):
+        scaling.fit_power_law([1e5, 1e5, 1e5], [4.0, 4.1, 4.05])
+    with pytest.raises(FitError, match=r"3 parameters and needs at least 3 distinct N; got 2"):
+        scaling.fit_saturating([1e5, 2e5], [4.0, 3.9])
+    with pytest.raises(FitError, match=r"5 parameters .* got 4"):
+        scaling.fit_chinchilla([1e5, 2e5, 1e5, 2e5], [1e9, 1e9, 1e10, 1e10], [4, 3.9, 3.8, 3.7])
+    with pytest.raises(FitError, match="at least three distinct D to tell E from the D term"):
+        scaling.fit_chinchilla(np.geomspace(1e5, 1e6, 6), [1e9] * 6, np.linspace(4, 3, 6))
+    # two budgets: E + B / D^beta would fit any beta equally well
+    n, d = np.meshgrid(np.geomspace(1e5, 1e6, 4), [1e9, 1e10])
+    with pytest.raises(FitError, match=r"three distinct D .* got 1e\+09, 1e\+10"):
+        scaling.fit_chinchilla(n.ravel(), d.ravel(), 3 + 1 / n.ravel() ** 0.1 + 1 / d.ravel())
+    with pytest.raises(FitError, match=r"loss must be finite and positive; got \[nan\]"):
+        scaling.fit_power_law([1e5, 2e5, 3e5], [4.0, np.nan, 3.8])
+
+
+def test_exactly_as_many_points_as_parameters_gives_an_exact_fit_without_errors():
+    fit = scaling.fit_power_law([1e5, 1e6], [4.5, 4.0], n_boot=100)
+    np.testing.assert_allclose(fit.residuals, 0, atol=1e-12)
+    assert np.all(np.isnan(fit.stderr))
+
+
+def test_batched_lbfgs_finds_each_problems_minimum():
+    """Rosenbrock from 30 starts at once, and shifted quadratics with different minima."""
+
+    def rosenbrock(theta, rows=None):
+        x, y = theta[:, 0], theta[:, 1]
+        value = (1 - x) ** 2 + 100 * (y - x**2) ** 2
+        grad = np.stack([-2 * (1 - x) - 400 * x * (y - x**2), 200 * (y - x**2)], axis=1)
+        return value, grad
+
+    starts = np.random.default_rng(0).uniform(-2, 2, (30, 2))
+    theta, _ = fits.batched_lbfgs(rosenbrock, starts, max_iter=2000)
+    np.testing.assert_allclose(theta, 1.0, atol=1e-5)
+    centres = np.random.default_rng(1).normal(size=(8, 3))
+
+    def quadratic(theta, rows=None):
+        c = centres if rows is None else centres[rows]
+        return np.sum((theta - c) ** 2 * [1, 10, 100], axis=1), 2 * (theta - c) * [1, 10, 100]
+
+    theta, _ = fits.batched_lbfgs(quadratic, np.zeros((8, 3)))
+    np.testing.assert_allclose(theta, centres, atol=1e-8)
