@@ -75,18 +75,7 @@ def figure3(results: Results, fits, *, size_range=None):
                     f"{label(family)} has no run at {human(base)} tokens (only {budgets})."
                 )
                 continue
-            n = np.array([r.n for r in runs])
-            sizes += list(n)
-            ax.scatter(
-                n,
-                [r.loss for r in runs],
-                color=color(family),
-                marker=MARKERS.get(family, "o"),
-                s=28,
-                zorder=3,
-                label=f"{label(family)} (measured)",
-            )
-            _draw_fit(ax, find(fits, family, base, "power_law"), n, notes)
+            sizes += _measured(ax, runs, fits, f"{label(family)} (measured)", notes)
         lo, hi = min(sizes), max(sizes)
         if results.gpt2_tokens:
             lo, hi = min(lo, PAPER_SIZES[0]), max(hi, PAPER_SIZES[1])
@@ -185,35 +174,18 @@ def figure5(results: Results, fits):
             if not runs:
                 notes.append(f"No {label(family)} run at {human(base)} tokens in the results.")
                 continue
-            n = np.array([r.n for r in runs])
-            sizes += list(n)
-            ax.scatter(
-                n,
-                [r.loss for r in runs],
-                color=color(family),
-                marker=MARKERS[family],
-                s=28,
-                zorder=3,
-                label=f"{label(family)}, {human(base)} tokens",
-            )
-            _draw_fit(ax, find(fits, family, base, "power_law"), n, notes)
+            sizes += _measured(ax, runs, fits, f"{label(family)}, {human(base)} tokens", notes)
         bigger = [t for t in results.budgets("transformer") if t > base]
         ratio = max(bigger) / base if bigger else 10.0
         if bigger:
-            runs = results.group("transformer", max(bigger))
-            n = np.array([r.n for r in runs])
-            sizes += list(n)
-            ax.scatter(
-                n,
-                [r.loss for r in runs],
-                facecolors="none",
-                edgecolors=color("transformer"),
-                marker=MARKERS["transformer"],
-                s=34,
-                zorder=3,
-                label=f"Transformer, {human(max(bigger))} tokens (measured)",
+            sizes += _measured(
+                ax,
+                results.group("transformer", max(bigger)),
+                fits,
+                f"Transformer, {human(max(bigger))} tokens (measured)",
+                notes,
+                hollow=True,
             )
-            _draw_fit(ax, find(fits, "transformer", max(bigger), "power_law"), n, notes, ls="--")
         if not sizes:
             sizes = [r.n for r in results.runs]
         if results.gpt2_tokens:
@@ -343,6 +315,25 @@ def _notes(fig, notes: list[str]) -> None:
     panel = fig.add_subplot(spec[1])
     panel.axis("off")
     panel.text(0, 1, "\n".join(lines), va="top", ha="left", fontsize=7.5, transform=panel.transAxes)
+
+
+def _measured(ax, runs, fits, text: str, notes: list[str], hollow=False) -> list[float]:
+    """One group's points (hollow, with a dashed fit, for a second budget of a family) and
+    its power-law fit with the CI band; returns the sizes drawn."""
+    family, tokens = runs[0].family, runs[0].tokens
+    n = np.array([r.n for r in runs])
+    fill = {"facecolors": "none", "edgecolors": color(family)} if hollow else {"c": color(family)}
+    ax.scatter(
+        n,
+        [r.loss for r in runs],
+        marker=MARKERS.get(family, "o"),
+        s=34 if hollow else 28,
+        zorder=3,
+        label=text,
+        **fill,
+    )
+    _draw_fit(ax, find(fits, family, tokens, "power_law"), n, notes, ls="--" if hollow else "-")
+    return list(n)
 
 
 def _draw_fit(ax, group_fit, n, notes, ls="-") -> None:
