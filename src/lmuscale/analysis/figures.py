@@ -94,7 +94,7 @@ def figure3(results: Results, fits, *, size_range=None):
             notes.append(_not_gpt2(results))
         notes += _skipped(results)
         steps = _steps_at(results, base)
-        ax.set_title(f"{_split(results)} loss after {human(base)} tokens ({steps} steps)")
+        ax.set_title(f"{_split(results)} loss after {human(base)} tokens ({steps:,.0f} steps)")
         _axes_n(ax, lo, hi)
         _axes_loss(ax, results)
         _legend(fig, ax)
@@ -149,7 +149,7 @@ def figure4(results: Results, size: float | None = None):
         notes += _skipped(results)
         ax.set_xscale("log")
         ax.set_xlabel("Position in the context (tokens)")
-        ax.set_ylabel(f"{_split(results)} loss at that position ({_unit(results)})")
+        ax.set_ylabel(f"{_split(results)} loss at that position ({results.unit})")
         ax.set_title(f"Per-position {results.split} loss at N ≈ {human(size)}")
         ax.xaxis.set_major_formatter(ticker.FuncFormatter(lambda x, _: f"{x:g}"))
         if drawn:
@@ -163,7 +163,7 @@ def figure5(results: Results, fits):
     transformer runs at the largest budget above the LMU's where the sweep has them, and
     Kaplan's L(N, S) at that budget (10x without such runs) for GPT-2 tokens."""
     base = results.base_tokens
-    base_steps = _steps_at(results, base, raw=True)
+    base_steps = _steps_at(results, base)
     batch = base / base_steps
     notes = []
     with matplotlib.rc_context(STYLE):
@@ -205,7 +205,7 @@ def figure5(results: Results, fits):
             if not runs:
                 notes.append(
                     "No transformer run in the results, and Kaplan's curve is for GPT-2 tokens "
-                    f"({_unit(results)} here): there is nothing to compare against."
+                    f"({results.unit} here): there is nothing to compare against."
                 )
             else:
                 sizes += [r.n for r in runs]
@@ -220,7 +220,7 @@ def figure5(results: Results, fits):
                 )
                 notes.append(
                     "No transformer run at more than the LMU's budget, and Kaplan's curve is for "
-                    f"GPT-2 tokens ({_unit(results)} here): the transformer shown has the same "
+                    f"GPT-2 tokens ({results.unit} here): the transformer shown has the same "
                     "budget."
                 )
         notes += _skipped(results)
@@ -374,7 +374,7 @@ def _axes_n(ax, lo, hi) -> None:
 
 def _axes_loss(ax, results: Results) -> None:
     ax.set_yscale("log")
-    ax.set_ylabel(f"{_split(results)} loss ({_unit(results)})")
+    ax.set_ylabel(f"{_split(results)} loss ({results.unit})")
     lo, hi = ax.get_ylim()
     span = hi - lo
     steps = [s for s in (0.02, 0.05, 0.1, 0.2, 0.25, 0.5, 1.0, 2.0, 5.0) if span / s <= 8]
@@ -389,28 +389,18 @@ def _axes_loss(ax, results: Results) -> None:
     ax.yaxis.set_minor_locator(ticker.NullLocator())
 
 
-def _unit(results: Results) -> str:
-    tokenizer = results.tokenizer
-    if tokenizer in (None, "gpt2"):
-        return "nats per token"
-    if tokenizer == "bytes":
-        return "nats per byte"
-    return f"nats per {tokenizer} token"
-
-
 def _split(results: Results) -> str:
     return {"test": "Test", "val": "Validation"}[results.split]
 
 
-def _steps_at(results: Results, tokens: float, raw=False):
-    steps = float(np.median([r.steps for r in results.runs if r.tokens == tokens]))
-    return steps if raw else f"{steps:,.0f}"
+def _steps_at(results: Results, tokens: float) -> float:
+    return float(np.median([r.steps for r in results.runs if r.tokens == tokens]))
 
 
 def _not_gpt2(results: Results) -> str:
     return (
         "Reference curves (Kaplan's transformer, the LSTM, the paper's LMU fits) are in nats per "
-        f"GPT-2 token; these losses are {_unit(results)}, so the curves are left out."
+        f"GPT-2 token; these losses are {results.unit}, so the curves are left out."
     )
 
 

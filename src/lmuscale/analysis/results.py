@@ -77,6 +77,15 @@ class Results:
         return self.tokenizer in (None, "gpt2")
 
     @property
+    def unit(self) -> str:
+        """The loss unit in words: "nats per token" (GPT-2), "nats per byte", ..."""
+        if self.tokenizer in (None, "gpt2"):
+            return "nats per token"
+        if self.tokenizer == "bytes":
+            return "nats per byte"
+        return f"nats per {self.tokenizer} token"
+
+    @property
     def base_tokens(self) -> float:
         """The budget Figure 3 compares at: the commonest token count of the LMU runs (of all
         runs without LMUs); the smallest on a tie."""

@@ -91,7 +91,7 @@ def markdown(results: Results, fits) -> str:
         "# Scaling-law fits",
         "",
         f"- Results: `{results.path}` ({len(results.runs)} runs used, {results.split} loss, "
-        f"{_unit(results)}).",
+        f"{results.unit}).",
         "- N is non-embedding parameters. Fits are to log L; CIs are percentile intervals "
         "of a case bootstrap; stderr is analytic for the power law (OLS) and saturating form "
         "(Gauss-Newton), the bootstrap SD for Chinchilla.",
@@ -141,7 +141,7 @@ def markdown(results: Results, fits) -> str:
 def reference_markdown(results: Results) -> list[str]:
     out = ["## Reference curves at Table 3's sizes (nats per GPT-2 token)", ""]
     if not results.gpt2_tokens:
-        return [*out, f"Not shown: these losses are {_unit(results)}, not per GPT-2 token."]
+        return [*out, f"Not shown: these losses are {results.unit}, not per GPT-2 token."]
     rows = reference_table(TABLE3_SIZES)
     keys = list(rows[0])
     out += ["| " + " | ".join(keys) + " |", "|" + "---:|" * len(keys)]
@@ -158,7 +158,7 @@ def efficiency_markdown(results: Results) -> list[str]:
     out = ["## Data efficiency: transformer steps to match each LMU run (Kaplan eq. 1.6)", ""]
     runs = [r for r in results.runs if r.family in LMU_FAMILIES]
     if not results.gpt2_tokens:
-        return [*out, f"Not computed: these losses are {_unit(results)}, not per GPT-2 token."]
+        return [*out, f"Not computed: these losses are {results.unit}, not per GPT-2 token."]
     if not runs:
         return [*out, "No LMU runs in the results."]
     out += [
@@ -178,12 +178,6 @@ def efficiency_markdown(results: Results) -> list[str]:
             f"{r.steps:,.0f} | " + " | ".join(shown) + " |"
         )
     return out
-
-
-def _unit(results: Results) -> str:
-    return {None: "nats per token", "gpt2": "nats per token", "bytes": "nats per byte"}.get(
-        results.tokenizer, f"nats per {results.tokenizer} token"
-    )
 
 
 def _num(x) -> str:

@@ -14,7 +14,6 @@ points than the form needs are dropped (``Fit.samples`` holds the rest).
 
 from __future__ import annotations
 
-import dataclasses
 import functools
 import itertools
 from dataclasses import dataclass
@@ -68,15 +67,15 @@ class Fit:
     n: np.ndarray  # non-embedding parameters of each point
     tokens: np.ndarray | None  # training tokens of each point ("chinchilla" only)
     loss: np.ndarray
-    residuals: np.ndarray  # log(loss) - log(prediction), per point, in input order
+
+    @property
+    def residuals(self) -> np.ndarray:
+        """log(loss) - log(prediction), per point, in input order."""
+        return np.log(self.loss) - np.log(self.predict(self.n, self.tokens))
 
     @property
     def params(self) -> dict[str, float]:
         return dict(zip(self.names, map(float, self.estimate), strict=True))
-
-    @property
-    def formula(self) -> str:
-        return FORMULAS[self.form]
 
     @property
     def rms_residual(self) -> float:
@@ -256,7 +255,7 @@ def _make_fit(form, estimate, stderr, samples, n_boot, ci, n, tokens, loss) -> F
         low, high = np.percentile(samples, [tail, 100 - tail], axis=0)
     else:
         low = high = np.full(k, np.nan)
-    fit = Fit(
+    return Fit(
         form=form,
         names=FORMS[form],
         estimate=np.asarray(estimate, dtype=float),
@@ -269,10 +268,7 @@ def _make_fit(form, estimate, stderr, samples, n_boot, ci, n, tokens, loss) -> F
         n=n,
         tokens=tokens,
         loss=loss,
-        residuals=np.zeros(len(n)),
     )
-    residuals = np.log(loss) - np.log(fit.predict(n, tokens))
-    return dataclasses.replace(fit, residuals=residuals)
 
 
 def _natural(theta):
