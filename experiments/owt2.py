@@ -3,7 +3,8 @@
     python -m lmuscale.train --config experiments/owt2.py:lmu-1M --workdir runs/lmu-1M
     python -m lmuscale.train --config experiments/owt2.py:tiny --workdir runs/tiny
 
-Names: ``{lmu, lmu_g, transformer}-{55k, 100k, 200k, 300k, 500k, 1M}`` (Table 3) and ``tiny``.
+Names: ``{lmu, lmu_g, transformer}-{55k, 100k, 200k, 300k, 500k, 1M}`` (Table 3), the
+recurrent baselines ``{sru, sru_pp, lstm}-{55k, ..., 1M}`` on the same grid, and ``tiny``.
 The OWT2 token folder is ``$LMUSCALE_OWT2`` (default ``data/owt2``) or
 ``--config.data.path=DIR``; make it with
 ``python -m lmuscale.data prepare owt2 openwebtext2.jsonl.zst.tar --out data/owt2``.

@@ -7,11 +7,13 @@
   transformer at the same sizes: 25,000 steps of 512 x 1024 tokens each (13.1B tokens).
 - The transformers again at 10x the steps (250,000; 131B tokens), for Figure 5.
 
+The recurrent baselines (SRU, SRU++, LSTM) on the same grid are sweeps/baselines.py.
+
 The data folder is ``$LMUSCALE_OWT2`` (default data/owt2); see experiments/owt2.py for how to
 prepare it.
 """
 
-from lmuscale.models.sizes import FAMILIES, SIZES
+from lmuscale.models.sizes import PAPER_FAMILIES, SIZES
 from lmuscale.sweep import Trial
 
 EXPERIMENT = "../experiments/owt2.py"  # relative to this file
@@ -27,7 +29,7 @@ SLURM = {"gpus_per_node": 1, "tasks_per_node": 1, "cpus_per_task": 8, "timeout_m
 
 
 def get_trials():
-    for family in FAMILIES:
+    for family in PAPER_FAMILIES:
         for size in SIZES:
             yield Trial(f"{family}-{size}", f"{EXPERIMENT}:{family}-{size}")
     for size in SIZES:

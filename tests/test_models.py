@@ -1,4 +1,5 @@
-"""The language models: Table 3 sizes, FLOPs, causality, parallel == recurrent, loss, bf16."""
+"""The language models: Table 3 sizes, FLOPs, causality, parallel == recurrent, loss, bf16,
+and the recurrent baselines (SRU, SRU++, LSTM) against float64 numpy loops of their equations."""
 
 from __future__ import annotations
 
@@ -15,9 +16,12 @@ import pytest
 from lmuscale.models import build, count_params, cross_entropy, decode, named_config, sizes
 from lmuscale.models.base import default_heads
 from lmuscale.models.lmu import LMUConfig
+from lmuscale.models.lstm import LSTMConfig, LSTMLayer
+from lmuscale.models.sru import SRUConfig, SRULayer, SRUPPConfig
 from lmuscale.models.transformer import TransformerConfig
 
 FAMILIES = sizes.FAMILIES
+BASELINES = sizes.BASELINE_FAMILIES
 # The paper's 500k row prints a total of 7.3M, but its own d = 144 makes the tied embedding
 # alone 50257 * 144 = 7.24M, so with N = 500k the total is 7.74M (6% above). Checked below.
 PAPER_TOTAL_MISPRINTS = {"500k"}
@@ -28,6 +32,13 @@ def tiny(family: str, **overrides):
     fields = dict(vocab_size=97)
     if family == "transformer":
         config = TransformerConfig(d=24, n_heads=3, max_len=64, **fields)
+    elif family == "sru":
+        config = SRUConfig(d=24, n_layers=2, **fields)
+    elif family == "sru_pp":
+        # A plain SRU layer, then one with attention.
+        config = SRUPPConfig(d=24, d_prime=8, n_layers=2, attention_every=2, **fields)
+    elif family == "lstm":
+        config = LSTMConfig(d=24, n_layers=2, **fields)
     else:
         config = LMUConfig(
             d=24,
@@ -94,9 +105,11 @@ def test_lmu_g_and_transformer_are_sized_on_the_same_grid(size):
     assert count_params(transformer).embedding == (50257 + 1024) * transformer.d
 
 
-CONFIGS_TO_COUNT = [named_config(name) for name in sizes.NAMES] + [
-    tiny(family, n_layers=1) for family in FAMILIES
-]
+CONFIGS_TO_COUNT = (
+    [named_config(name) for name in sizes.NAMES]
+    + [tiny(family, n_layers=1) for family in sizes.PAPER_FAMILIES]
+    + [tiny(family) for family in BASELINES]
+)
 
 
 @pytest.mark.parametrize("config", CONFIGS_TO_COUNT, ids=lambda c: f"{c.family}-d{c.d}")
@@ -113,8 +126,32 @@ def test_counter_equals_the_built_parameter_tree(config):
     assert embedding == count.embedding
 
 
+@pytest.mark.parametrize("row", sizes.TABLE3, ids=lambda row: row.size)
+def test_recurrent_baselines_are_sized_on_the_same_grid(row):
+    d = round(math.sqrt(row.n / 24))
+    sru, sru_pp, lstm = (named_config(f"{family}-{row.size}") for family in BASELINES)
+    assert sru.d == sru_pp.d == lstm.d == d
+    # The one free integer of each: SRU's depth, SRU++'s d' (at the SRU's depth, attention in
+    # every 4th layer), the LSTM's depth; each lands N within 5% of the row.
+    assert sru.n_layers == sru_pp.n_layers == 8 and lstm.n_layers == 3
+    assert sru_pp.attention_every == 4 and 0.4 * d < sru_pp.d_prime < 0.6 * d
+    for config in (sru, sru_pp, lstm):
+        n = count_params(config).non_embedding
+        assert abs(n / row.n - 1) <= 0.05, config
+        assert count_params(config).embedding == 50257 * d
+    assert abs(count_params(sru_pp).non_embedding / row.n - 1) <= 0.005
+    # Nearest: one layer (or one unit of d') more or fewer is further from the row's N.
+    for config, field in ((sru, "n_layers"), (sru_pp, "d_prime"), (lstm, "n_layers")):
+        value = getattr(config, field)
+        error = abs(count_params(config).non_embedding - row.n)
+        for other in (value - 1, value + 1):
+            changed = dataclasses.replace(config, **{field: other})
+            assert abs(count_params(changed).non_embedding - row.n) >= error, (config, other)
+
+
 def test_named_configs_cover_every_family_and_size_and_reject_others():
-    assert len(sizes.NAMES) == 18
+    assert len(sizes.NAMES) == 36
+    assert {"sru-55k", "sru_pp-1M", "lstm-1M"} <= set(sizes.NAMES)
     assert named_config("lmu-1M", dtype="bfloat16").dtype == "bfloat16"
     with pytest.raises(ValueError, match=r"unknown model 'lmu-2M'.*lmu-1M"):
         named_config("lmu-2M")
@@ -131,6 +168,11 @@ def test_named_configs_cover_every_family_and_size_and_reject_others():
         (lambda: tiny("lmu_g", n_heads=5), "n_heads=5 does not divide d=24"),
         (lambda: tiny("transformer", n_heads=7), "n_heads=7 does not divide d=24"),
         (lambda: tiny("lmu", q=2.5), "LMUConfig.q must be a positive int, got 2.5"),
+        (lambda: tiny("sru", n_layers=0), "SRUConfig.n_layers must be a positive int, got 0"),
+        (lambda: tiny("sru_pp", d_prime=0), "SRUPPConfig.d_prime must be a positive int"),
+        (lambda: tiny("sru_pp", attention_every=3), "attention_every=3 exceeds n_layers=2"),
+        (lambda: tiny("lstm", d=8.0), "LSTMConfig.d must be a positive int, got 8.0"),
+        (lambda: tiny("lstm", dtype="float64"), "dtype must be one of"),
     ],
 )
 def test_bad_configs_name_the_field(make, message):
@@ -181,6 +223,37 @@ def test_transformer_flops_match_xla_cost_analysis(size):
     assert flops.train == pytest.approx(
         6 * n + 12 * 2 * 1024 * config.d + 6 * config.d * 50257, rel=1e-3
     )
+
+
+@pytest.mark.parametrize("family", BASELINES)
+def test_recurrent_flops_outside_the_scan_match_xla_cost_analysis(family):
+    config = named_config(f"{family}-1M")
+    model = build(config)
+    tokens = jnp.zeros((1, 1024), jnp.int32)
+    params = jax.eval_shape(model.init, jax.random.key(0), tokens[:, :4])
+    hidden = jax.jit(lambda p, t: model.apply(p, t, method=model.hidden))
+    cost = hidden.lower(params, tokens).compile().cost_analysis()
+    cost = cost[0] if isinstance(cost, list) else cost
+    flops = sizes.flops_per_token(config, seq_len=1024)
+    # XLA's cost analysis counts a while loop's body once, not once per iteration, so it sees
+    # none of what runs inside lax.scan: the element-wise recurrence (and the LSTM's U h).
+    # Everything else (the projections, SRU++'s attention) it sees in full; the rest of its
+    # count is LayerNorms and such, ~1% at this size.
+    in_scan = {"recurrence", "recurrent_projection"}
+    outside = flops.n_layers * sum(v for k, v in flops.per_layer.items() if k not in in_scan)
+    assert cost["flops"] / 1024 == pytest.approx(outside, rel=0.02)
+    d = config.d
+    assert flops.unembedding == 2 * d * 50257 and flops.train == 3 * flops.forward
+    if family == "lstm":  # 2 per weight of W and U, plus the element-wise terms
+        n = count_params(config).non_embedding
+        assert flops.layers == pytest.approx(2 * n, rel=0.01)
+    else:
+        attention = 2 if family == "sru_pp" else 0
+        expected = (8 - attention) * 6 * d * d + 8 * 16 * d
+        if attention:
+            k = config.d_prime
+            expected += attention * (8 * d * k + 4 * k * k + 4 * 1024 * k + 2 * k)
+        assert flops.layers == pytest.approx(expected)
 
 
 def test_lmu_training_never_forms_the_full_memory():
@@ -241,7 +314,11 @@ def test_no_gradient_flows_from_the_future(family):
 PARALLEL_VS_RECURRENT = 1e-4
 
 
-@pytest.mark.parametrize("name", ["lmu-1M", "lmu_g-1M", "transformer-1M", "lmu-55k"])
+# The baselines at 55k: at 1M each took 8-10 s on 2 CPU cores (mostly compiling 512 steps).
+@pytest.mark.parametrize(
+    "name",
+    ["lmu-1M", "lmu_g-1M", "transformer-1M", "lmu-55k", "sru-55k", "sru_pp-55k", "lstm-55k"],
+)
 def test_512_recurrent_steps_equal_the_parallel_forward(name):
     config = named_config(name)
     model = build(config)
@@ -293,6 +370,33 @@ def test_only_the_global_variant_carries_a_kv_cache():
     assert g_state["layers"][0]["kv"]["k"].shape[1] == 64
     with pytest.raises(ValueError, match="needs max_len"):
         g_model.init_state(1)
+
+
+@pytest.mark.parametrize("family", BASELINES)
+def test_recurrent_baseline_state_is_constant_but_for_the_sru_pp_kv_cache(family):
+    config = named_config(f"{family}-55k")
+    model = build(config)
+    state = model.init_state(2, max_len=64)
+    d, n_layers = config.d, config.n_layers
+    if family == "lstm":
+        assert all(set(s) == {"h", "c"} for s in state["layers"]) and "index" not in state
+        assert state_bytes(state) == n_layers * 2 * 2 * d * 4  # float32 h and c per layer
+    elif family == "sru":
+        assert all(set(s) == {"c"} for s in state["layers"]) and "index" not in state
+        assert state_bytes(state) == n_layers * 2 * d * 4  # float32 c per layer
+    else:
+        kinds = [set(s) for s in state["layers"]]
+        assert kinds == [{"c", "kv"} if (i + 1) % 4 == 0 else {"c"} for i in range(n_layers)]
+        assert state["layers"][3]["kv"]["k"].shape == (2, 64, 1, config.d_prime)
+        assert state["index"].shape == ()
+        with pytest.raises(ValueError, match="need max_len"):
+            model.init_state(2)
+    if family != "sru_pp":
+        assert state_bytes(model.init_state(2, max_len=100_000)) == state_bytes(state)
+    # The recurrent state is float32 even when the model computes in bfloat16.
+    bf16 = build(dataclasses.replace(config, dtype="bfloat16")).init_state(2, max_len=64)
+    for layer in bf16["layers"]:
+        assert all(layer[key].dtype == jnp.float32 for key in ("h", "c") if key in layer)
 
 
 def test_transformer_rejects_sequences_longer_than_its_positions():
@@ -442,3 +546,166 @@ def test_bfloat16_forward_stays_close_to_float32(family):
     # Measured: logits within 0.8-1.8% of max|logit|, loss within 1e-4 relative.
     assert float(jnp.abs(logits16 - logits32).max()) <= 0.03 * scale
     assert abs(float(loss16) - float(loss32)) <= 0.002 * float(loss32)
+
+
+@pytest.mark.parametrize("family", BASELINES)
+def test_remat_changes_nothing_in_the_recurrent_baselines(family):
+    # One layer is enough (remat wraps every layer alike); SRU++'s has attention.
+    extra = {"attention_every": 1} if family == "sru_pp" else {}
+    config = tiny(family, n_layers=1, **extra)
+    tokens = random_tokens(config, 3, 21)
+    params = jiggle(init(build(config)), 0.05)
+    results = []
+    for remat in (False, True):
+        model = build(dataclasses.replace(config, remat=remat))
+
+        def loss_fn(p, model=model):
+            return model.apply(p, tokens[:, :-1], tokens[:, 1:], method=model.loss)[0]
+
+        results.append(jax.jit(jax.value_and_grad(loss_fn))(params))
+    (loss, grads), (loss_remat, grads_remat) = results
+    np.testing.assert_allclose(loss_remat, loss, rtol=1e-6)
+    for got, want in zip(jax.tree.leaves(grads_remat), jax.tree.leaves(grads), strict=True):
+        np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-6)
+    recurrent, _ = decode(model, params, tokens[:, :-1])  # remat leaves decoding alone
+    parallel = jax.jit(model.apply)(params, tokens[:, :-1])
+    np.testing.assert_allclose(recurrent, parallel, atol=1e-5)
+
+
+# ---------------------------------------------------------------- recurrent baselines
+
+
+def sigmoid(x):
+    return 1.0 / (1.0 + np.exp(-x))
+
+
+def as_float64(tree):
+    return jax.tree.map(lambda x: np.asarray(x, np.float64), tree)
+
+
+def reference_layer_norm(x, p):
+    mean = x.mean(-1, keepdims=True)
+    variance = ((x - mean) ** 2).mean(-1, keepdims=True)
+    return (x - mean) / np.sqrt(variance + 1e-5) * p["scale"] + p["bias"]
+
+
+def reference_sru(x_BxTxD, u_BxTx3D, p) -> np.ndarray:
+    """REFERENCE §5's four SRU equations, one position at a time, in float64. ``u`` holds
+    [W x, W_f x, W_r x] (x the normalised input); the highway carries the raw input."""
+    wx, fx, rx = np.split(u_BxTx3D, 3, axis=-1)
+    (v_f, v_r), (b_f, b_r) = p["v"], p["b"]
+    c = np.zeros_like(x_BxTxD[:, 0])
+    h = np.zeros_like(x_BxTxD)
+    for t in range(x_BxTxD.shape[1]):
+        f = sigmoid(fx[:, t] + v_f * c + b_f)
+        r = sigmoid(rx[:, t] + v_r * c + b_r)
+        c = f * c + (1 - f) * wx[:, t]
+        h[:, t] = r * c + (1 - r) * x_BxTxD[:, t]
+    return h
+
+
+def reference_sru_pp_u(xn_BxTxD, p) -> np.ndarray:
+    """SRU++'s U = W3 LN(Q + alpha A): Q = W1 x, [K; V] = W2 Q, causal softmax(Q K^T/sqrt(d'))
+    V, in float64."""
+    q = xn_BxTxD @ p["query"]["kernel"]
+    k, v = np.split(q @ p["key_value"]["kernel"], 2, axis=-1)
+    scores = q @ k.transpose(0, 2, 1) / np.sqrt(q.shape[-1])
+    length = q.shape[1]
+    scores = np.where(np.tril(np.ones((length, length), bool)), scores, -np.inf)
+    weights = np.exp(scores - scores.max(-1, keepdims=True))
+    a = (weights / weights.sum(-1, keepdims=True)) @ v
+    mixed = reference_layer_norm(q + p["alpha"] * a, p["norm_attention"])
+    return mixed @ p["output"]["kernel"]
+
+
+def reference_lstm(x_BxTxD, p) -> np.ndarray:
+    """x + LSTM(LN(x)), gates [i, f, g, o], one position at a time, in float64."""
+    zx = reference_layer_norm(x_BxTxD, p["norm"]) @ p["input"]["kernel"] + p["input"]["bias"]
+    h = c = np.zeros_like(x_BxTxD[:, 0])
+    out = np.zeros_like(x_BxTxD)
+    for t in range(x_BxTxD.shape[1]):
+        i, f, g, o = np.split(zx[:, t] + h @ p["recurrent"], 4, axis=-1)
+        c = sigmoid(f) * c + sigmoid(i) * np.tanh(g)
+        h = sigmoid(o) * np.tanh(c)
+        out[:, t] = x_BxTxD[:, t] + h
+    return out
+
+
+def layer_step_by_step(layer, params, x_BxTxD, max_len=None) -> np.ndarray:
+    """The layer's ``step`` over every position, from its empty state."""
+    state = layer.init_state(x_BxTxD.shape[0], max_len)
+    step = jax.jit(lambda state, x, index: layer.apply(params, state, x, index, method="step"))
+    out = []
+    for t in range(x_BxTxD.shape[1]):
+        h, state = step(state, x_BxTxD[:, t], jnp.asarray(t, jnp.int32))
+        out.append(h)
+    return np.stack(out, axis=1)
+
+
+def layer_input(width: int, length: int = 20):
+    return 2.0 * np.random.default_rng(0).standard_normal((2, length, width)).astype(np.float32)
+
+
+def test_sru_fused_step_equals_the_scan_and_a_float64_loop_of_the_equations():
+    layer = SRULayer(width=8)
+    x = layer_input(8)
+    # Jiggled so that v_f, v_r, b_f, b_r are not zero: c must feed the gates.
+    params = jiggle(layer.init(jax.random.key(0), x), 0.5)
+    p = as_float64(params["params"])
+    x64 = x.astype(np.float64)
+    u = reference_layer_norm(x64, p["norm"]) @ p["projection"]["kernel"]
+    expected = reference_sru(x64, u, p)
+    np.testing.assert_allclose(jax.jit(layer.apply)(params, x), expected, atol=1e-5)
+    np.testing.assert_allclose(layer_step_by_step(layer, params, x), expected, atol=1e-5)
+
+
+def test_sru_pp_attention_layer_equals_a_float64_reference():
+    layer = SRULayer(width=8, d_prime=4)
+    x = layer_input(8)
+    apply = jax.jit(layer.apply)
+    params = layer.init(jax.random.key(0), x)
+    assert float(params["params"]["alpha"]) == 0.0
+    p = as_float64(params["params"])
+    x64 = x.astype(np.float64)
+    xn = reference_layer_norm(x64, p["norm"])
+    # At initialisation alpha = 0: an SRU whose projection is W3 LN(W1 x), K and V unused.
+    plain = reference_layer_norm(xn @ p["query"]["kernel"], p["norm_attention"])
+    expected = reference_sru(x64, plain @ p["output"]["kernel"], p)
+    np.testing.assert_allclose(apply(params, x), expected, atol=1e-5)
+    # With alpha and every other parameter moved, the attention must match too.
+    params = jiggle(params, 0.5)
+    params["params"]["alpha"] = jnp.asarray(0.7)
+    p = as_float64(params["params"])
+    xn = reference_layer_norm(x64, p["norm"])
+    expected = reference_sru(x64, reference_sru_pp_u(xn, p), p)
+    np.testing.assert_allclose(apply(params, x), expected, atol=1e-5)
+    stepped = layer_step_by_step(layer, params, x, max_len=x.shape[1])
+    np.testing.assert_allclose(stepped, expected, atol=1e-5)
+
+
+def test_sru_pp_has_attention_only_in_the_chosen_layers():
+    config = SRUPPConfig(d=16, d_prime=4, n_layers=6, attention_every=3, vocab_size=50)
+    model = build(config)
+    shapes = jax.eval_shape(model.init, jax.random.key(0), jnp.zeros((1, 4), jnp.int32))
+    plain = {"norm", "v", "b", "projection"}
+    attention = {"norm", "v", "b", "query", "key_value", "alpha", "norm_attention", "output"}
+    for i in range(6):
+        block = shapes["params"][f"block_{i}"]
+        assert set(block) == (attention if i in (2, 5) else plain), i
+    assert shapes["params"]["block_2"]["query"]["kernel"].shape == (16, 4)
+    assert shapes["params"]["block_2"]["output"]["kernel"].shape == (4, 3 * 16)
+    # k = n_layers: the last layer only.
+    last = SRUPPConfig(d=16, d_prime=4, n_layers=6, attention_every=6, vocab_size=50)
+    assert [last.has_attention(i) for i in range(6)] == [False] * 5 + [True]
+
+
+def test_lstm_layer_scan_and_step_equal_a_float64_loop_of_the_equations():
+    layer = LSTMLayer(width=8)
+    x = layer_input(8)
+    params = layer.init(jax.random.key(0), x)
+    bias = np.asarray(params["params"]["input"]["bias"])
+    np.testing.assert_array_equal(bias, np.repeat([0.0, 1.0, 0.0, 0.0], 8))  # forget gate: 1
+    params = jiggle(params, 0.3)
+    expected = reference_lstm(x.astype(np.float64), as_float64(params["params"]))
+    np.testing.assert_allclose(jax.jit(layer.apply)(params, x), expected, atol=1e-5)
+    np.testing.assert_allclose(layer_step_by_step(layer, params, x), expected, atol=1e-5)

@@ -70,7 +70,10 @@ def test_overrides_are_typed_like_their_defaults():
         ("train.steps=0", r"train\.steps must be > 0, got 0"),
         ("train.microbatches=3", r"global_batch \(16\) must be a multiple of train\.microbatches"),
         ("optim.warmup_steps=250", r"warmup_steps \(250\) must be below train\.steps \(250\)"),
-        ("model.family=rnn", r"model\.family must be lmu, lmu_g or transformer"),
+        (
+            "model.family=rnn",
+            r"model\.family must be lmu, lmu_g, transformer, sru, sru_pp or lstm, got 'rnn'",
+        ),
         ("model.q=0", r"model: .*q"),
     ],
 )

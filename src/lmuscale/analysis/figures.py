@@ -27,8 +27,15 @@ from lmuscale.scaling import (
     transformer_loss,
 )
 
-COLORS = {"lmu": "#1f77b4", "lmu_g": "#2ca02c", "transformer": "#d62728", "lstm": "#9467bd"}
-MARKERS = {"lmu": "o", "lmu_g": "s", "transformer": "^", "lstm": "D"}
+COLORS = {
+    "lmu": "#1f77b4",
+    "lmu_g": "#2ca02c",
+    "transformer": "#d62728",
+    "sru": "#b8860b",  # not in color()'s palette for unknown families
+    "sru_pp": "#008080",
+    "lstm": "#9467bd",
+}
+MARKERS = {"lmu": "o", "lmu_g": "s", "transformer": "^", "sru": "v", "sru_pp": "P", "lstm": "D"}
 REFERENCE_COLOR = "#555555"
 PAPER_SIZES = (55_000, 1_000_000)  # the range of the paper's Figure 3
 STYLE = {

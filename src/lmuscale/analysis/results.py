@@ -17,7 +17,15 @@ from pathlib import Path
 
 REQUIRED = ("trial", "family", "N", "steps", "tokens")
 LOSSES = {"test": "test_loss", "val": "val_loss"}
-LABELS = {"lmu": "LMU", "lmu_g": "LMU_G", "transformer": "Transformer", "lstm": "LSTM"}
+LABELS = {
+    "lmu": "LMU",
+    "lmu_g": "LMU_G",
+    "transformer": "Transformer",
+    "sru": "SRU",
+    "sru_pp": "SRU++",
+    "lstm": "LSTM",
+}
+FAMILY_ORDER = ("lmu", "lmu_g", "transformer", "sru", "sru_pp", "lstm")  # in legends, tables
 LMU_FAMILIES = ("lmu", "lmu_g")
 
 
@@ -59,7 +67,7 @@ class Results:
 
     @property
     def families(self) -> list[str]:
-        order = {f: i for i, f in enumerate(("lmu", "lmu_g", "transformer", "lstm"))}
+        order = {f: i for i, f in enumerate(FAMILY_ORDER)}
         return sorted({r.family for r in self.runs}, key=lambda f: (order.get(f, 99), f))
 
     @property

@@ -7,6 +7,16 @@ Conventions (Kaplan et al. 2020, REFERENCE §2-3):
 - N is the non-embedding parameter count: everything except the token embedding (tied with
   the output) and the transformer's learned positions. Biases and LayerNorms count in N.
 - FLOPs are per token, a multiply-add being 2; training is 3x the forward pass.
+
+The recurrent baselines (SRU, SRU++, LSTM) sit on the same grid: the LMU's width
+d = round(sqrt(N / 24)) at every row, and one free integer solved so that N is nearest the
+row's N (``_nearest``):
+- SRU: the number of layers (3d^2 + 6d each, so ~8 = 24 d^2 / 3 d^2). 8 at every row; N is
+  +4.9%, +4.7%, +1.6%, +2.2%, +1.0%, +0.9% off the row (the small rows lose to the 6d terms).
+- SRU++: the SRU's depth at that row, attention in every 4th layer (2 of 8), and d' solved:
+  d' = 23, 32, 50, 60, 81, 115 (0.48-0.56 d), N within 0.2% of every row.
+- LSTM: the number of layers (8d^2 + 6d each): 3 at every row, N +2.3%, +2.7%, +0.3%,
+  +1.1%, +0.1%, +0.3% off the row.
 """
 
 from __future__ import annotations
@@ -16,14 +26,23 @@ import math
 
 from lmuscale.models.base import default_heads
 from lmuscale.models.lmu import LMUConfig
+from lmuscale.models.lstm import LSTMConfig
+from lmuscale.models.sru import SRUConfig, SRUPPConfig
 from lmuscale.models.transformer import TransformerConfig
 
-ModelConfig = LMUConfig | TransformerConfig
+ModelConfig = LMUConfig | TransformerConfig | SRUConfig | SRUPPConfig | LSTMConfig
 
 THETA = 350.0
 N_LAYERS = 3
 PRE_FFN_RATIO = 1.5
 TRANSFORMER_LAYERS = 2  # d = sqrt(N / 24) is N = 12 n_layers d^2 at 2 layers
+SRU_PP_ATTENTION_EVERY = 4  # 2 attention layers of 8; SRU++ finds attention needed in few layers
+
+# Per-channel element-wise FLOPs of one recurrent step (each multiply, add, sigmoid or tanh
+# counts 1). SRU: f and r 4 each (v c, two adds, sigmoid), c 4, h 4. LSTM: b 4, U h add 4,
+# four gate nonlinearities, c 3, tanh(c) 1, h 1, the residual add 1.
+SRU_ELEMENTWISE = 16
+LSTM_ELEMENTWISE = 18
 
 
 @dataclasses.dataclass(frozen=True)
@@ -47,7 +66,9 @@ TABLE3 = (
     Table3Row("1M", 1_000_000, 11e6, 204, 220, 22),
 )
 SIZES = tuple(row.size for row in TABLE3)
-FAMILIES = ("lmu", "lmu_g", "transformer")
+PAPER_FAMILIES = ("lmu", "lmu_g", "transformer")  # the LMU paper's grid (sweeps/owt2.py)
+BASELINE_FAMILIES = ("sru", "sru_pp", "lstm")  # recurrent baselines (sweeps/baselines.py)
+FAMILIES = PAPER_FAMILIES + BASELINE_FAMILIES
 NAMES = tuple(f"{family}-{size}" for family in FAMILIES for size in SIZES)
 
 
@@ -96,9 +117,32 @@ def _attention_params(d: int) -> int:
     return 4 * d * d + 4 * d
 
 
+def sru_layer_params(d: int, d_prime: int = 0) -> int:
+    """One SRU layer (pre-LN 2d, v and b 4d, no matmul bias); with d' > 0 an SRU++ layer,
+    whose projection is W1 (d d'), W2 (2 d'^2), alpha (1), its LN (2 d') and W3 (3 d' d)."""
+    if d_prime:
+        projection = d * d_prime + 2 * d_prime * d_prime + 1 + 2 * d_prime + 3 * d_prime * d
+    else:
+        projection = 3 * d * d
+    return 2 * d + projection + 4 * d
+
+
+def lstm_layer_params(d: int) -> int:
+    """One LSTM layer: pre-LN 2d, W (4d^2) with bias 4d, U (4d^2)."""
+    return 2 * d + 4 * d * d + 4 * d + 4 * d * d
+
+
 def count_params(config: ModelConfig) -> ParamCount:
     """Non-embedding and embedding parameters of any config, without building the model."""
     d = config.d
+    if isinstance(config, SRUConfig | SRUPPConfig):
+        layers = sum(
+            sru_layer_params(d, config.d_prime if config.has_attention(i) else 0)
+            for i in range(config.n_layers)
+        )
+        return ParamCount(layers + 2 * d, config.vocab_size * d)
+    if isinstance(config, LSTMConfig):
+        return ParamCount(config.n_layers * lstm_layer_params(d) + 2 * d, config.vocab_size * d)
     if isinstance(config, LMUConfig):
         pre = (
             _attention_params(d) if config.global_attention else _ffn_params(d, config.pre_ffn_dim)
@@ -147,11 +191,49 @@ def transformer_flops(config: TransformerConfig, seq_len: int = 1024) -> FlopCou
     return FlopCount(terms, config.n_layers, 2.0 * d * config.vocab_size)
 
 
+def sru_flops(config: SRUConfig | SRUPPConfig, seq_len: int = 1024) -> FlopCount:
+    """2 per weight of each matmul, plus the element-wise recurrence (16 d per layer).
+
+    A plain layer's matmul is [W, W_f, W_r]: 6 d^2. An SRU++ attention layer has W1, W2, W3
+    (2 d d' + 4 d'^2 + 6 d d'), scores and values 4 n d' over the full n as the transformer
+    counter does, and Q + alpha A (2 d'). LayerNorms are not counted (as in ``lmu_flops``).
+    The layers of SRU++ differ, so ``per_layer`` holds the mean over its layers: ``layers``
+    is exactly the sum.
+    """
+    d, n_layers = config.d, config.n_layers
+    attention = sum(config.has_attention(i) for i in range(n_layers))
+    terms = {"projection": 6.0 * d * d * (n_layers - attention) / n_layers}
+    if attention:
+        k = config.d_prime
+        share = attention / n_layers
+        terms["attention_projections"] = (2 * d * k + 4 * k * k + 6 * k * d) * share
+        terms["attention"] = (4 * seq_len * k + 2 * k) * share
+    terms["recurrence"] = float(SRU_ELEMENTWISE * d)
+    return FlopCount(terms, n_layers, 2.0 * d * config.vocab_size)
+
+
+def lstm_flops(config: LSTMConfig, seq_len: int = 1024) -> FlopCount:
+    """2 per weight of W (all positions at once) and of U (inside the scan), plus 18 d
+    element-wise per layer. ``seq_len`` changes nothing: the recurrence is O(1) per token."""
+    del seq_len
+    d = config.d
+    terms = {
+        "input_projection": 8.0 * d * d,
+        "recurrent_projection": 8.0 * d * d,
+        "recurrence": float(LSTM_ELEMENTWISE * d),
+    }
+    return FlopCount(terms, config.n_layers, 2.0 * d * config.vocab_size)
+
+
 def flops_per_token(config: ModelConfig, seq_len: int = 1024) -> FlopCount:
     if isinstance(config, LMUConfig):
         return lmu_flops(config, seq_len)
     if isinstance(config, TransformerConfig):
         return transformer_flops(config, seq_len)
+    if isinstance(config, SRUConfig | SRUPPConfig):
+        return sru_flops(config, seq_len)
+    if isinstance(config, LSTMConfig):
+        return lstm_flops(config, seq_len)
     raise TypeError(f"no FLOP counter for {type(config).__name__}")
 
 
@@ -194,11 +276,64 @@ def transformer_config(size: str, **overrides) -> TransformerConfig:
     return dataclasses.replace(config, **overrides)
 
 
+def _nearest(n_of, target: int, candidates) -> int:
+    """The candidate whose parameter count ``n_of(candidate)`` is nearest ``target`` (the
+    smaller on a tie)."""
+    return min(candidates, key=lambda k: (abs(n_of(k) - target), k))
+
+
+def sru_config(size: str, **overrides) -> SRUConfig:
+    """SRU at a Table 3 grid point: the LMU's width, the number of layers solved for N."""
+    row = _row(size)
+    d = width(row.n)
+    n_layers = _nearest(
+        lambda n: count_params(SRUConfig(d=d, n_layers=n)).non_embedding, row.n, range(1, 65)
+    )
+    return dataclasses.replace(SRUConfig(d=d, n_layers=n_layers), **overrides)
+
+
+def sru_pp_config(size: str, **overrides) -> SRUPPConfig:
+    """SRU++ at a Table 3 grid point: the SRU's width and depth, attention in every 4th layer,
+    the attention width d' solved for N."""
+    sru = sru_config(size)
+    n_target = _row(size).n
+
+    def config(d_prime: int) -> SRUPPConfig:
+        return SRUPPConfig(
+            d=sru.d,
+            d_prime=d_prime,
+            n_layers=sru.n_layers,
+            attention_every=SRU_PP_ATTENTION_EVERY,
+        )
+
+    d_prime = _nearest(
+        lambda k: count_params(config(k)).non_embedding, n_target, range(1, 4 * sru.d + 1)
+    )
+    return dataclasses.replace(config(d_prime), **overrides)
+
+
+def lstm_config(size: str, **overrides) -> LSTMConfig:
+    """LSTM at a Table 3 grid point: the LMU's width, the number of layers solved for N."""
+    row = _row(size)
+    d = width(row.n)
+    n_layers = _nearest(
+        lambda n: count_params(LSTMConfig(d=d, n_layers=n)).non_embedding, row.n, range(1, 65)
+    )
+    return dataclasses.replace(LSTMConfig(d=d, n_layers=n_layers), **overrides)
+
+
 def named_config(name: str, **overrides) -> ModelConfig:
-    """``"lmu-1M"``, ``"lmu_g-55k"``, ``"transformer-300k"``, ...: see ``NAMES``."""
+    """``"lmu-1M"``, ``"lmu_g-55k"``, ``"transformer-300k"``, ``"sru_pp-1M"``, ...: see
+    ``NAMES``."""
     family, _, size = name.partition("-")
     if family not in FAMILIES or size not in SIZES:
         raise ValueError(f"unknown model {name!r}; known: {', '.join(NAMES)}")
     if family == "transformer":
         return transformer_config(size, **overrides)
+    if family == "sru":
+        return sru_config(size, **overrides)
+    if family == "sru_pp":
+        return sru_pp_config(size, **overrides)
+    if family == "lstm":
+        return lstm_config(size, **overrides)
     return lmu_config(size, global_attention=family == "lmu_g", **overrides)

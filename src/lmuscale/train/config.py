@@ -19,7 +19,15 @@ from pathlib import Path
 
 from ml_collections import ConfigDict
 
-from lmuscale.models import LMUConfig, ModelConfig, TransformerConfig
+from lmuscale.models import (
+    LMUConfig,
+    LSTMConfig,
+    ModelConfig,
+    SRUConfig,
+    SRUPPConfig,
+    TransformerConfig,
+)
+from lmuscale.models.sizes import FAMILIES
 
 # Keys that may differ when a run resumes: none of them changes the trained numbers.
 RESUMABLE_CHANGES = ("log.", "distributed.", "data.verify", "data.path", "peak_flops")
@@ -105,18 +113,28 @@ def model_section(model: ModelConfig) -> ConfigDict:
     return ConfigDict({"family": model.family, **fields})
 
 
+# The config dataclass of each family whose fields are exactly its model section's keys.
+SECTION_CONFIGS = {
+    "transformer": TransformerConfig,
+    "sru": SRUConfig,
+    "sru_pp": SRUPPConfig,
+    "lstm": LSTMConfig,
+}
+
+
 def model_config(section) -> ModelConfig:
     """The model dataclass of a config's ``model`` section (its own checks apply)."""
     fields = dict(section)
     family = fields.pop("family")
     try:
-        if family == "transformer":
-            return TransformerConfig(**fields)
+        if family in SECTION_CONFIGS:
+            return SECTION_CONFIGS[family](**fields)
         if family in ("lmu", "lmu_g"):
             return LMUConfig(**fields, global_attention=family == "lmu_g")
     except (TypeError, ValueError) as error:
         raise ConfigError(f"model: {error}") from None
-    raise ConfigError(f"model.family must be lmu, lmu_g or transformer, got {family!r}")
+    known = f"{', '.join(FAMILIES[:-1])} or {FAMILIES[-1]}"
+    raise ConfigError(f"model.family must be {known}, got {family!r}")
 
 
 def flatten(config, prefix: str = "") -> dict:
@@ -148,7 +166,14 @@ def check(config: ConfigDict, where: str = "config") -> None:
     model = config.get("model")
     if not isinstance(model, ConfigDict) or "family" not in model:
         raise ConfigError(f"{where}: no model section; build configs with base_config(model)")
-    schema = flatten(base_config(model_config(model)))
+    check_schema(config, base_config(model_config(model)), where)
+    _check_values(config, where)
+
+
+def check_schema(config: ConfigDict, base: ConfigDict, where: str) -> None:
+    """``config`` has exactly the keys of ``base``, each of the same type (an int for a float
+    is fine)."""
+    schema = flatten(base)
     values = flatten(config)
     for key, value in values.items():
         if key not in schema:
@@ -160,7 +185,6 @@ def check(config: ConfigDict, where: str = "config") -> None:
     missing = sorted(set(schema) - set(values))
     if missing:
         raise ConfigError(f"{where}: missing keys {', '.join(missing)}")
-    _check_values(config, where)
 
 
 def _check_values(c: ConfigDict, where: str) -> None:
@@ -197,20 +221,16 @@ def _check_values(c: ConfigDict, where: str) -> None:
         )
 
 
-def load(spec: str) -> ConfigDict:
-    """``path/to/file.py[:name]`` -> the file's ``get_config(name)``, checked and locked."""
+def load(spec: str, checker=check) -> ConfigDict:
+    """``path/to/file.py[:name]`` -> the file's ``get_config(name)``, checked (by ``checker``,
+    which raises ConfigError) and locked."""
     path_text, _, name = spec.partition(":")
     path = Path(path_text)
-    if path.suffix != ".py" or not path.is_file():
-        raise ConfigError(f"config file {path_text!r} not found (expected FILE.py[:NAME])")
-    module_name = f"_lmuscale_config_{abs(hash(path.resolve()))}"
-    module_spec = importlib.util.spec_from_file_location(module_name, path)
-    module = importlib.util.module_from_spec(module_spec)
+    module = load_module(path)
+    get_config = getattr(module, "get_config", None)
+    if get_config is None:
+        raise ConfigError(f"{path}: defines no get_config(name)")
     try:
-        module_spec.loader.exec_module(module)
-        get_config = getattr(module, "get_config", None)
-        if get_config is None:
-            raise ConfigError(f"{path}: defines no get_config(name)")
         config = get_config(name or None)
     except ConfigError:
         raise
@@ -218,9 +238,23 @@ def load(spec: str) -> ConfigDict:
         raise ConfigError(f"{where_in(path, error)}: {type(error).__name__}: {error}") from None
     if not isinstance(config, ConfigDict):
         raise ConfigError(f"{path}: get_config returned {type(config).__name__}, not ConfigDict")
-    check(config, where=str(path))
+    checker(config, where=str(path))
     config.lock()
     return config
+
+
+def load_module(path: Path):
+    """Import a config (or sweep) file; an error in it names the file and line."""
+    if path.suffix != ".py" or not path.is_file():
+        raise ConfigError(f"config file {str(path)!r} not found (expected FILE.py[:NAME])")
+    module_name = f"_lmuscale_config_{abs(hash(path.resolve()))}"
+    module_spec = importlib.util.spec_from_file_location(module_name, path)
+    module = importlib.util.module_from_spec(module_spec)
+    try:
+        module_spec.loader.exec_module(module)
+    except Exception as error:
+        raise ConfigError(f"{where_in(path, error)}: {type(error).__name__}: {error}") from None
+    return module
 
 
 def where_in(path: Path, error: BaseException) -> str:
@@ -251,7 +285,7 @@ def _parse(key: str, text: str, current):
     return text
 
 
-def override(config: ConfigDict, overrides: list[str]) -> ConfigDict:
+def override(config: ConfigDict, overrides: list[str], checker=check) -> ConfigDict:
     """Apply ``key=value`` strings (``train.steps=100``), each typed like the key's default."""
     values = flatten(config)
     for item in overrides:
@@ -266,7 +300,7 @@ def override(config: ConfigDict, overrides: list[str]) -> ConfigDict:
             node = node[part]
         with config.unlocked():
             node[leaf] = _parse(key, text, values[key])
-    check(config, where="command line")
+    checker(config, where="command line")
     return config
 
 

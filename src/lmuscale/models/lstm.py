@@ -1,0 +1,156 @@
+"""The LSTM language model: the recurrent baseline of Kaplan et al.'s LSTM curve (Figure 7).
+
+token embedding (tied with the output) -> n_layers x LSTM layer -> final LayerNorm -> logits.
+No positional embeddings: the recurrence carries the order.
+
+One layer, for the layer input x_t and x̃_t = LayerNorm(x_t) (pre-norm, with a residual, as
+every other family here, so that depth means the same thing across families):
+  [z_i; z_f; z_g; z_o] = W x̃_t + b + U h_{t-1};
+  i, f, o = sigmoid(z_i), sigmoid(z_f), sigmoid(z_o);  g = tanh(z_g);
+  c_t = f ⊙ c_{t-1} + i ⊙ g;  h_t = o ⊙ tanh(c_t);  layer output x_t + h_t.
+W x̃_t + b is one matmul for every position at once; only U h_{t-1} is inside the
+``lax.scan`` over time, in ``lstm_cell``, the step both the scan and decoding call.
+
+Initialisation: W lecun-normal, U orthogonal, b zero except the forget gate's, which is 1
+(Gers et al. 2000; Jozefowicz et al. 2015): the cell remembers from the first step.
+The state (h, c) is float32 in every compute dtype; U h runs in the compute dtype with float32
+accumulation. Decoding state per layer: ``{"h": h_BxD, "c": c_BxD}``, constant size.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+from jax import lax
+
+from lmuscale.data.tokenizer import GPT2_VOCAB
+from lmuscale.layers import DEFAULT_INIT, layer_norm
+from lmuscale.models.base import (
+    LanguageModel,
+    check_positive,
+    compute_dtype,
+    embedding_init,
+)
+
+
+@dataclasses.dataclass(frozen=True)
+class LSTMConfig:
+    """An LSTM language model: ``n_layers`` LSTM layers of width ``d`` (state h and c of d).
+
+    Attributes:
+      d: embedding and state width. n_layers: LSTM layers.
+      vocab_size: tokens (GPT-2: 50257).
+      dtype: compute dtype, "float32" or "bfloat16"; parameters and the state are float32.
+      remat: rematerialise each layer in the backward pass.
+    """
+
+    d: int
+    n_layers: int = 3
+    vocab_size: int = GPT2_VOCAB
+    dtype: str = "float32"
+    remat: bool = False
+
+    def __post_init__(self):
+        for name in ("d", "n_layers", "vocab_size"):
+            check_positive(self, name)
+        compute_dtype(self.dtype)
+
+    @property
+    def family(self) -> str:
+        return "lstm"
+
+
+def forget_bias_init(key, shape, dtype=jnp.float32):
+    """Zero biases for the gates [i, f, g, o] except the forget gate's, which are 1."""
+    del key
+    width = shape[-1] // 4
+    return jnp.zeros(shape, dtype).at[..., width : 2 * width].set(1.0)
+
+
+def lstm_cell(carry, zx_Bx4D, u_Dx4D, dtype):
+    """One LSTM step: ``((h_BxD, c_BxD), h_BxD)`` at time t.
+
+    Args:
+      carry: (h_{t-1}, c_{t-1}), float32.
+      zx_Bx4D: W x̃_t + b for the gates [i, f, g, o], float32.
+      u_Dx4D: the recurrent kernel U, applied in ``dtype`` with float32 accumulation.
+    """
+    h_BxD, c_BxD = carry
+    z_Bx4D = zx_Bx4D + jnp.dot(
+        h_BxD.astype(dtype), u_Dx4D.astype(dtype), preferred_element_type=jnp.float32
+    )
+    zi, zf, zg, zo = jnp.split(z_Bx4D, 4, axis=-1)
+    c_BxD = jax.nn.sigmoid(zf) * c_BxD + jax.nn.sigmoid(zi) * jnp.tanh(zg)
+    h_BxD = jax.nn.sigmoid(zo) * jnp.tanh(c_BxD)
+    return (h_BxD, c_BxD), h_BxD
+
+
+def lstm_recurrence(zx_BxTx4D, u_Dx4D, carry, dtype):
+    """``lstm_cell`` over every position with ``lax.scan``: ``(h_BxTxD, (h_BxD, c_BxD))``."""
+    u_Dx4D = u_Dx4D.astype(dtype)  # once, not at every step
+
+    def one(carry, zx_Bx4D):
+        return lstm_cell(carry, zx_Bx4D, u_Dx4D, dtype)
+
+    carry, h_TxBxD = lax.scan(one, carry, jnp.moveaxis(zx_BxTx4D.astype(jnp.float32), 1, 0))
+    return jnp.moveaxis(h_TxBxD, 0, 1), carry
+
+
+class LSTMLayer(nn.Module):
+    """``x + LSTM(LN(x))``. Parameters: ``norm``, ``input`` (kernel W (d, 4d) and bias b, gates
+    [i, f, g, o] in that order along the 4d axis) and ``recurrent`` (U, (d, 4d))."""
+
+    width: int
+    dtype: Any = jnp.float32
+
+    def setup(self):
+        self.norm = layer_norm(self.dtype)
+        self.input = nn.Dense(
+            4 * self.width, dtype=self.dtype, kernel_init=DEFAULT_INIT, bias_init=forget_bias_init
+        )
+        self.recurrent = self.param(
+            "recurrent", nn.initializers.orthogonal(), (self.width, 4 * self.width)
+        )
+
+    def __call__(self, x_BxTxD):
+        zx_BxTx4D = self.input(self.norm(x_BxTxD))
+        zeros = jnp.zeros((x_BxTxD.shape[0], self.width), jnp.float32)
+        h_BxTxD, _ = lstm_recurrence(zx_BxTx4D, self.recurrent, (zeros, zeros), self.dtype)
+        return x_BxTxD + h_BxTxD.astype(x_BxTxD.dtype)
+
+    def init_state(self, batch_size: int, max_len: int | None = None):
+        """The zero state before the first token (needs no parameters: call it unbound)."""
+        del max_len  # constant size
+        zeros = jnp.zeros((batch_size, self.width), jnp.float32)
+        return {"h": zeros, "c": zeros}
+
+    def step(self, state, x_BxD, index):
+        del index
+        zx_Bx4D = self.input(self.norm(x_BxD)).astype(jnp.float32)
+        (h_BxD, c_BxD), _ = lstm_cell((state["h"], state["c"]), zx_Bx4D, self.recurrent, self.dtype)
+        return x_BxD + h_BxD.astype(x_BxD.dtype), {"h": h_BxD, "c": c_BxD}
+
+
+class LSTMLanguageModel(LanguageModel):
+    config: LSTMConfig
+
+    def setup(self):
+        c = self.config
+        dtype = compute_dtype(c.dtype)
+        self.embed = nn.Embed(c.vocab_size, c.d, embedding_init=embedding_init, dtype=dtype)
+        layer = nn.remat(LSTMLayer) if c.remat else LSTMLayer
+        self.blocks = [layer(c.d, dtype, name=f"block_{i}") for i in range(c.n_layers)]
+        self.norm = layer_norm(dtype)
+
+    def embed_tokens(self, tokens, index):
+        del index  # no positional embeddings
+        return self.embed(tokens)
+
+    def init_state(self, batch_size: int, max_len: int | None = None):
+        c = self.config
+        layer = LSTMLayer(c.d, compute_dtype(c.dtype), parent=None)
+        return {"layers": [layer.init_state(batch_size, max_len) for _ in range(c.n_layers)]}
