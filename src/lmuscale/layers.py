@@ -248,3 +248,98 @@ class LMUBlock(nn.Module):
         y, new_state["memory"] = self.memory.step(state["memory"], self.norm_memory(x_BxD))
         x_BxD = x_BxD + y.astype(x_BxD.dtype)
         return x_BxD + self.post(self.norm_post(x_BxD)), new_state
+
+
+ACTIVATIONS: dict[str, Callable] = {
+    "linear": lambda x: x,
+    "tanh": jnp.tanh,
+    "relu": jax.nn.relu,
+    "gelu": gelu,
+    "sigmoid": jax.nn.sigmoid,
+}
+
+
+def activation(name: str) -> Callable:
+    try:
+        return ACTIVATIONS[name]
+    except KeyError:
+        raise ValueError(f"unknown activation {name!r}; known: {', '.join(ACTIVATIONS)}") from None
+
+
+class ParallelLMU(nn.Module):
+    """The parallel LMU of papers/parallel-lmu.txt eqs 18-20, a general sequence layer.
+
+        u_t = f1(U_x x_t + b_u)              memory_dim channels (eq 18)
+        m_t = Abar m_{t-1} + Bbar u_t        order q per channel, window theta (eq 19)
+        o_t = f2(W_m m_t + W_x x_t + b_o)    units (eq 20)
+
+    Modes, all the same function:
+    - ``mode="fft"``: every m_t at once by FFT convolution with the impulse response (eq 26);
+    - ``mode="scan"``: the recurrence in ``lax.scan`` (the paper's "LTI version");
+    - ``return_sequences=False``: only the last step, from one contraction of the input with
+      the reversed impulse response (eq 25), whatever the mode;
+    - ``step(m_BxCxQ, x_BxD)``: one position at a time (inference).
+
+    Attributes:
+      units: width of o. 0 drops eq 20: the layer returns the memory itself, flattened to
+        C * q features (the paper's "DN only" IMDB model).
+      order, theta: q and the window θ in steps.
+      memory_dim: channels of u. 0 drops eq 18: u = x (d_u = d_x).
+      input_activation, output_activation: f1 and f2, by name (``ACTIVATIONS``).
+      input_to_output: include the W_x x_t term of eq 20.
+    """
+
+    units: int
+    order: int
+    theta: float
+    memory_dim: int = 1
+    input_activation: str = "linear"
+    output_activation: str = "tanh"
+    input_to_output: bool = True
+    return_sequences: bool = True
+    mode: str = "fft"
+
+    def setup(self):
+        if self.mode not in ("fft", "scan"):
+            raise ValueError(f"ParallelLMU.mode must be 'fft' or 'scan', got {self.mode!r}")
+        self.f1, self.f2 = activation(self.input_activation), activation(self.output_activation)
+        if self.memory_dim:
+            self.encoder = nn.Dense(self.memory_dim, name="encoder")
+        if self.units:
+            self.readout = nn.Dense(self.units, name="readout")
+
+    def _encode(self, x_xD):
+        return self.f1(self.encoder(x_xD)) if self.memory_dim else x_xD
+
+    def _output(self, m_xCxQ, x_xD):
+        m_xF = m_xCxQ.reshape(*m_xCxQ.shape[:-2], -1)
+        if not self.units:
+            return m_xF
+        features = jnp.concatenate([m_xF, x_xD], -1) if self.input_to_output else m_xF
+        return self.f2(self.readout(features))
+
+    def __call__(self, x_BxTxD):
+        """``o_BxTxO`` (``o_BxO``, the last step, when return_sequences is False)."""
+        u_BxTxC = self._encode(x_BxTxD)
+        length = x_BxTxD.shape[1]
+        if not self.return_sequences:
+            h_TxQ = lmu.impulse_response(self.order, self.theta, length, dtype=np.float32)
+            return self._output(lmu.memory_final(u_BxTxC, h_TxQ), x_BxTxD[:, -1])
+        if self.mode == "fft":
+            h_TxQ = lmu.impulse_response(self.order, self.theta, length, dtype=np.float32)
+            m_BxTxCxQ = lmu.memory_fft(u_BxTxC, h_TxQ)
+        else:
+            abar, bbar = lmu.discretize(self.order, self.theta, dtype=np.float32)
+            m_BxTxCxQ = lmu.memory_scan(u_BxTxC, abar, bbar)
+        return self._output(m_BxTxCxQ, x_BxTxD)
+
+    def init_state(self, batch_size: int, input_dim: int):
+        """The zero memory before the first input (call it unbound: it needs no parameters)."""
+        channels = self.memory_dim or input_dim
+        return jnp.zeros((batch_size, channels, self.order), jnp.float32)
+
+    def step(self, m_BxCxQ, x_BxD):
+        """One position: ``(o_BxO, m_BxCxQ)``."""
+        abar, bbar = lmu.discretize(self.order, self.theta, dtype=np.float32)
+        m_BxCxQ = lmu.memory_step(m_BxCxQ, self._encode(x_BxD), abar, bbar)
+        return self._output(m_BxCxQ, x_BxD), m_BxCxQ

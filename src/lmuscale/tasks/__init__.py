@@ -1,0 +1,28 @@
+"""The parallel-LMU paper's tasks (papers/parallel-lmu.txt §4): Mackey-Glass, psMNIST, IMDB.
+
+    python -m lmuscale.tasks experiments/mackey_glass.py --workdir runs/mackey-glass
+
+Each task turns local (or, for Mackey-Glass, generated) data into train/val/test arrays; a
+small model (the parallel LMU of ``lmuscale.layers.ParallelLMU``, or an LSTM) trains on it
+with Adam's defaults, and the test metric of the best validation epoch is compared with the
+paper's table (REFERENCE §5).
+"""
+
+from lmuscale.tasks.base import Split, Splits, Task, TaskDataError
+from lmuscale.tasks.config import TASKS, base_config, check, model_config
+from lmuscale.tasks.models import TaskModel, TaskModelConfig
+from lmuscale.tasks.train import run
+
+__all__ = [
+    "TASKS",
+    "Split",
+    "Splits",
+    "Task",
+    "TaskDataError",
+    "TaskModel",
+    "TaskModelConfig",
+    "base_config",
+    "check",
+    "model_config",
+    "run",
+]

@@ -1,0 +1,62 @@
+"""What a task is: its data splits, its loss, its metric and the paper's number to compare with."""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable
+
+import numpy as np
+from ml_collections import ConfigDict
+
+
+class TaskDataError(ValueError):
+    """A task's dataset is missing or unreadable: the message names the path and the fix."""
+
+
+@dataclasses.dataclass(frozen=True)
+class Split:
+    """Inputs and targets of one split, as numpy arrays with the example axis first."""
+
+    inputs: np.ndarray
+    targets: np.ndarray
+
+    def __post_init__(self):
+        if len(self.inputs) != len(self.targets):
+            raise ValueError(f"{len(self.inputs)} inputs but {len(self.targets)} targets")
+
+    def __len__(self) -> int:
+        return len(self.inputs)
+
+
+@dataclasses.dataclass(frozen=True)
+class Splits:
+    train: Split
+    val: Split
+    test: Split
+    source: str  # where the data came from, for the summary
+
+
+@dataclasses.dataclass(frozen=True)
+class Task:
+    """A supervised task of the parallel-LMU paper.
+
+    Attributes:
+      loss: "mse" (regression), "softmax" (classes) or "sigmoid" (a binary logit).
+      metric: "nrmse" (lower is better) or "accuracy" (higher is better).
+      data: the task's ``data`` config section with its defaults.
+      load: ``data section -> Splits``; raises TaskDataError when the data is missing.
+      paper: the paper's published numbers for this metric, by model.
+    """
+
+    name: str
+    loss: str
+    metric: str
+    outputs: int
+    sequence_output: bool
+    data: dict
+    load: Callable[[ConfigDict], Splits]
+    paper: dict[str, float]
+
+    @property
+    def higher_is_better(self) -> bool:
+        return self.metric == "accuracy"

@@ -1,0 +1,80 @@
+"""Task configs: ml_collections ConfigDicts with a fixed schema per task, as for training.
+
+An experiment file (``experiments/mackey_glass.py``) lists its models in ``NAMES`` and
+defines ``get_config(name)``, which returns ``base_config(task, model)`` with its changes.
+Unknown keys and values of the wrong type are errors that name the key.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+from ml_collections import ConfigDict
+
+from lmuscale.tasks import imdb, mackey_glass, psmnist
+from lmuscale.tasks.base import Task
+from lmuscale.tasks.models import TaskModelConfig
+from lmuscale.train.config import ConfigError, check_schema
+
+TASKS: dict[str, Task] = {t.name: t for t in (mackey_glass.TASK, psmnist.TASK, imdb.TASK)}
+# Fixed by the task, not by the config.
+TASK_FIELDS = ("outputs", "sequence_output")
+
+
+def task_of(config: ConfigDict) -> Task:
+    try:
+        return TASKS[config.task]
+    except (KeyError, AttributeError):
+        raise ConfigError(
+            f"task must be one of {', '.join(TASKS)}, got {config.get('task')!r}"
+        ) from None
+
+
+def base_config(task: str, **model) -> ConfigDict:
+    """Every key a task config has. ``model`` gives TaskModelConfig fields (``kind`` at least).
+
+    Training: Adam with its default settings (lr 1e-3), as the parallel-LMU paper trains every
+    model; the epoch with the best validation metric is the one tested.
+    """
+    spec = TASKS[task]
+    fields = dataclasses.asdict(
+        TaskModelConfig(outputs=spec.outputs, sequence_output=spec.sequence_output, **model)
+    )
+    for name in TASK_FIELDS:
+        del fields[name]
+    c = ConfigDict()
+    c.name = ""
+    c.task = task
+    c.model = ConfigDict(fields)
+    c.data = ConfigDict(dict(spec.data))
+    c.train = ConfigDict(
+        {"seed": 0, "epochs": 100, "batch_size": 32, "learning_rate": 1e-3, "eval_batch_size": 256}
+    )
+    return c
+
+
+def model_config(config: ConfigDict) -> TaskModelConfig:
+    spec = task_of(config)
+    try:
+        return TaskModelConfig(
+            outputs=spec.outputs, sequence_output=spec.sequence_output, **dict(config.model)
+        )
+    except (TypeError, ValueError) as error:
+        raise ConfigError(f"model: {error}") from None
+
+
+def check(config: ConfigDict, where: str = "config") -> None:
+    """The config has its task's keys with the right types, and sensible values."""
+    model = model_config(config)
+    fields = {k: v for k, v in dataclasses.asdict(model).items() if k not in TASK_FIELDS}
+    check_schema(config, base_config(config.task, **fields), where)
+    for key in ("epochs", "batch_size", "eval_batch_size"):
+        if config.train[key] <= 0:
+            raise ConfigError(f"{where}: train.{key} must be > 0, got {config.train[key]!r}")
+    if not config.train.learning_rate > 0:
+        raise ConfigError(f"{where}: train.learning_rate must be > 0")
+    vocab = config.data.get("vocab")
+    if vocab is not None and model.vocab_size != vocab:
+        raise ConfigError(
+            f"{where}: model.vocab_size ({model.vocab_size}) must equal data.vocab ({vocab})"
+        )

@@ -1,0 +1,168 @@
+"""The Mackey-Glass series (REFERENCE §5) and its 15-step-ahead prediction task.
+
+    dx/dt = beta x(t - tau) / (1 + x(t - tau)^n) - gamma x(t),  beta 0.2, gamma 0.1, n 10, tau 17
+
+integrated by classical Runge-Kutta (RK4) with a step h that divides tau, so the delayed
+values at the start and end of a step are stored grid points. The one at the half step comes
+from the cubic Hermite interpolant of the two neighbouring grid values and their slopes (the
+slope at a grid point is the right-hand side already evaluated there), which keeps the scheme
+fourth order. The history is constant, x(t) = x0 for t <= 0, so the slope jumps at t = 0: the
+interval that ends at 0 uses the left slope (zero).
+
+tests/test_tasks.py checks the series against scipy's DOP853 at rtol 1e-12, run interval by
+interval over [k tau, (k+1) tau] (the method of steps), where the delayed term is known.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+from ml_collections import ConfigDict
+
+from lmuscale.tasks.base import Split, Splits, Task
+
+TAU = 17.0
+BETA = 0.2
+GAMMA = 0.1
+POWER = 10
+
+
+def rhs(x, x_delayed, beta: float = BETA, gamma: float = GAMMA, power: int = POWER):
+    """The right-hand side of the delay equation."""
+    return beta * x_delayed / (1.0 + x_delayed**power) - gamma * x
+
+
+def integrate(
+    x0,
+    duration: float,
+    *,
+    h: float = 0.1,
+    tau: float = TAU,
+    beta: float = BETA,
+    gamma: float = GAMMA,
+    power: int = POWER,
+) -> tuple[np.ndarray, np.ndarray]:
+    """x(t) on the grid t = 0, h, 2h, ..., duration, for one or several constant histories.
+
+    Args:
+      x0: the history value x(t <= 0): a number, or an array of C of them (integrated
+        together, one independent series each).
+      duration: time units to integrate.
+      h: the RK4 step; tau / h must be a whole number.
+
+    Returns:
+      ``(t_S, x_SxC)`` in float64 (``x_S`` for a scalar x0), S = round(duration / h) + 1.
+    """
+    ratio = tau / h
+    if ratio < 1 or abs(ratio - round(ratio)) > 1e-9:
+        raise ValueError(f"the step h={h} must divide tau={tau} (tau / h = {ratio:g})")
+    if not duration > 0:
+        raise ValueError(f"duration must be > 0, got {duration!r}")
+    lag, steps = round(ratio), round(duration / h)
+    x0 = np.asarray(x0, dtype=np.float64)
+    if not np.all(x0 > 0):
+        raise ValueError(f"the history x0 must be positive, got {x0!r}")
+
+    def f(x, x_delayed):
+        return rhs(x, x_delayed, beta, gamma, power)
+
+    # Row i is t = (i - lag) h: rows 0..lag-1 are the history, row lag is t = 0.
+    x = np.empty((lag + steps + 1, *x0.shape))
+    slope = np.zeros_like(x)  # the history's slope is zero
+    x[: lag + 1] = x0
+    for i in range(lag, lag + steps):
+        j = i - lag  # the delayed interval [t - tau, t - tau + h] is rows j, j + 1
+        k1 = f(x[i], x[j])
+        slope[i] = k1
+        right = slope[j + 1] if j + 1 != lag else 0.0  # left slope where it jumps, at t = 0
+        mid = 0.5 * (x[j] + x[j + 1]) + h * (slope[j] - right) / 8.0
+        k2 = f(x[i] + 0.5 * h * k1, mid)
+        k3 = f(x[i] + 0.5 * h * k2, mid)
+        k4 = f(x[i] + h * k3, x[j + 1])
+        x[i + 1] = x[i] + h * (k1 + 2.0 * k2 + 2.0 * k3 + k4) / 6.0
+    return h * np.arange(steps + 1), x[lag:]
+
+
+def series(
+    count: int,
+    length: int,
+    *,
+    seed: int = 0,
+    dt: float = 1.0,
+    washout: float = 500.0,
+    h: float = 0.1,
+) -> np.ndarray:
+    """``count`` independent Mackey-Glass series of ``length`` samples, ``dt`` time units apart.
+
+    Each starts from its own constant history x0 ~ U(0.5, 1.5) (seeded) and drops the first
+    ``washout`` time units, so every series is on the chaotic attractor and, after
+    ~ washout x 0.007 Lyapunov e-foldings, unrelated to the others.
+
+    Returns:
+      ``x_CxL`` float64.
+    """
+    every = dt / h
+    if abs(every - round(every)) > 1e-9:
+        raise ValueError(f"dt={dt} must be a whole number of integration steps h={h}")
+    every = round(every)
+    x0 = np.random.default_rng(seed).uniform(0.5, 1.5, size=count)
+    skip = round(washout / h)
+    _, x = integrate(x0, h * (skip + every * (length - 1)), h=h)
+    return x[skip::every].T.copy()
+
+
+def windows(x_CxL, horizon: int) -> tuple[np.ndarray, np.ndarray]:
+    """Inputs x_t and targets x_{t + horizon} for every t of each series.
+
+    Returns:
+      ``(inputs_CxTx1, targets_CxTx1)``, T = L - horizon.
+    """
+    if not 0 < horizon < x_CxL.shape[1]:
+        raise ValueError(f"horizon must be in 1..{x_CxL.shape[1] - 1}, got {horizon}")
+    return x_CxL[:, :-horizon, None], x_CxL[:, horizon:, None]
+
+
+def load(data: ConfigDict) -> Splits:
+    """Independent series for train, val and test (disjoint seeds' draws: one draw of
+    train + val + test histories), standardised by the training series' mean and std.
+
+    An example is a whole series of ``length`` steps: the model sees x_0..x_t and predicts
+    x_{t + horizon} at every t. NRMSE does not depend on the standardisation.
+    """
+    counts = (data.train, data.val, data.test)
+    if min(counts) <= 0:
+        raise ValueError(f"data.train, data.val and data.test must be > 0, got {counts}")
+    x = series(
+        sum(counts), data.length + data.horizon, seed=data.seed, dt=data.dt, washout=data.washout
+    )
+    mean, std = x[: data.train].mean(), x[: data.train].std()
+    inputs, targets = windows(((x - mean) / std).astype(np.float32), data.horizon)
+    edges = np.cumsum(counts)[:-1]
+    parts = [
+        Split(i, t) for i, t in zip(np.split(inputs, edges), np.split(targets, edges), strict=True)
+    ]
+    source = (
+        f"Mackey-Glass tau={TAU:g}, {data.length} steps of dt={data.dt:g}, horizon "
+        f"{data.horizon}, {counts[0]}/{counts[1]}/{counts[2]} series (seed {data.seed})"
+    )
+    return Splits(*parts, source=source)
+
+
+TASK = Task(
+    name="mackey_glass",
+    loss="mse",
+    metric="nrmse",
+    outputs=1,
+    sequence_output=True,
+    data={
+        "seed": 0,
+        "train": 128,
+        "val": 16,
+        "test": 32,
+        "length": 1000,
+        "horizon": 15,
+        "dt": 1.0,
+        "washout": 500.0,
+    },
+    load=load,
+    paper={"LSTM": 0.059, "LMU": 0.049, "parallel LMU": 0.044, "hybrid": 0.045},
+)

@@ -1,0 +1,121 @@
+"""The task models: the parallel LMU (or an LSTM) between an optional embedding and a head.
+
+    [embedding] -> ParallelLMU (eqs 18-20) | LSTM layers -> [Dense(hidden)] -> Dense(outputs)
+
+A sequence task (Mackey-Glass) predicts at every step; a classification task (psMNIST, IMDB)
+reads only the last step, which the parallel LMU computes from the final state alone
+(parallel-LMU eq 25) and the LSTM from its last hidden state.
+
+Padding (IMDB) is on the left with token 0, whose embedding is held at zero: a linear memory
+that has seen only zeros is zero, so the final LMU state of a padded review equals that of the
+unpadded one.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import flax.linen as nn
+import jax
+
+from lmuscale.layers import ParallelLMU, activation
+
+KINDS = ("lmu", "lstm")
+
+
+@dataclasses.dataclass(frozen=True)
+class TaskModelConfig:
+    """One task model. ``kind`` picks the sequence layer; the others size it.
+
+    Attributes:
+      kind: "lmu" (ParallelLMU) or "lstm".
+      outputs: width of the final Dense (1 for regression or a binary logit, classes else).
+      sequence_output: predict at every step (True) or from the last step only.
+      units, order, theta, memory_dim, input_activation, output_activation: the ParallelLMU's
+        (units 0 = memory only; memory_dim 0 = u = x).
+      mode: "fft" or "scan" for the LMU's full-sequence memory.
+      lstm_units, lstm_layers: the LSTM's.
+      hidden, hidden_activation: one Dense layer after the sequence layer (0 = none).
+      vocab_size, embed_dim: a token embedding in front (0 = the input is already numbers).
+    """
+
+    kind: str
+    outputs: int
+    sequence_output: bool
+    units: int = 0
+    order: int = 1
+    theta: float = 1.0
+    memory_dim: int = 0
+    input_activation: str = "linear"
+    output_activation: str = "tanh"
+    mode: str = "fft"
+    lstm_units: int = 0
+    lstm_layers: int = 1
+    hidden: int = 0
+    hidden_activation: str = "relu"
+    vocab_size: int = 0
+    embed_dim: int = 0
+
+    def __post_init__(self):
+        if self.kind not in KINDS:
+            raise ValueError(f"model.kind must be one of {', '.join(KINDS)}, got {self.kind!r}")
+        if self.kind == "lstm" and self.lstm_units <= 0:
+            raise ValueError(f"model.lstm_units must be > 0 for an LSTM, got {self.lstm_units}")
+        if self.kind == "lmu" and (self.order <= 0 or not self.theta > 0):
+            raise ValueError(
+                f"model.order and model.theta must be > 0, got {self.order}, {self.theta}"
+            )
+        if (self.vocab_size > 0) != (self.embed_dim > 0):
+            raise ValueError("model.vocab_size and model.embed_dim must both be > 0 or both 0")
+        activation(self.hidden_activation)
+
+
+class TaskModel(nn.Module):
+    config: TaskModelConfig
+
+    def setup(self):
+        c = self.config
+        if c.vocab_size:
+            self.embed = nn.Embed(c.vocab_size, c.embed_dim)
+        if c.kind == "lmu":
+            self.sequence = ParallelLMU(
+                units=c.units,
+                order=c.order,
+                theta=c.theta,
+                memory_dim=c.memory_dim,
+                input_activation=c.input_activation,
+                output_activation=c.output_activation,
+                return_sequences=c.sequence_output,
+                mode=c.mode,
+            )
+        else:
+            self.lstms = [
+                nn.RNN(nn.OptimizedLSTMCell(c.lstm_units), name=f"lstm_{i}")
+                for i in range(c.lstm_layers)
+            ]
+        if c.hidden:
+            self.dense = nn.Dense(c.hidden)
+        self.head = nn.Dense(c.outputs)
+
+    def __call__(self, x):
+        """``x_BxTxD`` numbers (or ``tokens_BxT``) -> ``y_BxTxO`` (``y_BxO`` for the last step)."""
+        c = self.config
+        if c.vocab_size:
+            tokens = x
+            x = self.embed(tokens) * (tokens != 0)[..., None]  # padding stays exactly zero
+        if c.kind == "lmu":
+            h = self.sequence(x)
+        else:
+            h = x
+            for lstm in self.lstms:
+                h = lstm(h)
+            if not c.sequence_output:
+                h = h[:, -1]
+        if c.hidden:
+            h = activation(c.hidden_activation)(self.dense(h))
+        return self.head(h)
+
+
+def count_params(params) -> int:
+    """Trainable numbers in a parameter tree."""
+    return int(sum(leaf.size for leaf in jax.tree.leaves(params)))

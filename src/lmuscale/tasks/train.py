@@ -1,0 +1,227 @@
+"""One task run: load the data, train epoch by epoch, keep the best epoch, test it.
+
+Workdir:
+  config.json        the resolved config
+  checkpoint.msgpack after every epoch: parameters, Adam state, the best parameters so far
+  metrics.jsonl      one line per epoch: train loss, validation metric, seconds
+  summary.json       at the end: the test metric of the best-validation epoch, the paper's
+
+Batches are a function of (seed, epoch) and the checkpoint holds everything else, so a run
+stopped at any point and started again with the same workdir computes the same numbers as one
+that was never stopped. A finished workdir returns its summary without training again.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import sys
+import time
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+from flax import serialization
+from ml_collections import ConfigDict
+from tqdm import tqdm
+
+from lmuscale.files import atomic_write_bytes, atomic_write_json
+from lmuscale.tasks.base import Split, Task
+from lmuscale.tasks.config import model_config, task_of
+from lmuscale.tasks.models import TaskModel, count_params
+from lmuscale.train.config import ConfigError, differences, to_json
+
+CHECKPOINT = "checkpoint.msgpack"
+METRICS = "metrics.jsonl"
+SUMMARY = "summary.json"
+
+
+def loss_fn(kind: str):
+    """Mean loss of a batch: predictions ``y_Bx...xO`` against targets."""
+    if kind == "mse":
+        return lambda y, t: jnp.mean((y - t) ** 2)
+    if kind == "softmax":
+        return lambda y, t: optax.softmax_cross_entropy_with_integer_labels(y, t).mean()
+    if kind == "sigmoid":
+        return lambda y, t: optax.sigmoid_binary_cross_entropy(y[..., 0], t).mean()
+    raise ValueError(f"unknown loss {kind!r}")
+
+
+def metric(task: Task, predictions: np.ndarray, targets: np.ndarray) -> float:
+    """NRMSE (RMS error over the targets' standard deviation) or accuracy in percent."""
+    if task.metric == "nrmse":
+        return float(np.sqrt(np.mean((predictions - targets) ** 2)) / np.std(targets))
+    if task.loss == "softmax":
+        right = predictions.argmax(-1) == targets
+    else:
+        right = (predictions[..., 0] > 0) == (targets > 0.5)
+    return float(100.0 * np.mean(right))
+
+
+def better(task: Task, value: float, best: float | None) -> bool:
+    if best is None or math.isnan(best):
+        return not math.isnan(value)
+    return value > best if task.higher_is_better else value < best
+
+
+class Trainer:
+    """The jitted train step and prediction of one model."""
+
+    def __init__(self, config: ConfigDict):
+        self.task = task_of(config)
+        self.model = TaskModel(model_config(config))
+        self.optimizer = optax.adam(config.train.learning_rate)  # otherwise Adam's defaults
+        self.batch_size = config.train.batch_size
+        self.eval_batch_size = config.train.eval_batch_size
+        loss = loss_fn(self.task.loss)
+
+        def train_step(params, opt_state, inputs, targets):
+            value, grads = jax.value_and_grad(lambda p: loss(self.model.apply(p, inputs), targets))(
+                params
+            )
+            updates, opt_state = self.optimizer.update(grads, opt_state, params)
+            return optax.apply_updates(params, updates), opt_state, value
+
+        # No buffer donation: the best parameters so far may be the very arrays passed in.
+        self.train_step = jax.jit(train_step)
+        self.predict_batch = jax.jit(self.model.apply)
+
+    def init(self, seed: int, example):
+        params = self.model.init(jax.random.key(seed), jnp.asarray(example[:1]))
+        return {
+            "epoch": 0,
+            "params": params,
+            "opt_state": self.optimizer.init(params),
+            "best_params": params,
+        }
+
+    def epoch(self, state, split: Split, seed: int, bar=None) -> float:
+        """One pass over ``split`` in a (seed, epoch)-shuffled order; the last partial batch
+        is dropped so every step has one shape. Returns the mean training loss."""
+        order = np.random.default_rng([seed, state["epoch"]]).permutation(len(split))
+        batches = max(1, len(split) // self.batch_size)
+        params, opt_state, total = state["params"], state["opt_state"], 0.0
+        for i in range(batches):
+            take = order[i * self.batch_size : (i + 1) * self.batch_size]
+            params, opt_state, value = self.train_step(
+                params, opt_state, split.inputs[take], split.targets[take]
+            )
+            total += float(value)
+            if bar is not None:
+                bar.update(1)
+        state.update(params=params, opt_state=opt_state)
+        return total / batches
+
+    def predict(self, params, inputs: np.ndarray) -> np.ndarray:
+        size = self.eval_batch_size
+        parts = [
+            np.asarray(self.predict_batch(params, inputs[i : i + size]))
+            for i in range(0, len(inputs), size)
+        ]
+        return np.concatenate(parts)
+
+    def evaluate(self, params, split: Split) -> float:
+        return metric(self.task, self.predict(params, split.inputs), split.targets)
+
+
+def _read_metrics(path: Path, upto: int) -> list[dict]:
+    if not path.exists():
+        return []
+    rows = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+    return [row for row in rows if row["epoch"] <= upto]
+
+
+def _prepare_workdir(config: ConfigDict, workdir: Path) -> None:
+    workdir.mkdir(parents=True, exist_ok=True)
+    saved = workdir / "config.json"
+    if saved.exists():
+        changed = differences(json.loads(saved.read_text()), config)
+        if changed:
+            raise ConfigError(
+                f"{saved}: this workdir holds a run of another config (differs in "
+                f"{', '.join(changed)}); use a new --workdir"
+            )
+    else:
+        atomic_write_bytes(saved, to_json(config).encode())
+
+
+def run(config: ConfigDict, workdir, progress: bool | None = None) -> dict:
+    """Train (or resume, or just read back) one task run; returns its summary."""
+    workdir = Path(workdir)
+    _prepare_workdir(config, workdir)
+    if (workdir / SUMMARY).exists():
+        return json.loads((workdir / SUMMARY).read_text())
+    task = task_of(config)
+    splits = task.load(config.data)  # TaskDataError names the path and what to give
+    trainer = Trainer(config)
+    state = trainer.init(config.train.seed, splits.train.inputs)
+    checkpoint = workdir / CHECKPOINT
+    best, best_epoch = None, 0
+    if checkpoint.exists():
+        saved = serialization.msgpack_restore(checkpoint.read_bytes())
+        best, best_epoch = float(saved.pop("best_value")), int(saved.pop("best_epoch"))
+        state = serialization.from_state_dict(state, saved)
+    history = _read_metrics(workdir / METRICS, state["epoch"])
+    seconds = sum(row["seconds"] for row in history)
+
+    batches = max(1, len(splits.train) // config.train.batch_size)
+    with tqdm(
+        total=config.train.epochs * batches,
+        initial=state["epoch"] * batches,
+        desc=f"{config.name or task.name} epoch {state['epoch']}/{config.train.epochs}",
+        unit="batch",
+        disable=progress is False or (progress is None and not sys.stderr.isatty()),
+        leave=False,
+    ) as bar:
+        while state["epoch"] < config.train.epochs:
+            started = time.perf_counter()
+            train_loss = trainer.epoch(state, splits.train, config.train.seed, bar)
+            value = trainer.evaluate(state["params"], splits.val)
+            if not math.isfinite(train_loss):
+                raise FloatingPointError(
+                    f"{config.name}: the training loss is {train_loss} at epoch "
+                    f"{state['epoch'] + 1}; lower train.learning_rate"
+                )
+            state["epoch"] += 1
+            if better(task, value, best):
+                best, best_epoch, state["best_params"] = value, state["epoch"], state["params"]
+            seconds += time.perf_counter() - started
+            history.append(
+                {
+                    "epoch": state["epoch"],
+                    "train_loss": train_loss,
+                    f"val_{task.metric}": value,
+                    "seconds": time.perf_counter() - started,
+                }
+            )
+            blob = serialization.to_state_dict(state) | {
+                "best_value": best,
+                "best_epoch": best_epoch,
+            }
+            atomic_write_bytes(checkpoint, serialization.msgpack_serialize(blob))
+            lines = "".join(json.dumps(row) + "\n" for row in history)
+            atomic_write_bytes(workdir / METRICS, lines.encode())
+            bar.set_description(
+                f"{config.name or task.name} epoch {state['epoch']}/{config.train.epochs}"
+            )
+            bar.set_postfix(loss=f"{train_loss:.4g}", **{f"val_{task.metric}": f"{value:.4g}"})
+
+    summary = {
+        "name": config.name,
+        "task": task.name,
+        "kind": config.model.kind,
+        "params": count_params(state["params"]),
+        "metric": task.metric,
+        f"test_{task.metric}": trainer.evaluate(state["best_params"], splits.test),
+        f"val_{task.metric}": best,
+        f"last_val_{task.metric}": history[-1][f"val_{task.metric}"],
+        "best_epoch": best_epoch,
+        "epochs": config.train.epochs,
+        "train_seconds": seconds,
+        "data": splits.source,
+        "paper": task.paper,
+    }
+    atomic_write_json(workdir / SUMMARY, summary)
+    return summary
