@@ -9,13 +9,15 @@ STAMP := $(VENV)/.installed
 demo: $(STAMP)
 	$(BIN)/python -m lmuscale.sweep sweeps/demo.py
 
+# Two pytest workers, each taking whole test files (module fixtures are built once): many
+# tests wait on subprocesses or compile on one core, so two workers overlap them.
 # scripts/slurm/install.sh installs slurm-wlm and munge (as root, with apt-get) for the SLURM
 # test; where it cannot, it says so and that one test skips.
 test: $(STAMP)
 	bash scripts/slurm/install.sh
 	$(BIN)/ruff check .
 	$(BIN)/ruff format --check .
-	$(BIN)/python -m pytest
+	$(BIN)/python -m pytest -n 2 --dist loadfile
 
 $(STAMP): pyproject.toml
 	@$(PYTHON) -c 'import sys; sys.exit(0 if sys.version_info >= (3, 11) else "lmuscale needs Python >= 3.11: run with PYTHON=python3.11 (or newer)")'
