@@ -3,9 +3,10 @@
     python benchmarks/parallel_lmu_training.py [--lengths 250 500 1000 2000 4000]
         [--batch 16] [--repeats 5] [--out FILE]
 
-One Adam training step of the psMNIST model (``experiments/psmnist.py``: eqs 18-20 with a
-1-unit encoder, order 468, 346 relu units read at the last step, theta = n, then a 10-way
-softmax) on a batch of random sequences of length n, in three forms of the same function:
+One Adam training step of the psMNIST model's computation (``experiments/psmnist.py``: eqs
+18-20 with a 1-unit encoder, order 468, 346 relu units read at the last step, theta = n, then
+a 10-way softmax), written out here with ``lmuscale.lmu``'s memory functions so that the three
+forms differ only in how they reach the last state, on random sequences of length n:
 - final: only the last state, one contraction with the impulse response (eq 25; what the
   classifier trains with);
 - fft:   every state by FFT convolution (eq 26), then the last one;

@@ -8,12 +8,15 @@ import gzip
 import json
 import sys
 import types
+from pathlib import Path
 
 import numpy as np
 import pytest
 from scipy.integrate import solve_ivp
 
+from lmuscale.files import atomic_write_bytes
 from lmuscale.tasks import imdb, mackey_glass, psmnist, run
+from lmuscale.tasks import train as task_train
 from lmuscale.tasks.__main__ import main
 from lmuscale.tasks.base import TaskDataError
 from lmuscale.tasks.config import base_config
@@ -203,10 +206,12 @@ def test_imdb_folder_and_npz_give_the_same_tokens(tmp_path):
     assert [len(from_npz.train), len(from_npz.val), len(from_npz.test)] == [50, 10, 60]
     tokens = from_npz.test.inputs
     assert tokens.shape == (60, 12) and tokens.max() < 8 and (tokens == imdb.OOV).any()
+    assert not (tokens == 3).any()  # Keras leaves token 3 unused
 
 
 def test_imdb_encoding_follows_keras():
-    assert imdb.encode([1, 2, 7, 30], vocab=10) == [imdb.START, 3, 4, 9, imdb.OOV]
+    # Keras's load_data(num_words=10): rank r is token r + 3, kept while below 10.
+    assert imdb.encode([1, 2, 6, 7, 30], vocab=10) == [imdb.START, 4, 5, 9, imdb.OOV, imdb.OOV]
     np.testing.assert_array_equal(imdb.pad([[5, 6, 7], [8]], 2), [[6, 7], [0, 8]])
     assert imdb.words("Great film!<br />It's 10/10") == ["great", "film", "it's", "10", "10"]
 
@@ -244,6 +249,30 @@ def test_a_resumed_run_equals_an_uninterrupted_one(tmp_path):
     assert [json.loads(line)["epoch"] for line in lines] == [1, 2, 3]
 
 
+def test_a_kill_between_the_metrics_and_the_checkpoint_loses_nothing(tmp_path, monkeypatch):
+    whole = run(tiny_mackey_glass(3), tmp_path / "whole", progress=False)
+    writes = []
+
+    def dies_at_the_second_checkpoint(path, data):
+        writes.append(Path(path).name)
+        if writes.count("checkpoint.msgpack") == 2:
+            raise KeyboardInterrupt  # killed after epoch 2's metrics, before its checkpoint
+        atomic_write_bytes(path, data)
+
+    monkeypatch.setattr(task_train, "atomic_write_bytes", dies_at_the_second_checkpoint)
+    with pytest.raises(KeyboardInterrupt):
+        run(tiny_mackey_glass(3), tmp_path / "killed", progress=False)
+    monkeypatch.undo()
+    rows = (tmp_path / "killed" / "metrics.jsonl").read_text().splitlines()
+    assert len(rows) == 2  # one row ahead of the checkpoint (epoch 1)
+    resumed = run(tiny_mackey_glass(3), tmp_path / "killed", progress=False)
+    assert resumed["test_nrmse"] == whole["test_nrmse"]
+    killed = (tmp_path / "killed" / "metrics.jsonl").read_text().splitlines()
+    expected = (tmp_path / "whole" / "metrics.jsonl").read_text().splitlines()
+    strip = lambda rows: [{k: v for k, v in json.loads(r).items() if k != "seconds"} for r in rows]  # noqa: E731
+    assert strip(killed) == strip(expected)
+
+
 def test_a_workdir_of_another_config_is_refused(tmp_path):
     run(tiny_mackey_glass(1), tmp_path, progress=False)
     config = tiny_mackey_glass(1)
@@ -258,6 +287,12 @@ def test_config_keys_and_types_are_checked():
         override(config, ["train.epoch=3"])
     with pytest.raises(ConfigError, match=r"model: model\.lstm_units must be > 0"):
         base_config_check(dict(kind="lstm"))
+    with pytest.raises(ConfigError, match=r"model\.mode must be 'fft' or 'scan', got 'ffft'"):
+        base_config_check(dict(mode="ffft"))
+    with pytest.raises(ConfigError, match="unknown activation 'swish'"):
+        base_config_check(dict(output_activation="swish"))
+    with pytest.raises(ConfigError, match=r"model\.memory_dim must be >= 0"):
+        base_config_check(dict(memory_dim=-3))
 
 
 def base_config_check(model):
@@ -345,6 +380,23 @@ def test_imdb_command_runs_on_stand_in_data(tmp_path, capsys):
     assert summary["test_accuracy"] >= 90  # "great" or "awful" decides every review
     assert summary["params"] == 20_000 * 16 + 16 + 1
     assert "89.1" in capsys.readouterr().out
+
+
+def test_bad_data_files_and_values_are_named_without_a_traceback(tmp_path, capsys):
+    broken = tmp_path / "imdb.npz"
+    broken.write_bytes(b"not a zip at all")
+    args = ["experiments/imdb.py", "--workdir", str(tmp_path / "w")]
+    assert main([*args, f"--config.data.path={broken}"]) == 1
+    assert f"{broken}: not an .npz (zip) file" in capsys.readouterr().err
+    _, npz = imdb_standin(tmp_path)
+    npz.write_bytes(npz.read_bytes()[:200])  # truncated
+    assert main([*args, f"--config.data.path={npz}"]) == 1
+    err = capsys.readouterr().err
+    assert f"{npz}: not" in err and "Traceback" not in err
+    # A bad value fails before any training, and the corrected run may use the same workdir.
+    assert main(["experiments/mackey_glass.py:lmu", *args[1:], "--config.data.horizon=0"]) == 1
+    assert "data: horizon must be in 1.." in capsys.readouterr().err
+    assert not (tmp_path / "w" / "lmu" / "checkpoint.msgpack").exists()
 
 
 @pytest.mark.parametrize("experiment", ["psmnist", "imdb"])

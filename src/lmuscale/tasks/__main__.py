@@ -4,7 +4,7 @@ Trains every model the experiment file lists in ``NAMES`` (or only NAME), each i
 DIR/NAME, then prints the test metric of each beside the paper's numbers and writes
 DIR/results.json (every finished model in DIR). Finished models are read back, interrupted
 ones resume. Exit status: 0 when every model finished, 1 for a bad config or missing data
-(the message names the key or path), 2 for bad arguments.
+(the message names the key or path), 2 for bad arguments, 3 when a training loss diverged.
 """
 
 from __future__ import annotations
@@ -76,6 +76,9 @@ def main(argv: list[str] | None = None) -> int:
     except (ConfigError, TaskDataError) as error:
         print(f"error: {error}", file=sys.stderr)
         return 1
+    except FloatingPointError as error:  # the training loss diverged
+        print(f"error: {error}", file=sys.stderr)
+        return 3
     print(table(results))
     # Every finished model in the workdir, so a run of one NAME keeps the others' results.
     everything = [json.loads(p.read_text()) for p in sorted(workdir.glob("*/summary.json"))]

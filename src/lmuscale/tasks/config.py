@@ -68,6 +68,8 @@ def check(config: ConfigDict, where: str = "config") -> None:
     model = model_config(config)
     fields = {k: v for k, v in dataclasses.asdict(model).items() if k not in TASK_FIELDS}
     check_schema(config, base_config(config.task, **fields), where)
+    if config.train.seed < 0:
+        raise ConfigError(f"{where}: train.seed must be >= 0, got {config.train.seed!r}")
     for key in ("epochs", "batch_size", "eval_batch_size"):
         if config.train[key] <= 0:
             raise ConfigError(f"{where}: train.{key} must be > 0, got {config.train[key]!r}")

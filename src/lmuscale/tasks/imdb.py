@@ -7,8 +7,9 @@ The data comes from a local copy; nothing is downloaded. ``data.path`` is either
   ``test/pos``, ``test/neg``, one ``.txt`` per review), tokenised here into lower-case words
   and ranked by frequency in the training reviews.
 
-Both become Keras's encoding: 1 starts a review, 2 stands for a word outside the ``vocab``
-most frequent, and word rank r is r + 2 (so rank 1 is token 3); token 0 is padding. Reviews
+Both become Keras's encoding (``index_from=3``): 1 starts a review, 2 stands for a word whose
+token would not be below ``vocab``, word rank r is token r + 3 (token 3 is unused), and token
+0 is padding. Reviews
 keep their last ``maxlen`` tokens and are padded on the left (Keras's ``pad_sequences``
 defaults). ``data.val`` training reviews, chosen by ``data.seed``, are held out to pick the
 epoch; the test split is the 25k test reviews.
@@ -17,15 +18,20 @@ epoch; the test split is the 25k test reviews.
 from __future__ import annotations
 
 import collections
+import pickle
 import re
+import sys
+import zipfile
+import zlib
 from pathlib import Path
 
 import numpy as np
 from ml_collections import ConfigDict
 
 from lmuscale.tasks.base import Split, Splits, Task, TaskDataError
+from lmuscale.train.config import ConfigError
 
-START, OOV, FIRST_WORD = 1, 2, 3
+START, OOV, INDEX_FROM = 1, 2, 3
 WORD = re.compile(r"[a-z0-9']+")
 MISSING = """\
 IMDB needs a local copy, and none was found at {path!r}.
@@ -36,8 +42,8 @@ lmuscale never downloads data."""
 
 
 def encode(ranks, vocab: int) -> list[int]:
-    """Word ranks (1 = most frequent) -> tokens: START, then rank + 2, or OOV beyond vocab."""
-    return [START] + [r + FIRST_WORD - 1 if r + FIRST_WORD - 1 < vocab else OOV for r in ranks]
+    """Word ranks (1 = most frequent) -> tokens: START, then rank + 3, or OOV from vocab up."""
+    return [START] + [r + INDEX_FROM if r + INDEX_FROM < vocab else OOV for r in ranks]
 
 
 def pad(reviews: list[list[int]], maxlen: int) -> np.ndarray:
@@ -51,18 +57,35 @@ def pad(reviews: list[list[int]], maxlen: int) -> np.ndarray:
 
 
 def _from_npz(path: Path):
+    # An .npz is a zip; anything else np.load would try to unpickle (allow_pickle is needed
+    # for the ragged review lists), so refuse it before loading.
+    if not zipfile.is_zipfile(path):
+        raise TaskDataError(f"{path}: not an .npz (zip) file")
     try:
         with np.load(path, allow_pickle=True) as f:
             missing = {"x_train", "y_train", "x_test", "y_test"} - set(f.files)
             if missing:
                 raise TaskDataError(f"{path}: no {', '.join(sorted(missing))} (has {f.files})")
-            return [
+            parts = [
                 (list(map(list, f[f"x_{s}"])), np.asarray(f[f"y_{s}"])) for s in ("train", "test")
             ]
-    except (OSError, ValueError) as error:
+    except (
+        OSError,
+        ValueError,
+        EOFError,
+        zipfile.BadZipFile,
+        pickle.UnpicklingError,
+        zlib.error,
+    ) as error:
         if isinstance(error, TaskDataError):
             raise
-        raise TaskDataError(f"{path}: not a readable .npz ({error})") from None
+        raise TaskDataError(
+            f"{path}: not a readable .npz ({type(error).__name__}: {error})"
+        ) from None
+    for (x, y), name in zip(parts, ("train", "test"), strict=True):
+        if len(x) != len(y):
+            raise TaskDataError(f"{path}: x_{name} has {len(x)} reviews but y_{name} {len(y)}")
+    return parts
 
 
 def words(text: str) -> list[str]:
@@ -84,9 +107,9 @@ def _from_folder(folder: Path):
     rank = {
         w: r for r, (w, _) in enumerate(sorted(counts.items(), key=lambda kv: (-kv[1], kv[0])), 1)
     }
-    unknown = len(rank) + 1  # a test word never seen in training: beyond any vocabulary
+    unseen = sys.maxsize  # a test word never seen in training: always out of vocabulary
     return [
-        ([[rank.get(w, unknown) for w in review] for review in reviews], labels)
+        ([[rank.get(w, unseen) for w in review] for review in reviews], labels)
         for reviews, labels in (texts["train"], texts["test"])
     ]
 
@@ -99,8 +122,13 @@ def load(data: ConfigDict) -> Splits:
         (train_x, train_y), (test_x, test_y) = _from_folder(path)
     else:
         raise TaskDataError(MISSING.format(path=data.path))
+    if data.maxlen <= 0 or data.vocab <= INDEX_FROM or data.seed < 0:
+        raise ConfigError(
+            f"data.maxlen must be > 0, data.vocab > {INDEX_FROM} and data.seed >= 0; got "
+            f"{data.maxlen}, {data.vocab}, {data.seed}"
+        )
     if not 0 < data.val < len(train_x):
-        raise ValueError(f"data.val must be in 1..{len(train_x) - 1}, got {data.val}")
+        raise ConfigError(f"data.val must be in 1..{len(train_x) - 1}, got {data.val}")
     for name, y in (("train", train_y), ("test", test_y)):
         if not set(np.unique(y)) <= {0, 1}:
             raise TaskDataError(f"{path}: {name} labels must be 0 or 1, got {np.unique(y)[:5]}")

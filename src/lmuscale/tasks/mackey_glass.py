@@ -19,6 +19,7 @@ import numpy as np
 from ml_collections import ConfigDict
 
 from lmuscale.tasks.base import Split, Splits, Task
+from lmuscale.train.config import ConfigError
 
 TAU = 17.0
 BETA = 0.2
@@ -94,8 +95,8 @@ def series(
     """``count`` independent Mackey-Glass series of ``length`` samples, ``dt`` time units apart.
 
     Each starts from its own constant history x0 ~ U(0.5, 1.5) (seeded) and drops the first
-    ``washout`` time units, so every series is on the chaotic attractor and, after
-    ~ washout x 0.007 Lyapunov e-foldings, unrelated to the others.
+    ``washout`` time units, the transient before the series settles on the chaotic attractor;
+    the series differ because their x0 differ.
 
     Returns:
       ``x_CxL`` float64.
@@ -122,20 +123,31 @@ def windows(x_CxL, horizon: int) -> tuple[np.ndarray, np.ndarray]:
 
 
 def load(data: ConfigDict) -> Splits:
-    """Independent series for train, val and test (disjoint seeds' draws: one draw of
-    train + val + test histories), standardised by the training series' mean and std.
+    """Independent series for train, val and test (each from its own history x0, all drawn
+    from one generator seeded by ``data.seed``), standardised by the training series' mean and
+    std.
 
     An example is a whole series of ``length`` steps: the model sees x_0..x_t and predicts
     x_{t + horizon} at every t. NRMSE does not depend on the standardisation.
     """
     counts = (data.train, data.val, data.test)
-    if min(counts) <= 0:
-        raise ValueError(f"data.train, data.val and data.test must be > 0, got {counts}")
-    x = series(
-        sum(counts), data.length + data.horizon, seed=data.seed, dt=data.dt, washout=data.washout
-    )
-    mean, std = x[: data.train].mean(), x[: data.train].std()
-    inputs, targets = windows(((x - mean) / std).astype(np.float32), data.horizon)
+    if min(counts) <= 0 or data.length <= 0 or data.washout < 0 or data.seed < 0:
+        raise ConfigError(
+            f"data.train, data.val, data.test, data.length must be > 0 and data.washout, "
+            f"data.seed >= 0; got {counts}, {data.length}, {data.washout}, {data.seed}"
+        )
+    try:
+        x = series(
+            sum(counts),
+            data.length + data.horizon,
+            seed=data.seed,
+            dt=data.dt,
+            washout=data.washout,
+        )
+        mean, std = x[: data.train].mean(), x[: data.train].std()
+        inputs, targets = windows(((x - mean) / std).astype(np.float32), data.horizon)
+    except ValueError as error:  # dt or horizon: the message names the value
+        raise ConfigError(f"data: {error}") from None
     edges = np.cumsum(counts)[:-1]
     parts = [
         Split(i, t) for i, t in zip(np.split(inputs, edges), np.split(targets, edges), strict=True)

@@ -6,9 +6,10 @@ A sequence task (Mackey-Glass) predicts at every step; a classification task (ps
 reads only the last step, which the parallel LMU computes from the final state alone
 (parallel-LMU eq 25) and the LSTM from its last hidden state.
 
-Padding (IMDB) is on the left with token 0, whose embedding is held at zero: a linear memory
-that has seen only zeros is zero, so the final LMU state of a padded review equals that of the
-unpadded one.
+Padding (IMDB) is on the left with token 0, whose embedding is held at zero. Without an
+encoder (``memory_dim=0``, u = x, as in the paper's IMDB model) a linear memory that has seen
+only zeros is zero, so the final LMU state of a padded review equals that of the unpadded one;
+with an encoder (u = f1(b_u) on padding) or an LSTM, padding is an input like any other.
 """
 
 from __future__ import annotations
@@ -65,6 +66,15 @@ class TaskModelConfig:
             raise ValueError(
                 f"model.order and model.theta must be > 0, got {self.order}, {self.theta}"
             )
+        for name in ("units", "memory_dim", "hidden", "vocab_size", "embed_dim"):
+            if getattr(self, name) < 0:
+                raise ValueError(f"model.{name} must be >= 0, got {getattr(self, name)}")
+        if self.lstm_layers <= 0:
+            raise ValueError(f"model.lstm_layers must be > 0, got {self.lstm_layers}")
+        if self.mode not in ("fft", "scan"):
+            raise ValueError(f"model.mode must be 'fft' or 'scan', got {self.mode!r}")
+        activation(self.input_activation)
+        activation(self.output_activation)
         if (self.vocab_size > 0) != (self.embed_dim > 0):
             raise ValueError("model.vocab_size and model.embed_dim must both be > 0 or both 0")
         activation(self.hidden_activation)

@@ -23,6 +23,7 @@ import numpy as np
 from ml_collections import ConfigDict
 
 from lmuscale.tasks.base import Split, Splits, Task, TaskDataError
+from lmuscale.train.config import ConfigError
 
 PIXELS = 784
 IDX_FILES = {
@@ -92,9 +93,14 @@ def _from_tfds(folder: Path) -> dict[str, np.ndarray] | None:
         ) from None
     out = {}
     for split in ("train", "test"):
-        batch = tfds.as_numpy(
-            tfds.load("mnist", split=split, data_dir=str(folder), download=False, batch_size=-1)
-        )
+        try:
+            batch = tfds.as_numpy(
+                tfds.load("mnist", split=split, data_dir=str(folder), download=False, batch_size=-1)
+            )
+        except Exception as error:  # tfds raises its own types for a missing or old copy
+            raise TaskDataError(
+                f"{folder}/mnist: not a prepared TFDS mnist ({type(error).__name__}: {error})"
+            ) from None
         out[f"{split}_images"], out[f"{split}_labels"] = batch["image"][..., 0], batch["label"]
     return out
 
@@ -116,8 +122,10 @@ def load(data: ConfigDict) -> Splits:
                 f"{folder}: {name} images have shape {x.shape} and labels {y.shape}; "
                 "expected (N, 28, 28) images and N labels"
             )
+    if data.permutation_seed < 0:
+        raise ConfigError(f"data.permutation_seed must be >= 0, got {data.permutation_seed}")
     if not 0 < data.val < len(train_x):
-        raise ValueError(f"data.val must be in 1..{len(train_x) - 1}, got {data.val}")
+        raise ConfigError(f"data.val must be in 1..{len(train_x) - 1}, got {data.val}")
     order = permutation(data.permutation_seed)
 
     def split(x, y) -> Split:

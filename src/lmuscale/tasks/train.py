@@ -60,8 +60,8 @@ def metric(task: Task, predictions: np.ndarray, targets: np.ndarray) -> float:
     return float(100.0 * np.mean(right))
 
 
-def better(task: Task, value: float, best: float | None) -> bool:
-    if best is None or math.isnan(best):
+def better(task: Task, value: float, best: float) -> bool:
+    if math.isnan(best):
         return not math.isnan(value)
     return value > best if task.higher_is_better else value < best
 
@@ -134,9 +134,12 @@ def _read_metrics(path: Path, upto: int) -> list[dict]:
 
 
 def _prepare_workdir(config: ConfigDict, workdir: Path) -> None:
+    """Write config.json; refuse a workdir that holds training of another config (one that
+    failed before its first epoch holds none, and takes the new config)."""
     workdir.mkdir(parents=True, exist_ok=True)
     saved = workdir / "config.json"
-    if saved.exists():
+    trained = (workdir / CHECKPOINT).exists() or (workdir / SUMMARY).exists()
+    if saved.exists() and trained:
         changed = differences(json.loads(saved.read_text()), config)
         if changed:
             raise ConfigError(
@@ -158,7 +161,7 @@ def run(config: ConfigDict, workdir, progress: bool | None = None) -> dict:
     trainer = Trainer(config)
     state = trainer.init(config.train.seed, splits.train.inputs)
     checkpoint = workdir / CHECKPOINT
-    best, best_epoch = None, 0
+    best, best_epoch = math.nan, 0  # NaN: no epoch has a finite validation metric yet
     if checkpoint.exists():
         saved = serialization.msgpack_restore(checkpoint.read_bytes())
         best, best_epoch = float(saved.pop("best_value")), int(saved.pop("best_epoch"))
@@ -196,13 +199,15 @@ def run(config: ConfigDict, workdir, progress: bool | None = None) -> dict:
                     "seconds": time.perf_counter() - started,
                 }
             )
+            # Metrics first: a kill between the two writes leaves a metrics row ahead of the
+            # checkpoint, which the resumed run drops (``_read_metrics``) and computes again.
+            lines = "".join(json.dumps(row) + "\n" for row in history)
+            atomic_write_bytes(workdir / METRICS, lines.encode())
             blob = serialization.to_state_dict(state) | {
                 "best_value": best,
                 "best_epoch": best_epoch,
             }
             atomic_write_bytes(checkpoint, serialization.msgpack_serialize(blob))
-            lines = "".join(json.dumps(row) + "\n" for row in history)
-            atomic_write_bytes(workdir / METRICS, lines.encode())
             bar.set_description(
                 f"{config.name or task.name} epoch {state['epoch']}/{config.train.epochs}"
             )
