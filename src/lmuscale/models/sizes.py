@@ -282,14 +282,20 @@ def _nearest(n_of, target: int, candidates) -> int:
     return min(candidates, key=lambda k: (abs(n_of(k) - target), k))
 
 
-def sru_config(size: str, **overrides) -> SRUConfig:
-    """SRU at a Table 3 grid point: the LMU's width, the number of layers solved for N."""
+def _deepened(make, size: str):
+    """``make(d=..., n_layers=...)`` at the LMU's width, with the depth whose N is nearest the
+    row's N."""
     row = _row(size)
     d = width(row.n)
     n_layers = _nearest(
-        lambda n: count_params(SRUConfig(d=d, n_layers=n)).non_embedding, row.n, range(1, 65)
+        lambda n: count_params(make(d=d, n_layers=n)).non_embedding, row.n, range(1, 65)
     )
-    return dataclasses.replace(SRUConfig(d=d, n_layers=n_layers), **overrides)
+    return make(d=d, n_layers=n_layers)
+
+
+def sru_config(size: str, **overrides) -> SRUConfig:
+    """SRU at a Table 3 grid point: the LMU's width, the number of layers solved for N."""
+    return dataclasses.replace(_deepened(SRUConfig, size), **overrides)
 
 
 def sru_pp_config(size: str, **overrides) -> SRUPPConfig:
@@ -314,12 +320,7 @@ def sru_pp_config(size: str, **overrides) -> SRUPPConfig:
 
 def lstm_config(size: str, **overrides) -> LSTMConfig:
     """LSTM at a Table 3 grid point: the LMU's width, the number of layers solved for N."""
-    row = _row(size)
-    d = width(row.n)
-    n_layers = _nearest(
-        lambda n: count_params(LSTMConfig(d=d, n_layers=n)).non_embedding, row.n, range(1, 65)
-    )
-    return dataclasses.replace(LSTMConfig(d=d, n_layers=n_layers), **overrides)
+    return dataclasses.replace(_deepened(LSTMConfig, size), **overrides)
 
 
 def named_config(name: str, **overrides) -> ModelConfig:
