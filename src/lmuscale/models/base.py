@@ -2,8 +2,9 @@
 
 A model subclasses ``LanguageModel``. Its ``setup`` defines ``embed`` (an ``nn.Embed``, also
 the output projection), ``blocks`` and the final ``norm``; it provides
-- ``embed_tokens(tokens, index)``: the block input for tokens at positions 0..T-1 (index None)
-  or for one token at position ``index`` (decoding);
+- ``embed_tokens(tokens, index)`` where the block input is more than ``embed(tokens)`` (the
+  transformer adds positions): tokens at positions 0..T-1 (index None) or one token at
+  position ``index`` (decoding);
 - ``init_state(batch_size, max_len) -> state``: the decode state before the first token, from the
   config alone (no parameters), so an unbound module can make it: ``{"layers": [one per
   block], "index": position}``, the index only where a block needs it.
@@ -93,7 +94,10 @@ class LanguageModel(nn.Module):
     """Parallel logits and loss, and the recurrent step, shared by every family."""
 
     def embed_tokens(self, tokens, index):
-        raise NotImplementedError
+        """The token embedding alone: the recurrent families need no positions (their state
+        carries the order); the transformer overrides this to add its learned positions."""
+        del index
+        return self.embed(tokens)
 
     def output_embedding(self):
         return self.embed.embedding

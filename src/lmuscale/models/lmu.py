@@ -87,10 +87,6 @@ class LMULanguageModel(LanguageModel):
         self.blocks = [block(**_block_fields(c), name=f"block_{i}") for i in range(c.n_layers)]
         self.norm = layer_norm(dtype)
 
-    def embed_tokens(self, tokens, index):
-        del index  # no positional embeddings: the memory knows the order
-        return self.embed(tokens)
-
     def init_state(self, batch_size: int, max_len: int | None = None):
         block = LMUBlock(**_block_fields(self.config), parent=None)
         state = {

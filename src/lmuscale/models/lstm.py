@@ -146,10 +146,6 @@ class LSTMLanguageModel(LanguageModel):
         self.blocks = [layer(c.d, dtype, name=f"block_{i}") for i in range(c.n_layers)]
         self.norm = layer_norm(dtype)
 
-    def embed_tokens(self, tokens, index):
-        del index  # no positional embeddings
-        return self.embed(tokens)
-
     def init_state(self, batch_size: int, max_len: int | None = None):
         c = self.config
         layer = LSTMLayer(c.d, compute_dtype(c.dtype), parent=None)

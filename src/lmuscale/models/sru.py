@@ -263,10 +263,6 @@ class SRULanguageModel(LanguageModel):
         self.blocks = [layer(**_layer_fields(c, i), name=f"block_{i}") for i in range(c.n_layers)]
         self.norm = layer_norm(dtype)
 
-    def embed_tokens(self, tokens, index):
-        del index  # no positional embeddings: the recurrence knows the order
-        return self.embed(tokens)
-
     def init_state(self, batch_size: int, max_len: int | None = None):
         c = self.config
         layers = [

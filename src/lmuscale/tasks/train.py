@@ -167,7 +167,6 @@ def run(config: ConfigDict, workdir, progress: bool | None = None) -> dict:
         best, best_epoch = float(saved.pop("best_value")), int(saved.pop("best_epoch"))
         state = serialization.from_state_dict(state, saved)
     history = _read_metrics(workdir / METRICS, state["epoch"])
-    seconds = sum(row["seconds"] for row in history)
 
     batches = max(1, len(splits.train) // config.train.batch_size)
     with tqdm(
@@ -190,7 +189,6 @@ def run(config: ConfigDict, workdir, progress: bool | None = None) -> dict:
             state["epoch"] += 1
             if better(task, value, best):
                 best, best_epoch, state["best_params"] = value, state["epoch"], state["params"]
-            seconds += time.perf_counter() - started
             history.append(
                 {
                     "epoch": state["epoch"],
@@ -224,7 +222,7 @@ def run(config: ConfigDict, workdir, progress: bool | None = None) -> dict:
         f"last_val_{task.metric}": history[-1][f"val_{task.metric}"],
         "best_epoch": best_epoch,
         "epochs": config.train.epochs,
-        "train_seconds": seconds,
+        "train_seconds": sum(row["seconds"] for row in history),
         "data": splits.source,
         "paper": task.paper,
     }
