@@ -2,7 +2,7 @@
 
     python benchmarks/train_throughput.py [--families lmu lmu_g transformer]
         [--sizes 55k ... 1M] [--seq-lens 1024 4096 8192] [--tokens 65536]
-        [--dtype float32|bfloat16] [--steps 5] [--out FILE]
+        [--dtype float32|bfloat16] [--steps 5] [--microbatches 1] [--out FILE]
 
 For each family, Table 3 size and sequence length n, it builds the jitted, donated train step of
 ``lmuscale.train.step`` (Adam, schedule, plateau scale, norms, the chunked loss) on a mesh of
@@ -10,7 +10,10 @@ all devices, with a batch of max(1, --tokens // n) sequences per step, and times
 after one warm-up (compile) step; tokens/s is the median. MFU = tokens/s x training FLOPs per
 token (``flops_per_token(config, n).train``) / (devices x peak FLOP/s), with the peak from
 ``lmuscale.train.metrics.PEAK_FLOPS`` (or --peak-flops); none is known for CPUs. The
-transformer's learned positions are sized to n. Failures (e.g. out of memory) are recorded,
+transformer's learned positions are sized to n. --microbatches splits each step's batch for
+gradient accumulation. Each row also records XLA's memory and cost analysis of the compiled
+step and the device's peak bytes in use so far in the process (run one model per process for
+a clean peak). Failures (e.g. out of memory) are recorded,
 not fatal.
 """
 
@@ -32,7 +35,30 @@ from lmuscale.train import step as step_lib
 from lmuscale.train.metrics import device_peak, mfu
 
 
-def measure(name: str, seq_len: int, batch: int, dtype: str, steps: int, peak) -> dict:
+def compiled_figures(compiled) -> dict:
+    """XLA's own accounting of a compiled step: buffer sizes and bytes accessed (None if absent)."""
+    figures = {}
+    memory = compiled.memory_analysis()
+    if memory is not None:
+        for key in ("temp_size_in_bytes", "argument_size_in_bytes", "output_size_in_bytes"):
+            figures[key] = getattr(memory, key, None)
+    cost = compiled.cost_analysis()
+    cost = cost[0] if isinstance(cost, list | tuple) else cost
+    if cost:
+        figures["bytes_accessed"] = cost.get("bytes accessed")
+        figures["flops"] = cost.get("flops")
+    return figures
+
+
+def peak_bytes() -> int | None:
+    """The device's peak bytes in use so far in this process (None where not reported)."""
+    stats = jax.devices()[0].memory_stats()
+    return None if not stats else stats.get("peak_bytes_in_use")
+
+
+def measure(
+    name: str, seq_len: int, batch: int, dtype: str, steps: int, peak, microbatches: int = 1
+) -> dict:
     positions = {"max_len": seq_len} if name.startswith("transformer") else {}
     config = named_config(name, dtype=dtype, **positions)
     train = base_config(config)
@@ -46,8 +72,13 @@ def measure(name: str, seq_len: int, batch: int, dtype: str, steps: int, peak) -
     state = step_lib.init_state(init, mesh)
     train_step = step_lib.make_train_step(model, tx, lr, mesh, abstract)
     rng = np.random.default_rng(0)
-    tokens = rng.integers(0, config.vocab_size, (1, batch, seq_len + 1), dtype=np.int32)
+    micro = max(1, min(microbatches, batch))
+    batch = batch // micro * micro
+    shape = (micro, batch // micro, seq_len + 1)
+    tokens = rng.integers(0, config.vocab_size, shape, dtype=np.int32)
     tokens = step_lib.to_global(tokens, step_lib.batch_sharding(mesh, 3, axis=1))
+    train_step = train_step.lower(state, tokens).compile()
+    figures = compiled_figures(train_step)
     start = time.perf_counter()
     state, metrics = train_step(state, tokens)
     jax.block_until_ready(metrics)
@@ -65,6 +96,7 @@ def measure(name: str, seq_len: int, batch: int, dtype: str, steps: int, peak) -
         "model": name,
         "seq_len": seq_len,
         "batch": batch,
+        "microbatches": micro,
         "dtype": dtype,
         "non_embedding_params": count_params(config).non_embedding,
         "train_flops_per_token": flops.train,
@@ -74,6 +106,8 @@ def measure(name: str, seq_len: int, batch: int, dtype: str, steps: int, peak) -
         "tokens_per_second": speed,
         "mfu": mfu(speed, flops.train, mesh.devices.size, peak),
         "loss": float(metrics["loss"]),
+        "compiled": figures,
+        "peak_bytes_in_use": peak_bytes(),
     }
 
 
@@ -85,6 +119,7 @@ def main() -> None:
     parser.add_argument("--tokens", type=int, default=65536, help="tokens per step")
     parser.add_argument("--dtype", default="bfloat16", choices=["float32", "bfloat16"])
     parser.add_argument("--steps", type=int, default=5)
+    parser.add_argument("--microbatches", type=int, default=1, help="gradient accumulation")
     parser.add_argument("--peak-flops", type=float, default=0.0, help="per device")
     parser.add_argument("--out", type=Path)
     args = parser.parse_args()
@@ -96,7 +131,9 @@ def main() -> None:
                 name = f"{family}-{size}"
                 batch = max(1, args.tokens // seq_len)
                 try:
-                    r = measure(name, seq_len, batch, args.dtype, args.steps, peak)
+                    r = measure(
+                        name, seq_len, batch, args.dtype, args.steps, peak, args.microbatches
+                    )
                 except Exception as error:  # an OOM on one model must not lose the others
                     r = {"model": name, "seq_len": seq_len, "batch": batch, "error": repr(error)}
                 results.append(r)
