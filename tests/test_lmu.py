@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import math
 import re
 from fractions import Fraction
@@ -32,6 +33,8 @@ def memory_modes(order: int, theta: float, n: int, l_KxQ: np.ndarray) -> dict:
         "scan": lambda u: lmu.memory_scan(u, abar, bbar),
         "final": lambda u: lmu.memory_final(u, h),
         "reduced": lambda u: lmu.memory_reduced(u, h, l_KxQ),
+        "chunked": lambda u: lmu.memory_chunked(u, order, theta, chunk=16)[0],
+        "chunked_reduced": lambda u: lmu.memory_chunked(u, order, theta, l_KxQ, chunk=16)[0],
     }
 
 
@@ -241,6 +244,9 @@ def test_contractions_ask_for_full_float32_precision():
         "step": jax.jit(lmu.memory_step).lower(jnp.ones((1, 2, order)), u[:, 0], abar, bbar),
         "final": jax.jit(lmu.memory_final).lower(u, h),
         "reduced": jax.jit(lmu.memory_reduced).lower(u, h, l_KxQ),
+        "chunked": jax.jit(lambda u, proj: lmu.memory_chunked(u, order, 10.0, proj, chunk=4)).lower(
+            u, l_KxQ
+        ),
         "decode": jax.jit(lambda m: lmu.decode(m, 10.0, [0.0, 5.0])).lower(jnp.ones((4, order))),
     }
     for name, lowered in programs.items():
@@ -248,6 +254,129 @@ def test_contractions_ask_for_full_float32_precision():
         assert dots, f"{name}: no dot_general in the lowered program"
         for line in dots:
             assert line.count("HIGHEST") == 2, f"{name}: {line.strip()}"
+
+
+# --- the chunked memory ----------------------------------------------------------------------
+
+# "exact" chunked memory against the float64 recurrence: max abs error <= this * max|m|.
+CHUNKED_TOLERANCE = 1e-5
+# One bf16 pass, measured at n 1024, q 220, 3q' 66 on N(0, 1) input (benchmarks/lmu_precision.py,
+# CPU and H100 alike): max error 3.1-3.9e-3 of max|m|, rms error 2.7-2.9e-3 of rms(m). The
+# bounds leave ~1.5x room; the floor proves the fast path is not secretly float32.
+FAST_MAX, FAST_RMS, FAST_RMS_FLOOR = 6e-3, 4.5e-3, 1e-3
+
+
+@functools.cache
+def chunked_case(n: int, order: int, theta: float):
+    """Input, L and the float64 memory for one (n, q, theta); cached across parameters."""
+    rng = np.random.default_rng(n * 1000 + order)
+    u = random_u(rng, 1, n, 2)
+    l_KxQ = (rng.standard_normal((6, order)) / np.sqrt(order)).astype(np.float32)
+    return u, l_KxQ, lmu.memory_reference(u, order, theta)
+
+
+def chunked_cases():
+    """(n, chunk, order, theta): n in {1, c-1, c, c+1, 1000, 1024, 4096} for c in {16, 64}."""
+    orders = {1: 8, 1000: 220, 1024: 128, 4096: 512}
+    for chunk in (16, 64):
+        for offset, order in ((-1, 32), (0, 50), (1, 64)):
+            yield chunk + offset, chunk, order, 30.0
+        for n, order in orders.items():
+            yield n, chunk, order, 350.0
+
+
+@pytest.mark.parametrize("n, chunk, order, theta", list(chunked_cases()))
+def test_chunked_memory_equals_the_float64_recurrence(n, chunk, order, theta):
+    u, l_KxQ, reference = chunked_case(n, order, theta)
+    run = jax.jit(lambda u, proj: lmu.memory_chunked(u, order, theta, proj, chunk=chunk))
+    full, state = jax.jit(lambda u: lmu.memory_chunked(u, order, theta, chunk=chunk))(u)
+    assert full.shape == reference.shape and full.dtype == jnp.float32
+    assert relative_error(full, reference) <= CHUNKED_TOLERANCE
+    assert relative_error(state, reference[:, -1]) <= CHUNKED_TOLERANCE  # the state after n-1
+    reduced, _ = run(u, l_KxQ)
+    assert relative_error(reduced, reference @ l_KxQ.T.astype(np.float64)) <= CHUNKED_TOLERANCE
+
+
+def test_chunked_memory_in_pieces_equals_the_whole_and_continues_a_scan():
+    rng = np.random.default_rng(11)
+    order, theta, chunk = 24, 40.0, 16
+    u = jnp.asarray(random_u(rng, 2, 200, 3))
+    l_KxQ = jnp.asarray(rng.standard_normal((4, order)), jnp.float32)
+    whole, whole_state = lmu.memory_chunked(u, order, theta, l_KxQ, chunk=chunk)
+    pieces, state = [], None
+    for start, stop in ((0, 37), (37, 38), (38, 102), (102, 111), (111, 200)):
+        y, state = lmu.memory_chunked(u[:, start:stop], order, theta, l_KxQ, state, chunk=chunk)
+        pieces.append(y)
+    reference = np.asarray(whole, np.float64)
+    assert relative_error(jnp.concatenate(pieces, axis=1), reference) <= CHUNKED_TOLERANCE
+    assert relative_error(state, np.asarray(whole_state, np.float64)) <= CHUNKED_TOLERANCE
+    # From a nonzero carried state m0, the same as the recurrence from m0.
+    abar, bbar = lmu.discretize(order, theta, dtype=np.float32)
+    m0 = jnp.asarray(rng.standard_normal((2, 3, order)), jnp.float32)
+    scanned = lmu.memory_scan(u, abar, bbar, m0_BxCxQ=m0)
+    full, final = lmu.memory_chunked(u, order, theta, m0_BxCxQ=m0, chunk=chunk)
+    assert relative_error(full, np.asarray(scanned, np.float64)) <= CHUNKED_TOLERANCE
+    assert relative_error(final, np.asarray(scanned[:, -1], np.float64)) <= CHUNKED_TOLERANCE
+
+
+def test_chunked_gradients_equal_the_fft_path_in_float64():
+    rng = np.random.default_rng(12)
+    n, order, theta, chunk = 150, 40, 50.0, 16
+    with jax.enable_x64(True):
+        u = jnp.asarray(rng.standard_normal((2, n, 3)))
+        l_KxQ = jnp.asarray(rng.standard_normal((5, order)))
+        weights = jnp.asarray(rng.standard_normal((2, n, 3, 5)))
+        h = lmu.impulse_response(order, theta, n)
+
+        def fft(u, l_KxQ):
+            return jnp.sum(lmu.memory_reduced(u, h, l_KxQ) * weights)
+
+        def chunked(u, l_KxQ):
+            return jnp.sum(lmu.memory_chunked(u, order, theta, l_KxQ, chunk=chunk)[0] * weights)
+
+        want = jax.grad(fft, argnums=(0, 1))(u, l_KxQ)
+        got = jax.grad(chunked, argnums=(0, 1))(u, l_KxQ)
+        for name, g, w in zip(("u", "L"), got, want, strict=True):
+            assert g.dtype == jnp.float64, name
+            assert relative_error(g, np.asarray(w)) <= 1e-8, name
+
+
+def test_fast_precision_is_one_bf16_pass_with_the_measured_error():
+    n, order, theta = 1024, 220, 350.0
+    rng = np.random.default_rng(13)
+    u = random_u(rng, 1, n, 4)
+    l_KxQ = (rng.standard_normal((66, order)) / np.sqrt(order)).astype(np.float32)
+    reference = lmu.memory_reference(u, order, theta) @ l_KxQ.T.astype(np.float64)
+    for precision in lmu.PRECISIONS:
+        y, _ = jax.jit(
+            lambda u, precision=precision: lmu.memory_chunked(
+                u, order, theta, l_KxQ, precision=precision
+            )
+        )(u)
+        diff = np.asarray(y, np.float64) - reference
+        max_error = np.abs(diff).max() / np.abs(reference).max()
+        rms_error = np.sqrt(np.mean(diff**2) / np.mean(reference**2))
+        if precision == "exact":
+            assert max_error <= CHUNKED_TOLERANCE and rms_error <= 1e-6
+        else:
+            assert max_error <= FAST_MAX
+            assert FAST_RMS_FLOOR <= rms_error <= FAST_RMS
+
+
+def test_chunked_path_never_forms_the_full_memory():
+    batch, n, channels, order, reduced = 2, 256, 8, 256, 4
+    u = jnp.ones((batch, n, channels), jnp.float32)
+    l_KxQ = jnp.ones((reduced, order), jnp.float32)
+
+    def loss(u, l_KxQ):
+        return jnp.sum(lmu.memory_chunked(u, order, 100.0, l_KxQ)[0])
+
+    hlo = jax.jit(jax.value_and_grad(loss, argnums=(0, 1))).lower(u, l_KxQ).as_text()
+    full = n * channels * order
+    shapes = re.findall(r"tensor<((?:\d+x)+)(?:f32|bf16)>", hlo)
+    sizes = [math.prod(int(d) for d in shape.rstrip("x").split("x")) for shape in shapes]
+    assert sizes, "no tensor shapes found in the lowered program"
+    assert max(sizes) < full // 4
 
 
 # --- gradients, causality --------------------------------------------------------------------
@@ -294,7 +423,7 @@ def test_gradient_with_respect_to_l_matches_the_full_memory_path():
     assert relative_error(grad_reduced, np.asarray(grad_full, np.float64)) <= TOLERANCE
 
 
-@pytest.mark.parametrize("mode", ["fft", "scan", "reduced"])
+@pytest.mark.parametrize("mode", ["fft", "scan", "reduced", "chunked", "chunked_reduced"])
 def test_memory_is_causal(mode):
     rng = np.random.default_rng(3)
     n, order, theta, cut = 512, 32, 64.0, 300
@@ -389,6 +518,20 @@ def test_delay_property(delay):
         (
             lambda: lmu.memory_scan(jnp.ones((1, 8, 2)), *lmu.discretize(4, 5.0), jnp.ones((1, 4))),
             "m0 must have shape",
+        ),
+        (lambda: lmu.memory_chunked(jnp.ones((1, 8, 2)), 4, 5.0, chunk=0), "chunk must be"),
+        (lambda: lmu.memory_chunked(jnp.ones((1, 0, 2)), 4, 5.0), "at least one time step"),
+        (
+            lambda: lmu.memory_chunked(jnp.ones((1, 8, 2)), 4, 5.0, precision="tf32"),
+            "precision must be one of ('exact', 'fast'), got 'tf32'",
+        ),
+        (
+            lambda: lmu.memory_chunked(jnp.ones((1, 8, 2)), 4, 5.0, np.ones((2, 3))),
+            "L must have shape (reduced order, order=4), got (2, 3)",
+        ),
+        (
+            lambda: lmu.memory_chunked(jnp.ones((1, 8, 2)), 4, 5.0, m0_BxCxQ=jnp.ones((1, 2, 3))),
+            "m0 must have shape (batch, channels, order) = (1, 2, 4)",
         ),
     ],
 )

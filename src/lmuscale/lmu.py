@@ -23,6 +23,8 @@ Modes (all agree to float32 rounding; tests/test_lmu.py checks them against
 - ``memory_final``: the last state only, one contraction (parallel-LMU paper eq 25).
 - ``memory_reduced``: ``u * (L H)``, the q'-channel memory of appendix A.1, without
   materialising the q-channel one.
+- ``memory_chunked``: the same outputs (``L m_t``, or ``m_t`` itself) in chunks of c steps:
+  matrix products instead of FFTs, with a state carried in and out (the default for training).
 """
 
 from __future__ import annotations
@@ -31,6 +33,7 @@ import functools
 import math
 import operator
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 import scipy.linalg
@@ -408,14 +411,252 @@ def memory_reference(u_BxTxC, order: int, theta: float) -> np.ndarray:
     return m_BxTxCxQ
 
 
+# The chunk length c of ``memory_chunked``: intra-chunk work grows with c, state passing
+# shrinks with it. Chosen by measurement (benchmarks/lmu_memory.py, see its results).
+DEFAULT_CHUNK = 64
+PRECISIONS = ("exact", "fast")
+
+
+@functools.lru_cache(maxsize=_ZOH_CACHE_SIZE)
+def _abar_power(order: int, theta: float, steps: int) -> np.ndarray:
+    """``Abar^steps`` in float64, by repeated squaring."""
+    abar_QxQ, _ = _zoh(order, theta)
+    result, base = np.eye(order), abar_QxQ
+    while steps:
+        if steps & 1:
+            result = result @ base
+        base = base @ base
+        steps >>= 1
+    return _read_only(result)
+
+
+def _doubling_steps(chunk: int) -> list[int]:
+    """Offsets k = 1, 2, 4, ... < chunk at which ``R[k:2k] = R[:k] Abar^k`` extends the read-out."""
+    steps, k = [], 1
+    while k < chunk:
+        steps.append(k)
+        k *= 2
+    return steps
+
+
+def _exact_precision():
+    # True float32 on CPU. On a GPU, HIGHEST would run float32 matmuls off the tensor cores;
+    # three bf16 passes (hi*hi + hi*lo + lo*hi) keep float32 accuracy (PERF.md: 2e-5 max
+    # relative error at n 1024, q 220) on the tensor cores.
+    if jax.default_backend() == "cpu":
+        return lax.Precision.HIGHEST
+    return lax.DotAlgorithmPreset.BF16_BF16_F32_X3
+
+
+def _contract(spec: str, a, b, precision: str, out_dtype=None):
+    """An einsum accumulated in float32: "exact" keeps float32 accuracy, "fast" is one bf16 pass.
+
+    The sums run in float32 at least; ``out_dtype`` is what the result is rounded to (default:
+    the operands' dtype, at least float32).
+    """
+    if out_dtype is None:
+        out_dtype = _compute_dtype(a.dtype, b.dtype)
+    if precision == "fast":
+        return jnp.einsum(
+            spec, a.astype(jnp.bfloat16), b.astype(jnp.bfloat16), preferred_element_type=out_dtype
+        )
+    return jnp.einsum(spec, a, b, precision=_exact_precision(), preferred_element_type=out_dtype)
+
+
+def _exact(spec: str, a, b):
+    return _contract(spec, a, b, "exact")
+
+
+def chunk_operands(
+    u_BxTxC,
+    order: int,
+    theta: float,
+    m0_BxCxQ=None,
+    *,
+    chunk: int = DEFAULT_CHUNK,
+    precision: str = "exact",
+):
+    """The per-chunk operand of ``memory_chunked``: each chunk's inputs and carried state.
+
+    Cuts T into J chunks of c = min(chunk, T) steps (the last one zero-padded), computes each
+    chunk's local end state ``s_j = sum_s H[c-1-s] u_{j,s}``, passes the state across chunks
+    (``m_{j+1} = Abar^c m_j + s_j``, a ``lax.scan`` over J) and stacks, per channel, the chunk's
+    c inputs and the Q-vector ``m_j`` carried into it. One operand serves any number of
+    projections L (``chunk_weights``): the implicit attention's Q, K and V share it.
+
+    Returns:
+      ``(x_BxJxCxZ, m_BxCxQ)``: the operand (Z = c + Q: ``[u_{j,0..c-1}; m_j]``) and the state
+      after the last input, both in the compute dtype (float32; float64 for float64 input).
+    """
+    _check_input(u_BxTxC)
+    if precision not in PRECISIONS:
+        raise ValueError(f"precision must be one of {PRECISIONS}, got {precision!r}")
+    order, theta = _check_order(order), _check_theta(theta)
+    batch, n, channels = u_BxTxC.shape
+    if n == 0:
+        raise ValueError("the memory input must have at least one time step")
+    c = min(_check_count("chunk", chunk), n)
+    dtype = _compute_dtype(u_BxTxC.dtype)
+    if m0_BxCxQ is None:
+        m0_BxCxQ = jnp.zeros((batch, channels, order), dtype)
+    elif jnp.shape(m0_BxCxQ) != (batch, channels, order):
+        raise ValueError(
+            f"m0 must have shape (batch, channels, order) = {(batch, channels, order)}, "
+            f"got {jnp.shape(m0_BxCxQ)}"
+        )
+    m0_BxCxQ = jnp.asarray(m0_BxCxQ, dtype)
+    h_cxQ = impulse_response(order, theta, c)  # float64, H[0..c-1]
+    chunks = -(-n // c)
+    last = n - (chunks - 1) * c  # steps in the last chunk, 1..c
+    u_BxJxcxC = jnp.pad(u_BxTxC.astype(dtype), ((0, 0), (0, chunks * c - n), (0, 0)))
+    u_BxJxcxC = u_BxJxcxC.reshape(batch, chunks, c, channels)
+
+    # The state passing is sequential, but only J = T / c steps long.
+    hrev_cxQ = jnp.asarray(h_cxQ[::-1].copy(), dtype)
+    ends_JxBxCxQ = jnp.swapaxes(
+        _contract("bjsc,sq->bjcq", u_BxJxcxC[:, :-1], hrev_cxQ, precision), 0, 1
+    )
+    abar_c_QxQ = jnp.asarray(_abar_power(order, theta, c), dtype)
+
+    def pass_state(m_BxCxQ, end_BxCxQ):
+        return _exact("bcq,pq->bcp", m_BxCxQ, abar_c_QxQ) + end_BxCxQ, m_BxCxQ
+
+    m_last_BxCxQ, carried_JxBxCxQ = lax.scan(pass_state, m0_BxCxQ, ends_JxBxCxQ)
+    carried_BxJxCxQ = jnp.swapaxes(jnp.concatenate([carried_JxBxCxQ, m_last_BxCxQ[None]]), 0, 1)
+    x_BxJxCxZ = jnp.concatenate([jnp.swapaxes(u_BxJxcxC, 2, 3), carried_BxJxCxQ], axis=-1)
+
+    # The state after the last input, from the last chunk's `last` real steps.
+    hlast_cxQ = np.zeros_like(h_cxQ)
+    hlast_cxQ[:last] = h_cxQ[:last][::-1]
+    abar_last_QxQ = jnp.asarray(_abar_power(order, theta, last), dtype)
+    final_BxCxQ = _exact("bcq,pq->bcp", m_last_BxCxQ, abar_last_QxQ) + _exact(
+        "bsc,sq->bcq", u_BxJxcxC[:, -1], jnp.asarray(hlast_cxQ, dtype)
+    )
+    return x_BxJxCxZ, final_BxCxQ
+
+
+def chunk_weights(order: int, theta: float, chunk: int, l_KxQ=None, dtype=jnp.float32):
+    """The chunk product's matrix for a projection L: ``[T; R]`` with Z = c + Q rows.
+
+    ``T[s, t] = G[t - s]`` for s <= t (zero above), the Toeplitz matrix of the reduced kernel
+    ``G[k] = L H[k]``, k < c; ``R[:, t] = (L Abar^{t+1})^T``, the read-out of the carried state.
+    H and the powers of Abar are float64 constants, cast; R is built from ``L Abar`` by
+    log2(c) doublings ``R[k:2k] = R[:k] Abar^k`` at float32 accuracy, so gradients reach L.
+
+    Args:
+      chunk: c, the chunk length of the operand (``x.shape[-1] - order``).
+      l_KxQ: the projection (K rows); None for the full memory (L = I, K = Q).
+      dtype: the operand's dtype (float32, or float64 under x64).
+
+    Returns:
+      ``w_ZxcxK`` in ``dtype``.
+    """
+    order, theta, c = _check_order(order), _check_theta(theta), _check_count("chunk", chunk)
+    h_cxQ = jnp.asarray(impulse_response(order, theta, c), dtype)
+    abar_QxQ = jnp.asarray(_zoh(order, theta)[0], dtype)
+    if l_KxQ is None:
+        g_cxK, r_KxQ = h_cxQ, abar_QxQ
+    else:
+        l_KxQ = jnp.asarray(l_KxQ).astype(dtype)
+        if l_KxQ.ndim != 2 or l_KxQ.shape[1] != order:
+            raise ValueError(f"L must have shape (reduced order, order={order}), got {l_KxQ.shape}")
+        g_cxK = _exact("tq,kq->tk", h_cxQ, l_KxQ)
+        r_KxQ = _exact("kq,qp->kp", l_KxQ, abar_QxQ)
+    r_txKxQ = r_KxQ[None]
+    for k in _doubling_steps(c):
+        power_QxQ = jnp.asarray(_abar_power(order, theta, k), dtype)
+        r_txKxQ = jnp.concatenate([r_txKxQ, _exact("tkq,qp->tkp", r_txKxQ[: c - k], power_QxQ)])
+    lag_cxc = np.arange(c)[None, :] - np.arange(c)[:, None]  # [s, t] -> t - s
+    toeplitz_cxcxK = jnp.where(
+        jnp.asarray(lag_cxc >= 0)[..., None], g_cxK[np.clip(lag_cxc, 0, None)], 0.0
+    )
+    return jnp.concatenate([toeplitz_cxcxK, jnp.transpose(r_txKxQ, (2, 0, 1))])
+
+
+def chunk_product(x_BxJxCxZ, w_ZxcxK, length: int, precision: str = "exact", out_dtype=None):
+    """The outputs of every chunk in one matrix product: ``y = [u_j; m_j]^T [T; R]``.
+
+    Args:
+      x_BxJxCxZ: from ``chunk_operands``. w_ZxcxK: from ``chunk_weights``.
+      length: T, the number of real steps (the padding of the last chunk is cut off).
+      precision: as in ``memory_chunked``.
+      out_dtype: the dtype the sums are rounded to (default: the operand's): bfloat16 halves
+        the bytes written and read downstream where the consumer computes in bfloat16 anyway.
+
+    Returns:
+      ``y_BxTxCxK`` in ``out_dtype``.
+    """
+    out_dtype = x_BxJxCxZ.dtype if out_dtype is None else out_dtype
+    if precision not in PRECISIONS:
+        raise ValueError(f"precision must be one of {PRECISIONS}, got {precision!r}")
+    batch, _, channels, _ = x_BxJxCxZ.shape
+    y_BxJxCxcxK = _contract("bjcz,ztk->bjctk", x_BxJxCxZ, w_ZxcxK, precision, out_dtype)
+    y_BxJxcxCxK = jnp.swapaxes(y_BxJxCxcxK, 2, 3)
+    return y_BxJxcxCxK.reshape(batch, -1, channels, w_ZxcxK.shape[-1])[:, :length]
+
+
+def memory_chunked(
+    u_BxTxC,
+    order: int,
+    theta: float,
+    l_KxQ=None,
+    m0_BxCxQ=None,
+    *,
+    chunk: int = DEFAULT_CHUNK,
+    precision: str = "exact",
+):
+    """The memory in chunks of c steps, by matrix products: ``L m_t`` (or ``m_t``) for every t.
+
+    The same function as ``memory_reduced`` (with ``l_KxQ``) or ``memory_fft`` (without), with
+    the recurrence's carried state in and out, so a sequence processed in pieces equals the
+    whole. The sequence is cut into J chunks of c steps; with ``G[k] = L H[k]`` for k < c and
+    ``m_j`` the state carried into chunk j:
+
+    - outputs: ``y_{j,t} = sum_{s<=t} G[t-s] u_{j,s} + (L Abar^{t+1}) m_j`` (a c x c Toeplitz
+      product inside the chunk plus the read-out of the carried state), both terms in one
+      product per chunk (``chunk_product``);
+    - chunk-local end state: ``s_j = sum_s H[c-1-s] u_{j,s}``;
+    - state passing: ``m_{j+1} = Abar^c m_j + s_j``, a ``lax.scan`` over the J chunks
+      (``chunk_operands``).
+
+    The constants (H, powers of Abar) are computed in float64 once per (order, theta, chunk)
+    and cast. The carried state is float32 (float64 for float64 input) and its update always
+    runs at float32 accuracy, in either precision.
+    Gradients are JAX's own: each contraction's transpose, the state scan run backwards.
+
+    Args:
+      u_BxTxC: input.
+      order, theta: q and the window in steps.
+      l_KxQ: the projection L acting on the order axis (K = q' rows); None for the full memory.
+      m0_BxCxQ: the state before the first input (default zeros).
+      chunk: c, steps per chunk; any T works (a ragged last chunk, or T < c).
+      precision: "exact" (float32 accuracy: true float32 on CPU, three bf16 passes on a GPU) or
+        "fast" (one bf16 pass on the tensor cores, for bf16 models). See PERF.md for the errors.
+
+    Returns:
+      ``(y_BxTxCxK, m_BxCxQ)``: the outputs (K = Q without L) and the state after the last
+      input, from which a later call continues; float32 (float64 for float64 input).
+    """
+    x_BxJxCxZ, final_BxCxQ = chunk_operands(
+        u_BxTxC, order, theta, m0_BxCxQ, chunk=chunk, precision=precision
+    )
+    c = x_BxJxCxZ.shape[-1] - order
+    w_ZxcxK = chunk_weights(order, theta, c, l_KxQ, dtype=x_BxJxCxZ.dtype)
+    return chunk_product(x_BxJxCxZ, w_ZxcxK, u_BxTxC.shape[1], precision), final_BxCxQ
+
+
 __all__ = [
     "causal_conv",
+    "chunk_operands",
+    "chunk_product",
+    "chunk_weights",
     "decode",
     "discretize",
     "fft_length",
     "impulse_response",
     "legendre_ab",
     "legendre_decoder",
+    "memory_chunked",
     "memory_fft",
     "memory_final",
     "memory_reduced",
