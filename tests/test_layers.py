@@ -1,6 +1,9 @@
-"""The parallel-LMU layer (parallel-LMU eqs 18-20): every mode against a float64 reference."""
+"""The layers against float64 references: the parallel-LMU layer (parallel-LMU eqs 18-20) in
+every mode, and the implicit self-attention's hand-written gradient (LMU paper eqs 8-10)."""
 
 from __future__ import annotations
+
+import math
 
 import jax
 import jax.numpy as jnp
@@ -8,7 +11,7 @@ import numpy as np
 import pytest
 
 from lmuscale import lmu
-from lmuscale.layers import ParallelLMU
+from lmuscale.layers import ImplicitSelfAttention, ParallelLMU, implicit_attention
 
 
 def reference(params, x_BxTxD, layer: ParallelLMU) -> np.ndarray:
@@ -80,3 +83,59 @@ def test_unknown_mode_and_activation_are_named():
         ParallelLMU(units=2, order=2, theta=2.0, output_activation="swish").init(
             jax.random.key(0), x
         )
+
+
+def reference_attention(q_xDxK, k_xDxK, v_xDxK, bias_3xK, p_K):
+    """Eqs 8-10 as printed, with M' formed: ``p softmax(Q K^T / sqrt(d)) V`` per position."""
+    q, k, v = (
+        jax.nn.gelu(x + b, approximate=False)
+        for x, b in zip((q_xDxK, k_xDxK, v_xDxK), bias_3xK, strict=True)
+    )
+    scores = jnp.einsum("...di,...dj->...ij", q, k) / math.sqrt(q.shape[-2])
+    m_prime_xKxD = jnp.einsum("...ij,...dj->...id", jax.nn.softmax(scores, -1), v)
+    return jnp.einsum("i,...id->...d", p_K, m_prime_xKxD)
+
+
+def test_implicit_attention_and_its_gradient_equal_eqs_8_to_10_in_float64():
+    rng = np.random.default_rng(0)
+    with jax.enable_x64(True):
+        args = [jnp.asarray(rng.standard_normal((2, 5, 7, 3))) for _ in range(3)]
+        args += [jnp.asarray(rng.standard_normal((3, 3))), jnp.asarray(rng.standard_normal(3))]
+        cotangent = jnp.asarray(rng.standard_normal((2, 5, 7)))
+
+        def loss(attend):
+            return lambda *a: jnp.sum(attend(*a) * cotangent)
+
+        ours = loss(lambda *a: implicit_attention(*a, jnp.float64))
+        want = jax.value_and_grad(loss(reference_attention), argnums=range(5))(*args)
+        got = jax.value_and_grad(ours, argnums=range(5))(*args)
+        np.testing.assert_allclose(got[0], want[0], rtol=1e-13)
+        for name, g, w in zip(("q", "k", "v", "bias", "p"), got[1], want[1], strict=True):
+            assert g.dtype == jnp.float64, name
+            np.testing.assert_allclose(g, w, rtol=1e-12, atol=1e-13, err_msg=name)
+
+
+@pytest.mark.parametrize("chunk", [4, 7, 64])
+def test_chunked_and_fft_memory_give_the_same_attention_and_gradients(chunk):
+    # chunk 7 leaves a ragged last chunk of 21 steps; 64 is longer than the sequence.
+    x = jax.random.normal(jax.random.key(0), (3, 21, 10))
+    results = []
+    for mode in ("fft", "chunked"):
+        layer = ImplicitSelfAttention(12, 3, 16.0, memory_mode=mode, memory_chunk=chunk)
+        params = layer.init(jax.random.key(1), x)
+        params = jax.tree.map(lambda a: a + 0.3, params)  # nonzero biases
+
+        def loss(params, x, layer=layer):
+            return jnp.sum(jnp.sin(layer.apply(params, x)))
+
+        results.append(jax.jit(jax.value_and_grad(loss, argnums=(0, 1)))(params, x))
+    (fft_loss, fft_grads), (chunked_loss, chunked_grads) = results
+    np.testing.assert_allclose(chunked_loss, fft_loss, rtol=1e-5)
+    for got, want in zip(jax.tree.leaves(chunked_grads), jax.tree.leaves(fft_grads), strict=True):
+        np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-5)
+
+
+def test_unknown_memory_mode_is_named():
+    x = jnp.zeros((1, 4, 2))
+    with pytest.raises(ValueError, match="memory_mode must be one of"):
+        ImplicitSelfAttention(4, 2, 8.0, memory_mode="scan").init(jax.random.key(0), x)

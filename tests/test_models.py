@@ -173,6 +173,8 @@ def test_named_configs_cover_every_family_and_size_and_reject_others():
         (lambda: tiny("sru_pp", attention_every=3), "attention_every=3 exceeds n_layers=2"),
         (lambda: tiny("lstm", d=8.0), "LSTMConfig.d must be a positive int, got 8.0"),
         (lambda: tiny("lstm", dtype="float64"), "dtype must be one of"),
+        (lambda: tiny("lmu", memory_mode="scan"), "memory_mode must be one of"),
+        (lambda: tiny("lmu_g", memory_chunk=0), "LMUConfig.memory_chunk must be a positive int"),
     ],
 )
 def test_bad_configs_name_the_field(make, message):
@@ -497,11 +499,20 @@ def test_training_step_of_the_1m_model_fits_in_4gb():
 
 
 @pytest.mark.parametrize("family", ["lmu", "lmu_g"])
-def test_batch_chunks_and_remat_change_nothing_but_memory(family):
+def test_execution_options_change_nothing_but_speed_and_memory(family):
+    # Batch chunks, remat, the FFT memory and other chunk lengths (4 leaves a ragged last
+    # chunk of the 20 positions) compute the same function as the default.
     config = tiny(family, batch_chunk=0)
     tokens = random_tokens(config, 5, 21)
     reference = None
-    for options in ({}, {"batch_chunk": 2}, {"batch_chunk": 1, "remat": True}):
+    options_list = (
+        {},
+        {"batch_chunk": 2},
+        {"batch_chunk": 1, "remat": True},
+        {"memory_mode": "fft"},
+        {"memory_chunk": 3},
+    )
+    for options in options_list:
         model = build(dataclasses.replace(config, **options))
         params = jiggle(init(model), 0.05)
 

@@ -18,6 +18,7 @@ Choices the paper leaves open (papers/lmu-implicit-self-attention.md §4), made 
 
 from __future__ import annotations
 
+import functools
 import math
 from collections.abc import Callable
 from typing import Any
@@ -58,24 +59,86 @@ class FFN(nn.Module):
         return nn.Dense(width, dtype=self.dtype, kernel_init=self.out_init, name="down")(gelu(h))
 
 
-def implicit_attention(qkv_xDx3K, bias_3K, p_K, dtype):
+def gelu_grad(x):
+    """d gelu / dx for the exact gelu ``x Phi(x)``: ``Phi(x) + x phi(x)``."""
+    cdf = 0.5 * (1.0 + lax.erf(x * (1.0 / math.sqrt(2.0))))
+    pdf = jnp.exp(-0.5 * jnp.square(x)) * (1.0 / math.sqrt(2.0 * math.pi))
+    return cdf + x * pdf
+
+
+def _wide(dtype):
+    # Scores, softmax and w: float32 at least (float64 under x64, for reference checks).
+    return jnp.promote_types(dtype, jnp.float32)
+
+
+def _attend(q_xDxK, k_xDxK, v_xDxK, bias_3xK, p_K, dtype):
+    """The forward pass of ``implicit_attention``: ``(m_xD, (weights_xKxK, w_xK))``."""
+    q, k, v = (
+        gelu(pre.astype(dtype) + b.astype(dtype))
+        for pre, b in zip((q_xDxK, k_xDxK, v_xDxK), bias_3xK, strict=True)
+    )
+    scores_xKxK = jnp.einsum("...di,...dj->...ij", q, k, preferred_element_type=_wide(dtype))
+    weights_xKxK = jax.nn.softmax(scores_xKxK / math.sqrt(q.shape[-2]), axis=-1)
+    w_xK = jnp.einsum("...ij,i->...j", weights_xKxK, p_K.astype(_wide(dtype)))
+    return jnp.einsum("...dj,...j->...d", v, w_xK.astype(dtype)), (weights_xKxK, w_xK)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(5,))
+def implicit_attention(q_xDxK, k_xDxK, v_xDxK, bias_3xK, p_K, dtype):
     """Eqs 8-10 after the memory: ``m = p softmax(Q K^T / sqrt(d)) V`` for every position.
 
+    ``Q = gelu(L1 M + b1)``, and K, V likewise. The read-out is collapsed:
+    ``w = p softmax(Q K^T / sqrt(d))`` is a q'-vector and ``m = V^T w``, so the q' x d matrix
+    ``M' = softmax(...) V`` of eq 9 is never formed. The backward pass is written by hand: it
+    keeps only the pre-activations (the memory's outputs, which exist anyway) and the
+    (q' x q') softmax weights, and recomputes Q, K, V where their gradients are formed.
+
     Args:
-      qkv_xDx3K: ``[L1; L2; L3] M`` for each position (leading axes ...), the d channels on the
-        second-to-last axis and the stacked reduced orders (Q, K, V rows) on the last.
-      bias_3K: one bias per row of each L_i.
+      q_xDxK, k_xDxK, v_xDxK: ``L_i M`` for each position (leading axes ...), the d channels
+        on the second-to-last axis and the reduced order on the last.
+      bias_3xK: one bias per row of each L_i.
       p_K: the readout p of eq 10.
+      dtype: the compute dtype of Q, K, V; scores, softmax and w are float32.
 
     Returns:
-      ``m_xD``, one d-vector per position.
+      ``m_xD``, one d-vector per position, in ``dtype``.
     """
-    qkv = gelu(qkv_xDx3K.astype(dtype) + bias_3K.astype(dtype))
-    q, k, v = jnp.split(qkv, 3, axis=-1)
-    scores_xKxK = jnp.einsum("...di,...dj->...ij", q, k) / math.sqrt(q.shape[-2])
-    weights = jax.nn.softmax(scores_xKxK.astype(jnp.float32), axis=-1).astype(dtype)
-    mixed_xDxK = jnp.einsum("...ij,...dj->...di", weights, v)
-    return jnp.einsum("...di,i->...d", mixed_xDxK, p_K.astype(dtype))
+    return _attend(q_xDxK, k_xDxK, v_xDxK, bias_3xK, p_K, dtype)[0]
+
+
+def _implicit_attention_fwd(q_xDxK, k_xDxK, v_xDxK, bias_3xK, p_K, dtype):
+    m_xD, (weights_xKxK, w_xK) = _attend(q_xDxK, k_xDxK, v_xDxK, bias_3xK, p_K, dtype)
+    return m_xD, (q_xDxK, k_xDxK, v_xDxK, bias_3xK, p_K, weights_xKxK, w_xK)
+
+
+def _implicit_attention_bwd(dtype, residuals, dm_xD):
+    *pres, bias_3xK, p_K, weights_xKxK, w_xK = residuals
+    pres = [pre.astype(dtype) + b.astype(dtype) for pre, b in zip(pres, bias_3xK, strict=True)]
+    q, k, v = (gelu(pre) for pre in pres)
+    dm_xD = dm_xD.astype(dtype)
+    # m = V^T w, w = p softmax(scores), scores = Q^T K / sqrt(d).
+    dv = dm_xD[..., :, None] * w_xK.astype(dtype)[..., None, :]
+    dw_xK = jnp.einsum("...d,...dj->...j", dm_xD, v, preferred_element_type=_wide(dtype))
+    positions = tuple(range(weights_xKxK.ndim - 2))
+    dp_K = jnp.einsum("...ij,...j->...i", weights_xKxK, dw_xK).sum(positions)
+    dweights_xKxK = p_K.astype(_wide(dtype))[:, None] * dw_xK[..., None, :]
+    inner = jnp.sum(weights_xKxK * dweights_xKxK, axis=-1, keepdims=True)
+    dscores_xKxK = (weights_xKxK * (dweights_xKxK - inner) / math.sqrt(q.shape[-2])).astype(dtype)
+    dq = jnp.einsum("...ij,...dj->...di", dscores_xKxK, k)
+    dk = jnp.einsum("...ij,...di->...dj", dscores_xKxK, q)
+    dpres = [g * gelu_grad(pre) for g, pre in zip((dq, dk, dv), pres, strict=True)]
+    dbias_3xK = jnp.stack([d.astype(_wide(dtype)).sum(tuple(range(d.ndim - 1))) for d in dpres])
+    return (
+        *(d.astype(r.dtype) for d, r in zip(dpres, residuals[:3], strict=True)),
+        dbias_3xK.astype(bias_3xK.dtype),
+        dp_K.astype(p_K.dtype),
+    )
+
+
+implicit_attention.defvjp(_implicit_attention_fwd, _implicit_attention_bwd)
+
+
+MEMORY_MODES = ("chunked", "fft")
 
 
 class ImplicitSelfAttention(nn.Module):
@@ -83,24 +146,34 @@ class ImplicitSelfAttention(nn.Module):
 
     Each position's memory M_t (q x d) is reduced along the order axis by three learned
     ``L_i`` (q' x q) to Q, K, V (q' x d); then eqs 9-10 give one d-vector. In parallel mode the
-    L_i are folded into the impulse response (appendix A.1, ``lmu.memory_reduced``), so the
-    (batch, n, d, q) memory is never formed. In step mode the state is the memory itself,
-    ``m_BxDxQ`` in float32, whose size does not depend on how many tokens came before.
+    (batch, n, d, q) memory is never formed: only ``L M_t`` is computed, either in chunks of
+    matrix products (``lmu.memory_chunked``, the default) or by FFT with the L_i folded into
+    the impulse response (appendix A.1, ``lmu.memory_reduced``). In step mode the state is the
+    memory itself, ``m_BxDxQ`` in float32, whose size does not depend on how many tokens came
+    before.
 
     Attributes:
       order, reduced_order, theta: q, q' and the window θ in tokens.
+      memory_mode: "chunked" or "fft" (the same function; see ``lmu``).
+      memory_chunk: steps per chunk in "chunked" mode. The chunked memory runs at float32
+        accuracy in a float32 model and as one bf16 pass in a bf16 one (its state stays
+        float32 in both).
       batch_chunk: sequences per chunk in parallel mode; 0 means the whole batch at once.
-        Chunks are rematerialised in the backward pass, so the FFT temporaries of only one
-        chunk are alive at a time: the knob that bounds training memory.
+        Chunks are rematerialised in the backward pass, so the temporaries of only one chunk
+        are alive at a time.
     """
 
     order: int
     reduced_order: int
     theta: float
     dtype: Any = jnp.float32
+    memory_mode: str = "chunked"
+    memory_chunk: int = lmu.DEFAULT_CHUNK
     batch_chunk: int = 0
 
     def setup(self):
+        if self.memory_mode not in MEMORY_MODES:
+            raise ValueError(f"memory_mode must be one of {MEMORY_MODES}, got {self.memory_mode!r}")
         k, q = self.reduced_order, self.order
         # Fan-in is the order axis, the axis each L_i contracts.
         l_init = nn.initializers.variance_scaling(
@@ -110,29 +183,51 @@ class ImplicitSelfAttention(nn.Module):
         self.bias = self.param("bias", nn.initializers.zeros, (3, k))
         self.p = self.param("p", nn.initializers.normal(1.0 / math.sqrt(k)), (k,))
 
+    def _attend(self, x_BxTxD):
+        """Q, K, V pre-activations of the whole sequence, then the attention."""
+        if self.memory_mode == "fft":
+            h_TxQ = lmu.impulse_response(self.order, self.theta, x_BxTxD.shape[1], np.float32)
+            l_3KxQ = self.l.reshape(3 * self.reduced_order, self.order)
+            pres = jnp.split(lmu.memory_reduced(x_BxTxD, h_TxQ, l_3KxQ), 3, axis=-1)
+        else:
+            # One chunk operand for the three projections; one product each, so Q, K and V
+            # are separate arrays rather than slices of one.
+            precision = "fast" if jnp.dtype(self.dtype) == jnp.bfloat16 else "exact"
+            x_BxJxDxZ, _ = lmu.chunk_operands(
+                x_BxTxD.astype(jnp.float32),
+                self.order,
+                self.theta,
+                chunk=self.memory_chunk,
+                precision=precision,
+            )
+            c = x_BxJxDxZ.shape[-1] - self.order
+            # The attention computes in self.dtype, so a bf16 model takes bf16 outputs.
+            pres = [
+                lmu.chunk_product(
+                    x_BxJxDxZ,
+                    lmu.chunk_weights(self.order, self.theta, c, l_KxQ),
+                    x_BxTxD.shape[1],
+                    precision,
+                    out_dtype=self.dtype,
+                )
+                for l_KxQ in self.l
+            ]
+        return implicit_attention(*pres, self.bias, self.p, self.dtype)
+
     def __call__(self, x_BxTxD):
-        k, q = self.reduced_order, self.order
-        h_TxQ = lmu.impulse_response(q, self.theta, x_BxTxD.shape[1], dtype=np.float32)
-        l_3KxQ = self.l.reshape(3 * k, q)
-        bias_3K = self.bias.reshape(3 * k)
-
-        def attend(x_bxTxD):
-            qkv = lmu.memory_reduced(x_bxTxD, h_TxQ, l_3KxQ)
-            return implicit_attention(qkv, bias_3K, self.p, self.dtype)
-
         chunk = self.batch_chunk
         if chunk <= 0 or chunk >= x_BxTxD.shape[0]:
-            return attend(x_BxTxD)
-        one = jax.checkpoint(lambda x_TxD: attend(x_TxD[None])[0])
+            return self._attend(x_BxTxD)
+        one = jax.checkpoint(lambda x_TxD: self._attend(x_TxD[None])[0])
         return lax.map(one, x_BxTxD, batch_size=chunk)
 
     def step(self, m_BxDxQ, x_BxD):
         """One position: returns ``(y_BxD, m_BxDxQ)`` with the updated memory."""
         abar, bbar = lmu.discretize(self.order, self.theta, dtype=np.float32)
         m_BxDxQ = lmu.memory_step(m_BxDxQ, x_BxD, abar, bbar)
-        l_3KxQ = self.l.reshape(3 * self.reduced_order, self.order).astype(jnp.float32)
-        qkv = jnp.einsum("bdq,kq->bdk", m_BxDxQ, l_3KxQ, precision=lax.Precision.HIGHEST)
-        y = implicit_attention(qkv, self.bias.reshape(-1), self.p, self.dtype)
+        l_3xKxQ = self.l.astype(jnp.float32)
+        qkv = jnp.einsum("bdq,hkq->hbdk", m_BxDxQ, l_3xKxQ, precision=lax.Precision.HIGHEST)
+        y = implicit_attention(*qkv, self.bias, self.p, self.dtype)
         return y, m_BxDxQ
 
 
@@ -208,6 +303,8 @@ class LMUBlock(nn.Module):
     global_attention: bool = False
     n_heads: int = 1
     dtype: Any = jnp.float32
+    memory_mode: str = "chunked"
+    memory_chunk: int = lmu.DEFAULT_CHUNK
     batch_chunk: int = 0
 
     def setup(self):
@@ -218,7 +315,13 @@ class LMUBlock(nn.Module):
             self.pre = FFN(self.pre_ffn_dim, dtype=self.dtype)
         self.norm_memory = layer_norm(self.dtype)
         self.memory = ImplicitSelfAttention(
-            self.order, self.reduced_order, self.theta, self.dtype, self.batch_chunk
+            self.order,
+            self.reduced_order,
+            self.theta,
+            self.dtype,
+            self.memory_mode,
+            self.memory_chunk,
+            self.batch_chunk,
         )
         self.norm_post = layer_norm(self.dtype)
         self.post = FFN(self.post_ffn_dim, dtype=self.dtype)

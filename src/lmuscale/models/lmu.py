@@ -15,8 +15,9 @@ import dataclasses
 import flax.linen as nn
 import jax.numpy as jnp
 
+from lmuscale import lmu
 from lmuscale.data.tokenizer import GPT2_VOCAB
-from lmuscale.layers import LMUBlock, layer_norm
+from lmuscale.layers import MEMORY_MODES, LMUBlock, layer_norm
 from lmuscale.models.base import (
     LanguageModel,
     check_positive,
@@ -37,6 +38,10 @@ class LMUConfig:
       global_attention: the LMU_G variant. n_heads: its attention heads.
       vocab_size: tokens (GPT-2: 50257).
       dtype: compute dtype, "float32" or "bfloat16"; parameters are always float32.
+      memory_mode: how the parallel mode computes the memory: "chunked" (matrix products in
+        chunks of ``memory_chunk`` steps, on tensor cores) or "fft" (FFT convolution). Both are
+        the same function; a bf16 model runs the chunked products as one bf16 pass.
+      memory_chunk: steps per chunk of the chunked memory.
       remat: rematerialise each block in the backward pass (less memory, ~1/3 more compute).
       batch_chunk: sequences per chunk of the implicit attention in parallel mode (0 = the
         whole batch at once). Its FFT temporaries are ~0.5 GB per sequence at the 1M size in
@@ -55,6 +60,8 @@ class LMUConfig:
     n_heads: int = 1
     vocab_size: int = GPT2_VOCAB
     dtype: str = "float32"
+    memory_mode: str = "chunked"
+    memory_chunk: int = lmu.DEFAULT_CHUNK
     remat: bool = False
     batch_chunk: int = 2
 
@@ -65,6 +72,11 @@ class LMUConfig:
             check_positive(self, "pre_ffn_dim")
         if not self.theta > 0:
             raise ValueError(f"LMUConfig.theta must be > 0 tokens, got {self.theta!r}")
+        if self.memory_mode not in MEMORY_MODES:
+            raise ValueError(
+                f"LMUConfig.memory_mode must be one of {MEMORY_MODES}, got {self.memory_mode!r}"
+            )
+        check_positive(self, "memory_chunk")
         if self.batch_chunk < 0:
             raise ValueError(f"LMUConfig.batch_chunk must be >= 0, got {self.batch_chunk!r}")
         if self.global_attention and self.d % self.n_heads:
@@ -108,5 +120,7 @@ def _block_fields(c: LMUConfig) -> dict:
         global_attention=c.global_attention,
         n_heads=c.n_heads,
         dtype=compute_dtype(c.dtype),
+        memory_mode=c.memory_mode,
+        memory_chunk=c.memory_chunk,
         batch_chunk=c.batch_chunk,
     )
