@@ -5,6 +5,7 @@ from __future__ import annotations
 import importlib.metadata
 import os
 import platform
+import resource
 from pathlib import Path
 
 import jax
@@ -13,6 +14,9 @@ import scipy
 
 from lmuscale import __version__
 from lmuscale.files import atomic_write_json
+from lmuscale.models import build
+from lmuscale.train import base_config, optim
+from lmuscale.train import step as step_lib
 
 
 def machine() -> dict:
@@ -66,3 +70,45 @@ def write_json(out: Path, record: dict, quiet: bool = False) -> None:
     atomic_write_json(out, record)
     if not quiet:
         print(f"\nwrote {out}")
+
+
+def train_step_for(config, seq_len: int):
+    """The jitted train step of ``lmuscale.train`` (Adam, schedule, plateau scale, norms, the
+    chunked loss) for a model config, on a mesh of all devices.
+
+    Returns ``(train_step, init, mesh, abstract_state)``; ``step_lib.init_state(init, mesh)``
+    makes the state.
+    """
+    train = base_config(config)
+    model = build(config)
+    tx, lr = optim.optimizer(train.optim, train.train.steps)
+    init = step_lib.init_fn(model, tx, optim.plateau(train.optim), 0, seq_len)
+    mesh = step_lib.make_mesh(1)
+    abstract = jax.eval_shape(init)
+    return step_lib.make_train_step(model, tx, lr, mesh, abstract), init, mesh, abstract
+
+
+def compiled_figures(compiled) -> dict:
+    """XLA's own accounting of a compiled function: buffer sizes and bytes accessed."""
+    figures = {}
+    memory = compiled.memory_analysis()
+    if memory is not None:
+        for key in ("temp_size_in_bytes", "argument_size_in_bytes", "output_size_in_bytes"):
+            figures[key] = getattr(memory, key, None)
+    cost = compiled.cost_analysis()
+    cost = cost[0] if isinstance(cost, list | tuple) else cost
+    if cost:
+        figures["bytes_accessed"] = cost.get("bytes accessed")
+        figures["flops"] = cost.get("flops")
+    return figures
+
+
+def peak_memory() -> int | None:
+    """Peak memory so far in this process: the device's peak bytes in use on an accelerator,
+    the peak resident set on a CPU (whose JAX device reports no statistics)."""
+    stats = jax.devices()[0].memory_stats()
+    if stats and "peak_bytes_in_use" in stats:
+        return stats["peak_bytes_in_use"]
+    if jax.default_backend() == "cpu":
+        return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+    return None

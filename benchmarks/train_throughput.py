@@ -2,7 +2,8 @@
 
     python benchmarks/train_throughput.py [--families lmu lmu_g transformer]
         [--sizes 55k ... 1M] [--seq-lens 1024 4096 8192] [--tokens 65536]
-        [--dtype float32|bfloat16] [--steps 5] [--microbatches 1] [--out FILE]
+        [--dtype float32|bfloat16] [--steps 5] [--microbatches 1] [--set KEY=VALUE ...]
+        [--out FILE]
 
 For each family, Table 3 size and sequence length n, it builds the jitted, donated train step of
 ``lmuscale.train.step`` (Adam, schedule, plateau scale, norms, the chunked loss) on a mesh of
@@ -12,65 +13,64 @@ token (``flops_per_token(config, n).train``) / (devices x peak FLOP/s), with the
 ``lmuscale.train.metrics.PEAK_FLOPS`` (or --peak-flops); none is known for CPUs. The
 transformer's learned positions are sized to n. --microbatches splits each step's batch for
 gradient accumulation. Each row also records XLA's memory and cost analysis of the compiled
-step and the device's peak bytes in use so far in the process (run one model per process for
-a clean peak). Failures (e.g. out of memory) are recorded,
+step and the peak memory so far in the process (the device's peak bytes in use; the peak RSS
+on a CPU): run one model per process for a clean peak. Failures (e.g. out of memory) are recorded,
 not fatal.
 """
 
 from __future__ import annotations
 
 import argparse
+import ast
 import statistics
 import time
 from pathlib import Path
 
 import jax
 import numpy as np
-from common import machine, print_table, versions, write_json
+from common import (
+    compiled_figures,
+    machine,
+    peak_memory,
+    print_table,
+    train_step_for,
+    versions,
+    write_json,
+)
 
-from lmuscale.models import build, count_params, flops_per_token, named_config
+from lmuscale.models import count_params, flops_per_token, named_config
 from lmuscale.models.sizes import FAMILIES, SIZES
-from lmuscale.train import base_config, optim
 from lmuscale.train import step as step_lib
 from lmuscale.train.metrics import device_peak, mfu
 
 
-def compiled_figures(compiled) -> dict:
-    """XLA's own accounting of a compiled step: buffer sizes and bytes accessed (None if absent)."""
-    figures = {}
-    memory = compiled.memory_analysis()
-    if memory is not None:
-        for key in ("temp_size_in_bytes", "argument_size_in_bytes", "output_size_in_bytes"):
-            figures[key] = getattr(memory, key, None)
-    cost = compiled.cost_analysis()
-    cost = cost[0] if isinstance(cost, list | tuple) else cost
-    if cost:
-        figures["bytes_accessed"] = cost.get("bytes accessed")
-        figures["flops"] = cost.get("flops")
-    return figures
-
-
-def peak_bytes() -> int | None:
-    """The device's peak bytes in use so far in this process (None where not reported)."""
-    stats = jax.devices()[0].memory_stats()
-    return None if not stats else stats.get("peak_bytes_in_use")
+def parse_setting(text: str) -> tuple[str, object]:
+    """``KEY=VALUE`` with VALUE a Python literal (a bare word is a string)."""
+    key, sep, value = text.partition("=")
+    if not sep or not key:
+        raise argparse.ArgumentTypeError(f"expected KEY=VALUE, got {text!r}")
+    try:
+        return key, ast.literal_eval(value)
+    except (ValueError, SyntaxError):
+        return key, value
 
 
 def measure(
-    name: str, seq_len: int, batch: int, dtype: str, steps: int, peak, microbatches: int = 1
+    name: str,
+    seq_len: int,
+    batch: int,
+    dtype: str,
+    steps: int,
+    peak,
+    microbatches: int = 1,
+    settings: dict | None = None,
 ) -> dict:
     positions = {"max_len": seq_len} if name.startswith("transformer") else {}
-    config = named_config(name, dtype=dtype, **positions)
-    train = base_config(config)
-    model = build(config)
-    tx, lr = optim.optimizer(train.optim, train.train.steps)
-    init = step_lib.init_fn(model, tx, optim.plateau(train.optim), 0, seq_len)
-    mesh = step_lib.make_mesh(1)
+    config = named_config(name, dtype=dtype, **positions, **(settings or {}))
+    train_step, init, mesh, _ = train_step_for(config, seq_len)
     data = step_lib.data_parallel_size(mesh)
     batch = max(batch, data) // data * data
-    abstract = jax.eval_shape(init)
     state = step_lib.init_state(init, mesh)
-    train_step = step_lib.make_train_step(model, tx, lr, mesh, abstract)
     rng = np.random.default_rng(0)
     micro = max(1, min(microbatches, batch))
     batch = batch // micro * micro
@@ -98,6 +98,7 @@ def measure(
         "batch": batch,
         "microbatches": micro,
         "dtype": dtype,
+        "settings": settings or {},
         "non_embedding_params": count_params(config).non_embedding,
         "train_flops_per_token": flops.train,
         "step_seconds": seconds,
@@ -107,7 +108,7 @@ def measure(
         "mfu": mfu(speed, flops.train, mesh.devices.size, peak),
         "loss": float(metrics["loss"]),
         "compiled": figures,
-        "peak_bytes_in_use": peak_bytes(),
+        "peak_bytes_in_use": peak_memory(),
     }
 
 
@@ -120,6 +121,14 @@ def main() -> None:
     parser.add_argument("--dtype", default="bfloat16", choices=["float32", "bfloat16"])
     parser.add_argument("--steps", type=int, default=5)
     parser.add_argument("--microbatches", type=int, default=1, help="gradient accumulation")
+    parser.add_argument(
+        "--set",
+        nargs="+",
+        type=parse_setting,
+        default=[],
+        metavar="KEY=VALUE",
+        help="model config fields for every model (e.g. batch_chunk=0 memory_mode=fft)",
+    )
     parser.add_argument("--peak-flops", type=float, default=0.0, help="per device")
     parser.add_argument("--out", type=Path)
     args = parser.parse_args()
@@ -132,7 +141,14 @@ def main() -> None:
                 batch = max(1, args.tokens // seq_len)
                 try:
                     r = measure(
-                        name, seq_len, batch, args.dtype, args.steps, peak, args.microbatches
+                        name,
+                        seq_len,
+                        batch,
+                        args.dtype,
+                        args.steps,
+                        peak,
+                        args.microbatches,
+                        dict(args.set),
                     )
                 except Exception as error:  # an OOM on one model must not lose the others
                     r = {"model": name, "seq_len": seq_len, "batch": batch, "error": repr(error)}

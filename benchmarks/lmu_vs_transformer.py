@@ -1,0 +1,252 @@
+"""The LMU against the transformer of the same size, in one run: time, bytes and long sequences.
+
+    python benchmarks/lmu_vs_transformer.py [--pairs 7] [--long-lens 8192 65536]
+        [--memory-limit-gb 8] [--out FILE]
+
+1. time: forward+backward of the loss (jitted ``value_and_grad``) of lmu-1M and
+   transformer-1M on one 1024-token sequence, measured side by side: the two alternate
+   --pairs times after a warm-up pair, and the result is the median of the pairwise ratios (the
+   machine's drift cancels within a pair).
+2. bytes: XLA's ``cost_analysis()`` bytes accessed and ``memory_analysis()`` temporaries of
+   the compiled train step of ``lmuscale.train`` (Adam, schedule, norms, the chunked loss) at
+   (8, 1024), the LMU with ``batch_chunk = 0`` (no loop over the batch).
+3. long: lmu-55k and transformer-55k train steps on one sequence of each --long-lens, each in
+   its own child process. XLA's buffer estimate (temporaries + arguments + outputs) comes
+   from compiling; where it exceeds --memory-limit-gb the step is not run and the row says
+   so. Otherwise one step runs and the child's peak memory is reported (peak RSS on a CPU,
+   the device's peak bytes in use on an accelerator).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from common import (
+    compiled_figures,
+    machine,
+    peak_memory,
+    print_table,
+    train_step_for,
+    versions,
+    write_json,
+)
+
+from lmuscale.models import build, named_config
+from lmuscale.train import step as step_lib
+
+GB = 1e9
+
+
+def loss_and_grad(name: str, seq_len: int, **overrides):
+    """A timed call: forward+backward of ``name``'s loss on one random sequence."""
+    config = named_config(name, **overrides)
+    model = build(config)
+    rng = np.random.default_rng(0)
+    tokens = jnp.asarray(rng.integers(0, config.vocab_size, (1, seq_len + 1)), jnp.int32)
+    params = jax.jit(model.init)(jax.random.key(0), tokens[:, :4])
+    grad = jax.jit(
+        jax.value_and_grad(
+            lambda p: model.apply(p, tokens[:, :-1], tokens[:, 1:], method=model.loss)[0]
+        )
+    )
+    jax.block_until_ready(grad(params))
+
+    def run() -> float:
+        start = time.perf_counter()
+        jax.block_until_ready(grad(params))
+        return time.perf_counter() - start
+
+    return run
+
+
+def time_ratio(pairs: int) -> dict:
+    lmu = loss_and_grad("lmu-1M", 1024)
+    transformer = loss_and_grad("transformer-1M", 1024)
+    lmu(), transformer()  # the first calls after compiling run slow on a CPU: not counted
+    lmu_s, transformer_s = [], []
+    for _ in range(pairs):
+        lmu_s.append(lmu())
+        transformer_s.append(transformer())
+    ratios = [a / b for a, b in zip(lmu_s, transformer_s, strict=True)]
+    return {
+        "lmu_s": lmu_s,
+        "transformer_s": transformer_s,
+        "ratios": ratios,
+        "median_ratio": statistics.median(ratios),
+    }
+
+
+def compiled_step(name: str, batch: int, seq_len: int, **overrides):
+    """The compiled train step of ``lmuscale.train`` and a state and batch to run it on."""
+    positions = {"max_len": seq_len} if name.startswith("transformer") else {}
+    config = named_config(name, **positions, **overrides)
+    train_step, init, mesh, abstract = train_step_for(config, seq_len)
+    tokens = jax.ShapeDtypeStruct(
+        (1, batch, seq_len + 1), jnp.int32, sharding=step_lib.batch_sharding(mesh, 3, axis=1)
+    )
+    shardings = step_lib.state_shardings(mesh, abstract)
+    state = jax.tree.map(
+        lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s), abstract, shardings
+    )
+    compiled = train_step.lower(state, tokens).compile()
+
+    def make_inputs():
+        rng = np.random.default_rng(0)
+        rows = rng.integers(0, config.vocab_size, tokens.shape, dtype=np.int32)
+        return step_lib.init_state(init, mesh), step_lib.to_global(rows, tokens.sharding)
+
+    return compiled, make_inputs
+
+
+def analysis(compiled) -> dict:
+    figures = compiled_figures(compiled)
+    return {
+        "bytes_accessed": figures["bytes_accessed"],
+        "flops": figures["flops"],
+        "temp_bytes": figures["temp_size_in_bytes"],
+        "buffer_bytes": figures["temp_size_in_bytes"]
+        + figures["argument_size_in_bytes"]
+        + figures["output_size_in_bytes"],
+    }
+
+
+def bytes_ratio() -> dict:
+    lmu = analysis(compiled_step("lmu-1M", 8, 1024, batch_chunk=0)[0])
+    transformer = analysis(compiled_step("transformer-1M", 8, 1024)[0])
+    ratio = lmu["bytes_accessed"] / transformer["bytes_accessed"]
+    return {"lmu": lmu, "transformer": transformer, "ratio": ratio}
+
+
+def long_child(name: str, seq_len: int, limit_bytes: float) -> dict:
+    start = time.perf_counter()
+    compiled, make_inputs = compiled_step(name, 1, seq_len)
+    record = {"model": name, "seq_len": seq_len, "compile_s": time.perf_counter() - start}
+    record.update(analysis(compiled))
+    if record["buffer_bytes"] > limit_bytes:
+        record["ran"] = False
+        return record
+    state, tokens = make_inputs()
+    start = time.perf_counter()
+    state, metrics = compiled(state, tokens)
+    jax.block_until_ready(metrics)
+    record.update(
+        ran=True,
+        step_s=time.perf_counter() - start,
+        loss=float(metrics["loss"]),
+        peak_bytes=peak_memory(),
+    )
+    return record
+
+
+def long_sequences(lengths: list[int], limit_bytes: float) -> list[dict]:
+    records = []
+    for seq_len in lengths:
+        for name in ("lmu-55k", "transformer-55k"):
+            command = [sys.executable, __file__, "--child", name, str(seq_len), str(limit_bytes)]
+            done = subprocess.run(command, stdout=subprocess.PIPE, text=True, check=False)
+            if done.returncode:
+                record = {"model": name, "seq_len": seq_len, "error": f"exit {done.returncode}"}
+            else:
+                record = json.loads(done.stdout.strip().splitlines()[-1])
+            records.append(record)
+            print(f"  {name} n={seq_len}: {record}", file=sys.stderr, flush=True)
+    return records
+
+
+def show(result: dict, limit_gb: float) -> None:
+    t = result["time"]
+    print_table(
+        "lmu-1M / transformer-1M, forward+backward at (1, 1024), alternating",
+        ("lmu s (median)", "transformer s (median)", "median of pairwise ratios"),
+        [
+            (
+                f"{statistics.median(t['lmu_s']):.3f}",
+                f"{statistics.median(t['transformer_s']):.3f}",
+                f"{t['median_ratio']:.2f}",
+            )
+        ],
+        left=0,
+    )
+    b = result["bytes"]
+    print_table(
+        "train step at (8, 1024), XLA's cost and memory analysis",
+        ("model", "bytes accessed GB", "GFLOP", "temporaries GB"),
+        [
+            (
+                name,
+                f"{b[key]['bytes_accessed'] / GB:.2f}",
+                f"{b[key]['flops'] / 1e9:.0f}",
+                f"{b[key]['temp_bytes'] / GB:.2f}",
+            )
+            for name, key in (("lmu-1M", "lmu"), ("transformer-1M", "transformer"))
+        ]
+        + [("ratio", f"{b['ratio']:.2f}", "", "")],
+    )
+    rows = []
+    for r in result["long"]:
+        if "error" in r:
+            rows.append((r["model"], r["seq_len"], "-", "-", "-", r["error"]))
+            continue
+        peak = r.get("peak_bytes")
+        rows.append(
+            (
+                r["model"],
+                f"{r['seq_len']:,}",
+                f"{r['buffer_bytes'] / GB:.2f}",
+                f"{r['step_s']:.1f}" if r["ran"] else "-",
+                "-" if not r["ran"] or peak is None else f"{peak / GB:.2f}",
+                "ran" if r["ran"] else f"does not fit in {limit_gb:g} GB (estimate)",
+            )
+        )
+    print_table(
+        "one train step on one long sequence",
+        ("model", "n", "XLA estimate GB", "step s", "peak GB", ""),
+        rows,
+    )
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--pairs", type=int, default=7)
+    parser.add_argument("--long-lens", nargs="*", type=int, default=[8192, 65536])
+    parser.add_argument("--memory-limit-gb", type=float, default=8.0)
+    parser.add_argument("--out", type=Path, default=None)
+    parser.add_argument("--child", nargs=3, help=argparse.SUPPRESS)
+    args = parser.parse_args(argv)
+    if args.child:
+        name, seq_len, limit = args.child
+        print(json.dumps(long_child(name, int(seq_len), float(limit))))
+        return
+    info = machine()
+    default = f"lmu_vs_transformer-{info['platform']}.json"
+    out = args.out or Path(__file__).parent / "results" / default
+    result = {
+        "time": time_ratio(args.pairs),
+        "bytes": bytes_ratio(),
+        "long": long_sequences(args.long_lens, args.memory_limit_gb * GB),
+    }
+    show(result, args.memory_limit_gb)
+    write_json(
+        out,
+        {
+            "benchmark": "lmu_vs_transformer",
+            "date": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+            "machine": info,
+            "versions": versions(),
+            "args": {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()},
+            **result,
+        },
+    )
+
+
+if __name__ == "__main__":
+    main()
