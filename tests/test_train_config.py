@@ -156,3 +156,15 @@ def test_resuming_another_config_is_refused_but_log_settings_may_change(tmp_path
     other = override(load(f"{OWT2}:tiny"), ["optim.learning_rate=0.01"])
     with pytest.raises(ConfigError, match=r"optim\.learning_rate: 0\.003 -> 0\.01"):
         check_workdir(other, tmp_path)
+
+
+def test_a_run_saved_before_the_memory_modes_resumes_with_the_fft_memory(tmp_path):
+    # Runs saved before memory_mode existed computed the LMU memory by FFT.
+    config = load(f"{OWT2}:tiny")
+    saved = config.to_dict()
+    del saved["model"]["memory_mode"], saved["model"]["memory_chunk"]
+    (tmp_path / "checkpoints" / "200").mkdir(parents=True)
+    (tmp_path / "config.json").write_text(json.dumps(saved))
+    with pytest.raises(ConfigError, match=r"model\.memory_mode: 'fft' -> 'chunked'"):
+        check_workdir(config, tmp_path)
+    check_workdir(override(load(f"{OWT2}:tiny"), ["model.memory_mode=fft"]), tmp_path)

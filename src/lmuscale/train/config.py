@@ -19,6 +19,7 @@ from pathlib import Path
 
 from ml_collections import ConfigDict
 
+from lmuscale.lmu import DEFAULT_CHUNK
 from lmuscale.models import (
     LMUConfig,
     LSTMConfig,
@@ -308,8 +309,21 @@ def to_json(config: ConfigDict) -> str:
     return json.dumps(config.to_dict(), indent=2, sort_keys=True) + "\n"
 
 
+# Keys added after runs were saved, with the value that reproduces what those runs did: an LMU
+# before memory_mode existed computed its memory by FFT.
+LEGACY_VALUES = {"model.memory_mode": "fft", "model.memory_chunk": DEFAULT_CHUNK}
+
+
+def saved_flat(saved: dict) -> dict:
+    """A saved config.json flattened, with the keys it predates filled in as it ran."""
+    flat = flatten(saved)
+    if flat.get("model.family") in ("lmu", "lmu_g"):
+        flat = {**LEGACY_VALUES, **flat}
+    return flat
+
+
 def differences(saved: dict, config: ConfigDict) -> list[str]:
     """Keys whose value differs from a saved config.json and would change the run."""
-    old, new = flatten(saved), flatten(config)
+    old, new = saved_flat(saved), flatten(config)
     changed = sorted(k for k in set(old) | set(new) if old.get(k) != new.get(k))
     return [k for k in changed if not k.startswith(RESUMABLE_CHANGES)]

@@ -180,7 +180,7 @@ def check_workdir(c: ConfigDict, workdir: Path) -> None:
         raise config_lib.ConfigError(f"{saved}: not JSON ({error})") from None
     changed = config_lib.differences(old, c)
     if changed:
-        old_flat, new_flat = config_lib.flatten(old), config_lib.flatten(c)
+        old_flat, new_flat = config_lib.saved_flat(old), config_lib.flatten(c)
         listed = "; ".join(f"{k}: {old_flat.get(k)!r} -> {new_flat.get(k)!r}" for k in changed)
         raise config_lib.ConfigError(
             f"{workdir} holds checkpoints of a run with another config ({listed}); use a new "
