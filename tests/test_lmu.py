@@ -319,6 +319,34 @@ def test_chunked_memory_in_pieces_equals_the_whole_and_continues_a_scan():
     assert relative_error(final, np.asarray(scanned[:, -1], np.float64)) <= CHUNKED_TOLERANCE
 
 
+def test_chunked_memory_of_one_step_chunks_and_of_an_empty_batch():
+    rng = np.random.default_rng(14)
+    u = random_u(rng, 2, 9, 3)
+    reference = lmu.memory_reference(u, 6, 8.0)
+    y, state = lmu.memory_chunked(jnp.asarray(u), 6, 8.0, chunk=1)
+    assert relative_error(y, reference) <= CHUNKED_TOLERANCE
+    assert relative_error(state, reference[:, -1]) <= CHUNKED_TOLERANCE
+    y, state = lmu.memory_chunked(jnp.zeros((0, 9, 3)), 6, 8.0, np.ones((2, 6)), chunk=4)
+    assert y.shape == (0, 9, 3, 2) and state.shape == (0, 3, 6)
+
+
+def test_fast_precision_leaves_the_carried_state_exact():
+    # Only the output products run as one bf16 pass; the state is carried at float32 accuracy.
+    rng = np.random.default_rng(15)
+    order, theta = 50, 100.0
+    u = random_u(rng, 2, 512, 3)
+    reference = lmu.memory_reference(u, order, theta)[:, -1]
+    m0 = jnp.asarray(rng.standard_normal((2, 3, order)), jnp.float32)
+    exact_from_m0 = lmu.memory_chunked(jnp.asarray(u), order, theta, m0_BxCxQ=m0)[1]
+    for precision in lmu.PRECISIONS:
+        _, state = lmu.memory_chunked(jnp.asarray(u), order, theta, precision=precision)
+        assert relative_error(state, reference) <= CHUNKED_TOLERANCE, precision
+        _, state = lmu.memory_chunked(
+            jnp.asarray(u), order, theta, m0_BxCxQ=m0, precision=precision
+        )
+        np.testing.assert_allclose(state, exact_from_m0, rtol=0, atol=1e-5)
+
+
 def test_chunked_gradients_equal_the_fft_path_in_float64():
     rng = np.random.default_rng(12)
     n, order, theta, chunk = 150, 40, 50.0, 16
@@ -338,6 +366,24 @@ def test_chunked_gradients_equal_the_fft_path_in_float64():
         got = jax.grad(chunked, argnums=(0, 1))(u, l_KxQ)
         for name, g, w in zip(("u", "L"), got, want, strict=True):
             assert g.dtype == jnp.float64, name
+            assert relative_error(g, np.asarray(w)) <= 1e-8, name
+
+        # The full memory (L = None) from a carried state m0, against the recurrence.
+        abar, bbar = lmu.discretize(order, theta)
+        m0 = jnp.asarray(rng.standard_normal((2, 3, order)))
+        full_weights = jnp.asarray(rng.standard_normal((2, n, 3, order)))
+
+        def scan(u, m0):
+            m = lmu.memory_scan(u, abar, bbar, m0)
+            return jnp.sum(m * full_weights) + jnp.sum(m[:, -1] * full_weights[:, -1])
+
+        def full(u, m0):
+            y, state = lmu.memory_chunked(u, order, theta, m0_BxCxQ=m0, chunk=chunk)
+            return jnp.sum(y * full_weights) + jnp.sum(state * full_weights[:, -1])
+
+        want = jax.grad(scan, argnums=(0, 1))(u, m0)
+        got = jax.grad(full, argnums=(0, 1))(u, m0)
+        for name, g, w in zip(("u", "m0"), got, want, strict=True):
             assert relative_error(g, np.asarray(w)) <= 1e-8, name
 
 

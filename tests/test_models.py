@@ -500,7 +500,7 @@ def test_training_step_of_the_1m_model_fits_in_4gb():
 
 @pytest.mark.parametrize("family", ["lmu", "lmu_g"])
 def test_execution_options_change_nothing_but_speed_and_memory(family):
-    # Batch chunks, remat, the FFT memory and other chunk lengths (4 leaves a ragged last
+    # Batch chunks, remat, the FFT memory and another chunk length (3 leaves a ragged last
     # chunk of the 20 positions) compute the same function as the default.
     config = tiny(family, batch_chunk=0)
     tokens = random_tokens(config, 5, 21)

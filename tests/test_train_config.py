@@ -6,10 +6,12 @@ import json
 from pathlib import Path
 
 import pytest
+from ml_collections import ConfigDict
 
 from lmuscale.models import NAMES, named_config
 from lmuscale.train import ConfigError, load, model_config, override
 from lmuscale.train.__main__ import main, parse
+from lmuscale.train.config import check, upgrade
 from lmuscale.train.loop import check_workdir
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -168,3 +170,16 @@ def test_a_run_saved_before_the_memory_modes_resumes_with_the_fft_memory(tmp_pat
     with pytest.raises(ConfigError, match=r"model\.memory_mode: 'fft' -> 'chunked'"):
         check_workdir(config, tmp_path)
     check_workdir(override(load(f"{OWT2}:tiny"), ["model.memory_mode=fft"]), tmp_path)
+
+
+def test_configs_saved_before_the_memory_modes_are_upgraded_to_the_fft_memory():
+    saved = load(f"{OWT2}:tiny").to_dict()
+    del saved["model"]["memory_mode"], saved["model"]["memory_chunk"]
+    with pytest.raises(ConfigError, match="memory_mode"):
+        check(ConfigDict(saved))  # what a sweep worker would meet without the upgrade
+    upgraded = upgrade(saved)
+    check(ConfigDict(upgraded))
+    assert upgraded["model"]["memory_mode"] == "fft"
+    assert "memory_mode" not in saved["model"]  # the saved dict is not modified
+    transformer = load(f"{OWT2}:transformer-55k").to_dict()
+    assert upgrade(transformer) == transformer

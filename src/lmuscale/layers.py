@@ -73,14 +73,16 @@ def _wide(dtype):
 
 def _attend(q_xDxK, k_xDxK, v_xDxK, bias_3xK, p_K, dtype):
     """The forward pass of ``implicit_attention``: ``(m_xD, (weights_xKxK, w_xK))``."""
-    q, k, v = (
-        gelu(pre.astype(dtype) + b.astype(dtype))
-        for pre, b in zip((q_xDxK, k_xDxK, v_xDxK), bias_3xK, strict=True)
+    gq_xDxK, gk_xDxK, gv_xDxK = (
+        gelu(x.astype(dtype) + b.astype(dtype))
+        for x, b in zip((q_xDxK, k_xDxK, v_xDxK), bias_3xK, strict=True)
     )
-    scores_xKxK = jnp.einsum("...di,...dj->...ij", q, k, preferred_element_type=_wide(dtype))
-    weights_xKxK = jax.nn.softmax(scores_xKxK / math.sqrt(q.shape[-2]), axis=-1)
+    scores_xKxK = jnp.einsum(
+        "...di,...dj->...ij", gq_xDxK, gk_xDxK, preferred_element_type=_wide(dtype)
+    )
+    weights_xKxK = jax.nn.softmax(scores_xKxK / math.sqrt(q_xDxK.shape[-2]), axis=-1)
     w_xK = jnp.einsum("...ij,i->...j", weights_xKxK, p_K.astype(_wide(dtype)))
-    return jnp.einsum("...dj,...j->...d", v, w_xK.astype(dtype)), (weights_xKxK, w_xK)
+    return jnp.einsum("...dj,...j->...d", gv_xDxK, w_xK.astype(dtype)), (weights_xKxK, w_xK)
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(5,))
@@ -89,16 +91,17 @@ def implicit_attention(q_xDxK, k_xDxK, v_xDxK, bias_3xK, p_K, dtype):
 
     ``Q = gelu(L1 M + b1)``, and K, V likewise. The read-out is collapsed:
     ``w = p softmax(Q K^T / sqrt(d))`` is a q'-vector and ``m = V^T w``, so the q' x d matrix
-    ``M' = softmax(...) V`` of eq 9 is never formed. The backward pass is written by hand: it
-    keeps only the pre-activations (the memory's outputs, which exist anyway) and the
-    (q' x q') softmax weights, and recomputes Q, K, V where their gradients are formed.
+    ``M' = softmax(...) V`` of eq 9 is never formed. The backward pass is written by hand: of
+    the (positions x d x q')-sized arrays it keeps only the inputs (the memory's outputs, which
+    exist anyway), with the (q' x q') softmax weights and w, and recomputes gelu(Q), gelu(K),
+    gelu(V) where their gradients are formed. (A custom VJP has no forward-mode derivative.)
 
     Args:
       q_xDxK, k_xDxK, v_xDxK: ``L_i M`` for each position (leading axes ...), the d channels
         on the second-to-last axis and the reduced order on the last.
       bias_3xK: one bias per row of each L_i.
       p_K: the readout p of eq 10.
-      dtype: the compute dtype of Q, K, V; scores, softmax and w are float32.
+      dtype: the compute dtype of Q, K, V; scores, softmax and w are float32 (or wider).
 
     Returns:
       ``m_xD``, one d-vector per position, in ``dtype``.
@@ -112,24 +115,30 @@ def _implicit_attention_fwd(q_xDxK, k_xDxK, v_xDxK, bias_3xK, p_K, dtype):
 
 
 def _implicit_attention_bwd(dtype, residuals, dm_xD):
-    *pres, bias_3xK, p_K, weights_xKxK, w_xK = residuals
-    pres = [pre.astype(dtype) + b.astype(dtype) for pre, b in zip(pres, bias_3xK, strict=True)]
-    q, k, v = (gelu(pre) for pre in pres)
+    *inputs, bias_3xK, p_K, weights_xKxK, w_xK = residuals
+    pre_3xxDxK = [x.astype(dtype) + b.astype(dtype) for x, b in zip(inputs, bias_3xK, strict=True)]
+    gq_xDxK, gk_xDxK, gv_xDxK = (gelu(pre) for pre in pre_3xxDxK)
     dm_xD = dm_xD.astype(dtype)
-    # m = V^T w, w = p softmax(scores), scores = Q^T K / sqrt(d).
-    dv = dm_xD[..., :, None] * w_xK.astype(dtype)[..., None, :]
-    dw_xK = jnp.einsum("...d,...dj->...j", dm_xD, v, preferred_element_type=_wide(dtype))
+    # m = gelu(V)^T w, w = p softmax(scores), scores = gelu(Q)^T gelu(K) / sqrt(d).
+    dgv_xDxK = dm_xD[..., :, None] * w_xK.astype(dtype)[..., None, :]
+    dw_xK = jnp.einsum("...d,...dj->...j", dm_xD, gv_xDxK, preferred_element_type=_wide(dtype))
     positions = tuple(range(weights_xKxK.ndim - 2))
     dp_K = jnp.einsum("...ij,...j->...i", weights_xKxK, dw_xK).sum(positions)
     dweights_xKxK = p_K.astype(_wide(dtype))[:, None] * dw_xK[..., None, :]
-    inner = jnp.sum(weights_xKxK * dweights_xKxK, axis=-1, keepdims=True)
-    dscores_xKxK = (weights_xKxK * (dweights_xKxK - inner) / math.sqrt(q.shape[-2])).astype(dtype)
-    dq = jnp.einsum("...ij,...dj->...di", dscores_xKxK, k)
-    dk = jnp.einsum("...ij,...di->...dj", dscores_xKxK, q)
-    dpres = [g * gelu_grad(pre) for g, pre in zip((dq, dk, dv), pres, strict=True)]
-    dbias_3xK = jnp.stack([d.astype(_wide(dtype)).sum(tuple(range(d.ndim - 1))) for d in dpres])
+    inner_xKx1 = jnp.sum(weights_xKxK * dweights_xKxK, axis=-1, keepdims=True)
+    scale = 1.0 / math.sqrt(gq_xDxK.shape[-2])
+    dscores_xKxK = (weights_xKxK * (dweights_xKxK - inner_xKx1) * scale).astype(dtype)
+    dgq_xDxK = jnp.einsum("...ij,...dj->...di", dscores_xKxK, gk_xDxK)
+    dgk_xDxK = jnp.einsum("...ij,...di->...dj", dscores_xKxK, gq_xDxK)
+    dpre_3xxDxK = [
+        g * gelu_grad(pre)
+        for g, pre in zip((dgq_xDxK, dgk_xDxK, dgv_xDxK), pre_3xxDxK, strict=True)
+    ]
+    dbias_3xK = jnp.stack(
+        [d.astype(_wide(dtype)).sum(tuple(range(d.ndim - 1))) for d in dpre_3xxDxK]
+    )
     return (
-        *(d.astype(r.dtype) for d, r in zip(dpres, residuals[:3], strict=True)),
+        *(d.astype(x.dtype) for d, x in zip(dpre_3xxDxK, inputs, strict=True)),
         dbias_3xK.astype(bias_3xK.dtype),
         dp_K.astype(p_K.dtype),
     )
@@ -194,11 +203,7 @@ class ImplicitSelfAttention(nn.Module):
             # are separate arrays rather than slices of one.
             precision = "fast" if jnp.dtype(self.dtype) == jnp.bfloat16 else "exact"
             x_BxJxDxZ, _ = lmu.chunk_operands(
-                x_BxTxD.astype(jnp.float32),
-                self.order,
-                self.theta,
-                chunk=self.memory_chunk,
-                precision=precision,
+                x_BxTxD.astype(jnp.float32), self.order, self.theta, chunk=self.memory_chunk
             )
             c = x_BxJxDxZ.shape[-1] - self.order
             # The attention computes in self.dtype, so a bf16 model takes bf16 outputs.

@@ -447,11 +447,12 @@ def _doubling_steps(chunk: int) -> list[int]:
     return steps
 
 
-def _exact_precision():
-    # True float32 on CPU. On a GPU, HIGHEST would run float32 matmuls off the tensor cores;
-    # three bf16 passes (hi*hi + hi*lo + lo*hi) keep float32 accuracy (PERF.md: 2e-5 max
-    # relative error at n 1024, q 220) on the tensor cores.
-    if jax.default_backend() == "cpu":
+def _exact_precision(dtype=jnp.float32):
+    # True float32 (or float64) on CPU. On a GPU, HIGHEST would run float32 matmuls off the
+    # tensor cores; three bf16 passes (hi*hi + hi*lo + lo*hi) keep float32 accuracy on them
+    # (1.1e-5 of max|m| at most at the paper's largest layer on an H100, and 1.7x faster than
+    # HIGHEST there: benchmarks/lmu_precision.py, lmu_memory.py). float64 stays float64.
+    if jax.default_backend() == "cpu" or jnp.dtype(dtype) == jnp.float64:
         return lax.Precision.HIGHEST
     return lax.DotAlgorithmPreset.BF16_BF16_F32_X3
 
@@ -468,41 +469,36 @@ def _contract(spec: str, a, b, precision: str, out_dtype=None):
         return jnp.einsum(
             spec, a.astype(jnp.bfloat16), b.astype(jnp.bfloat16), preferred_element_type=out_dtype
         )
-    return jnp.einsum(spec, a, b, precision=_exact_precision(), preferred_element_type=out_dtype)
+    precision = _exact_precision(_compute_dtype(a.dtype, b.dtype))
+    return jnp.einsum(spec, a, b, precision=precision, preferred_element_type=out_dtype)
 
 
 def _exact(spec: str, a, b):
     return _contract(spec, a, b, "exact")
 
 
-def chunk_operands(
-    u_BxTxC,
-    order: int,
-    theta: float,
-    m0_BxCxQ=None,
-    *,
-    chunk: int = DEFAULT_CHUNK,
-    precision: str = "exact",
-):
+def chunk_operands(u_BxTxC, order: int, theta: float, m0_BxCxQ=None, *, chunk: int = DEFAULT_CHUNK):
     """The per-chunk operand of ``memory_chunked``: each chunk's inputs and carried state.
 
     Cuts T into J chunks of c = min(chunk, T) steps (the last one zero-padded), computes each
     chunk's local end state ``s_j = sum_s H[c-1-s] u_{j,s}``, passes the state across chunks
     (``m_{j+1} = Abar^c m_j + s_j``, a ``lax.scan`` over J) and stacks, per channel, the chunk's
     c inputs and the Q-vector ``m_j`` carried into it. One operand serves any number of
-    projections L (``chunk_weights``): the implicit attention's Q, K and V share it.
+    projections L (``chunk_weights``): the implicit attention's Q, K and V share it. Every
+    contraction here runs at float32 accuracy whatever the product's precision: the state is
+    carried across the whole sequence.
 
     Returns:
       ``(x_BxJxCxZ, m_BxCxQ)``: the operand (Z = c + Q: ``[u_{j,0..c-1}; m_j]``) and the state
       after the last input, both in the compute dtype (float32; float64 for float64 input).
     """
     _check_input(u_BxTxC)
-    if precision not in PRECISIONS:
-        raise ValueError(f"precision must be one of {PRECISIONS}, got {precision!r}")
     order, theta = _check_order(order), _check_theta(theta)
     batch, n, channels = u_BxTxC.shape
     if n == 0:
-        raise ValueError("the memory input must have at least one time step")
+        raise ValueError(
+            f"the memory input must have at least one time step, got shape {u_BxTxC.shape}"
+        )
     c = min(_check_count("chunk", chunk), n)
     dtype = _compute_dtype(u_BxTxC.dtype)
     m0_BxCxQ = _initial_state(m0_BxCxQ, (batch, channels, order), dtype)
@@ -514,9 +510,8 @@ def chunk_operands(
 
     # The state passing is sequential, but only J = T / c steps long.
     hrev_cxQ = jnp.asarray(h_cxQ[::-1].copy(), dtype)
-    ends_JxBxCxQ = jnp.swapaxes(
-        _contract("bjsc,sq->bjcq", u_BxJxcxC[:, :-1], hrev_cxQ, precision), 0, 1
-    )
+    # End states of every chunk but the last (which only the final state needs).
+    ends_JxBxCxQ = jnp.swapaxes(_exact("bjsc,sq->bjcq", u_BxJxcxC[:, :-1], hrev_cxQ), 0, 1)
     abar_c_QxQ = jnp.asarray(_abar_power(order, theta, c), dtype)
 
     def pass_state(m_BxCxQ, end_BxCxQ):
@@ -590,10 +585,11 @@ def chunk_product(x_BxJxCxZ, w_ZxcxK, length: int, precision: str = "exact", out
     out_dtype = x_BxJxCxZ.dtype if out_dtype is None else out_dtype
     if precision not in PRECISIONS:
         raise ValueError(f"precision must be one of {PRECISIONS}, got {precision!r}")
-    batch, _, channels, _ = x_BxJxCxZ.shape
+    batch, chunks, channels, _ = x_BxJxCxZ.shape
+    _, c, width = w_ZxcxK.shape
     y_BxJxCxcxK = _contract("bjcz,ztk->bjctk", x_BxJxCxZ, w_ZxcxK, precision, out_dtype)
     y_BxJxcxCxK = jnp.swapaxes(y_BxJxCxcxK, 2, 3)
-    return y_BxJxcxCxK.reshape(batch, -1, channels, w_ZxcxK.shape[-1])[:, :length]
+    return y_BxJxcxCxK.reshape(batch, chunks * c, channels, width)[:, :length]
 
 
 def memory_chunked(
@@ -621,8 +617,8 @@ def memory_chunked(
       (``chunk_operands``).
 
     The constants (H, powers of Abar) are computed in float64 once per (order, theta, chunk)
-    and cast. The carried state is float32 (float64 for float64 input) and its update always
-    runs at float32 accuracy, in either precision.
+    and cast. The carried state is float32 (float64 for float64 input) and is computed at
+    float32 accuracy in either precision; "fast" applies to the output products only.
     Gradients are JAX's own: each contraction's transpose, the state scan run backwards.
 
     Args:
@@ -631,16 +627,18 @@ def memory_chunked(
       l_KxQ: the projection L acting on the order axis (K = q' rows); None for the full memory.
       m0_BxCxQ: the state before the first input (default zeros).
       chunk: c, steps per chunk; any T works (a ragged last chunk, or T < c).
-      precision: "exact" (float32 accuracy: true float32 on CPU, three bf16 passes on a GPU) or
-        "fast" (one bf16 pass on the tensor cores, for bf16 models). See PERF.md for the errors.
+      precision: of the output products. "exact": float32 accuracy (true float32 on CPU,
+        three bf16 passes on a GPU), within 1e-6 (CPU) and 1.1e-5 (H100) of max|m| from the
+        float64 recurrence at the paper's largest layer. "fast": one bf16 pass, for bf16
+        models, about 3e-3 of max|m| (benchmarks/lmu_precision.py prints the table).
 
     Returns:
       ``(y_BxTxCxK, m_BxCxQ)``: the outputs (K = Q without L) and the state after the last
       input, from which a later call continues; float32 (float64 for float64 input).
     """
-    x_BxJxCxZ, final_BxCxQ = chunk_operands(
-        u_BxTxC, order, theta, m0_BxCxQ, chunk=chunk, precision=precision
-    )
+    if precision not in PRECISIONS:
+        raise ValueError(f"precision must be one of {PRECISIONS}, got {precision!r}")
+    x_BxJxCxZ, final_BxCxQ = chunk_operands(u_BxTxC, order, theta, m0_BxCxQ, chunk=chunk)
     c = x_BxJxCxZ.shape[-1] - order
     w_ZxcxK = chunk_weights(order, theta, c, l_KxQ, dtype=x_BxJxCxZ.dtype)
     return chunk_product(x_BxJxCxZ, w_ZxcxK, u_BxTxC.shape[1], precision), final_BxCxQ

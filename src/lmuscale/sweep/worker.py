@@ -56,7 +56,7 @@ def train(folder: Path) -> int:
     from ml_collections import ConfigDict
 
     from lmuscale.train import TrainingDiverged, TrainingInterrupted, run
-    from lmuscale.train.config import check
+    from lmuscale.train.config import check, upgrade
 
     lock = TrialLock(folder)
     # A runner's status check holds the lock for an instant: try a few times before giving up.
@@ -74,7 +74,7 @@ def train(folder: Path) -> int:
         (folder / ERROR).unlink(missing_ok=True)
         _attempt(folder, {"event": "start"})
         try:
-            config = ConfigDict(json.loads((folder / TRIAL).read_text())["config"])
+            config = ConfigDict(upgrade(json.loads((folder / TRIAL).read_text())["config"]))
             check(config, where=str(folder / TRIAL))
             config.lock()
             summary = run(config, folder, progress=False)

@@ -309,17 +309,23 @@ def to_json(config: ConfigDict) -> str:
     return json.dumps(config.to_dict(), indent=2, sort_keys=True) + "\n"
 
 
-# Keys added after runs were saved, with the value that reproduces what those runs did: an LMU
-# before memory_mode existed computed its memory by FFT.
-LEGACY_VALUES = {"model.memory_mode": "fft", "model.memory_chunk": DEFAULT_CHUNK}
+# Model keys added after runs were saved, with the values that reproduce what those runs did:
+# an LMU saved before memory_mode existed computed its memory by FFT.
+LEGACY_MODEL_VALUES = {"memory_mode": "fft", "memory_chunk": DEFAULT_CHUNK}
+
+
+def upgrade(saved: dict) -> dict:
+    """A saved config (a config.json or a sweep trial's) with the keys it predates filled in
+    as it ran, so that it resumes the same run."""
+    model = saved.get("model", {})
+    if model.get("family") not in ("lmu", "lmu_g"):
+        return saved
+    return {**saved, "model": {**LEGACY_MODEL_VALUES, **model}}
 
 
 def saved_flat(saved: dict) -> dict:
-    """A saved config.json flattened, with the keys it predates filled in as it ran."""
-    flat = flatten(saved)
-    if flat.get("model.family") in ("lmu", "lmu_g"):
-        flat = {**LEGACY_VALUES, **flat}
-    return flat
+    """A saved config.json flattened, upgraded first."""
+    return flatten(upgrade(saved))
 
 
 def differences(saved: dict, config: ConfigDict) -> list[str]:
