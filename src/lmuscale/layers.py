@@ -197,7 +197,7 @@ class ImplicitSelfAttention(nn.Module):
         if self.memory_mode == "fft":
             h_TxQ = lmu.impulse_response(self.order, self.theta, x_BxTxD.shape[1], np.float32)
             l_3KxQ = self.l.reshape(3 * self.reduced_order, self.order)
-            pres = jnp.split(lmu.memory_reduced(x_BxTxD, h_TxQ, l_3KxQ), 3, axis=-1)
+            qkv_3xBxTxDxK = jnp.split(lmu.memory_reduced(x_BxTxD, h_TxQ, l_3KxQ), 3, axis=-1)
         else:
             # One chunk operand for the three projections; one product each, so Q, K and V
             # are separate arrays rather than slices of one.
@@ -207,7 +207,7 @@ class ImplicitSelfAttention(nn.Module):
             )
             c = x_BxJxDxZ.shape[-1] - self.order
             # The attention computes in self.dtype, so a bf16 model takes bf16 outputs.
-            pres = [
+            qkv_3xBxTxDxK = [
                 lmu.chunk_product(
                     x_BxJxDxZ,
                     lmu.chunk_weights(self.order, self.theta, c, l_KxQ),
@@ -217,7 +217,7 @@ class ImplicitSelfAttention(nn.Module):
                 )
                 for l_KxQ in self.l
             ]
-        return implicit_attention(*pres, self.bias, self.p, self.dtype)
+        return implicit_attention(*qkv_3xBxTxDxK, self.bias, self.p, self.dtype)
 
     def __call__(self, x_BxTxD):
         chunk = self.batch_chunk
