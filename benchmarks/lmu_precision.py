@@ -102,7 +102,7 @@ def main(argv: list[str] | None = None) -> None:
     default = lmu._exact_precision
     try:
         for name in algorithms:
-            lmu._exact_precision = lambda name=name: ALGORITHMS[name]
+            lmu._exact_precision = lambda dtype=None, name=name: ALGORITHMS[name]
             for kind, proj in (("full", None), ("reduced", l_KxQ)):
                 c = lmu.DEFAULT_CHUNK
                 result = jax.jit(

@@ -463,14 +463,15 @@ def _contract(spec: str, a, b, precision: str, out_dtype=None):
     The sums run in float32 at least; ``out_dtype`` is what the result is rounded to (default:
     the operands' dtype, at least float32).
     """
-    if out_dtype is None:
-        out_dtype = _compute_dtype(a.dtype, b.dtype)
+    dtype = _compute_dtype(a.dtype, b.dtype)
+    out_dtype = dtype if out_dtype is None else out_dtype
     if precision == "fast":
         return jnp.einsum(
             spec, a.astype(jnp.bfloat16), b.astype(jnp.bfloat16), preferred_element_type=out_dtype
         )
-    precision = _exact_precision(_compute_dtype(a.dtype, b.dtype))
-    return jnp.einsum(spec, a, b, precision=precision, preferred_element_type=out_dtype)
+    return jnp.einsum(
+        spec, a, b, precision=_exact_precision(dtype), preferred_element_type=out_dtype
+    )
 
 
 def _exact(spec: str, a, b):
@@ -636,8 +637,6 @@ def memory_chunked(
       ``(y_BxTxCxK, m_BxCxQ)``: the outputs (K = Q without L) and the state after the last
       input, from which a later call continues; float32 (float64 for float64 input).
     """
-    if precision not in PRECISIONS:
-        raise ValueError(f"precision must be one of {PRECISIONS}, got {precision!r}")
     x_BxJxCxZ, final_BxCxQ = chunk_operands(u_BxTxC, order, theta, m0_BxCxQ, chunk=chunk)
     c = x_BxJxCxZ.shape[-1] - order
     w_ZxcxK = chunk_weights(order, theta, c, l_KxQ, dtype=x_BxJxCxZ.dtype)
