@@ -153,9 +153,9 @@ def fit_saturating(
     """
     n, loss = _check(n, loss, None, form="saturating")
     problem = _LSEProblem(np.log(n), None, np.log(loss), delta=None)
-    theta = problem.best(problem.grid_starts(grid or SATURATING_GRID))
+    theta, restarts = problem.best(problem.grid_starts(grid or SATURATING_GRID))
     resamples = _resamples(np.stack([n], axis=1), 3, n_boot, seed)
-    samples = _natural(problem.bootstrap(resamples))
+    samples = _natural(problem.bootstrap(resamples, restarts))
     return _make_fit(
         "saturating", _natural(theta), problem.stderr(theta), samples, n_boot, ci, n, None, loss
     )
@@ -182,7 +182,7 @@ def fit_chinchilla(
     """
     n, loss, tokens = _check(n, loss, tokens, form="chinchilla")
     problem = _LSEProblem(np.log(n), np.log(tokens), np.log(loss), delta=delta)
-    theta = problem.best(problem.grid_starts(grid or CHINCHILLA_GRID))
+    theta, restarts = problem.best(problem.grid_starts(grid or CHINCHILLA_GRID))
     points = np.stack([n, tokens], axis=1)
     resamples = _resamples(
         points,
@@ -191,7 +191,7 @@ def fit_chinchilla(
         seed,
         need=lambda idx: len(set(tokens[idx])) > 2 and len(set(n[idx])) > 2,
     )
-    samples = _natural(problem.bootstrap(resamples))
+    samples = _natural(problem.bootstrap(resamples, restarts))
     stderr = samples.std(axis=0, ddof=1) if len(samples) >= 10 else np.full(5, np.nan)
     return _make_fit("chinchilla", _natural(theta), stderr, samples, n_boot, ci, n, tokens, loss)
 
@@ -293,7 +293,6 @@ class _LSEProblem:
     def __init__(self, x, z, y, delta):
         self.x, self.z, self.y, self.delta = x, z, y, delta
         self.keys = ("a", "alpha", "e") if z is None else ("a", "alpha", "b", "beta", "e")
-        self.restarts: list[np.ndarray] = []
 
     def subset(self, idx) -> _LSEProblem:
         """The problem on rows ``idx`` of the data: (n,) gives one problem, (R, n) gives R."""
@@ -354,9 +353,9 @@ class _LSEProblem:
         """Every combination of the grid's values, (S, K) in ``self.keys`` order."""
         return np.array(list(itertools.product(*(grid[k] for k in self.keys))), dtype=float)
 
-    def best(self, starts_SxK) -> np.ndarray:
+    def best(self, starts_SxK) -> tuple[np.ndarray, list[np.ndarray]]:
         """L-BFGS from every start at once, then the best few distinct ends polished by
-        scipy's L-BFGS-B; returns the lowest. Keeps the distinct optima as ``restarts``."""
+        scipy's L-BFGS-B. Returns (lowest, polished ends lowest first: ``bootstrap``'s restarts)."""
         theta, value = batched_lbfgs(self.values, starts_SxK)
         order = np.argsort(np.where(np.isfinite(value), value, np.inf))
         candidates: list[np.ndarray] = []
@@ -370,13 +369,12 @@ class _LSEProblem:
         if not candidates:
             raise FitError("no start of the optimiser reached a finite objective")
         polished = sorted((self.polish(t) for t in candidates), key=lambda item: item[1])
-        self.restarts = [t for t, _ in polished]
-        return polished[0][0]
+        return polished[0][0], [t for t, _ in polished]
 
-    def bootstrap(self, resamples_RxN) -> np.ndarray:
-        """Refit every resample at once, L-BFGS from each of ``restarts``; (R, K) thetas of
-        the best restart per resample."""
-        starts = np.array(self.restarts)
+    def bootstrap(self, resamples_RxN, restarts) -> np.ndarray:
+        """Refit every resample at once, L-BFGS from each of ``restarts`` (the thetas ``best``
+        returns); (R, K) thetas of the best restart per resample."""
+        starts = np.array(restarts)
         count, k = len(starts), starts.shape[1]
         if len(resamples_RxN) == 0:
             return np.zeros((0, k))
@@ -405,6 +403,7 @@ class _LSEProblem:
 
 
 HALVINGS = 6
+_dot = functools.partial(np.einsum, "ij,ij->i")  # row by row: (A, K) and (A, K) -> (A,)
 
 
 def batched_lbfgs(fun, theta_SxK, *, memory=10, max_iter=300, gtol=1e-10, ftol=1e-10):
@@ -418,14 +417,11 @@ def batched_lbfgs(fun, theta_SxK, *, memory=10, max_iter=300, gtol=1e-10, ftol=1
     Returns (theta (S, K), values (S,)).
     """
     theta = np.array(theta_SxK, dtype=float)
-    s_count, k = theta.shape
-    dot = functools.partial(np.einsum, "ij,ij->i")
     with np.errstate(all="ignore"):
         value, grad = fun(theta, None)
-        s_hist = np.zeros((memory, s_count, k))
-        y_hist = np.zeros((memory, s_count, k))
-        rho = np.zeros((memory, s_count))
-        fresh = np.ones(s_count, dtype=bool)  # no history yet: steepest descent, short step
+        s_hist, y_hist = np.zeros((memory, *theta.shape)), np.zeros((memory, *theta.shape))
+        rho = np.zeros((memory, len(theta)))
+        fresh = np.ones(len(theta), dtype=bool)  # no history yet: steepest descent, short step
         active = np.isfinite(value) & np.all(np.isfinite(grad), axis=1)
         for it in range(max_iter):
             active &= np.max(np.abs(grad), axis=1) > gtol
@@ -433,66 +429,70 @@ def batched_lbfgs(fun, theta_SxK, *, memory=10, max_iter=300, gtol=1e-10, ftol=1
             if not len(a):
                 break
             g0, x0, f0 = grad[a], theta[a], value[a]
-            sh, yh, rh = s_hist[:, a], y_hist[:, a], rho[:, a]
-            # Two-loop recursion; slots with rho = 0 are empty and change nothing.
-            q = g0.copy()
             newest = (it - 1) % memory
-            alphas = np.zeros((memory, len(a)))
-            for j in range(memory):
-                i = (newest - j) % memory
-                alphas[i] = rh[i] * dot(sh[i], q)
-                q -= alphas[i][:, None] * yh[i]
-            sy, yy = dot(sh[newest], yh[newest]), dot(yh[newest], yh[newest])
-            gamma = np.where(rh[newest] > 0, sy / np.where(yy > 0, yy, 1), 1.0)
-            r = gamma[:, None] * q
-            for j in range(memory):
-                i = (newest + 1 + j) % memory
-                r += sh[i] * (alphas[i] - rh[i] * dot(yh[i], r))[:, None]
-            direction = -r
-            slope = dot(direction, g0)
-            reset = ~(slope < 0) | ~np.isfinite(slope)
-            if reset.any():  # not a descent direction: steepest descent, history cleared
-                direction[reset] = -g0[reset]
-                slope[reset] = -dot(g0[reset], g0[reset])
-                rho[:, a[reset]] = 0
-            fresh[a[reset]] = True
-            step = np.ones(len(a))
-            first = fresh[a]  # an unscaled direction (no history): a first step of at most 1
-            step[first] = np.minimum(1.0, 1.0 / np.max(np.abs(g0[first]), axis=1))
-            accepted = np.zeros(len(a), dtype=bool)
-            x1, f1, g1 = x0.copy(), f0.copy(), g0.copy()
-            # Backtracking: the full step first (usually taken), then HALVINGS smaller ones per
-            # problem in each further call: t/2, t/4, ...
-            for attempt in range(1 + 60 // HALVINGS):
-                idx = np.flatnonzero(~accepted)
-                if not len(idx):
-                    break
-                tries = 1 if attempt == 0 else HALVINGS
-                shrink = 0.5 ** np.arange(attempt > 0, tries + (attempt > 0))
-                t = step[idx, None] * shrink  # (m, tries)
-                trial = x0[idx, None, :] + t[..., None] * direction[idx, None, :]
-                v, g = fun(trial.reshape(-1, k), np.repeat(a[idx], tries))
-                v, g = v.reshape(-1, tries), g.reshape(-1, tries, k)
-                ok = np.isfinite(v) & (v <= f0[idx, None] + 1e-4 * t * slope[idx, None])
-                found = ok.any(axis=1)
-                pick = np.argmax(ok, axis=1)[found]
-                rows = idx[found]
-                x1[rows], f1[rows], g1[rows] = trial[found, pick], v[found, pick], g[found, pick]
-                accepted[rows] = True
-                step[idx[~found]] *= shrink[-1]
+            direction, slope, reset = _direction(g0, s_hist[:, a], y_hist[:, a], rho[:, a], newest)
+            rho[:, a[reset]], fresh[a[reset]] = 0, True
+            x1, f1, g1, accepted = _line_search(fun, a, x0, f0, g0, direction, slope, fresh[a])
             scale = np.maximum(np.maximum(np.abs(f0), np.abs(f1)), 1e-300)
-            # A failed search along an L-BFGS direction retries as steepest descent with the
-            # history cleared; only a failed steepest-descent search means convergence.
-            retry = ~accepted & ~first
-            rho[:, a[retry]] = 0
-            fresh[a] = retry
+            # Only a failed steepest-descent search means convergence; L-BFGS ones are retried.
+            retry = ~accepted & ~fresh[a]
+            rho[:, a[retry]], fresh[a] = 0, retry
             active[a] = (accepted & (f0 - f1 > ftol * scale)) | retry
-            slot = it % memory
             s_new, y_new = x1 - x0, g1 - g0
-            curv = dot(s_new, y_new)
+            curv = _dot(s_new, y_new)
             keep = accepted & (curv > 1e-300)
-            s_hist[slot, a] = np.where(keep[:, None], s_new, 0)
-            y_hist[slot, a] = np.where(keep[:, None], y_new, 0)
-            rho[slot, a] = np.where(keep, 1 / np.where(keep, curv, 1), 0)
+            s_hist[it % memory, a] = np.where(keep[:, None], s_new, 0)
+            y_hist[it % memory, a] = np.where(keep[:, None], y_new, 0)
+            rho[it % memory, a] = np.where(keep, 1 / np.where(keep, curv, 1), 0)
             theta[a], value[a], grad[a] = x1, f1, g1
     return theta, value
+
+
+def _direction(g_AxK, s_MxAxK, y_MxAxK, rho_MxA, newest):
+    """L-BFGS two-loop recursion for A problems: gradients g_AxK, ring buffers of M (s, y) pairs
+    last written at slot ``newest`` (rho = 0: empty). Returns direction (A, K), slope along g
+    (A,) and reset (A,): non-descent directions, replaced by -g; the caller clears their history."""
+    order = (newest - np.arange(len(rho_MxA))) % len(rho_MxA)  # newest pair first
+    q, alphas = g_AxK.copy(), np.zeros(rho_MxA.shape)
+    for i in order:
+        alphas[i] = rho_MxA[i] * _dot(s_MxAxK[i], q)
+        q -= alphas[i][:, None] * y_MxAxK[i]
+    sy, yy = _dot(s_MxAxK[newest], y_MxAxK[newest]), _dot(y_MxAxK[newest], y_MxAxK[newest])
+    gamma = np.where(rho_MxA[newest] > 0, sy / np.where(yy > 0, yy, 1), 1.0)
+    r = gamma[:, None] * q
+    for i in order[::-1]:
+        r += s_MxAxK[i] * (alphas[i] - rho_MxA[i] * _dot(y_MxAxK[i], r))[:, None]
+    direction = -r
+    slope = _dot(direction, g_AxK)
+    reset = ~(slope < 0) | ~np.isfinite(slope)
+    direction[reset] = -g_AxK[reset]
+    slope[reset] = -_dot(g_AxK[reset], g_AxK[reset])
+    return direction, slope, reset
+
+
+def _line_search(fun, rows_A, x0_AxK, f0_A, g0_AxK, direction_AxK, slope_A, first_A):
+    """Backtracking Armijo search for A problems (``rows_A`` of ``fun``) from x0 along
+    ``direction_AxK``; ``first_A`` marks unscaled directions (no history). Returns (x1 (A, K),
+    f1 (A,), g1 (A, K), accepted (A,)); x1, f1, g1 stay x0, f0, g0 where none was accepted."""
+    step, accepted = np.ones(len(rows_A)), np.zeros(len(rows_A), dtype=bool)
+    # An unscaled direction is as long as the gradient: a first step of at most 1.
+    step[first_A] = np.minimum(1.0, 1.0 / np.max(np.abs(g0_AxK[first_A]), axis=1))
+    x1, f1, g1 = x0_AxK.copy(), f0_A.copy(), g0_AxK.copy()
+    # The full step first (usually taken), then HALVINGS smaller ones per call: t/2, t/4, ...
+    for attempt in range(1 + 60 // HALVINGS):
+        idx = np.flatnonzero(~accepted)
+        if not len(idx):
+            break
+        tries = 1 if attempt == 0 else HALVINGS
+        shrink = 0.5 ** np.arange(attempt > 0, tries + (attempt > 0))
+        t = step[idx, None] * shrink  # (m, tries)
+        trial = x0_AxK[idx, None, :] + t[..., None] * direction_AxK[idx, None, :]
+        v, g = fun(trial.reshape(-1, trial.shape[-1]), np.repeat(rows_A[idx], tries))
+        v, g = v.reshape(t.shape), g.reshape(trial.shape)
+        ok = np.isfinite(v) & (v <= f0_A[idx, None] + 1e-4 * t * slope_A[idx, None])
+        found = ok.any(axis=1)
+        pick, done = np.argmax(ok, axis=1)[found], idx[found]
+        x1[done], f1[done], g1[done] = trial[found, pick], v[found, pick], g[found, pick]
+        accepted[done] = True
+        step[idx[~found]] *= shrink[-1]
+    return x1, f1, g1, accepted
