@@ -28,6 +28,7 @@ The JSON holds the machine, versions, shapes and every time.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import statistics
 import sys
 import time
@@ -39,27 +40,14 @@ import numpy as np
 from common import machine, print_table, versions, write_json
 
 from lmuscale import lmu
-from lmuscale.layers import LMUBlock
 from lmuscale.models import named_config
+from lmuscale.models.lmu import LMUBlock
 
 SHAPES = {
     "paper": {"n": 1024, "d": 204, "q": 220, "q_prime": 22, "theta": 350.0},
     "long": {"n": 8192, "d": 204, "q": 220, "q_prime": 22, "theta": 350.0},
 }
 MODES = ("scan", "fft", "chunked", "reduced", "reduced_chunked", "final")
-
-
-def block_fields() -> dict:
-    """One block of lmu-1M, the paper's largest model."""
-    c = named_config("lmu-1M")
-    return {
-        "width": c.d,
-        "order": c.q,
-        "reduced_order": c.q_prime,
-        "theta": c.theta,
-        "pre_ffn_dim": c.pre_ffn_dim,
-        "post_ffn_dim": c.post_ffn_dim,
-    }
 
 
 def mode_functions(shape: dict, modes, chunks, precisions) -> dict:
@@ -171,17 +159,12 @@ def add_speedups(rows: list[dict]) -> None:
 def bench_block(shape: dict, batch: int, repeats: int, chunks, dtype: str) -> list[dict]:
     """One LMUBlock of the 1M model, forward+backward, per memory mode."""
     rng = np.random.default_rng(0)
-    fields = block_fields()
-    x = jnp.asarray(rng.standard_normal((batch, shape["n"], fields["width"])), jnp.float32)
+    config = named_config("lmu-1M", dtype=dtype, batch_chunk=0)  # the paper's largest block
+    x = jnp.asarray(rng.standard_normal((batch, shape["n"], config.d)), jnp.float32)
     rows = []
     variants = [("fft", lmu.DEFAULT_CHUNK)] + [("chunked", c) for c in chunks]
     for memory_mode, c in variants:
-        block = LMUBlock(
-            **fields,
-            dtype=jnp.dtype(dtype),
-            memory_mode=memory_mode,
-            memory_chunk=c,
-        )
+        block = LMUBlock(dataclasses.replace(config, memory_mode=memory_mode, memory_chunk=c))
         params = block.init(jax.random.key(0), x[:1, :8])
 
         def loss(params, x, block=block):

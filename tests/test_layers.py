@@ -55,7 +55,7 @@ def test_parallel_scan_step_and_final_state_equal_the_float64_recurrence(name):
     np.testing.assert_allclose(final, expected[:, -1], atol=2e-5)
 
     step = jax.jit(lambda state, x_BxD: layer.apply(params, state, x_BxD, method=layer.step))
-    state = layer.init_state(2, x.shape[-1])
+    state = layer.decode_state(2, x.shape[-1])
     steps = []
     for t in range(x.shape[1]):
         y, state = step(state, x[:, t])

@@ -339,7 +339,7 @@ def test_decoding_in_pieces_continues_the_state(family):
     params = jiggle(init(model), 0.1)
     tokens = random_tokens(config, 2, 30)
     whole, _ = decode(model, params, tokens)
-    state = model.init_state(2, max_len=30)
+    state = model.decode_state(2, max_len=30)
     first, state = decode(model, params, tokens[:, :11], state)
     second, _ = decode(model, params, tokens[:, 11:], state)
     np.testing.assert_allclose(np.concatenate([first, second], 1), whole, atol=1e-5)
@@ -353,10 +353,10 @@ def test_lmu_decode_state_does_not_grow():
     config = named_config("lmu-55k")
     model = build(config)
     params = init(model)
-    state = model.init_state(2)
+    state = model.decode_state(2)
     expected = config.n_layers * 2 * config.d * config.q * 4  # one float32 (d, q) memory a layer
     assert state_bytes(state) == expected
-    assert state_bytes(model.init_state(2, max_len=100_000)) == expected
+    assert state_bytes(model.decode_state(2, max_len=100_000)) == expected
     shapes = jax.tree.map(lambda x: (x.shape, x.dtype), state)
     for length in (1, 40):
         _, after = decode(model, params, random_tokens(config, 2, length), state)
@@ -364,21 +364,21 @@ def test_lmu_decode_state_does_not_grow():
 
 
 def test_only_the_global_variant_carries_a_kv_cache():
-    lmu_state = build(named_config("lmu-55k")).init_state(1)
+    lmu_state = build(named_config("lmu-55k")).decode_state(1)
     assert set(lmu_state) == {"layers"} and all(set(s) == {"memory"} for s in lmu_state["layers"])
     g_model = build(named_config("lmu_g-55k"))
-    g_state = g_model.init_state(1, max_len=64)
+    g_state = g_model.decode_state(1, max_len=64)
     assert all(set(s) == {"memory", "kv"} for s in g_state["layers"])
     assert g_state["layers"][0]["kv"]["k"].shape[1] == 64
     with pytest.raises(ValueError, match="needs max_len"):
-        g_model.init_state(1)
+        g_model.decode_state(1)
 
 
 @pytest.mark.parametrize("family", BASELINES)
 def test_recurrent_baseline_state_is_constant_but_for_the_sru_pp_kv_cache(family):
     config = named_config(f"{family}-55k")
     model = build(config)
-    state = model.init_state(2, max_len=64)
+    state = model.decode_state(2, max_len=64)
     d, n_layers = config.d, config.n_layers
     if family == "lstm":
         assert all(set(s) == {"h", "c"} for s in state["layers"]) and "index" not in state
@@ -392,11 +392,11 @@ def test_recurrent_baseline_state_is_constant_but_for_the_sru_pp_kv_cache(family
         assert state["layers"][3]["kv"]["k"].shape == (2, 64, 1, config.d_prime)
         assert state["index"].shape == ()
         with pytest.raises(ValueError, match="need max_len"):
-            model.init_state(2)
+            model.decode_state(2)
     if family != "sru_pp":
-        assert state_bytes(model.init_state(2, max_len=100_000)) == state_bytes(state)
+        assert state_bytes(model.decode_state(2, max_len=100_000)) == state_bytes(state)
     # The recurrent state is float32 even when the model computes in bfloat16.
-    bf16 = build(dataclasses.replace(config, dtype="bfloat16")).init_state(2, max_len=64)
+    bf16 = build(dataclasses.replace(config, dtype="bfloat16")).decode_state(2, max_len=64)
     for layer in bf16["layers"]:
         assert all(layer[key].dtype == jnp.float32 for key in ("h", "c") if key in layer)
 
@@ -408,7 +408,7 @@ def test_transformer_rejects_sequences_longer_than_its_positions():
     with pytest.raises(ValueError, match="sequence length 65 exceeds the transformer's max_len=64"):
         model.apply(params, jnp.zeros((1, 65), jnp.int32))
     with pytest.raises(ValueError, match="max_len=65 exceeds"):
-        model.init_state(1, max_len=65)
+        model.decode_state(1, max_len=65)
 
 
 # ---------------------------------------------------------------- loss
@@ -644,7 +644,7 @@ def reference_lstm(x_BxTxD, p) -> np.ndarray:
 
 def layer_step_by_step(layer, params, x_BxTxD, max_len=None) -> np.ndarray:
     """The layer's ``step`` over every position, from its empty state."""
-    state = layer.init_state(x_BxTxD.shape[0], max_len)
+    state = layer.decode_state(x_BxTxD.shape[0], max_len)
     step = jax.jit(lambda state, x, index: layer.apply(params, state, x, index, method="step"))
     out = []
     for t in range(x_BxTxD.shape[1]):
@@ -658,7 +658,7 @@ def layer_input(width: int, length: int = 20):
 
 
 def test_sru_fused_step_equals_the_scan_and_a_float64_loop_of_the_equations():
-    layer = SRULayer(width=8)
+    layer = SRULayer(d=8)
     x = layer_input(8)
     # Jiggled so that v_f, v_r, b_f, b_r are not zero: c must feed the gates.
     params = jiggle(layer.init(jax.random.key(0), x), 0.5)
@@ -671,7 +671,7 @@ def test_sru_fused_step_equals_the_scan_and_a_float64_loop_of_the_equations():
 
 
 def test_sru_pp_attention_layer_equals_a_float64_reference():
-    layer = SRULayer(width=8, d_prime=4)
+    layer = SRULayer(d=8, d_prime=4)
     x = layer_input(8)
     apply = jax.jit(layer.apply)
     params = layer.init(jax.random.key(0), x)
@@ -711,7 +711,7 @@ def test_sru_pp_has_attention_only_in_the_chosen_layers():
 
 
 def test_lstm_layer_scan_and_step_equal_a_float64_loop_of_the_equations():
-    layer = LSTMLayer(width=8)
+    layer = LSTMLayer(d=8)
     x = layer_input(8)
     params = layer.init(jax.random.key(0), x)
     bias = np.asarray(params["params"]["input"]["bias"])

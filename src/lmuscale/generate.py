@@ -57,7 +57,7 @@ def sample(
     if temperature < 0:
         raise ValueError(f"--temperature must be >= 0, got {temperature}")
     prompt = np.asarray(list(prompt_ids) or [start_id], np.int32)[None]
-    state = model.init_state(1, max_len=prompt.shape[1] + n_tokens)
+    state = model.decode_state(1, max_len=prompt.shape[1] + n_tokens)
     logits_BxTxV, state = decode(model, params, prompt, state)
     key = jax.random.key(seed)
     new = _draw(model, params, state, logits_BxTxV[:, -1], n_tokens, temperature, key)

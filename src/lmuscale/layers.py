@@ -162,7 +162,7 @@ class ImplicitSelfAttention(nn.Module):
     before.
 
     Attributes:
-      order, reduced_order, theta: q, q' and the window θ in tokens.
+      q, q_prime, theta: the order q, the reduced order q' and the window θ in tokens.
       memory_mode: "chunked" or "fft" (the same function; see ``lmu``).
       memory_chunk: steps per chunk in "chunked" mode. The chunked memory runs at float32
         accuracy in a float32 model and as one bf16 pass in a bf16 one (its state stays
@@ -172,8 +172,8 @@ class ImplicitSelfAttention(nn.Module):
         are alive at a time.
     """
 
-    order: int
-    reduced_order: int
+    q: int
+    q_prime: int
     theta: float
     dtype: Any = jnp.float32
     memory_mode: str = "chunked"
@@ -183,7 +183,7 @@ class ImplicitSelfAttention(nn.Module):
     def setup(self):
         if self.memory_mode not in MEMORY_MODES:
             raise ValueError(f"memory_mode must be one of {MEMORY_MODES}, got {self.memory_mode!r}")
-        k, q = self.reduced_order, self.order
+        k, q = self.q_prime, self.q
         # Fan-in is the order axis, the axis each L_i contracts.
         l_init = nn.initializers.variance_scaling(
             1.0, "fan_in", "truncated_normal", in_axis=-1, out_axis=-2, batch_axis=(0,)
@@ -195,22 +195,22 @@ class ImplicitSelfAttention(nn.Module):
     def _attend(self, x_BxTxD):
         """Q, K, V pre-activations of the whole sequence, then the attention."""
         if self.memory_mode == "fft":
-            h_TxQ = lmu.impulse_response(self.order, self.theta, x_BxTxD.shape[1], np.float32)
-            l_3KxQ = self.l.reshape(3 * self.reduced_order, self.order)
+            h_TxQ = lmu.impulse_response(self.q, self.theta, x_BxTxD.shape[1], np.float32)
+            l_3KxQ = self.l.reshape(3 * self.q_prime, self.q)
             qkv_3xBxTxDxK = jnp.split(lmu.memory_reduced(x_BxTxD, h_TxQ, l_3KxQ), 3, axis=-1)
         else:
             # One chunk operand for the three projections; one product each, so Q, K and V
             # are separate arrays rather than slices of one.
             precision = "fast" if jnp.dtype(self.dtype) == jnp.bfloat16 else "exact"
             x_BxJxDxZ, _ = lmu.chunk_operands(
-                x_BxTxD.astype(jnp.float32), self.order, self.theta, chunk=self.memory_chunk
+                x_BxTxD.astype(jnp.float32), self.q, self.theta, chunk=self.memory_chunk
             )
-            c = x_BxJxDxZ.shape[-1] - self.order
+            c = x_BxJxDxZ.shape[-1] - self.q
             # The attention computes in self.dtype, so a bf16 model takes bf16 outputs.
             qkv_3xBxTxDxK = [
                 lmu.chunk_product(
                     x_BxJxDxZ,
-                    lmu.chunk_weights(self.order, self.theta, c, l_KxQ),
+                    lmu.chunk_weights(self.q, self.theta, c, l_KxQ),
                     x_BxTxD.shape[1],
                     precision,
                     out_dtype=self.dtype,
@@ -228,17 +228,12 @@ class ImplicitSelfAttention(nn.Module):
 
     def step(self, m_BxDxQ, x_BxD):
         """One position: returns ``(y_BxD, m_BxDxQ)`` with the updated memory."""
-        abar, bbar = lmu.discretize(self.order, self.theta, dtype=np.float32)
+        abar, bbar = lmu.discretize(self.q, self.theta, dtype=np.float32)
         m_BxDxQ = lmu.memory_step(m_BxDxQ, x_BxD, abar, bbar)
         l_3xKxQ = self.l.astype(jnp.float32)
         qkv = jnp.einsum("bdq,hkq->hbdk", m_BxDxQ, l_3xKxQ, precision=lax.Precision.HIGHEST)
         y = implicit_attention(*qkv, self.bias, self.p, self.dtype)
         return y, m_BxDxQ
-
-
-def memory_state(batch_size: int, width: int, order: int):
-    """The LMU state before the first token: ``m_BxDxQ = 0`` (float32 in every compute dtype)."""
-    return jnp.zeros((batch_size, width, order), jnp.float32)
 
 
 def kv_cache(batch_size: int, max_len: int, width: int, n_heads: int, dtype):
@@ -290,72 +285,6 @@ class GlobalSelfAttention(nn.Module):
             q, cache["k"].astype(q.dtype), cache["v"].astype(q.dtype), mask=visible_S
         )
         return self.out(y.reshape(x_BxD.shape)), cache
-
-
-class LMUBlock(nn.Module):
-    """One layer of the LMU language model (paper Figure 2), pre-norm with residuals.
-
-    ``x += pre(LN(x))`` with pre = FFN (ratio 1.5) or, in the _G variant, global attention;
-    ``x += implicit_attention(memory(LN(x)))``; ``x += FFN_post(LN(x))``.
-    """
-
-    width: int
-    order: int
-    reduced_order: int
-    theta: float
-    pre_ffn_dim: int
-    post_ffn_dim: int
-    global_attention: bool = False
-    n_heads: int = 1
-    dtype: Any = jnp.float32
-    memory_mode: str = "chunked"
-    memory_chunk: int = lmu.DEFAULT_CHUNK
-    batch_chunk: int = 0
-
-    def setup(self):
-        self.norm_pre = layer_norm(self.dtype)
-        if self.global_attention:
-            self.pre = GlobalSelfAttention(self.width, self.n_heads, dtype=self.dtype)
-        else:
-            self.pre = FFN(self.pre_ffn_dim, dtype=self.dtype)
-        self.norm_memory = layer_norm(self.dtype)
-        self.memory = ImplicitSelfAttention(
-            self.order,
-            self.reduced_order,
-            self.theta,
-            self.dtype,
-            self.memory_mode,
-            self.memory_chunk,
-            self.batch_chunk,
-        )
-        self.norm_post = layer_norm(self.dtype)
-        self.post = FFN(self.post_ffn_dim, dtype=self.dtype)
-
-    def __call__(self, x_BxTxD):
-        x_BxTxD = x_BxTxD + self.pre(self.norm_pre(x_BxTxD))
-        x_BxTxD = x_BxTxD + self.memory(self.norm_memory(x_BxTxD)).astype(x_BxTxD.dtype)
-        return x_BxTxD + self.post(self.norm_post(x_BxTxD))
-
-    def init_state(self, batch_size: int, max_len: int | None = None):
-        """The zero state before the first token (needs no parameters: call it unbound)."""
-        state = {"memory": memory_state(batch_size, self.width, self.order)}
-        if self.global_attention:
-            if max_len is None:
-                raise ValueError("the global-attention variant needs max_len for its KV cache")
-            state["kv"] = kv_cache(batch_size, max_len, self.width, self.n_heads, self.dtype)
-        return state
-
-    def step(self, state, x_BxD, index):
-        new_state = {}
-        h = self.norm_pre(x_BxD)
-        if self.global_attention:
-            h, new_state["kv"] = self.pre.step(state["kv"], h, index)
-        else:
-            h = self.pre(h)
-        x_BxD = x_BxD + h
-        y, new_state["memory"] = self.memory.step(state["memory"], self.norm_memory(x_BxD))
-        x_BxD = x_BxD + y.astype(x_BxD.dtype)
-        return x_BxD + self.post(self.norm_post(x_BxD)), new_state
 
 
 ACTIVATIONS: dict[str, Callable] = {
@@ -441,7 +370,7 @@ class ParallelLMU(nn.Module):
             m_BxTxCxQ = lmu.memory_scan(u_BxTxC, abar, bbar)
         return self._output(m_BxTxCxQ, x_BxTxD)
 
-    def init_state(self, batch_size: int, input_dim: int):
+    def decode_state(self, batch_size: int, input_dim: int):
         """The zero memory before the first input (call it unbound: it needs no parameters)."""
         channels = self.memory_dim or input_dim
         return jnp.zeros((batch_size, channels, self.order), jnp.float32)

@@ -1,22 +1,24 @@
 """Language models: the LMU (and its _G variant), the transformer, and the recurrent
 baselines SRU, SRU++ and LSTM.
 
-``build(config)`` gives the Flax module for a config; ``sizes`` holds the named configs of
-Table 3, the parameter counter and the FLOPs per token.
+Each family registers one record (``family.Family``) next to its model; importing this package
+registers them all. ``build(config)`` gives the Flax module for a config; ``sizes`` holds Table
+3's grid, the named configs, the parameter counter and the FLOPs per token.
 """
 
 from __future__ import annotations
 
+# Importing a family's module registers it; this order is the order families are listed in.
+# isort: off
+from lmuscale.models import lmu, transformer, sru, lstm  # noqa: F401
+
+# isort: on
+from lmuscale.models import family as families
 from lmuscale.models.base import LanguageModel, cross_entropy, decode
+from lmuscale.models.family import ModelConfig
 from lmuscale.models.lmu import LMUConfig, LMULanguageModel
 from lmuscale.models.lstm import LSTMConfig, LSTMLanguageModel
-from lmuscale.models.sizes import (
-    NAMES,
-    ModelConfig,
-    count_params,
-    flops_per_token,
-    named_config,
-)
+from lmuscale.models.sizes import NAMES, count_params, flops_per_token, named_config
 from lmuscale.models.sru import SRUConfig, SRULanguageModel, SRUPPConfig
 from lmuscale.models.transformer import TransformerConfig, TransformerLanguageModel
 
@@ -43,12 +45,4 @@ __all__ = [
 
 
 def build(config: ModelConfig) -> LanguageModel:
-    if isinstance(config, LMUConfig):
-        return LMULanguageModel(config)
-    if isinstance(config, TransformerConfig):
-        return TransformerLanguageModel(config)
-    if isinstance(config, SRUConfig | SRUPPConfig):
-        return SRULanguageModel(config)
-    if isinstance(config, LSTMConfig):
-        return LSTMLanguageModel(config)
-    raise TypeError(f"no model for a {type(config).__name__}")
+    return families.of(config).model(config)

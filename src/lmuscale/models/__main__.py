@@ -2,42 +2,27 @@
 
 from __future__ import annotations
 
-from lmuscale.models.lmu import LMUConfig
+from lmuscale.models import family as families
 from lmuscale.models.sizes import NAMES, SIZES, TABLE3, count_params, flops_per_token, named_config
-from lmuscale.models.sru import SRUPPConfig
-from lmuscale.models.transformer import TransformerConfig
 
-HEADER = ("model", "d", "layers", "q", "q'", "d'", "pre", "post", "heads", "N", "embedding")
-HEADER += ("total",)
+SHAPE = ("q", "q'", "d'", "pre", "post", "heads")  # "-" where a family has no such part
+HEADER = ("model", "d", "layers", *SHAPE, "N", "embedding", "total")
 HEADER += ("vs paper N", "vs paper total", "train MFLOP/tok")
-
-
-def shape_columns(config) -> tuple:
-    """layers, q, q', d' (SRU++'s attention width), pre-block (FFN width or "attn"), post/MLP
-    width, heads ("-" where none)."""
-    layers = config.n_layers
-    if isinstance(config, TransformerConfig):
-        return (layers, "-", "-", "-", "attn", config.mlp_dim, config.n_heads)
-    if isinstance(config, SRUPPConfig):
-        return (layers, "-", "-", config.d_prime, "attn", "-", 1)
-    if not isinstance(config, LMUConfig):  # SRU, LSTM: no block but the recurrence
-        return (layers, "-", "-", "-", "-", "-", "-")
-    if config.global_attention:
-        return (layers, config.q, config.q_prime, "-", "attn", config.post_ffn_dim, config.n_heads)
-    return (layers, config.q, config.q_prime, "-", config.pre_ffn_dim, config.post_ffn_dim, "-")
 
 
 def main() -> None:
     rows = [HEADER]
     for name in NAMES:
         config = named_config(name)
+        shape = families.of(config).shape(config)
         paper = TABLE3[SIZES.index(name.partition("-")[2])]
         count = count_params(config)
         rows.append(
             (
                 name,
                 config.d,
-                *shape_columns(config),
+                config.n_layers,
+                *(shape.get(column, "-") for column in SHAPE),
                 f"{count.non_embedding:,}",
                 f"{count.embedding:,}",
                 f"{count.total:,}",

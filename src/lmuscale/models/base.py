@@ -5,20 +5,24 @@ the output projection), ``blocks`` and the final ``norm``; it provides
 - ``embed_tokens(tokens, index)`` where the block input is more than ``embed(tokens)`` (the
   transformer adds positions): tokens at positions 0..T-1 (index None) or one token at
   position ``index`` (decoding);
-- ``init_state(batch_size, max_len) -> state``: the decode state before the first token, from the
-  config alone (no parameters), so an unbound module can make it: ``{"layers": [one per
-  block], "index": position}``, the index only where a block needs it.
+- ``decode_state(batch_size, max_len) -> state``: the decode state before the first token,
+  from the config alone (no parameters), so an unbound module can make it: ``{"layers": [one
+  per block], "index": position}``, the index only where a block needs it.
 Each block has ``__call__(x_BxTxD)`` and ``step(layer_state, x_BxD, index)``.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
 from jax import lax
+
+from lmuscale.data.tokenizer import GPT2_VOCAB
+from lmuscale.models.family import Registered
 
 DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16}
 
@@ -41,6 +45,29 @@ def check_positive(config, name: str) -> None:
     value = getattr(config, name)
     if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
         raise ValueError(f"{type(config).__name__}.{name} must be a positive int, got {value!r}")
+
+
+@dataclasses.dataclass(frozen=True)
+class RecurrentConfig(Registered):
+    """A language model of ``n_layers`` recurrent layers of width ``d`` (SRU, LSTM).
+
+    Attributes:
+      d: embedding and state width. n_layers: layers (each family sets its default).
+      vocab_size: tokens (GPT-2: 50257).
+      dtype: compute dtype, "float32" or "bfloat16"; parameters and the state are float32.
+      remat: rematerialise each layer in the backward pass.
+    """
+
+    d: int
+    n_layers: int
+    vocab_size: int = GPT2_VOCAB
+    dtype: str = "float32"
+    remat: bool = False
+
+    def __post_init__(self):
+        for name in ("d", "n_layers", "vocab_size"):
+            check_positive(self, name)
+        compute_dtype(self.dtype)
 
 
 def default_heads(width: int, head_dim: int = 32) -> int:
@@ -167,5 +194,5 @@ def decode(model: LanguageModel, params, tokens_BxT, state=None):
     """
     tokens_BxT = jnp.asarray(tokens_BxT)
     if state is None:
-        state = model.init_state(tokens_BxT.shape[0], max_len=tokens_BxT.shape[1])
+        state = model.decode_state(tokens_BxT.shape[0], max_len=tokens_BxT.shape[1])
     return _decode_jit(model, params, state, jnp.swapaxes(tokens_BxT, 0, 1))

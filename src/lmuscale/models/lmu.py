@@ -11,23 +11,39 @@ and the position index), so the plain LMU's state has the same size after any nu
 from __future__ import annotations
 
 import dataclasses
+import functools
+import math
 
 import flax.linen as nn
 import jax.numpy as jnp
 
 from lmuscale import lmu
 from lmuscale.data.tokenizer import GPT2_VOCAB
-from lmuscale.layers import MEMORY_MODES, LMUBlock, layer_norm
+from lmuscale.layers import (
+    FFN,
+    MEMORY_MODES,
+    GlobalSelfAttention,
+    ImplicitSelfAttention,
+    kv_cache,
+    layer_norm,
+)
+from lmuscale.models import sizes
 from lmuscale.models.base import (
     LanguageModel,
     check_positive,
     compute_dtype,
+    default_heads,
     embedding_init,
 )
+from lmuscale.models.family import Family, Registered, register
+
+THETA = 350.0
+N_LAYERS = 3
+PRE_FFN_RATIO = 1.5
 
 
 @dataclasses.dataclass(frozen=True)
-class LMUConfig:
+class LMUConfig(Registered):
     """Everything that fixes an LMU language model's function and parameter shapes.
 
     Attributes:
@@ -84,9 +100,57 @@ class LMUConfig:
             raise ValueError(f"LMUConfig.n_heads={self.n_heads} does not divide d={self.d}")
         compute_dtype(self.dtype)
 
-    @property
-    def family(self) -> str:
-        return "lmu_g" if self.global_attention else "lmu"
+
+class LMUBlock(nn.Module):
+    """One layer of the LMU language model (paper Figure 2), pre-norm with residuals.
+
+    ``x += pre(LN(x))`` with pre = FFN (ratio 1.5) or, in the _G variant, global attention;
+    ``x += implicit_attention(memory(LN(x)))``; ``x += FFN_post(LN(x))``.
+    """
+
+    config: LMUConfig
+
+    def setup(self):
+        c = self.config
+        dtype = compute_dtype(c.dtype)
+        self.norm_pre = layer_norm(dtype)
+        if c.global_attention:
+            self.pre = GlobalSelfAttention(c.d, c.n_heads, dtype=dtype)
+        else:
+            self.pre = FFN(c.pre_ffn_dim, dtype=dtype)
+        self.norm_memory = layer_norm(dtype)
+        self.memory = ImplicitSelfAttention(
+            c.q, c.q_prime, c.theta, dtype, c.memory_mode, c.memory_chunk, c.batch_chunk
+        )
+        self.norm_post = layer_norm(dtype)
+        self.post = FFN(c.post_ffn_dim, dtype=dtype)
+
+    def __call__(self, x_BxTxD):
+        x_BxTxD = x_BxTxD + self.pre(self.norm_pre(x_BxTxD))
+        x_BxTxD = x_BxTxD + self.memory(self.norm_memory(x_BxTxD)).astype(x_BxTxD.dtype)
+        return x_BxTxD + self.post(self.norm_post(x_BxTxD))
+
+    def decode_state(self, batch_size: int, max_len: int | None = None):
+        """The zero state before the first token (needs no parameters: call it unbound)."""
+        c = self.config
+        state = {"memory": jnp.zeros((batch_size, c.d, c.q), jnp.float32)}
+        if c.global_attention:
+            if max_len is None:
+                raise ValueError("the global-attention variant needs max_len for its KV cache")
+            state["kv"] = kv_cache(batch_size, max_len, c.d, c.n_heads, compute_dtype(c.dtype))
+        return state
+
+    def step(self, state, x_BxD, index):
+        new_state = {}
+        h = self.norm_pre(x_BxD)
+        if self.config.global_attention:
+            h, new_state["kv"] = self.pre.step(state["kv"], h, index)
+        else:
+            h = self.pre(h)
+        x_BxD = x_BxD + h
+        y, new_state["memory"] = self.memory.step(state["memory"], self.norm_memory(x_BxD))
+        x_BxD = x_BxD + y.astype(x_BxD.dtype)
+        return x_BxD + self.post(self.norm_post(x_BxD)), new_state
 
 
 class LMULanguageModel(LanguageModel):
@@ -97,31 +161,96 @@ class LMULanguageModel(LanguageModel):
         dtype = compute_dtype(c.dtype)
         self.embed = nn.Embed(c.vocab_size, c.d, embedding_init=embedding_init, dtype=dtype)
         block = nn.remat(LMUBlock) if c.remat else LMUBlock
-        self.blocks = [block(**_block_fields(c), name=f"block_{i}") for i in range(c.n_layers)]
+        self.blocks = [block(c, name=f"block_{i}") for i in range(c.n_layers)]
         self.norm = layer_norm(dtype)
 
-    def init_state(self, batch_size: int, max_len: int | None = None):
-        block = LMUBlock(**_block_fields(self.config), parent=None)
+    def decode_state(self, batch_size: int, max_len: int | None = None):
+        block = LMUBlock(self.config, parent=None)
         state = {
-            "layers": [block.init_state(batch_size, max_len) for _ in range(self.config.n_layers)]
+            "layers": [block.decode_state(batch_size, max_len) for _ in range(self.config.n_layers)]
         }
         if self.config.global_attention:
             state["index"] = jnp.zeros((), jnp.int32)
         return state
 
 
-def _block_fields(c: LMUConfig) -> dict:
-    return dict(
-        width=c.d,
-        order=c.q,
-        reduced_order=c.q_prime,
-        theta=c.theta,
-        pre_ffn_dim=c.pre_ffn_dim,
-        post_ffn_dim=c.post_ffn_dim,
-        global_attention=c.global_attention,
-        n_heads=c.n_heads,
-        dtype=compute_dtype(c.dtype),
-        memory_mode=c.memory_mode,
-        memory_chunk=c.memory_chunk,
-        batch_chunk=c.batch_chunk,
+def lmu_params(config: LMUConfig) -> sizes.ParamCount:
+    d = config.d
+    if config.global_attention:
+        pre = sizes.attention_params(d)
+    else:
+        pre = sizes.ffn_params(d, config.pre_ffn_dim)
+    implicit = 3 * config.q_prime * config.q + 3 * config.q_prime + config.q_prime
+    per_layer = 3 * 2 * d + pre + implicit + sizes.ffn_params(d, config.post_ffn_dim)
+    return sizes.ParamCount(config.n_layers * per_layer + 2 * d, config.vocab_size * d)
+
+
+def lmu_flops(config: LMUConfig, seq_len: int = 1024) -> sizes.FlopCount:
+    """Table 2 of the LMU paper, per layer, plus the unembedding (2 d V).
+
+    LMU + Q + K + V (reduced order, FFT): 3d[5(q'+1)(log2 n + 1) + 6q'] + 6qq'; QK^T: 2dq'^2;
+    M': 2dq'^2 + dq'; m: 2dq'; each FFN: 4dd'. The _G variant's global attention replaces the
+    pre-FFN: 8d^2 for its four projections and 4nd for scores and values, counted over the
+    full n as for the transformer.
+    """
+    d, q, k, n = config.d, config.q, config.q_prime, seq_len
+    terms = {"memory_qkv": 3 * d * (5 * (k + 1) * (math.log2(n) + 1) + 6 * k) + 6 * q * k}
+    terms["scores"] = 2 * d * k * k
+    terms["mixing"] = 2 * d * k * k + d * k
+    terms["readout"] = 2 * d * k
+    if config.global_attention:
+        terms["global_attention"] = 8 * d * d + 4 * n * d
+    else:
+        terms["pre_ffn"] = 4 * d * config.pre_ffn_dim
+    terms["post_ffn"] = 4 * d * config.post_ffn_dim
+    return sizes.FlopCount(terms, config.n_layers, 2.0 * d * config.vocab_size)
+
+
+def lmu_config(size: str, *, global_attention: bool = False, **overrides) -> LMUConfig:
+    """A Table 3 row as a config, the post-FFN width solved so that N hits the row's N.
+
+    d = round(sqrt(N/24)), q and q' from the table, theta = 350, 3 layers, pre-FFN 1.5 d. The
+    _G variant has the same d, q, q' and solves its own post-FFN width. ``overrides`` replace
+    any field afterwards (e.g. dtype, remat), without re-solving.
+    """
+    row = sizes.row(size)
+    d = sizes.width(row.n)
+    base = LMUConfig(
+        d=d,
+        q=row.q,
+        q_prime=row.q_prime,
+        post_ffn_dim=1,
+        pre_ffn_dim=0 if global_attention else math.floor(PRE_FFN_RATIO * d + 0.5),
+        theta=THETA,
+        n_layers=N_LAYERS,
+        global_attention=global_attention,
+        n_heads=default_heads(d),
+    )
+    per_unit = base.n_layers * (2 * d + 1)
+    post = 1 + round((row.n - lmu_params(base).non_embedding) / per_unit)
+    return dataclasses.replace(base, post_ffn_dim=post, **overrides)
+
+
+def lmu_shape(c: LMUConfig) -> dict:
+    pre = "attn" if c.global_attention else c.pre_ffn_dim
+    heads = c.n_heads if c.global_attention else "-"
+    return {"q": c.q, "q'": c.q_prime, "pre": pre, "post": c.post_ffn_dim, "heads": heads}
+
+
+# An LMU saved before memory_mode existed computed its memory by FFT.
+SAVED_BEFORE_CHUNKED = {"memory_mode": "fft", "memory_chunk": lmu.DEFAULT_CHUNK}
+for _family in ("lmu", "lmu_g"):
+    _global = _family == "lmu_g"
+    register(
+        Family(
+            _family,
+            LMUConfig,
+            LMULanguageModel,
+            sized=functools.partial(lmu_config, global_attention=_global),
+            params=lmu_params,
+            flops=lmu_flops,
+            shape=lmu_shape,
+            fixed={"global_attention": _global},
+            legacy=SAVED_BEFORE_CHUNKED,
+        )
     )

@@ -27,41 +27,21 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from lmuscale.data.tokenizer import GPT2_VOCAB
 from lmuscale.layers import DEFAULT_INIT, layer_norm
-from lmuscale.models.base import (
-    LanguageModel,
-    check_positive,
-    compute_dtype,
-    embedding_init,
-)
+from lmuscale.models import sizes
+from lmuscale.models.base import LanguageModel, RecurrentConfig, compute_dtype, embedding_init
+from lmuscale.models.family import Family, register
+
+# Per-channel element-wise FLOPs of one step (each multiply, add, sigmoid or tanh counts 1):
+# b 4, U h add 4, four gate nonlinearities, c 3, tanh(c) 1, h 1, the residual add 1.
+LSTM_ELEMENTWISE = 18
 
 
 @dataclasses.dataclass(frozen=True)
-class LSTMConfig:
-    """An LSTM language model: ``n_layers`` LSTM layers of width ``d`` (state h and c of d).
+class LSTMConfig(RecurrentConfig):
+    """An LSTM language model: ``n_layers`` LSTM layers of width ``d`` (state h and c of d)."""
 
-    Attributes:
-      d: embedding and state width. n_layers: LSTM layers.
-      vocab_size: tokens (GPT-2: 50257).
-      dtype: compute dtype, "float32" or "bfloat16"; parameters and the state are float32.
-      remat: rematerialise each layer in the backward pass.
-    """
-
-    d: int
     n_layers: int = 3
-    vocab_size: int = GPT2_VOCAB
-    dtype: str = "float32"
-    remat: bool = False
-
-    def __post_init__(self):
-        for name in ("d", "n_layers", "vocab_size"):
-            check_positive(self, name)
-        compute_dtype(self.dtype)
-
-    @property
-    def family(self) -> str:
-        return "lstm"
 
 
 def forget_bias_init(key, shape, dtype=jnp.float32):
@@ -104,28 +84,26 @@ class LSTMLayer(nn.Module):
     """``x + LSTM(LN(x))``. Parameters: ``norm``, ``input`` (kernel W (d, 4d) and bias b, gates
     [i, f, g, o] in that order along the 4d axis) and ``recurrent`` (U, (d, 4d))."""
 
-    width: int
+    d: int
     dtype: Any = jnp.float32
 
     def setup(self):
         self.norm = layer_norm(self.dtype)
         self.input = nn.Dense(
-            4 * self.width, dtype=self.dtype, kernel_init=DEFAULT_INIT, bias_init=forget_bias_init
+            4 * self.d, dtype=self.dtype, kernel_init=DEFAULT_INIT, bias_init=forget_bias_init
         )
-        self.recurrent = self.param(
-            "recurrent", nn.initializers.orthogonal(), (self.width, 4 * self.width)
-        )
+        self.recurrent = self.param("recurrent", nn.initializers.orthogonal(), (self.d, 4 * self.d))
 
     def __call__(self, x_BxTxD):
         zx_BxTx4D = self.input(self.norm(x_BxTxD))
-        zeros = jnp.zeros((x_BxTxD.shape[0], self.width), jnp.float32)
+        zeros = jnp.zeros((x_BxTxD.shape[0], self.d), jnp.float32)
         h_BxTxD, _ = lstm_recurrence(zx_BxTx4D, self.recurrent, (zeros, zeros), self.dtype)
         return x_BxTxD + h_BxTxD.astype(x_BxTxD.dtype)
 
-    def init_state(self, batch_size: int, max_len: int | None = None):
+    def decode_state(self, batch_size: int, max_len: int | None = None):
         """The zero state before the first token (needs no parameters: call it unbound)."""
         del max_len  # constant size
-        zeros = jnp.zeros((batch_size, self.width), jnp.float32)
+        zeros = jnp.zeros((batch_size, self.d), jnp.float32)
         return {"h": zeros, "c": zeros}
 
     def step(self, state, x_BxD, index):
@@ -146,7 +124,49 @@ class LSTMLanguageModel(LanguageModel):
         self.blocks = [layer(c.d, dtype, name=f"block_{i}") for i in range(c.n_layers)]
         self.norm = layer_norm(dtype)
 
-    def init_state(self, batch_size: int, max_len: int | None = None):
+    def decode_state(self, batch_size: int, max_len: int | None = None):
         c = self.config
         layer = LSTMLayer(c.d, compute_dtype(c.dtype), parent=None)
-        return {"layers": [layer.init_state(batch_size, max_len) for _ in range(c.n_layers)]}
+        return {"layers": [layer.decode_state(batch_size, max_len) for _ in range(c.n_layers)]}
+
+
+def lstm_layer_params(d: int) -> int:
+    """One LSTM layer: pre-LN 2d, W (4d^2) with bias 4d, U (4d^2)."""
+    return 2 * d + 4 * d * d + 4 * d + 4 * d * d
+
+
+def lstm_params(config: LSTMConfig) -> sizes.ParamCount:
+    d = config.d
+    return sizes.ParamCount(config.n_layers * lstm_layer_params(d) + 2 * d, config.vocab_size * d)
+
+
+def lstm_flops(config: LSTMConfig, seq_len: int = 1024) -> sizes.FlopCount:
+    """2 per weight of W (all positions at once) and of U (inside the scan), plus 18 d
+    element-wise per layer. ``seq_len`` changes nothing: the recurrence is O(1) per token."""
+    del seq_len
+    d = config.d
+    terms = {
+        "input_projection": 8.0 * d * d,
+        "recurrent_projection": 8.0 * d * d,
+        "recurrence": float(LSTM_ELEMENTWISE * d),
+    }
+    return sizes.FlopCount(terms, config.n_layers, 2.0 * d * config.vocab_size)
+
+
+def lstm_config(size: str, **overrides) -> LSTMConfig:
+    """LSTM at a Table 3 grid point: the LMU's width, the number of layers (8d^2 + 6d each)
+    solved for N: 3 at every row, N +2.3%, +2.7%, +0.3%, +1.1%, +0.1%, +0.3% off the row."""
+    return dataclasses.replace(sizes.deepened(LSTMConfig, size), **overrides)
+
+
+register(
+    Family(
+        "lstm",
+        LSTMConfig,
+        LSTMLanguageModel,
+        sized=lstm_config,
+        params=lstm_params,
+        flops=lstm_flops,
+        shape=lambda c: {},
+    )
+)

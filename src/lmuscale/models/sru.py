@@ -43,39 +43,27 @@ from jax import lax
 
 from lmuscale.data.tokenizer import GPT2_VOCAB
 from lmuscale.layers import DEFAULT_INIT, kv_cache, layer_norm
+from lmuscale.models import sizes
 from lmuscale.models.base import (
     LanguageModel,
+    RecurrentConfig,
     check_positive,
     compute_dtype,
     embedding_init,
 )
+from lmuscale.models.family import Family, Registered, register
+
+# Per-channel element-wise FLOPs of one step (each multiply, add, sigmoid or tanh counts 1):
+# f and r 4 each (v c, two adds, sigmoid), c 4, h 4.
+SRU_ELEMENTWISE = 16
+ATTENTION_EVERY = 4  # SRU++: 2 attention layers of 8; attention is needed in few layers
 
 
 @dataclasses.dataclass(frozen=True)
-class SRUConfig:
-    """An SRU language model: ``n_layers`` SRU layers of width ``d``.
+class SRUConfig(RecurrentConfig):
+    """An SRU language model: ``n_layers`` SRU layers of width ``d``."""
 
-    Attributes:
-      d: embedding and state width. n_layers: SRU layers.
-      vocab_size: tokens (GPT-2: 50257).
-      dtype: compute dtype, "float32" or "bfloat16"; parameters and the state c are float32.
-      remat: rematerialise each layer in the backward pass.
-    """
-
-    d: int
     n_layers: int = 8
-    vocab_size: int = GPT2_VOCAB
-    dtype: str = "float32"
-    remat: bool = False
-
-    def __post_init__(self):
-        for name in ("d", "n_layers", "vocab_size"):
-            check_positive(self, name)
-        compute_dtype(self.dtype)
-
-    @property
-    def family(self) -> str:
-        return "sru"
 
     def has_attention(self, layer: int) -> bool:
         del layer
@@ -83,7 +71,7 @@ class SRUConfig:
 
 
 @dataclasses.dataclass(frozen=True)
-class SRUPPConfig:
+class SRUPPConfig(Registered):
     """An SRU++ language model: SRU layers, every ``attention_every``-th one with attention.
 
     Attributes:
@@ -110,10 +98,6 @@ class SRUPPConfig:
                 f"n_layers={self.n_layers}: no layer would have attention (use an SRUConfig)"
             )
         compute_dtype(self.dtype)
-
-    @property
-    def family(self) -> str:
-        return "sru_pp"
 
     def has_attention(self, layer: int) -> bool:
         return (layer + 1) % self.attention_every == 0
@@ -164,7 +148,7 @@ class SRULayer(nn.Module):
     and ``output`` (W3, (d', 3d), columns [W | W_f | W_r]). No matmul has a bias.
     """
 
-    width: int
+    d: int
     d_prime: int = 0
     dtype: Any = jnp.float32
 
@@ -176,17 +160,17 @@ class SRULayer(nn.Module):
             self.key_value = nn.Dense(2 * self.d_prime, **dense)
             self.alpha = self.param("alpha", nn.initializers.zeros, ())
             self.norm_attention = layer_norm(self.dtype)
-            self.output = nn.Dense(3 * self.width, **dense)
+            self.output = nn.Dense(3 * self.d, **dense)
         else:
-            self.projection = nn.Dense(3 * self.width, **dense)
-        self.v = self.param("v", nn.initializers.zeros, (2, self.width))
-        self.b = self.param("b", nn.initializers.zeros, (2, self.width))
+            self.projection = nn.Dense(3 * self.d, **dense)
+        self.v = self.param("v", nn.initializers.zeros, (2, self.d))
+        self.b = self.param("b", nn.initializers.zeros, (2, self.d))
 
     def _u(self, q_xDp, a_xDp):
         """SRU++'s U = W3 LN(Q + alpha A), split into (..., 3, d)."""
         mixed = q_xDp + self.alpha.astype(self.dtype) * a_xDp.astype(self.dtype)
         u = self.output(self.norm_attention(mixed))
-        return u.reshape(*u.shape[:-1], 3, self.width)
+        return u.reshape(*u.shape[:-1], 3, self.d)
 
     def __call__(self, x_BxTxD):
         xn_BxTxD = self.norm(x_BxTxD)
@@ -200,14 +184,14 @@ class SRULayer(nn.Module):
             u_BxTx3xD = self._u(q_BxTxDp, a[:, :, 0])
         else:
             u = self.projection(xn_BxTxD)
-            u_BxTx3xD = u.reshape(*u.shape[:-1], 3, self.width)
-        c_BxD = jnp.zeros((x_BxTxD.shape[0], self.width), jnp.float32)
+            u_BxTx3xD = u.reshape(*u.shape[:-1], 3, self.d)
+        c_BxD = jnp.zeros((x_BxTxD.shape[0], self.d), jnp.float32)
         h_BxTxD, _ = sru_recurrence(u_BxTx3xD, x_BxTxD, self.v, self.b, c_BxD)
         return h_BxTxD.astype(x_BxTxD.dtype)
 
-    def init_state(self, batch_size: int, max_len: int | None = None):
+    def decode_state(self, batch_size: int, max_len: int | None = None):
         """The state before the first token (needs no parameters: call it unbound)."""
-        state = {"c": jnp.zeros((batch_size, self.width), jnp.float32)}
+        state = {"c": jnp.zeros((batch_size, self.d), jnp.float32)}
         if self.d_prime:
             if max_len is None:
                 raise ValueError("SRU++ attention layers need max_len for their KV cache")
@@ -238,7 +222,7 @@ class SRULayer(nn.Module):
             u_Bx3xD = self._u(q_BxDp, a[:, 0, 0])
         else:
             u = self.projection(xn_BxD)
-            u_Bx3xD = u.reshape(*u.shape[:-1], 3, self.width)
+            u_Bx3xD = u.reshape(*u.shape[:-1], 3, self.d)
         f32 = jnp.float32
         new_state["c"], h_BxD = sru_cell(
             state["c"],
@@ -263,10 +247,10 @@ class SRULanguageModel(LanguageModel):
         self.blocks = [layer(**_layer_fields(c, i), name=f"block_{i}") for i in range(c.n_layers)]
         self.norm = layer_norm(dtype)
 
-    def init_state(self, batch_size: int, max_len: int | None = None):
+    def decode_state(self, batch_size: int, max_len: int | None = None):
         c = self.config
         layers = [
-            SRULayer(**_layer_fields(c, i), parent=None).init_state(batch_size, max_len)
+            SRULayer(**_layer_fields(c, i), parent=None).decode_state(batch_size, max_len)
             for i in range(c.n_layers)
         ]
         state = {"layers": layers}
@@ -277,4 +261,82 @@ class SRULanguageModel(LanguageModel):
 
 def _layer_fields(c: SRUConfig | SRUPPConfig, layer: int) -> dict:
     d_prime = c.d_prime if c.has_attention(layer) else 0
-    return dict(width=c.d, d_prime=d_prime, dtype=compute_dtype(c.dtype))
+    return dict(d=c.d, d_prime=d_prime, dtype=compute_dtype(c.dtype))
+
+
+def sru_layer_params(d: int, d_prime: int = 0) -> int:
+    """One SRU layer (pre-LN 2d, v and b 4d, no matmul bias); with d' > 0 an SRU++ layer,
+    whose projection is W1 (d d'), W2 (2 d'^2), alpha (1), its LN (2 d') and W3 (3 d' d)."""
+    if d_prime:
+        projection = d * d_prime + 2 * d_prime * d_prime + 1 + 2 * d_prime + 3 * d_prime * d
+    else:
+        projection = 3 * d * d
+    return 2 * d + projection + 4 * d
+
+
+def sru_params(config: SRUConfig | SRUPPConfig) -> sizes.ParamCount:
+    d = config.d
+    layers = sum(
+        sru_layer_params(d, _layer_fields(config, i)["d_prime"]) for i in range(config.n_layers)
+    )
+    return sizes.ParamCount(layers + 2 * d, config.vocab_size * d)
+
+
+def sru_flops(config: SRUConfig | SRUPPConfig, seq_len: int = 1024) -> sizes.FlopCount:
+    """2 per weight of each matmul, plus the element-wise recurrence (16 d per layer).
+
+    A plain layer's matmul is [W, W_f, W_r]: 6 d^2. An SRU++ attention layer has W1, W2, W3
+    (2 d d' + 4 d'^2 + 6 d d'), scores and values 4 n d' over the full n as the transformer
+    counter does, and Q + alpha A (2 d'). LayerNorms are not counted (as in ``lmu_flops``).
+    The layers of SRU++ differ, so ``per_layer`` holds the mean over its layers: ``layers``
+    is exactly the sum.
+    """
+    d, n_layers = config.d, config.n_layers
+    attention = sum(config.has_attention(i) for i in range(n_layers))
+    terms = {"projection": 6.0 * d * d * (n_layers - attention) / n_layers}
+    if attention:
+        k = config.d_prime
+        share = attention / n_layers
+        terms["attention_projections"] = (2 * d * k + 4 * k * k + 6 * k * d) * share
+        terms["attention"] = (4 * seq_len * k + 2 * k) * share
+    terms["recurrence"] = float(SRU_ELEMENTWISE * d)
+    return sizes.FlopCount(terms, n_layers, 2.0 * d * config.vocab_size)
+
+
+def sru_config(size: str, **overrides) -> SRUConfig:
+    """SRU at a Table 3 grid point: the LMU's width, the number of layers (3d^2 + 6d each)
+    solved for N: 8 at every row, N +4.9%, +4.7%, +1.6%, +2.2%, +1.0%, +0.9% off the row
+    (the small rows lose to the 6d terms)."""
+    return dataclasses.replace(sizes.deepened(SRUConfig, size), **overrides)
+
+
+def sru_pp_config(size: str, **overrides) -> SRUPPConfig:
+    """SRU++ at a Table 3 grid point: the SRU's width and depth, attention in every 4th layer,
+    the attention width d' solved for N: d' = 23, 32, 50, 60, 81, 115 (0.48-0.56 d), N within
+    0.2% of every row."""
+    sru = sru_config(size)
+
+    def config(d_prime: int) -> SRUPPConfig:
+        return SRUPPConfig(
+            d=sru.d, d_prime=d_prime, n_layers=sru.n_layers, attention_every=ATTENTION_EVERY
+        )
+
+    d_prime = sizes.nearest(
+        lambda k: sru_params(config(k)).non_embedding, sizes.row(size).n, range(1, 4 * sru.d + 1)
+    )
+    return dataclasses.replace(config(d_prime), **overrides)
+
+
+for _family in (
+    Family("sru", SRUConfig, SRULanguageModel, sru_config, sru_params, sru_flops, lambda c: {}),
+    Family(
+        "sru_pp",
+        SRUPPConfig,
+        SRULanguageModel,
+        sru_pp_config,
+        sru_params,
+        sru_flops,
+        shape=lambda c: {"d'": c.d_prime, "pre": "attn", "heads": 1},
+    ),
+):
+    register(_family)

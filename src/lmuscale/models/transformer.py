@@ -21,19 +21,23 @@ import jax.numpy as jnp
 
 from lmuscale.data.tokenizer import GPT2_VOCAB
 from lmuscale.layers import FFN, GlobalSelfAttention, kv_cache, layer_norm
+from lmuscale.models import sizes
 from lmuscale.models.base import (
     LanguageModel,
     check_positive,
     compute_dtype,
+    default_heads,
     embedding_init,
 )
+from lmuscale.models.family import Family, Registered, register
 
 POSITION_INIT = nn.initializers.normal(0.01)
 KERNEL_INIT = nn.initializers.normal(0.02)
+LAYERS = 2  # d = sqrt(N / 24) is N = 12 n_layers d^2 at 2 layers
 
 
 @dataclasses.dataclass(frozen=True)
-class TransformerConfig:
+class TransformerConfig(Registered):
     """A GPT-2 style decoder. ``max_len`` is the number of learned positions."""
 
     d: int
@@ -51,10 +55,6 @@ class TransformerConfig:
         if self.d % self.n_heads:
             raise ValueError(f"TransformerConfig.n_heads={self.n_heads} does not divide d={self.d}")
         compute_dtype(self.dtype)
-
-    @property
-    def family(self) -> str:
-        return "transformer"
 
     @property
     def mlp_dim(self) -> int:
@@ -110,7 +110,7 @@ class TransformerLanguageModel(LanguageModel):
             positions = self.positions[index]
         return self.embed(tokens) + positions.astype(self.embed.dtype)
 
-    def init_state(self, batch_size: int, max_len: int | None = None):
+    def decode_state(self, batch_size: int, max_len: int | None = None):
         c = self.config
         max_len = c.max_len if max_len is None else max_len
         if max_len > c.max_len:
@@ -120,3 +120,44 @@ class TransformerLanguageModel(LanguageModel):
             "index": jnp.zeros((), jnp.int32),
             "layers": [kv_cache(batch_size, max_len, c.d, c.n_heads, dtype)] * c.n_layers,
         }
+
+
+def transformer_params(config: TransformerConfig) -> sizes.ParamCount:
+    d = config.d
+    per_layer = 2 * 2 * d + sizes.attention_params(d) + sizes.ffn_params(d, config.mlp_dim)
+    embedding = config.vocab_size * d + config.max_len * d
+    return sizes.ParamCount(config.n_layers * per_layer + 2 * d, embedding)
+
+
+def transformer_flops(config: TransformerConfig, seq_len: int = 1024) -> sizes.FlopCount:
+    """2 per non-embedding weight, plus 4 n d per layer for the attention scores and values.
+
+    This is the forward third of the common "6N + 12 n_layers n d" training count (Kaplan et
+    al. §2.1; Chowdhery et al. appendix B), with the full n (no discount for the causal mask).
+    """
+    d = config.d
+    one_layer = dataclasses.replace(config, n_layers=1)
+    per_layer = transformer_params(one_layer).non_embedding - 2 * d
+    terms = {"weights": 2.0 * per_layer, "attention": 4.0 * seq_len * d}
+    # The final LayerNorm's 2d weights are part of N; they are counted in no layer (negligible).
+    return sizes.FlopCount(terms, config.n_layers, 2.0 * d * config.vocab_size)
+
+
+def transformer_config(size: str, **overrides) -> TransformerConfig:
+    """The transformer at a Table 3 grid point: 2 layers of the LMU's width, 4d MLP."""
+    d = sizes.width(sizes.row(size).n)
+    config = TransformerConfig(d=d, n_heads=default_heads(d), n_layers=LAYERS)
+    return dataclasses.replace(config, **overrides)
+
+
+register(
+    Family(
+        "transformer",
+        TransformerConfig,
+        TransformerLanguageModel,
+        sized=transformer_config,
+        params=transformer_params,
+        flops=transformer_flops,
+        shape=lambda c: {"pre": "attn", "post": c.mlp_dim, "heads": c.n_heads},
+    )
+)

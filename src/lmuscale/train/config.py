@@ -19,16 +19,8 @@ from pathlib import Path
 
 from ml_collections import ConfigDict
 
-from lmuscale.lmu import DEFAULT_CHUNK
-from lmuscale.models import (
-    LMUConfig,
-    LSTMConfig,
-    ModelConfig,
-    SRUConfig,
-    SRUPPConfig,
-    TransformerConfig,
-)
-from lmuscale.models.sizes import FAMILIES
+from lmuscale.models import ModelConfig
+from lmuscale.models import family as families
 
 # Keys that may differ when a run resumes: none of them changes the trained numbers.
 RESUMABLE_CHANGES = ("log.", "distributed.", "data.verify", "data.path", "peak_flops")
@@ -108,34 +100,19 @@ def base_config(model: ModelConfig) -> ConfigDict:
 
 
 def model_section(model: ModelConfig) -> ConfigDict:
-    fields = dataclasses.asdict(model)
-    if isinstance(model, LMUConfig):
-        del fields["global_attention"]
-    return ConfigDict({"family": model.family, **fields})
-
-
-# The config dataclass of each family whose fields are exactly its model section's keys.
-SECTION_CONFIGS = {
-    "transformer": TransformerConfig,
-    "sru": SRUConfig,
-    "sru_pp": SRUPPConfig,
-    "lstm": LSTMConfig,
-}
+    family = families.of(model)
+    fields = {k: v for k, v in dataclasses.asdict(model).items() if k not in family.fixed}
+    return ConfigDict({"family": family.name, **fields})
 
 
 def model_config(section) -> ModelConfig:
     """The model dataclass of a config's ``model`` section (its own checks apply)."""
     fields = dict(section)
-    family = fields.pop("family")
     try:
-        if family in SECTION_CONFIGS:
-            return SECTION_CONFIGS[family](**fields)
-        if family in ("lmu", "lmu_g"):
-            return LMUConfig(**fields, global_attention=family == "lmu_g")
+        family = families.get(fields.pop("family"))
+        return family.config(**fields, **family.fixed)
     except (TypeError, ValueError) as error:
         raise ConfigError(f"model: {error}") from None
-    known = f"{', '.join(FAMILIES[:-1])} or {FAMILIES[-1]}"
-    raise ConfigError(f"model.family must be {known}, got {family!r}")
 
 
 def flatten(config, prefix: str = "") -> dict:
@@ -309,18 +286,14 @@ def to_json(config: ConfigDict) -> str:
     return json.dumps(config.to_dict(), indent=2, sort_keys=True) + "\n"
 
 
-# Model keys added after runs were saved, with the values that reproduce what those runs did:
-# an LMU saved before memory_mode existed computed its memory by FFT.
-LEGACY_MODEL_VALUES = {"memory_mode": "fft", "memory_chunk": DEFAULT_CHUNK}
-
-
 def upgrade(saved: dict) -> dict:
-    """A saved config (a config.json or a sweep trial's) with the keys it predates filled in
-    as it ran, so that it resumes the same run."""
+    """A saved config (a config.json or a sweep trial's) with the model keys it predates
+    filled in as it ran (its family's ``legacy`` values), so that it resumes the same run."""
     model = saved.get("model", {})
-    if model.get("family") not in ("lmu", "lmu_g"):
+    family = families.REGISTRY.get(model.get("family"))
+    if family is None or not family.legacy:
         return saved
-    return {**saved, "model": {**LEGACY_MODEL_VALUES, **model}}
+    return {**saved, "model": {**family.legacy, **model}}
 
 
 def saved_flat(saved: dict) -> dict:
