@@ -15,7 +15,7 @@ import pytest
 from scipy.integrate import solve_ivp
 
 from lmuscale.files import atomic_write_bytes
-from lmuscale.tasks import imdb, mackey_glass, psmnist, run
+from lmuscale.tasks import imdb, mackey_glass, psmnist, run_task
 from lmuscale.tasks import train as task_train
 from lmuscale.tasks.__main__ import main
 from lmuscale.tasks.base import TaskDataError
@@ -233,8 +233,8 @@ def tiny_mackey_glass(epochs: int, kind: str = "lmu"):
 
 
 def test_a_resumed_run_equals_an_uninterrupted_one(tmp_path):
-    whole = run(tiny_mackey_glass(3), tmp_path / "whole", progress=False)
-    run(tiny_mackey_glass(1), tmp_path / "parts", progress=False)
+    whole = run_task(tiny_mackey_glass(3), tmp_path / "whole", progress=False)
+    run_task(tiny_mackey_glass(1), tmp_path / "parts", progress=False)
     # The same run asked for more epochs: not allowed in place, so continue from a copy whose
     # config says 3 epochs and whose checkpoint is at epoch 1.
     parts = tmp_path / "parts"
@@ -242,7 +242,7 @@ def test_a_resumed_run_equals_an_uninterrupted_one(tmp_path):
     config_json = json.loads((parts / "config.json").read_text())
     config_json["train"]["epochs"] = 3
     (parts / "config.json").write_text(json.dumps(config_json))
-    resumed = run(tiny_mackey_glass(3), parts, progress=False)
+    resumed = run_task(tiny_mackey_glass(3), parts, progress=False)
     for key in ("test_nrmse", "val_nrmse", "best_epoch", "params"):
         assert resumed[key] == whole[key], key
     lines = (parts / "metrics.jsonl").read_text().splitlines()
@@ -250,7 +250,7 @@ def test_a_resumed_run_equals_an_uninterrupted_one(tmp_path):
 
 
 def test_a_kill_between_the_metrics_and_the_checkpoint_loses_nothing(tmp_path, monkeypatch):
-    whole = run(tiny_mackey_glass(3), tmp_path / "whole", progress=False)
+    whole = run_task(tiny_mackey_glass(3), tmp_path / "whole", progress=False)
     writes = []
 
     def dies_at_the_second_checkpoint(path, data):
@@ -261,11 +261,11 @@ def test_a_kill_between_the_metrics_and_the_checkpoint_loses_nothing(tmp_path, m
 
     monkeypatch.setattr(task_train, "atomic_write_bytes", dies_at_the_second_checkpoint)
     with pytest.raises(KeyboardInterrupt):
-        run(tiny_mackey_glass(3), tmp_path / "killed", progress=False)
+        run_task(tiny_mackey_glass(3), tmp_path / "killed", progress=False)
     monkeypatch.undo()
     rows = (tmp_path / "killed" / "metrics.jsonl").read_text().splitlines()
     assert len(rows) == 2  # one row ahead of the checkpoint (epoch 1)
-    resumed = run(tiny_mackey_glass(3), tmp_path / "killed", progress=False)
+    resumed = run_task(tiny_mackey_glass(3), tmp_path / "killed", progress=False)
     assert resumed["test_nrmse"] == whole["test_nrmse"]
     killed = (tmp_path / "killed" / "metrics.jsonl").read_text().splitlines()
     expected = (tmp_path / "whole" / "metrics.jsonl").read_text().splitlines()
@@ -274,11 +274,11 @@ def test_a_kill_between_the_metrics_and_the_checkpoint_loses_nothing(tmp_path, m
 
 
 def test_a_workdir_of_another_config_is_refused(tmp_path):
-    run(tiny_mackey_glass(1), tmp_path, progress=False)
+    run_task(tiny_mackey_glass(1), tmp_path, progress=False)
     config = tiny_mackey_glass(1)
     config.train.learning_rate = 0.01
     with pytest.raises(ConfigError, match=r"differs in train\.learning_rate"):
-        run(config, tmp_path, progress=False)
+        run_task(config, tmp_path, progress=False)
 
 
 def test_config_keys_and_types_are_checked():

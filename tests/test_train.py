@@ -219,3 +219,58 @@ def test_a_diverging_run_stops_and_keeps_the_last_good_checkpoint(byte_corpus, t
     assert Checkpoints(tmp_path / "checkpoints", keep=2).latest_step() == 1
     _, state, _ = _final_params(config, tmp_path)
     assert all(np.isfinite(leaf).all() for leaf in jax.tree.leaves(state["params"]))
+
+
+def test_each_action_fires_at_its_period_and_again_on_resume(byte_corpus, tmp_path, monkeypatch):
+    import signal
+
+    from lmuscale.train import TrainingInterrupted, loop
+
+    fired = []
+
+    def spy(name):
+        original = getattr(loop.Session, name)
+
+        def action(self, done, *args):
+            fired.append((name, done))
+            if (name, done) == ("log_step", 6) and len(fired) < 10:
+                signal.raise_signal(signal.SIGTERM)  # a scheduler's notice, mid-run
+            return original(self, done, *args)
+
+        monkeypatch.setattr(loop.Session, name, action)
+
+    for name in ("log_step", "validate", "checkpoint", "stop"):
+        spy(name)
+    config = small(str(byte_corpus))
+    config.train.steps = 12
+    config.log.every, config.eval.every = 3, 4
+    config.checkpoint.update(every=5, keep=10)
+
+    with pytest.raises(TrainingInterrupted, match="SIGTERM received: stopped after step 6"):
+        run(config, tmp_path)
+    first = list(fired)
+    # The stop action checkpoints through the checkpoint action.
+    assert first == [
+        ("log_step", 3),
+        ("validate", 4),
+        ("checkpoint", 5),
+        ("log_step", 6),
+        ("stop", 6),
+        ("checkpoint", 6),
+    ]
+    fired.clear()
+    summary = run(config, tmp_path)
+    assert fired == [
+        ("validate", 8),
+        ("log_step", 9),
+        ("checkpoint", 10),
+        ("log_step", 12),
+        ("validate", 12),
+        ("checkpoint", 12),
+    ]
+    assert summary["status"] == "finished"
+    logged = [json.loads(line)["step"] for line in (tmp_path / "metrics.jsonl").open()]
+    evaluated = [json.loads(line)["step"] for line in (tmp_path / "eval.jsonl").open()]
+    assert logged == [3, 6, 9, 12] and evaluated == [4, 8, 12]
+    saved = sorted(int(p.name) for p in (tmp_path / "checkpoints").iterdir() if p.name.isdigit())
+    assert saved == [5, 6, 10, 12]

@@ -15,10 +15,12 @@ from lmuscale.data.loader import (
     open_dataset,
     permute,
 )
-from lmuscale.data.sources import DataError, open_source
+from lmuscale.data.prepare import prepare_embedded
+from lmuscale.data.sources import EMBEDDED_SOURCES, DataError, open_source
 from lmuscale.data.tokenizer import Tokenizer, byte_tokenizer, get_tokenizer, gpt2_tokenizer
 
 __all__ = [
+    "EMBEDDED_SOURCES",
     "DataError",
     "EvalBatch",
     "TokenDataset",
@@ -32,4 +34,5 @@ __all__ = [
     "open_dataset",
     "open_source",
     "permute",
+    "prepare_embedded",
 ]

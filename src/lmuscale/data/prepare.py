@@ -26,6 +26,7 @@ from __future__ import annotations
 import collections
 import concurrent.futures
 import datetime
+import fcntl
 import hashlib
 import json
 import multiprocessing
@@ -49,7 +50,14 @@ from lmuscale.data.format import (
     token_dtype,
     work_folder,
 )
-from lmuscale.data.sources import BadLine, DataError, Document, Source, open_source
+from lmuscale.data.sources import (
+    EMBEDDED_SOURCES,
+    BadLine,
+    DataError,
+    Document,
+    Source,
+    open_source,
+)
 from lmuscale.data.tokenizer import Tokenizer, get_tokenizer
 from lmuscale.files import atomic_write_json, fsync_dir
 
@@ -507,3 +515,18 @@ def _publish(work: Path, out: Path) -> None:
         out.rmdir()  # empty (checked at the start); rename cannot replace a folder everywhere
     os.replace(work, out)
     fsync_dir(out.parent)
+
+
+def prepare_embedded(out: Path, source: str, tokenizer: str, progress: bool) -> None:
+    """Prepare the embedded corpus ``source`` in ``out`` unless it is there already. A lock
+    beside ``out`` makes runs that start together (a sweep's workers) prepare it once."""
+    if source not in EMBEDDED_SOURCES:
+        raise DataError(f"{source!r} is not an embedded source ({', '.join(EMBEDDED_SOURCES)})")
+    out = Path(out)
+    if (out / META).exists():
+        return
+    out.parent.mkdir(parents=True, exist_ok=True)
+    with open(out.parent / f".{out.name}.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        if not (out / META).exists():
+            prepare(source, [], out=out, tokenizer=tokenizer, progress=progress)

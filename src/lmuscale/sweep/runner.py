@@ -8,7 +8,6 @@ trials are skipped, interrupted ones resume from their last checkpoint.
 
 from __future__ import annotations
 
-import fcntl
 import fnmatch
 import os
 import time
@@ -58,23 +57,12 @@ def folders(sweep: Sweep, workdir: Path, trials: list[ResolvedTrial]) -> dict[st
 
 
 def prepare_data(trials: list[ResolvedTrial], progress: bool) -> None:
-    """Prepare each missing embedded dataset once, before workers start (they would race)."""
-    from lmuscale.data.format import META
-    from lmuscale.data.prepare import prepare
-    from lmuscale.train.loop import EMBEDDED_SOURCES
+    """Prepare each missing embedded dataset once, before workers start."""
+    from lmuscale.data import EMBEDDED_SOURCES, prepare_embedded
 
-    done = set()
-    for trial in trials:
-        data = trial.config.data
-        path = Path(data.path)
-        if data.source not in EMBEDDED_SOURCES or path in done or (path / META).exists():
-            continue
-        path.parent.mkdir(parents=True, exist_ok=True)
-        with open(path.parent / f".{path.name}.lock", "w") as lock:
-            fcntl.flock(lock, fcntl.LOCK_EX)  # another runner may be preparing it
-            if not (path / META).exists():
-                prepare(data.source, [], out=path, tokenizer=data.tokenizer, progress=progress)
-        done.add(path)
+    for path, data in {Path(t.config.data.path): t.config.data for t in trials}.items():
+        if data.source in EMBEDDED_SOURCES:
+            prepare_embedded(path, data.source, data.tokenizer, progress)
 
 
 def results(workdir: Path, sweep: Sweep, paths: dict[str, Path]) -> list[dict]:
@@ -181,10 +169,11 @@ def run_sweep(
     show: bool | None = None,
 ) -> int:
     """Run (or resume) the selected trials; returns the exit status (0: all finished)."""
+    if executor not in ("local", "slurm"):
+        raise SweepError(f"--executor {executor!r}: expected local or slurm")
     show = os.isatty(2) if show is None else show
     trials = select(sweep, only)
     paths = folders(sweep, workdir, trials)
-    by_folder = {paths[t.name]: t for t in trials}
     rows = {r["trial"]: r for r in results(workdir, sweep, paths)}
     todo = [t for t in trials if rows[t.name]["status"] not in DONE]
     print(
@@ -192,41 +181,11 @@ def run_sweep(
         f"{len(todo)} to run ({executor}); results in {workdir}/results.csv",
         flush=True,
     )
+    prepare_data(todo, show)
     if executor == "local":
-        from lmuscale.sweep.local import run_local
-
-        prepare_data(todo, show)
-        progress = Progress(paths, trials, show)
-
-        def on_end(folder: Path, _state: str) -> None:
-            table = {r["trial"]: r for r in results(workdir, sweep, paths)}
-            progress.write(describe(table[by_folder[folder].name]))
-
-        try:
-            run_local([paths[t.name] for t in todo], parallel, progress.update, on_end)
-        except BaseException:
-            results(workdir, sweep, paths)  # the rows of the trials that were stopped
-            raise
-        finally:
-            progress.close()
-    elif executor == "slurm":
-        from lmuscale.sweep.slurm import run_slurm
-
-        prepare_data(todo, show)
-        submitted = run_slurm(sweep, workdir, [paths[t.name] for t in todo], parallel, slurm)
-        print(f"submitted {submitted}", flush=True)
-        if detach:
-            print("run the same command without --detach to wait for the results", flush=True)
-            return 0
-        from lmuscale.sweep.slurm import wait
-
-        progress = Progress(paths, trials, show)
-        try:
-            wait(workdir, progress.update, progress.write)
-        finally:
-            progress.close()
-    else:
-        raise SweepError(f"--executor {executor!r}: expected local or slurm")
+        _run_local(sweep, workdir, trials, todo, paths, parallel, show)
+    elif not _run_slurm(sweep, workdir, trials, todo, paths, parallel, slurm, detach, show):
+        return 0  # detached: the jobs run on
     final = results(workdir, sweep, paths)
     chosen = [r for r in final if r["trial"] in paths]
     print(results_table(chosen), flush=True)
@@ -238,3 +197,40 @@ def run_sweep(
     if everything and sweep.after is not None:
         sweep.after(workdir)
     return 0 if finished else 1
+
+
+def _run_local(sweep, workdir, trials, todo, paths, parallel, show) -> None:
+    """Train ``todo`` in worker processes here, ``parallel`` at a time, reporting each end."""
+    from lmuscale.sweep.local import run_local
+
+    progress = Progress(paths, trials, show)
+    by_folder = {paths[t.name]: t for t in trials}
+
+    def on_end(folder: Path, _state: str) -> None:
+        table = {r["trial"]: r for r in results(workdir, sweep, paths)}
+        progress.write(describe(table[by_folder[folder].name]))
+
+    try:
+        run_local([paths[t.name] for t in todo], parallel, progress.update, on_end)
+    except BaseException:
+        results(workdir, sweep, paths)  # the rows of the trials that were stopped
+        raise
+    finally:
+        progress.close()
+
+
+def _run_slurm(sweep, workdir, trials, todo, paths, parallel, slurm, detach, show) -> bool:
+    """Submit ``todo`` as SLURM jobs; wait for them unless ``detach``. True when waited."""
+    from lmuscale.sweep.slurm import run_slurm, wait
+
+    submitted = run_slurm(sweep, workdir, [paths[t.name] for t in todo], parallel, slurm)
+    print(f"submitted {submitted}", flush=True)
+    if detach:
+        print("run the same command without --detach to wait for the results", flush=True)
+        return False
+    progress = Progress(paths, trials, show)
+    try:
+        wait(workdir, progress.update, progress.write)
+    finally:
+        progress.close()
+    return True

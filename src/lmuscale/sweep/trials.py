@@ -25,14 +25,14 @@ from lmuscale.files import atomic_write_bytes, atomic_write_json
 from lmuscale.models import count_params, flops_per_token
 from lmuscale.sweep.spec import ResolvedTrial
 from lmuscale.train.config import model_config
+from lmuscale.train.workdir import SUMMARY, has_checkpoint
 
-TRIAL, LOCK, LOG, ATTEMPTS, ERROR, SUMMARY = (
+TRIAL, LOCK, LOG, ATTEMPTS, ERROR = (
     "trial.json",
     "lock",
     "train.log",
     "attempts.jsonl",
     "error.json",
-    "summary.json",
 )
 DONE = ("finished", "diverged")  # final results: never run again
 RESULT_FIELDS = (
@@ -117,8 +117,7 @@ def status(folder: Path) -> str:
         return "running"
     if (folder / ERROR).exists():
         return "failed"
-    checkpoints = folder / "checkpoints"
-    if checkpoints.is_dir() and any(p.name.isdigit() for p in checkpoints.iterdir()):
+    if has_checkpoint(folder):
         return "interrupted"
     return "pending"
 

@@ -11,7 +11,7 @@ paper's table (REFERENCE §5).
 from lmuscale.tasks.base import Split, Splits, Task, TaskDataError
 from lmuscale.tasks.config import TASKS, base_config, check, model_config
 from lmuscale.tasks.models import TaskModel, TaskModelConfig
-from lmuscale.tasks.train import run
+from lmuscale.tasks.train import run_task
 
 __all__ = [
     "TASKS",
@@ -24,5 +24,5 @@ __all__ = [
     "base_config",
     "check",
     "model_config",
-    "run",
+    "run_task",
 ]

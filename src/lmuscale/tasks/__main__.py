@@ -56,8 +56,9 @@ def main(argv: list[str] | None = None) -> int:
     args, overrides = parse(sys.argv[1:] if argv is None else argv)
     from lmuscale.tasks.base import TaskDataError
     from lmuscale.tasks.config import check
-    from lmuscale.tasks.train import run
+    from lmuscale.tasks.train import run_task
     from lmuscale.train.config import ConfigError, load, load_module, override
+    from lmuscale.train.workdir import TrainingDiverged
 
     path, _, only = args.experiment.partition(":")
     workdir = Path(args.workdir)
@@ -69,14 +70,14 @@ def main(argv: list[str] | None = None) -> int:
         results = []
         for name, config in zip(names, configs, strict=True):
             print(f"{name}: training in {workdir / name}", flush=True)
-            summary = run(config, workdir / name, progress=False if args.quiet else None)
+            summary = run_task(config, workdir / name, progress=False if args.quiet else None)
             results.append(summary)
             metric = summary["metric"]
             print(f"{name}: test {metric} {summary['test_' + metric]:.4f}", flush=True)
     except (ConfigError, TaskDataError) as error:
         print(f"error: {error}", file=sys.stderr)
         return 1
-    except FloatingPointError as error:  # the training loss diverged
+    except TrainingDiverged as error:
         print(f"error: {error}", file=sys.stderr)
         return 3
     print(table(results))

@@ -126,6 +126,6 @@ class TaskModel(nn.Module):
         return self.head(h)
 
 
-def count_params(params) -> int:
+def tree_params(params) -> int:
     """Trainable numbers in a parameter tree."""
     return int(sum(leaf.size for leaf in jax.tree.leaves(params)))

@@ -30,15 +30,15 @@ from tqdm import tqdm
 from lmuscale.files import atomic_write_bytes, atomic_write_json
 from lmuscale.tasks.base import Split, Task
 from lmuscale.tasks.config import model_config, task_of
-from lmuscale.tasks.models import TaskModel, count_params
-from lmuscale.train.config import ConfigError, differences, to_json
+from lmuscale.tasks.models import TaskModel, tree_params
+from lmuscale.train import workdir as workdir_lib
+from lmuscale.train.workdir import SUMMARY, TrainingDiverged
 
 CHECKPOINT = "checkpoint.msgpack"
 METRICS = "metrics.jsonl"
-SUMMARY = "summary.json"
 
 
-def loss_fn(kind: str):
+def loss_of(kind: str):
     """Mean loss of a batch: predictions ``y_Bx...xO`` against targets."""
     if kind == "mse":
         return lambda y, t: jnp.mean((y - t) ** 2)
@@ -75,7 +75,7 @@ class Trainer:
         self.optimizer = optax.adam(config.train.learning_rate)  # otherwise Adam's defaults
         self.batch_size = config.train.batch_size
         self.eval_batch_size = config.train.eval_batch_size
-        loss = loss_fn(self.task.loss)
+        loss = loss_of(self.task.loss)
 
         def train_step(params, opt_state, inputs, targets):
             value, grads = jax.value_and_grad(lambda p: loss(self.model.apply(p, inputs), targets))(
@@ -133,29 +133,16 @@ def _read_metrics(path: Path, upto: int) -> list[dict]:
     return [row for row in rows if row["epoch"] <= upto]
 
 
-def _prepare_workdir(config: ConfigDict, workdir: Path) -> None:
-    """Write config.json; refuse a workdir that holds training of another config (one that
-    failed before its first epoch holds none, and takes the new config)."""
-    workdir.mkdir(parents=True, exist_ok=True)
-    saved = workdir / "config.json"
-    trained = (workdir / CHECKPOINT).exists() or (workdir / SUMMARY).exists()
-    if saved.exists() and trained:
-        changed = differences(json.loads(saved.read_text()), config)
-        if changed:
-            raise ConfigError(
-                f"{saved}: this workdir holds a run of another config (differs in "
-                f"{', '.join(changed)}); use a new --workdir"
-            )
-    else:
-        atomic_write_bytes(saved, to_json(config).encode())
-
-
-def run(config: ConfigDict, workdir, progress: bool | None = None) -> dict:
+def run_task(config: ConfigDict, workdir, progress: bool | None = None) -> dict:
     """Train (or resume, or just read back) one task run; returns its summary."""
     workdir = Path(workdir)
-    _prepare_workdir(config, workdir)
-    if (workdir / SUMMARY).exists():
-        return json.loads((workdir / SUMMARY).read_text())
+    trained = (workdir / CHECKPOINT).exists() or (workdir / SUMMARY).exists()
+    workdir_lib.check(config, workdir, trained)
+    summary = workdir_lib.finished(workdir)
+    if summary is not None:
+        return summary
+    if not trained:  # one that failed before its first epoch takes the new config
+        workdir_lib.write_config(config, workdir)
     task = task_of(config)
     splits = task.load(config.data)  # TaskDataError names the path and what to give
     trainer = Trainer(config)
@@ -182,7 +169,7 @@ def run(config: ConfigDict, workdir, progress: bool | None = None) -> dict:
             train_loss = trainer.epoch(state, splits.train, config.train.seed, bar)
             value = trainer.evaluate(state["params"], splits.val)
             if not math.isfinite(train_loss):
-                raise FloatingPointError(
+                raise TrainingDiverged(
                     f"{config.name}: the training loss is {train_loss} at epoch "
                     f"{state['epoch'] + 1}; lower train.learning_rate"
                 )
@@ -213,9 +200,10 @@ def run(config: ConfigDict, workdir, progress: bool | None = None) -> dict:
 
     summary = {
         "name": config.name,
+        "status": "finished",
         "task": task.name,
         "kind": config.model.kind,
-        "params": count_params(state["params"]),
+        "params": tree_params(state["params"]),
         "metric": task.metric,
         f"test_{task.metric}": trainer.evaluate(state["best_params"], splits.test),
         f"val_{task.metric}": best,

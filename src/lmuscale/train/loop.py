@@ -1,11 +1,14 @@
-"""A training run: check everything, restore or initialise, train, evaluate, summarise.
+"""A training run: check everything, restore or initialise, train on a schedule, summarise.
 
 ``run(config, workdir)`` is the whole job. Before anything is compiled it checks the config,
-finds (or, for an embedded corpus, prepares) the dataset, checks the dataset against the model
-and the batch sizes against the mesh, and checks that a workdir with checkpoints holds a run of
-the same config. A workdir with a checkpoint resumes from the latest one; since batches are a
-function of (seed, step) and the checkpoint holds the rest, the resumed run computes the same
-numbers as an uninterrupted one.
+checks the workdir (``train.workdir``: the same config, or a finished run whose summary it
+returns), finds (or, for an embedded corpus, prepares) the dataset, and checks the dataset
+against the model and the batch sizes against the mesh. Then ``restore_or_init`` gives the
+state, the step loop runs its schedule of (when, action) pairs: log, evaluate, checkpoint,
+stop on a signal; and ``finish`` evaluates the final model and writes the summary. A workdir
+with a checkpoint resumes from the latest one; since batches are a function of (seed, step)
+and the checkpoint holds the rest, the resumed run computes the same numbers as an
+uninterrupted one.
 
 Workdir:
   config.json     the resolved config
@@ -24,7 +27,6 @@ of them at once, so further signals change nothing; SIGKILL stops a run at once.
 from __future__ import annotations
 
 import dataclasses
-import json
 import math
 import signal
 import threading
@@ -36,25 +38,26 @@ import numpy as np
 from ml_collections import ConfigDict
 from tqdm import tqdm
 
-from lmuscale.data import DataError, TrainBatches, eval_batches, open_dataset
+from lmuscale.data import (
+    EMBEDDED_SOURCES,
+    DataError,
+    TrainBatches,
+    eval_batches,
+    open_dataset,
+    prepare_embedded,
+)
 from lmuscale.data.format import META
 from lmuscale.files import atomic_write_json
 from lmuscale.models import build, count_params, flops_per_token
 from lmuscale.train import config as config_lib
 from lmuscale.train import optim
 from lmuscale.train import step as step_lib
+from lmuscale.train import workdir as workdir_lib
 from lmuscale.train.checkpoint import Checkpoints
 from lmuscale.train.metrics import MetricsLog, device_peak, mfu
-
-EMBEDDED_SOURCES = ("shakespeare",)
-SUMMARY = "summary.json"
-
+from lmuscale.train.workdir import TrainingDiverged
 
 STOP_SIGNALS = (signal.SIGTERM, signal.SIGUSR1, signal.SIGUSR2)
-
-
-class TrainingDiverged(RuntimeError):
-    """The loss or the parameters became NaN or infinite."""
 
 
 class TrainingInterrupted(RuntimeError):
@@ -108,22 +111,19 @@ def open_data(c: ConfigDict, primary: bool, progress: bool):
             "'python -m lmuscale.data prepare'"
         )
     path = Path(c.data.path)
-    if not (path / META).exists():
-        if c.data.source in EMBEDDED_SOURCES:
-            if primary:
-                from lmuscale.data.prepare import prepare
+    if c.data.source in EMBEDDED_SOURCES:
+        if primary:
+            prepare_embedded(path, c.data.source, c.data.tokenizer, progress)
+        if jax.process_count() > 1:
+            from jax.experimental import multihost_utils
 
-                prepare(c.data.source, [], out=path, tokenizer=c.data.tokenizer, progress=progress)
-            if jax.process_count() > 1:
-                from jax.experimental import multihost_utils
-
-                multihost_utils.sync_global_devices("lmuscale-prepare")
-        elif not path.exists():
-            source = c.data.source or "SOURCE"
-            raise config_lib.ConfigError(
-                f"data.path: no dataset at {path}; prepare one with 'python -m lmuscale.data "
-                f"prepare {source} INPUTS --tokenizer {c.data.tokenizer} --out {path}'"
-            )
+            multihost_utils.sync_global_devices("lmuscale-prepare")
+    elif not path.exists():
+        source = c.data.source or "SOURCE"
+        raise config_lib.ConfigError(
+            f"data.path: no dataset at {path}; prepare one with 'python -m lmuscale.data "
+            f"prepare {source} INPUTS --tokenizer {c.data.tokenizer} --out {path}'"
+        )
     try:
         return open_dataset(path, verify=c.data.verify and primary)
     except DataError as error:
@@ -164,28 +164,10 @@ def check_batches(c: ConfigDict, mesh) -> None:
         )
 
 
-def _has_checkpoint(workdir: Path) -> bool:
-    folder = workdir / "checkpoints"
-    return folder.is_dir() and any(p.name.isdigit() for p in folder.iterdir())
-
-
 def check_workdir(c: ConfigDict, workdir: Path) -> None:
-    """A workdir with checkpoints resumes only the same run (log settings may change)."""
-    saved = workdir / "config.json"
-    if not (saved.exists() and _has_checkpoint(workdir)):
-        return
-    try:
-        old = json.loads(saved.read_text())
-    except ValueError as error:
-        raise config_lib.ConfigError(f"{saved}: not JSON ({error})") from None
-    changed = config_lib.differences(old, c)
-    if changed:
-        old_flat, new_flat = config_lib.saved_flat(old), config_lib.flatten(c)
-        listed = "; ".join(f"{k}: {old_flat.get(k)!r} -> {new_flat.get(k)!r}" for k in changed)
-        raise config_lib.ConfigError(
-            f"{workdir} holds checkpoints of a run with another config ({listed}); use a new "
-            "--workdir, or the saved config"
-        )
+    """A workdir with a checkpoint or a summary resumes only the same run."""
+    trained = workdir_lib.has_checkpoint(workdir) or (workdir / workdir_lib.SUMMARY).exists()
+    workdir_lib.check(c, workdir, trained)
 
 
 @dataclasses.dataclass
@@ -206,197 +188,220 @@ def run(config: ConfigDict, workdir: str | Path, *, progress: bool | None = None
     initialize_distributed(c.distributed)
     workdir = Path(workdir)
     primary = jax.process_index() == 0
-    show = c.log.progress if progress is None else progress
+    show = (c.log.progress if progress is None else progress) and primary
     model_config = config_lib.model_config(c.model)
     check_workdir(c, workdir)
+    summary = workdir_lib.finished(workdir)
+    if summary is not None:
+        return summary
     dataset = open_data(c, primary, show)
     check_dataset(c, model_config, dataset)
     mesh = step_lib.make_mesh(c.mesh.model)
     check_batches(c, mesh)
     if primary:
-        workdir.mkdir(parents=True, exist_ok=True)
-        atomic_write_json(workdir / "config.json", c.to_dict())
-    trainer = _Trainer(c, workdir, model_config, dataset, mesh, primary, show)
+        workdir_lib.write_config(c, workdir)
+    session = Session(c, workdir, model_config, dataset, mesh, primary)
     try:
         with _StopSignals() as stop:
-            return trainer.train(stop)
+            session.train(stop, show)
+        return session.finish()
     finally:
-        trainer.close()
+        session.close()
 
 
-class _Trainer:
-    def __init__(self, c, workdir, model_config, dataset, mesh, primary, show):
+def restore_or_init(init, mesh, checkpoints: Checkpoints) -> tuple[dict, float, int | None]:
+    """``(state, elapsed seconds, step)`` of the latest checkpoint, each array placed with its
+    sharding; the initial state, 0 and None when there is none."""
+    latest = checkpoints.latest_step()
+    if latest is None:
+        return step_lib.init_state(init, mesh), 0.0, None
+    abstract = jax.eval_shape(init)
+    target = jax.tree.map(
+        lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s),
+        abstract,
+        step_lib.state_shardings(mesh, abstract),
+    )
+    state, meta = checkpoints.restore(latest, target)
+    return state, meta["elapsed"], latest
+
+
+class Clock:
+    """The run's wall-clock seconds across sessions, and the training speed since the last
+    ``restart`` (the loop restarts it after compiling and after any periodic action, so
+    evaluations and checkpoints do not count as training time)."""
+
+    def __init__(self, elapsed_before: float):
+        self.before, self.t0 = elapsed_before, time.perf_counter()
+        self.since = None  # (time, step)
+
+    def elapsed(self) -> float:
+        return self.before + time.perf_counter() - self.t0
+
+    def restart(self, step: int) -> None:
+        self.since = (time.perf_counter(), step)
+
+    def steps_per_second(self, step: int) -> float | None:
+        if self.since is None:
+            return None
+        seconds, steps = time.perf_counter() - self.since[0], step - self.since[1]
+        return steps / seconds if steps and seconds > 0 else None
+
+
+def first_nonfinite(fetched: list[tuple[int, dict]]) -> tuple[int, dict] | None:
+    """The first ``(step, metrics)`` whose loss or parameters are not finite."""
+    return next(((step, m) for step, m in fetched if not m["finite"]), None)
+
+
+class Session:
+    """One process's part of a run, from the restored (or initial) state to the summary."""
+
+    def __init__(self, c, workdir, model_config, dataset, mesh, primary):
         self.c, self.workdir, self.dataset, self.mesh = c, workdir, dataset, mesh
-        self.primary, self.show = primary, show
-        self.model_config = model_config
-        self.model = build(model_config)
+        self.primary, self.model_config = primary, model_config
+        model = build(model_config)
         self.seq_len = c.data.seq_len
         self.tokens_per_step = c.train.global_batch * self.seq_len
-        self.tx, self.lr = optim.optimizer(c.optim, c.train.steps)
+        tx, lr = optim.optimizer(c.optim, c.train.steps)
         self.plateau = optim.plateau(c.optim)
-        init = step_lib.init_fn(self.model, self.tx, self.plateau, c.train.seed, self.seq_len)
-        self.abstract = jax.eval_shape(init)
-        self.shardings = step_lib.state_shardings(mesh, self.abstract)
-        self.checkpoints = Checkpoints(workdir / "checkpoints", c.checkpoint.keep)
-        latest = self.checkpoints.latest_step()
-        if latest is None:
-            self.state, self.meta = step_lib.init_state(init, mesh), {"elapsed": 0.0}
-        else:
-            target = jax.tree.map(
-                lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s),
-                self.abstract,
-                self.shardings,
-            )
-            self.state, self.meta = self.checkpoints.restore(latest, target)
+        init = step_lib.init_fn(model, tx, self.plateau, c.train.seed, self.seq_len)
+        abstract = jax.eval_shape(init)
+        self.plateau_sharding = step_lib.state_shardings(mesh, abstract)["plateau"]
+        self.checkpoints = Checkpoints(workdir / workdir_lib.CHECKPOINTS, c.checkpoint.keep)
+        self.state, elapsed, self.last_checkpoint = restore_or_init(init, mesh, self.checkpoints)
         self.start = int(jax.device_get(self.state["step"]))
+        self.clock = Clock(elapsed)
         self.log = MetricsLog(
             workdir, self.start, enabled=primary, tensorboard=c.log.tensorboard and primary
         )
-        self.train_step = step_lib.make_train_step(
-            self.model, self.tx, self.lr, mesh, self.abstract
-        )
-        self.eval_step = step_lib.make_eval_step(self.model, mesh, self.abstract["params"])
+        self.train_step = step_lib.make_train_step(model, tx, lr, mesh, abstract)
+        self.eval_step = step_lib.make_eval_step(model, mesh, abstract["params"])
         self.flops = flops_per_token(model_config, self.seq_len)
         self.peak = device_peak(model_config.dtype, c.peak_flops)
-        self.devices = mesh.devices.size
-        self.last_checkpoint = latest
+        self.pending = []  # (step, metrics on the device) not yet fetched
+        self.losses = []  # training losses fetched since the last log line
+        self.latest = None  # the last fetched step's metrics
 
-    # -- the loop ---------------------------------------------------------------------------
+    def train(self, stop: _StopSignals, show: bool) -> None:
+        """The step loop: after each step, the actions of the schedule that are due."""
+        c, last = self.c, self.c.train.steps
 
-    def train(self, stop: _StopSignals | None = None) -> dict:
-        c = self.c
-        summary_path = self.workdir / SUMMARY
-        if self.start == c.train.steps and summary_path.exists():
-            summary = json.loads(summary_path.read_text())
-            if summary.get("status") == "finished":
-                return summary
+        def every(period: int):
+            return lambda step: step % period == 0 or step == last
+
+        self.bar = tqdm(
+            total=last, initial=self.start, disable=not show, unit="step", dynamic_ncols=True
+        )
+        schedule = [
+            (lambda step: step == self.start + 1, self.fetch),  # compiled: the clock starts
+            (every(c.log.every), self.log_step),
+            (every(c.eval.every), self.validate),
+            (every(c.checkpoint.every), self.checkpoint),
+            (
+                lambda step: stop.received is not None and step < last,
+                lambda done: self.stop(done, stop.received),
+            ),
+        ]
         batches = TrainBatches(
             self.dataset, seq_len=self.seq_len, global_batch=c.train.global_batch, seed=c.train.seed
         )
-        batch_sharding = step_lib.batch_sharding(self.mesh, 3, axis=1)
-        self.t0 = time.perf_counter()
-        pending, losses_since_log = [], []
-        mark = None  # (time, step) from which tokens/s is measured; set after compilation
-        bar = tqdm(
-            total=c.train.steps,
-            initial=self.start,
-            disable=not (self.show and self.primary),
-            unit="step",
-            dynamic_ncols=True,
-        )
-        try:
-            for step in range(self.start, c.train.steps):
+        sharding = step_lib.batch_sharding(self.mesh, 3, axis=1)
+        with self.bar:
+            for step in range(self.start, last):
                 rows = batches(step).reshape(c.train.microbatches, -1, self.seq_len + 1)
-                tokens = step_lib.to_global(rows, batch_sharding)
+                tokens = step_lib.to_global(rows, sharding)
                 self.state, metrics = self.train_step(self.state, tokens)
-                pending.append((step + 1, metrics))
-                bar.update(1)
-                done = step + 1
-                last = done == c.train.steps
-                is_log = done % c.log.every == 0 or last
-                is_eval = done % c.eval.every == 0 or last
-                is_checkpoint = done % c.checkpoint.every == 0 or last
-                if mark is None or is_log or is_eval or is_checkpoint:
-                    fetched = self._check(pending)
-                    pending = []
-                    losses_since_log += [m["loss"] for _, m in fetched]
-                    if mark is None:
-                        mark = (time.perf_counter(), done)
-                    if is_log:
-                        record = self._train_record(done, fetched[-1][1], losses_since_log, mark)
-                        mark = (time.perf_counter(), done)
-                        losses_since_log = []
-                        self.log.write("train", record)
-                        bar.set_postfix(
-                            loss=f"{record['loss']:.4f}",
-                            tok_s=f"{record['tokens_per_second'] or 0:,.0f}",
-                        )
-                if is_eval:
-                    self._validate(done, bar)
-                    mark = (time.perf_counter(), done)
-                if is_checkpoint:
-                    self.checkpoints.save(done, self.state, {"elapsed": self._elapsed()})
-                    self.last_checkpoint = done
-                    mark = (time.perf_counter(), done)
-                if stop is not None and stop.received and not last:
-                    self._interrupt(done, pending, stop.received)
-        finally:
-            bar.close()
+                self.pending.append((step + 1, metrics))
+                self.bar.update(1)
+                ran = False
+                for when, action in schedule:  # in order: a signal during one is seen after it
+                    if when(step + 1):
+                        action(step + 1)
+                        ran = True
+                if ran:
+                    self.clock.restart(step + 1)
         self.checkpoints.wait()
-        return self._finish()
 
-    def _interrupt(self, done: int, pending: list, name: str) -> None:
-        self._check(pending)
-        if self.last_checkpoint != done:
-            self.checkpoints.save(done, self.state, {"elapsed": self._elapsed()})
-        self.checkpoints.wait()
-        raise TrainingInterrupted(
-            f"{name} received: stopped after step {done} of {self.c.train.steps} with a "
-            f"checkpoint in {self.workdir / 'checkpoints'}; run again to resume"
-        )
+    # -- the actions: each is called with the number of steps done --------------------------
 
-    def _check(self, pending) -> list:
-        """Fetch pending step metrics; stop at the first step with a non-finite loss."""
-        fetched = [(s, jax.device_get(m)) for s, m in pending]
-        for s, m in fetched:
-            if not m["finite"]:
-                self.checkpoints.wait()
-                where = self.workdir / "checkpoints"
-                kept = (
-                    f"the last good checkpoint is step {self.last_checkpoint} in {where}"
-                    if self.last_checkpoint is not None
-                    else "no checkpoint was written before it"
-                )
-                message = (
-                    f"training diverged at step {s}: loss {float(m['loss'])}, parameter norm "
-                    f"{float(m['param_norm'])} (NaN or infinity); {kept}. Try a lower "
-                    "optim.learning_rate, optim.grad_clip > 0 or model.dtype=float32"
-                )
-                if self.primary:
-                    atomic_write_json(
-                        self.workdir / SUMMARY,
-                        {**self._sizes(), "status": "diverged", "error": message, "step": s},
-                    )
-                raise TrainingDiverged(message)
-        return [(s, {k: float(v) for k, v in m.items()}) for s, m in fetched]
+    def fetch(self, done: int | None = None) -> None:
+        """Wait for the pending steps; a non-finite one ends the run (``diverged``)."""
+        fetched = [(s, jax.device_get(m)) for s, m in self.pending]
+        self.pending = []
+        bad = first_nonfinite(fetched)
+        if bad is not None:
+            self.diverged(*bad)
+        for _, metrics in fetched:
+            self.latest = {k: float(v) for k, v in metrics.items()}
+            self.losses.append(self.latest["loss"])
 
-    def _elapsed(self) -> float:
-        return self.meta["elapsed"] + time.perf_counter() - self.t0
-
-    def _train_record(self, done, metrics, losses, mark) -> dict:
-        seconds = time.perf_counter() - mark[0]
-        steps = done - mark[1]
-        speed = steps * self.tokens_per_step / seconds if steps and seconds > 0 else None
-        return {
+    def log_step(self, done: int) -> None:
+        self.fetch()
+        m = self.latest
+        speed = self.clock.steps_per_second(done)
+        speed = speed and speed * self.tokens_per_step
+        record = {
             "step": done,
-            "loss": metrics["loss"],
-            "loss_mean": float(np.mean(losses)),
-            "lr": metrics["lr"],
-            "grad_norm": metrics["grad_norm"],
-            "param_norm": metrics["param_norm"],
+            "loss": m["loss"],
+            "loss_mean": float(np.mean(self.losses)),
+            "lr": m["lr"],
+            "grad_norm": m["grad_norm"],
+            "param_norm": m["param_norm"],
             "tokens": done * self.tokens_per_step,
             "tokens_per_second": speed,
-            "mfu": mfu(speed, self.flops.train, self.devices, self.peak) if speed else None,
-            "elapsed": self._elapsed(),
+            "mfu": mfu(speed, self.flops.train, self.mesh.devices.size, self.peak)
+            if speed
+            else None,
+            "elapsed": self.clock.elapsed(),
         }
+        self.losses = []
+        self.log.write("train", record)
+        self.bar.set_postfix(loss=f"{m['loss']:.4f}", tok_s=f"{speed or 0:,.0f}")
 
-    def _validate(self, done: int, bar) -> None:
+    def validate(self, done: int) -> None:
+        self.fetch()
         result = self.evaluate("val", self.c.eval.batches)
         plateau = optim.plateau_update_jit(self.plateau, self.state["plateau"], result.loss)
-        self.state["plateau"] = jax.device_put(plateau, self.shardings["plateau"])
+        self.state["plateau"] = jax.device_put(plateau, self.plateau_sharding)
         scale = float(jax.device_get(plateau.scale))
-        self.log.write(
-            "eval",
-            {
-                "step": done,
-                "val_loss": result.loss,
-                "val_tokens": result.tokens,
-                "lr_scale": scale,
-                "elapsed": self._elapsed(),
-            },
+        record = {"step": done, "val_loss": result.loss, "val_tokens": result.tokens}
+        self.log.write("eval", {**record, "lr_scale": scale, "elapsed": self.clock.elapsed()})
+        if not self.bar.disable:
+            self.bar.write(f"step {done}: val loss {result.loss:.4f} nats (lr scale {scale:g})")
+
+    def checkpoint(self, done: int) -> None:
+        self.fetch()  # never a checkpoint of a step not known to be finite
+        if self.last_checkpoint != done:
+            self.checkpoints.save(done, self.state, {"elapsed": self.clock.elapsed()})
+            self.last_checkpoint = done
+
+    def stop(self, done: int, signal_name: str) -> None:
+        self.checkpoint(done)
+        self.checkpoints.wait()
+        raise TrainingInterrupted(
+            f"{signal_name} received: stopped after step {done} of {self.c.train.steps} with a "
+            f"checkpoint in {self.workdir / workdir_lib.CHECKPOINTS}; run again to resume"
         )
-        if self.show and self.primary:
-            bar.write(f"step {done}: val loss {result.loss:.4f} nats (lr scale {scale:g})")
+
+    # -- evaluation and the end of the run ---------------------------------------------------
+
+    def diverged(self, step: int, metrics: dict) -> None:
+        """Write the diverged summary and raise ``TrainingDiverged``."""
+        self.checkpoints.wait()
+        where = self.workdir / workdir_lib.CHECKPOINTS
+        kept = (
+            f"the last good checkpoint is step {self.last_checkpoint} in {where}"
+            if self.last_checkpoint is not None
+            else "no checkpoint was written before it"
+        )
+        message = (
+            f"training diverged at step {step}: loss {float(metrics['loss'])}, parameter norm "
+            f"{float(metrics['param_norm'])} (NaN or infinity); {kept}. Try a lower "
+            "optim.learning_rate, optim.grad_clip > 0 or model.dtype=float32"
+        )
+        if self.primary:
+            summary = {**self.sizes(), "status": "diverged", "error": message, "step": step}
+            atomic_write_json(self.workdir / workdir_lib.SUMMARY, summary)
+        raise TrainingDiverged(message)
 
     def evaluate(self, split: str, max_batches: int) -> Evaluation:
         """Mean loss over the split's windows in order (the first ``max_batches`` batches,
@@ -433,7 +438,7 @@ class _Trainer:
             tokens=int(rows) * self.seq_len,
         )
 
-    def _sizes(self) -> dict:
+    def sizes(self) -> dict:
         params = count_params(self.model_config)
         return {
             "name": self.c.name,
@@ -448,8 +453,9 @@ class _Trainer:
             "global_batch": self.c.train.global_batch,
         }
 
-    def _finish(self) -> dict:
-        summary = {**self._sizes(), "status": "finished", "steps": self.c.train.steps}
+    def finish(self) -> dict:
+        """The final validation and test losses: the summary, written as summary.json."""
+        summary = {**self.sizes(), "status": "finished", "steps": self.c.train.steps}
         summary["tokens"] = self.c.train.steps * self.tokens_per_step
         for split in ("val", "test"):
             result = self.evaluate(split, self.c.eval.final_batches)
@@ -459,9 +465,9 @@ class _Trainer:
             summary[f"{split}_tokens"] = result.tokens
             summary[f"{split}_per_position"] = result.per_position
         summary["lr_scale"] = float(jax.device_get(self.state["plateau"].scale))
-        summary["wall_seconds"] = self._elapsed()
+        summary["wall_seconds"] = self.clock.elapsed()
         if self.primary:
-            atomic_write_json(self.workdir / SUMMARY, summary)
+            atomic_write_json(self.workdir / workdir_lib.SUMMARY, summary)
         return summary
 
     def close(self) -> None:

@@ -92,7 +92,7 @@ def init_state(init, mesh: Mesh):
     return jax.jit(init, out_shardings=shardings)()
 
 
-def loss_fn(model: LanguageModel, params, tokens_BxT1):
+def mean_loss(model: LanguageModel, params, tokens_BxT1):
     """Mean next-token loss in nats of a batch of seq_len + 1 token windows."""
     mean, _ = model.apply(params, tokens_BxT1[:, :-1], tokens_BxT1[:, 1:], method=model.loss)
     return mean
@@ -112,7 +112,7 @@ def make_train_step(model: LanguageModel, tx, lr_schedule, mesh: Mesh, abstract_
     updates are scaled by the plateau scale. ``metrics["finite"]`` is False when the loss or
     the new parameters hold a NaN or an infinity.
     """
-    grad = jax.value_and_grad(lambda p, t: loss_fn(model, p, t))
+    grad = jax.value_and_grad(lambda p, t: mean_loss(model, p, t))
 
     def step(state, tokens_MxBxT1):
         params = state["params"]
