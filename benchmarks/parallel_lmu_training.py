@@ -51,8 +51,8 @@ def logits_fn(mode: str, length: int):
         else:
             m_BxCxQ = lmu.memory_scan(u_BxTx1, abar, bbar)[:, -1]
         features = jnp.concatenate([m_BxCxQ.reshape(len(m_BxCxQ), -1), x_BxTx1[:, -1]], -1)
-        o_BxU = jax.nn.relu(features @ params["readout"][0] + params["readout"][1])
-        return o_BxU @ params["head"]
+        o_BxO = jax.nn.relu(features @ params["readout"][0] + params["readout"][1])
+        return o_BxO @ params["head"]
 
     return logits
 

@@ -8,8 +8,12 @@ import random
 import tarfile
 from pathlib import Path
 
+import jax
 import pytest
 import zstandard
+
+# As in nanodo's tests: an implicit broadcast between arrays of different ranks is an error.
+jax.config.update("jax_numpy_rank_promotion", "raise")
 
 
 class DataFiles:

@@ -88,7 +88,7 @@ def test_unknown_mode_and_activation_are_named():
 def reference_attention(q_xDxK, k_xDxK, v_xDxK, bias_3xK, p_K):
     """Eqs 8-10 as printed, with M' formed: ``p softmax(Q K^T / sqrt(d)) V`` per position."""
     q, k, v = (
-        jax.nn.gelu(x + b, approximate=False)
+        jax.nn.gelu(x + jnp.broadcast_to(b, x.shape), approximate=False)
         for x, b in zip((q_xDxK, k_xDxK, v_xDxK), bias_3xK, strict=True)
     )
     scores = jnp.einsum("...di,...dj->...ij", q, k) / math.sqrt(q.shape[-2])

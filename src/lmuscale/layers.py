@@ -74,7 +74,7 @@ def _wide(dtype):
 def _attend(q_xDxK, k_xDxK, v_xDxK, bias_3xK, p_K, dtype):
     """The forward pass of ``implicit_attention``: ``(m_xD, (weights_xKxK, w_xK))``."""
     gq_xDxK, gk_xDxK, gv_xDxK = (
-        gelu(x.astype(dtype) + b.astype(dtype))
+        gelu(x.astype(dtype) + lax.broadcast_to_rank(b.astype(dtype), x.ndim))
         for x, b in zip((q_xDxK, k_xDxK, v_xDxK), bias_3xK, strict=True)
     )
     scores_xKxK = jnp.einsum(
@@ -116,7 +116,8 @@ def _implicit_attention_fwd(q_xDxK, k_xDxK, v_xDxK, bias_3xK, p_K, dtype):
 
 def _implicit_attention_bwd(dtype, residuals, dm_xD):
     *inputs, bias_3xK, p_K, weights_xKxK, w_xK = residuals
-    pre_3xxDxK = [x.astype(dtype) + b.astype(dtype) for x, b in zip(inputs, bias_3xK, strict=True)]
+    pairs = zip(inputs, bias_3xK.astype(dtype), strict=True)
+    pre_3xxDxK = [x.astype(dtype) + lax.broadcast_to_rank(b, x.ndim) for x, b in pairs]
     gq_xDxK, gk_xDxK, gv_xDxK = (gelu(pre) for pre in pre_3xxDxK)
     dm_xD = dm_xD.astype(dtype)
     # m = gelu(V)^T w, w = p softmax(scores), scores = gelu(Q)^T gelu(K) / sqrt(d).
@@ -124,7 +125,8 @@ def _implicit_attention_bwd(dtype, residuals, dm_xD):
     dw_xK = jnp.einsum("...d,...dj->...j", dm_xD, gv_xDxK, preferred_element_type=_wide(dtype))
     positions = tuple(range(weights_xKxK.ndim - 2))
     dp_K = jnp.einsum("...ij,...j->...i", weights_xKxK, dw_xK).sum(positions)
-    dweights_xKxK = p_K.astype(_wide(dtype))[:, None] * dw_xK[..., None, :]
+    p_xKx1 = lax.broadcast_to_rank(p_K.astype(_wide(dtype))[:, None], dw_xK.ndim + 1)
+    dweights_xKxK = p_xKx1 * dw_xK[..., None, :]
     inner_xKx1 = jnp.sum(weights_xKxK * dweights_xKxK, axis=-1, keepdims=True)
     scale = 1.0 / math.sqrt(gq_xDxK.shape[-2])
     dscores_xKxK = (weights_xKxK * (dweights_xKxK - inner_xKx1) * scale).astype(dtype)
@@ -270,8 +272,8 @@ class GlobalSelfAttention(nn.Module):
 
     def __call__(self, x_BxTxD):
         q, k, v = self._heads(x_BxTxD)
-        y_BxTxNxH = jax.nn.dot_product_attention(q, k, v, is_causal=True)
-        return self.out(y_BxTxNxH.reshape(x_BxTxD.shape))
+        y_BxTxHxA = jax.nn.dot_product_attention(q, k, v, is_causal=True)
+        return self.out(y_BxTxHxA.reshape(x_BxTxD.shape))
 
     def step(self, cache, x_BxD, index):
         """Attend from position ``index`` to positions 0..index: returns ``(y_BxD, cache)``."""
@@ -280,9 +282,9 @@ class GlobalSelfAttention(nn.Module):
             "k": lax.dynamic_update_slice_in_dim(cache["k"], k.astype(cache["k"].dtype), index, 1),
             "v": lax.dynamic_update_slice_in_dim(cache["v"], v.astype(cache["v"].dtype), index, 1),
         }
-        visible_S = jnp.arange(cache["k"].shape[1]) <= index
+        visible_T = jnp.arange(cache["k"].shape[1]) <= index
         y = jax.nn.dot_product_attention(
-            q, cache["k"].astype(q.dtype), cache["v"].astype(q.dtype), mask=visible_S
+            q, cache["k"].astype(q.dtype), cache["v"].astype(q.dtype), mask=visible_T
         )
         return self.out(y.reshape(x_BxD.shape)), cache
 
@@ -349,10 +351,10 @@ class ParallelLMU(nn.Module):
         return self.f1(self.encoder(x_xD)) if self.memory_dim else x_xD
 
     def _output(self, m_xCxQ, x_xD):
-        m_xF = m_xCxQ.reshape(*m_xCxQ.shape[:-2], -1)
+        m_xCQ = m_xCxQ.reshape(*m_xCxQ.shape[:-2], -1)
         if not self.units:
-            return m_xF
-        features = jnp.concatenate([m_xF, x_xD], -1) if self.input_to_output else m_xF
+            return m_xCQ
+        features = jnp.concatenate([m_xCQ, x_xD], -1) if self.input_to_output else m_xCQ
         return self.f2(self.readout(features))
 
     def __call__(self, x_BxTxD):

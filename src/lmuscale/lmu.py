@@ -11,9 +11,8 @@ Conventions
 - The input sample ``u_t`` is held over the interval (t - 1, t], and the state update is
   ``m_t = Abar m_{t-1} + Bbar u_t`` with ``m_{-1} = 0``, so ``m_t = sum_{j<=t} H[t-j] u_j`` with
   ``H[k] = Abar^k Bbar`` (lag 0 included).
-- Shape letters: B batch, T time, C input channels, Q order, K kernel width (Q for the full
-  memory, a reduced order q' for ``L @ H``), D number of decoded delays. Every channel has its
-  own memory, so an input ``u_BxTxC`` gives a memory ``m_BxTxCxQ``.
+- Shape letters as in the ``lmuscale`` docstring. Every channel has its own memory, so an
+  input ``u_BxTxC`` gives a memory ``m_BxTxCxQ``.
 
 Modes (all agree to float32 rounding; tests/test_lmu.py checks them against
 ``memory_reference``, the float64 recurrence):
@@ -207,7 +206,7 @@ def decode(m_xQ, theta: float, delay):
     Args:
       m_xQ: memory of shape ``(..., Q)``, e.g. ``m_BxTxCxQ``.
       theta: the memory's window, in time steps.
-      delay: scalar (output ``(...)``) or 1-D array of D delays (output ``(..., D)``).
+      delay: scalar (output ``(...)``) or 1-D array of delays (output ``(..., len(delay))``).
     """
     weights = legendre_decoder(m_xQ.shape[-1], theta, delay)
     if weights.ndim > 2:
@@ -339,7 +338,7 @@ def memory_step(m_BxCxQ, u_BxC, abar_QxQ, bbar_Q):
     abar_QxQ = jnp.asarray(abar_QxQ, dtype=dtype)
     bbar_Q = jnp.asarray(bbar_Q, dtype=dtype)
     decayed = jnp.matmul(m_BxCxQ.astype(dtype), abar_QxQ.T, precision=_PRECISION)
-    return decayed + u_BxC.astype(dtype)[..., None] * bbar_Q
+    return decayed + u_BxC.astype(dtype)[..., None] * lax.broadcast_to_rank(bbar_Q, decayed.ndim)
 
 
 def _initial_state(m0_BxCxQ, shape: tuple[int, int, int], dtype):
@@ -559,15 +558,15 @@ def chunk_weights(order: int, theta: float, chunk: int, l_KxQ=None, dtype=jnp.fl
             raise ValueError(f"L must have shape (reduced order, order={order}), got {l_KxQ.shape}")
         g_cxK = _exact("tq,kq->tk", h_cxQ, l_KxQ)
         r_KxQ = _exact("kq,qp->kp", l_KxQ, abar_QxQ)
-    r_txKxQ = r_KxQ[None]
+    r_cxKxQ = r_KxQ[None]
     for k in _doubling_steps(c):
         power_QxQ = jnp.asarray(_abar_power(order, theta, k), dtype)
-        r_txKxQ = jnp.concatenate([r_txKxQ, _exact("tkq,qp->tkp", r_txKxQ[: c - k], power_QxQ)])
+        r_cxKxQ = jnp.concatenate([r_cxKxQ, _exact("tkq,qp->tkp", r_cxKxQ[: c - k], power_QxQ)])
     lag_cxc = np.arange(c)[None, :] - np.arange(c)[:, None]  # [s, t] -> t - s
     toeplitz_cxcxK = jnp.where(
         jnp.asarray(lag_cxc >= 0)[..., None], g_cxK[np.clip(lag_cxc, 0, None)], 0.0
     )
-    return jnp.concatenate([toeplitz_cxcxK, jnp.transpose(r_txKxQ, (2, 0, 1))])
+    return jnp.concatenate([toeplitz_cxcxK, jnp.transpose(r_cxKxQ, (2, 0, 1))])
 
 
 def chunk_product(x_BxJxCxZ, w_ZxcxK, length: int, precision: str = "exact", out_dtype=None):

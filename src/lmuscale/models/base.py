@@ -90,8 +90,8 @@ def logits_from_hidden(h_xD, w_VxD):
 def cross_entropy(h_BxTxD, w_VxD, targets_BxT, chunk: int = LOSS_CHUNK):
     """Next-token cross-entropy in nats at every position, without the full logits.
 
-    The (B*T) positions are cut into chunks of ``chunk`` tokens; each chunk's float32 logits
-    (chunk x V) exist only inside a rematerialised ``lax.map`` body, so forward and backward
+    The (B*T) positions are cut into J chunks of c = ``chunk`` tokens; each chunk's float32
+    logits (c x V) exist only inside a rematerialised ``lax.map`` body, so forward and backward
     hold one chunk of logits at a time instead of (B, T, V).
 
     Returns:
@@ -101,19 +101,17 @@ def cross_entropy(h_BxTxD, w_VxD, targets_BxT, chunk: int = LOSS_CHUNK):
     count = batch * length
     chunk = max(1, min(chunk, count))
     pad = -count % chunk
-    h_NxD = jnp.pad(h_BxTxD.reshape(count, width), ((0, pad), (0, 0)))
-    targets_N = jnp.pad(targets_BxT.reshape(count), (0, pad))
+    h_JxcxD = jnp.pad(h_BxTxD.reshape(count, width), ((0, pad), (0, 0))).reshape(-1, chunk, width)
+    targets_Jxc = jnp.pad(targets_BxT.reshape(count), (0, pad)).reshape(-1, chunk)
 
     @jax.checkpoint
     def one_chunk(args):
-        h_CxD, targets_C = args
-        logits_CxV = logits_from_hidden(h_CxD, w_VxD)
-        picked_C = jnp.take_along_axis(logits_CxV, targets_C[:, None], axis=-1)[:, 0]
-        return jax.nn.logsumexp(logits_CxV, axis=-1) - picked_C
+        h_cxD, targets_c = args
+        logits_cxV = logits_from_hidden(h_cxD, w_VxD)
+        picked_c = jnp.take_along_axis(logits_cxV, targets_c[:, None], axis=-1)[:, 0]
+        return jax.nn.logsumexp(logits_cxV, axis=-1) - picked_c
 
-    losses = lax.map(
-        one_chunk, (h_NxD.reshape(-1, chunk, width), targets_N.reshape(-1, chunk))
-    ).reshape(-1)
+    losses = lax.map(one_chunk, (h_JxcxD, targets_Jxc)).reshape(-1)
     return losses[:count].reshape(batch, length)
 
 

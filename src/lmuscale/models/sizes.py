@@ -122,7 +122,9 @@ def deepened(make, size: str):
     target = row(size)
     d = width(target.n)
     n_layers = nearest(
-        lambda n: count_params(make(d=d, n_layers=n)).non_embedding, target.n, range(1, 65)
+        lambda depth: count_params(make(d=d, n_layers=depth)).non_embedding,
+        target.n,
+        range(1, 65),
     )
     return make(d=d, n_layers=n_layers)
 

@@ -113,8 +113,8 @@ def sru_cell(c_BxD, u_Bx3xD, x_BxD, v_2xD, b_2xD):
       v_2xD, b_2xD: [v_f, v_r] and [b_f, b_r].
     """
     wx_BxD, fx_BxD, rx_BxD = u_Bx3xD[..., 0, :], u_Bx3xD[..., 1, :], u_Bx3xD[..., 2, :]
-    f_BxD = jax.nn.sigmoid(fx_BxD + v_2xD[0] * c_BxD + b_2xD[0])
-    r_BxD = jax.nn.sigmoid(rx_BxD + v_2xD[1] * c_BxD + b_2xD[1])
+    f_BxD = jax.nn.sigmoid(fx_BxD + v_2xD[0][None] * c_BxD + b_2xD[0][None])
+    r_BxD = jax.nn.sigmoid(rx_BxD + v_2xD[1][None] * c_BxD + b_2xD[1][None])
     c_BxD = f_BxD * c_BxD + (1.0 - f_BxD) * wx_BxD
     return c_BxD, r_BxD * c_BxD + (1.0 - r_BxD) * x_BxD
 
@@ -212,12 +212,12 @@ class SRULayer(nn.Module):
                 )
                 for name, new in (("k", k_BxDp), ("v", v_BxDp))
             }
-            visible_S = jnp.arange(cache["k"].shape[1]) <= index
+            visible_T = jnp.arange(cache["k"].shape[1]) <= index
             a = jax.nn.dot_product_attention(
                 q_BxDp[:, None, None],
                 cache["k"].astype(q_BxDp.dtype),
                 cache["v"].astype(q_BxDp.dtype),
-                mask=visible_S,
+                mask=visible_T,
             )
             u_Bx3xD = self._u(q_BxDp, a[:, 0, 0])
         else:

@@ -108,7 +108,7 @@ class TransformerLanguageModel(LanguageModel):
             positions = self.positions[:length]
         else:
             positions = self.positions[index]
-        return self.embed(tokens) + positions.astype(self.embed.dtype)
+        return self.embed(tokens) + positions[None].astype(self.embed.dtype)
 
     def decode_state(self, batch_size: int, max_len: int | None = None):
         c = self.config

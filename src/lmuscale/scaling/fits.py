@@ -233,7 +233,7 @@ def _check(n, loss, tokens, *, form: str):
 
 
 def _resamples(points, k, n_boot, seed, need=None) -> np.ndarray:
-    """Case-bootstrap index sets, (R, n): ``n_boot`` draws less those with fewer than ``k``
+    """Case-bootstrap index sets, (R, P): ``n_boot`` draws less those with fewer than ``k``
     distinct points (or failing ``need``)."""
     rng = np.random.default_rng(seed)
     count = len(points)
@@ -295,18 +295,18 @@ class _LSEProblem:
         self.keys = ("a", "alpha", "e") if z is None else ("a", "alpha", "b", "beta", "e")
 
     def subset(self, idx) -> _LSEProblem:
-        """The problem on rows ``idx`` of the data: (n,) gives one problem, (R, n) gives R."""
+        """The problem on rows ``idx`` of the data: (P,) gives one problem, (R, P) gives R."""
         z = None if self.z is None else self.z[idx]
         return _LSEProblem(self.x[idx], z, self.y[idx], self.delta)
 
-    def _parts(self, theta_SxK, rows=None):
-        """Residuals (S, n) and d LSE / d theta [(S, n) per parameter]. With batched data,
-        ``rows`` picks the problems that ``theta_SxK`` belongs to."""
+    def _parts(self, theta_SxU, rows=None):
+        """Residuals (S, P) and d LSE / d theta [(S, P) per unknown]. With batched data,
+        ``rows`` picks the problems that ``theta_SxU`` belongs to."""
         x, z, y = self.x, self.z, self.y
         if rows is not None and x.ndim == 2:
             x, y = x[rows], y[rows]
             z = None if z is None else z[rows]
-        col = [theta_SxK[:, i : i + 1] for i in range(theta_SxK.shape[1])]
+        col = [theta_SxU[:, i : i + 1] for i in range(theta_SxU.shape[1])]
         if z is None:
             a, alpha, e = col
             terms = [a - alpha * x]
@@ -324,9 +324,9 @@ class _LSEProblem:
             dlse = [w[0], -w[0] * x, w[1], -w[1] * z, w[2]]
         return r, dlse
 
-    def values(self, theta_SxK, rows=None):
-        """Objective (S,) and its gradient (S, K) for a batch of parameter vectors."""
-        r, dlse = self._parts(theta_SxK, rows)
+    def values(self, theta_SxU, rows=None):
+        """Objective (S,) and its gradient (S, U) for a batch of parameter vectors."""
+        r, dlse = self._parts(theta_SxU, rows)
         if self.delta is None:
             value, psi = 0.5 * np.sum(r**2, axis=-1), r
         else:
@@ -350,13 +350,13 @@ class _LSEProblem:
         return result.x, float(result.fun)
 
     def grid_starts(self, grid) -> np.ndarray:
-        """Every combination of the grid's values, (S, K) in ``self.keys`` order."""
+        """Every combination of the grid's values, (S, U) in ``self.keys`` order."""
         return np.array(list(itertools.product(*(grid[k] for k in self.keys))), dtype=float)
 
-    def best(self, starts_SxK) -> tuple[np.ndarray, list[np.ndarray]]:
+    def best(self, starts_SxU) -> tuple[np.ndarray, list[np.ndarray]]:
         """L-BFGS from every start at once, then the best few distinct ends polished by
         scipy's L-BFGS-B. Returns (lowest, polished ends lowest first: ``bootstrap``'s restarts)."""
-        theta, value = batched_lbfgs(self.values, starts_SxK)
+        theta, value = batched_lbfgs(self.values, starts_SxU)
         order = np.argsort(np.where(np.isfinite(value), value, np.inf))
         candidates: list[np.ndarray] = []
         for i in order:
@@ -371,15 +371,15 @@ class _LSEProblem:
         polished = sorted((self.polish(t) for t in candidates), key=lambda item: item[1])
         return polished[0][0], [t for t, _ in polished]
 
-    def bootstrap(self, resamples_RxN, restarts) -> np.ndarray:
+    def bootstrap(self, resamples_RxP, restarts) -> np.ndarray:
         """Refit every resample at once, L-BFGS from each of ``restarts`` (the thetas ``best``
-        returns); (R, K) thetas of the best restart per resample."""
+        returns); (R, U) thetas of the best restart per resample."""
         starts = np.array(restarts)
         count, k = len(starts), starts.shape[1]
-        if len(resamples_RxN) == 0:
+        if len(resamples_RxP) == 0:
             return np.zeros((0, k))
-        batch = self.subset(np.repeat(resamples_RxN, count, axis=0))
-        theta, value = batched_lbfgs(batch.values, np.tile(starts, (len(resamples_RxN), 1)))
+        batch = self.subset(np.repeat(resamples_RxP, count, axis=0))
+        theta, value = batched_lbfgs(batch.values, np.tile(starts, (len(resamples_RxP), 1)))
         value = np.where(np.isfinite(value), value, np.inf).reshape(-1, count)
         best = np.argmin(value, axis=1)
         theta = theta.reshape(-1, count, k)[np.arange(len(best)), best]
@@ -403,20 +403,20 @@ class _LSEProblem:
 
 
 HALVINGS = 6
-_dot = functools.partial(np.einsum, "ij,ij->i")  # row by row: (A, K) and (A, K) -> (A,)
+_dot = functools.partial(np.einsum, "ij,ij->i")  # row by row: (S, U) and (S, U) -> (S,)
 
 
-def batched_lbfgs(fun, theta_SxK, *, memory=10, max_iter=300, gtol=1e-10, ftol=1e-10):
+def batched_lbfgs(fun, theta_SxU, *, memory=10, max_iter=300, gtol=1e-10, ftol=1e-10):
     """Minimise S independent problems at once with L-BFGS (two-loop recursion, backtracking
     Armijo line search). ``fun(theta, rows) -> (values, grads)`` evaluates the problems
-    ``rows`` (all when None) at ``theta`` (len(rows), K).
+    ``rows`` (all when None) at ``theta`` (len(rows), U).
 
     Each problem keeps its own history and step; a problem stops when its gradient is below
     ``gtol``, a step lowers its objective by less than ``ftol`` relative, or a steepest-descent
     line search finds no decrease (a failed L-BFGS direction is retried as steepest descent).
-    Returns (theta (S, K), values (S,)).
+    Returns (theta (S, U), values (S,)).
     """
-    theta = np.array(theta_SxK, dtype=float)
+    theta = np.array(theta_SxU, dtype=float)
     with np.errstate(all="ignore"):
         value, grad = fun(theta, None)
         s_hist, y_hist = np.zeros((memory, *theta.shape)), np.zeros((memory, *theta.shape))
@@ -448,36 +448,36 @@ def batched_lbfgs(fun, theta_SxK, *, memory=10, max_iter=300, gtol=1e-10, ftol=1
     return theta, value
 
 
-def _direction(g_AxK, s_MxAxK, y_MxAxK, rho_MxA, newest):
-    """L-BFGS two-loop recursion for A problems: gradients g_AxK, ring buffers of M (s, y) pairs
-    last written at slot ``newest`` (rho = 0: empty). Returns direction (A, K), slope along g
-    (A,) and reset (A,): non-descent directions, replaced by -g; the caller clears their history."""
-    order = (newest - np.arange(len(rho_MxA))) % len(rho_MxA)  # newest pair first
-    q, alphas = g_AxK.copy(), np.zeros(rho_MxA.shape)
+def _direction(g_SxU, s_WxSxU, y_WxSxU, rho_WxS, newest):
+    """L-BFGS two-loop recursion for S problems: gradients g_SxU, ring buffers of W (s, y) pairs
+    last written at slot ``newest`` (rho = 0: empty). Returns direction (S, U), slope along g
+    (S,) and reset (S,): non-descent directions, replaced by -g; the caller clears their history."""
+    order = (newest - np.arange(len(rho_WxS))) % len(rho_WxS)  # newest pair first
+    q, alphas = g_SxU.copy(), np.zeros(rho_WxS.shape)
     for i in order:
-        alphas[i] = rho_MxA[i] * _dot(s_MxAxK[i], q)
-        q -= alphas[i][:, None] * y_MxAxK[i]
-    sy, yy = _dot(s_MxAxK[newest], y_MxAxK[newest]), _dot(y_MxAxK[newest], y_MxAxK[newest])
-    gamma = np.where(rho_MxA[newest] > 0, sy / np.where(yy > 0, yy, 1), 1.0)
+        alphas[i] = rho_WxS[i] * _dot(s_WxSxU[i], q)
+        q -= alphas[i][:, None] * y_WxSxU[i]
+    sy, yy = _dot(s_WxSxU[newest], y_WxSxU[newest]), _dot(y_WxSxU[newest], y_WxSxU[newest])
+    gamma = np.where(rho_WxS[newest] > 0, sy / np.where(yy > 0, yy, 1), 1.0)
     r = gamma[:, None] * q
     for i in order[::-1]:
-        r += s_MxAxK[i] * (alphas[i] - rho_MxA[i] * _dot(y_MxAxK[i], r))[:, None]
+        r += s_WxSxU[i] * (alphas[i] - rho_WxS[i] * _dot(y_WxSxU[i], r))[:, None]
     direction = -r
-    slope = _dot(direction, g_AxK)
+    slope = _dot(direction, g_SxU)
     reset = ~(slope < 0) | ~np.isfinite(slope)
-    direction[reset] = -g_AxK[reset]
-    slope[reset] = -_dot(g_AxK[reset], g_AxK[reset])
+    direction[reset] = -g_SxU[reset]
+    slope[reset] = -_dot(g_SxU[reset], g_SxU[reset])
     return direction, slope, reset
 
 
-def _line_search(fun, rows_A, x0_AxK, f0_A, g0_AxK, direction_AxK, slope_A, first_A):
-    """Backtracking Armijo search for A problems (``rows_A`` of ``fun``) from x0 along
-    ``direction_AxK``; ``first_A`` marks unscaled directions (no history). Returns (x1 (A, K),
-    f1 (A,), g1 (A, K), accepted (A,)); x1, f1, g1 stay x0, f0, g0 where none was accepted."""
-    step, accepted = np.ones(len(rows_A)), np.zeros(len(rows_A), dtype=bool)
+def _line_search(fun, rows_S, x0_SxU, f0_S, g0_SxU, direction_SxU, slope_S, first_S):
+    """Backtracking Armijo search for S problems (``rows_S`` of ``fun``) from x0 along
+    ``direction_SxU``; ``first_S`` marks unscaled directions (no history). Returns (x1 (S, U),
+    f1 (S,), g1 (S, U), accepted (S,)); x1, f1, g1 stay x0, f0, g0 where none was accepted."""
+    step, accepted = np.ones(len(rows_S)), np.zeros(len(rows_S), dtype=bool)
     # An unscaled direction is as long as the gradient: a first step of at most 1.
-    step[first_A] = np.minimum(1.0, 1.0 / np.max(np.abs(g0_AxK[first_A]), axis=1))
-    x1, f1, g1 = x0_AxK.copy(), f0_A.copy(), g0_AxK.copy()
+    step[first_S] = np.minimum(1.0, 1.0 / np.max(np.abs(g0_SxU[first_S]), axis=1))
+    x1, f1, g1 = x0_SxU.copy(), f0_S.copy(), g0_SxU.copy()
     # The full step first (usually taken), then HALVINGS smaller ones per call: t/2, t/4, ...
     for attempt in range(1 + 60 // HALVINGS):
         idx = np.flatnonzero(~accepted)
@@ -486,10 +486,10 @@ def _line_search(fun, rows_A, x0_AxK, f0_A, g0_AxK, direction_AxK, slope_A, firs
         tries = 1 if attempt == 0 else HALVINGS
         shrink = 0.5 ** np.arange(attempt > 0, tries + (attempt > 0))
         t = step[idx, None] * shrink  # (m, tries)
-        trial = x0_AxK[idx, None, :] + t[..., None] * direction_AxK[idx, None, :]
-        v, g = fun(trial.reshape(-1, trial.shape[-1]), np.repeat(rows_A[idx], tries))
+        trial = x0_SxU[idx, None, :] + t[..., None] * direction_SxU[idx, None, :]
+        v, g = fun(trial.reshape(-1, trial.shape[-1]), np.repeat(rows_S[idx], tries))
         v, g = v.reshape(t.shape), g.reshape(trial.shape)
-        ok = np.isfinite(v) & (v <= f0_A[idx, None] + 1e-4 * t * slope_A[idx, None])
+        ok = np.isfinite(v) & (v <= f0_S[idx, None] + 1e-4 * t * slope_S[idx, None])
         found = ok.any(axis=1)
         pick, done = np.argmax(ok, axis=1)[found], idx[found]
         x1[done], f1[done], g1[done] = trial[found, pick], v[found, pick], g[found, pick]

@@ -47,7 +47,7 @@ def encode(ranks, vocab: int) -> list[int]:
 
 
 def pad(reviews: list[list[int]], maxlen: int) -> np.ndarray:
-    """The last ``maxlen`` tokens of each review, left-padded with 0: ``tokens_NxT`` int32."""
+    """The last ``maxlen`` tokens of each review, left-padded with 0: ``tokens_BxT`` int32."""
     out = np.zeros((len(reviews), maxlen), np.int32)
     for i, review in enumerate(reviews):
         kept = review[-maxlen:]

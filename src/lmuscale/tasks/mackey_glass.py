@@ -45,13 +45,13 @@ def integrate(
     """x(t) on the grid t = 0, h, 2h, ..., duration, for one or several constant histories.
 
     Args:
-      x0: the history value x(t <= 0): a number, or an array of C of them (integrated
+      x0: the history value x(t <= 0): a number, or an array of B of them (integrated
         together, one independent series each).
       duration: time units to integrate.
       h: the RK4 step; tau / h must be a whole number.
 
     Returns:
-      ``(t_S, x_SxC)`` in float64 (``x_S`` for a scalar x0), S = round(duration / h) + 1.
+      ``(t_T, x_TxB)`` in float64 (``x_T`` for a scalar x0), T = round(duration / h) + 1.
     """
     ratio = tau / h
     if ratio < 1 or abs(ratio - round(ratio)) > 1e-9:
@@ -99,7 +99,7 @@ def series(
     the series differ because their x0 differ.
 
     Returns:
-      ``x_CxL`` float64.
+      ``x_BxT`` float64, T = length.
     """
     every = dt / h
     if abs(every - round(every)) > 1e-9:
@@ -111,15 +111,15 @@ def series(
     return x[skip::every].T.copy()
 
 
-def windows(x_CxL, horizon: int) -> tuple[np.ndarray, np.ndarray]:
+def windows(x_BxT, horizon: int) -> tuple[np.ndarray, np.ndarray]:
     """Inputs x_t and targets x_{t + horizon} for every t of each series.
 
     Returns:
-      ``(inputs_CxTx1, targets_CxTx1)``, T = L - horizon.
+      ``(inputs, targets)``, each of shape (B, T - horizon, 1).
     """
-    if not 0 < horizon < x_CxL.shape[1]:
-        raise ValueError(f"horizon must be in 1..{x_CxL.shape[1] - 1}, got {horizon}")
-    return x_CxL[:, :-horizon, None], x_CxL[:, horizon:, None]
+    if not 0 < horizon < x_BxT.shape[1]:
+        raise ValueError(f"horizon must be in 1..{x_BxT.shape[1] - 1}, got {horizon}")
+    return x_BxT[:, :-horizon, None], x_BxT[:, horizon:, None]
 
 
 def load(data: ConfigDict) -> Splits:
