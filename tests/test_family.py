@@ -149,3 +149,11 @@ def test_every_named_config_survives_the_training_config_round_trip(name):
     assert config_lib.model_config(section) == config
     saved = json.loads(config_lib.to_json(base_config(config)))
     assert config_lib.model_config(saved["model"]) == config
+
+
+def test_a_field_that_the_family_decides_cannot_be_set_apart_from_it():
+    with pytest.raises(ValueError, match="global_attention is decided by the family"):
+        named_config("lmu-55k", global_attention=True)
+    section = dict(base_config(named_config("lmu-55k")).model, global_attention=True)
+    with pytest.raises(config_lib.ConfigError, match=r"model\.global_attention is decided by"):
+        config_lib.model_config(section)

@@ -407,3 +407,14 @@ def test_commands_without_their_dataset_fail_cleanly(tmp_path, capsys, experimen
     assert err.startswith("error: ") and "Traceback" not in err
     assert str(tmp_path / "nothing") in err and "never downloads" in err
     assert not (tmp_path / "w" / "lmu" / "summary.json").exists()
+
+
+def test_a_finished_run_is_returned_without_training_even_from_an_older_summary(tmp_path):
+    summary = run_task(tiny_mackey_glass(1), tmp_path, progress=False)
+    assert summary["status"] == "finished"
+    # Task summaries written before they had a status are finished runs too.
+    del summary["status"]
+    (tmp_path / "summary.json").write_text(json.dumps(summary))
+    (tmp_path / "checkpoint.msgpack").unlink()
+    assert run_task(tiny_mackey_glass(1), tmp_path, progress=False) == summary
+    assert not (tmp_path / "checkpoint.msgpack").exists()

@@ -1,4 +1,4 @@
-"""Flax modules on the Legendre memory: FFN, implicit and global self-attention, the LMU block.
+"""Flax modules on the Legendre memory: FFN, implicit and global self-attention, ParallelLMU.
 
 Every sequence module has two modes that compute the same function:
 - ``__call__(x_BxTxD)``: the whole sequence in parallel (training, evaluation);

@@ -3,7 +3,7 @@ baselines SRU, SRU++ and LSTM.
 
 Each family registers one record (``family.Family``) next to its model; importing this package
 registers them all. ``build(config)`` gives the Flax module for a config; ``sizes`` holds Table
-3's grid, the named configs, the parameter counter and the FLOPs per token.
+3's grid and the named configs, and looks up each family's parameter counter and FLOPs.
 """
 
 from __future__ import annotations
@@ -14,11 +14,12 @@ from lmuscale.models import lmu, transformer, sru, lstm  # noqa: F401
 
 # isort: on
 from lmuscale.models import family as families
+from lmuscale.models import sizes
 from lmuscale.models.base import LanguageModel, cross_entropy, decode
 from lmuscale.models.family import ModelConfig
 from lmuscale.models.lmu import LMUConfig, LMULanguageModel
 from lmuscale.models.lstm import LSTMConfig, LSTMLanguageModel
-from lmuscale.models.sizes import NAMES, count_params, flops_per_token, named_config
+from lmuscale.models.sizes import count_params, flops_per_token, named_config
 from lmuscale.models.sru import SRUConfig, SRULanguageModel, SRUPPConfig
 from lmuscale.models.transformer import TransformerConfig, TransformerLanguageModel
 
@@ -46,3 +47,9 @@ __all__ = [
 
 def build(config: ModelConfig) -> LanguageModel:
     return families.of(config).model(config)
+
+
+def __getattr__(name: str):
+    if name == "NAMES":  # as sizes.NAMES: every family registered by now, at every size
+        return sizes.names()
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

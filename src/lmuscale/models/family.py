@@ -44,11 +44,11 @@ class Family:
 REGISTRY: dict[str, Family] = {}
 
 
-def register(family: Family) -> Family:
-    if REGISTRY.get(family.name, family) != family:
-        raise ValueError(f"model family {family.name!r} is already registered")
-    REGISTRY[family.name] = family
-    return family
+def register(record: Family) -> Family:
+    if REGISTRY.get(record.name, record) != record:
+        raise ValueError(f"model family {record.name!r} is already registered")
+    REGISTRY[record.name] = record
+    return record
 
 
 def names() -> tuple[str, ...]:
@@ -69,11 +69,11 @@ def get(name: str) -> Family:
 def of(config) -> Family:
     """The family a config belongs to: its class, and the values of that family's fixed
     fields."""
-    for family in REGISTRY.values():
-        if type(config) is family.config and all(
-            getattr(config, key) == value for key, value in family.fixed.items()
+    for record in REGISTRY.values():
+        if type(config) is record.config and all(
+            getattr(config, key) == value for key, value in record.fixed.items()
         ):
-            return family
+            return record
     raise TypeError(f"no registered model family for a {type(config).__name__}")
 
 

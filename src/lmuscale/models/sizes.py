@@ -48,13 +48,18 @@ PAPER_FAMILIES = ("lmu", "lmu_g", "transformer")  # the LMU paper's grid (sweeps
 BASELINE_FAMILIES = ("sru", "sru_pp", "lstm")  # recurrent baselines (sweeps/baselines.py)
 
 
+def names() -> tuple[str, ...]:
+    """Every registered family at every size: "lmu-55k", ..., "lstm-1M"."""
+    return tuple(f"{family}-{size}" for family in families.names() for size in SIZES)
+
+
 def __getattr__(name: str):
-    # The registered families and their named models, read when asked: families register
-    # when their modules are imported, after this one.
+    # FAMILIES and NAMES are read when asked, so they include every family registered by
+    # then (families register when their modules are imported, after this one).
     if name == "FAMILIES":
         return families.names()
     if name == "NAMES":
-        return tuple(f"{family}-{size}" for family in families.names() for size in SIZES)
+        return names()
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
@@ -143,5 +148,9 @@ def named_config(name: str, **overrides) -> ModelConfig:
     ``NAMES``; ``overrides`` replace fields afterwards (e.g. dtype, remat)."""
     family, _, size = name.partition("-")
     if family not in families.REGISTRY or size not in SIZES:
-        raise ValueError(f"unknown model {name!r}; known: {', '.join(__getattr__('NAMES'))}")
-    return families.get(family).sized(size, **overrides)
+        raise ValueError(f"unknown model {name!r}; known: {', '.join(names())}")
+    record = families.get(family)
+    fixed = sorted(set(overrides) & set(record.fixed))
+    if fixed:
+        raise ValueError(f"{fixed[0]} is decided by the family in {name!r}: pick another family")
+    return record.sized(size, **overrides)

@@ -184,8 +184,19 @@ def run_sweep(
     prepare_data(todo, show)
     if executor == "local":
         _run_local(sweep, workdir, trials, todo, paths, parallel, show)
-    elif not _run_slurm(sweep, workdir, trials, todo, paths, parallel, slurm, detach, show):
-        return 0  # detached: the jobs run on
+    else:
+        from lmuscale.sweep.slurm import run_slurm, wait
+
+        submitted = run_slurm(sweep, workdir, [paths[t.name] for t in todo], parallel, slurm)
+        print(f"submitted {submitted}", flush=True)
+        if detach:
+            print("run the same command without --detach to wait for the results", flush=True)
+            return 0
+        progress = Progress(paths, trials, show)
+        try:
+            wait(workdir, progress.update, progress.write)
+        finally:
+            progress.close()
     final = results(workdir, sweep, paths)
     chosen = [r for r in final if r["trial"] in paths]
     print(results_table(chosen), flush=True)
@@ -217,20 +228,3 @@ def _run_local(sweep, workdir, trials, todo, paths, parallel, show) -> None:
         raise
     finally:
         progress.close()
-
-
-def _run_slurm(sweep, workdir, trials, todo, paths, parallel, slurm, detach, show) -> bool:
-    """Submit ``todo`` as SLURM jobs; wait for them unless ``detach``. True when waited."""
-    from lmuscale.sweep.slurm import run_slurm, wait
-
-    submitted = run_slurm(sweep, workdir, [paths[t.name] for t in todo], parallel, slurm)
-    print(f"submitted {submitted}", flush=True)
-    if detach:
-        print("run the same command without --detach to wait for the results", flush=True)
-        return False
-    progress = Progress(paths, trials, show)
-    try:
-        wait(workdir, progress.update, progress.write)
-    finally:
-        progress.close()
-    return True

@@ -136,13 +136,11 @@ def _read_metrics(path: Path, upto: int) -> list[dict]:
 def run_task(config: ConfigDict, workdir, progress: bool | None = None) -> dict:
     """Train (or resume, or just read back) one task run; returns its summary."""
     workdir = Path(workdir)
-    trained = (workdir / CHECKPOINT).exists() or (workdir / SUMMARY).exists()
-    workdir_lib.check(config, workdir, trained)
+    workdir_lib.check(config, workdir, (workdir / CHECKPOINT).exists())
     summary = workdir_lib.finished(workdir)
     if summary is not None:
         return summary
-    if not trained:  # one that failed before its first epoch takes the new config
-        workdir_lib.write_config(config, workdir)
+    workdir_lib.write_config(config, workdir)
     task = task_of(config)
     splits = task.load(config.data)  # TaskDataError names the path and what to give
     trainer = Trainer(config)

@@ -100,17 +100,26 @@ def base_config(model: ModelConfig) -> ConfigDict:
 
 
 def model_section(model: ModelConfig) -> ConfigDict:
-    family = families.of(model)
-    fields = {k: v for k, v in dataclasses.asdict(model).items() if k not in family.fixed}
-    return ConfigDict({"family": family.name, **fields})
+    """``family`` and the config's fields, less those its family fixes (``Family.fixed``)."""
+    record = families.of(model)
+    fields = {k: v for k, v in dataclasses.asdict(model).items() if k not in record.fixed}
+    return ConfigDict({"family": record.name, **fields})
 
 
 def model_config(section) -> ModelConfig:
     """The model dataclass of a config's ``model`` section (its own checks apply)."""
     fields = dict(section)
     try:
-        family = families.get(fields.pop("family"))
-        return family.config(**fields, **family.fixed)
+        record = families.get(fields.pop("family"))
+    except ValueError as error:
+        raise ConfigError(str(error)) from None
+    fixed = sorted(set(fields) & set(record.fixed))
+    if fixed:
+        raise ConfigError(
+            f"model.{fixed[0]} is decided by model.family ({record.name!r}): leave it out"
+        )
+    try:
+        return record.config(**fields, **record.fixed)
     except (TypeError, ValueError) as error:
         raise ConfigError(f"model: {error}") from None
 
@@ -290,10 +299,10 @@ def upgrade(saved: dict) -> dict:
     """A saved config (a config.json or a sweep trial's) with the model keys it predates
     filled in as it ran (its family's ``legacy`` values), so that it resumes the same run."""
     model = saved.get("model", {})
-    family = families.REGISTRY.get(model.get("family"))
-    if family is None or not family.legacy:
+    record = families.REGISTRY.get(model.get("family"))
+    if record is None or not record.legacy:
         return saved
-    return {**saved, "model": {**family.legacy, **model}}
+    return {**saved, "model": {**record.legacy, **model}}
 
 
 def saved_flat(saved: dict) -> dict:

@@ -166,8 +166,7 @@ def check_batches(c: ConfigDict, mesh) -> None:
 
 def check_workdir(c: ConfigDict, workdir: Path) -> None:
     """A workdir with a checkpoint or a summary resumes only the same run."""
-    trained = workdir_lib.has_checkpoint(workdir) or (workdir / workdir_lib.SUMMARY).exists()
-    workdir_lib.check(c, workdir, trained)
+    workdir_lib.check(c, workdir, workdir_lib.has_checkpoint(workdir))
 
 
 @dataclasses.dataclass
@@ -202,9 +201,10 @@ def run(config: ConfigDict, workdir: str | Path, *, progress: bool | None = None
         workdir_lib.write_config(c, workdir)
     session = Session(c, workdir, model_config, dataset, mesh, primary)
     try:
+        # The final evaluation too: a signal during it is noted, and the run still finishes.
         with _StopSignals() as stop:
             session.train(stop, show)
-        return session.finish()
+            return session.finish()
     finally:
         session.close()
 
@@ -267,9 +267,10 @@ class Session:
         abstract = jax.eval_shape(init)
         self.plateau_sharding = step_lib.state_shardings(mesh, abstract)["plateau"]
         self.checkpoints = Checkpoints(workdir / workdir_lib.CHECKPOINTS, c.checkpoint.keep)
-        self.state, elapsed, self.last_checkpoint = restore_or_init(init, mesh, self.checkpoints)
+        self.state, self.elapsed_before, self.last_checkpoint = restore_or_init(
+            init, mesh, self.checkpoints
+        )
         self.start = int(jax.device_get(self.state["step"]))
-        self.clock = Clock(elapsed)
         self.log = MetricsLog(
             workdir, self.start, enabled=primary, tensorboard=c.log.tensorboard and primary
         )
@@ -284,6 +285,7 @@ class Session:
     def train(self, stop: _StopSignals, show: bool) -> None:
         """The step loop: after each step, the actions of the schedule that are due."""
         c, last = self.c, self.c.train.steps
+        self.clock = Clock(self.elapsed_before)
 
         def every(period: int):
             return lambda step: step % period == 0 or step == last
@@ -292,7 +294,7 @@ class Session:
             total=last, initial=self.start, disable=not show, unit="step", dynamic_ncols=True
         )
         schedule = [
-            (lambda step: step == self.start + 1, self.fetch),  # compiled: the clock starts
+            (lambda step: step == self.start + 1, lambda _: self.fetch()),  # clock starts
             (every(c.log.every), self.log_step),
             (every(c.eval.every), self.validate),
             (every(c.checkpoint.every), self.checkpoint),
@@ -321,9 +323,9 @@ class Session:
                     self.clock.restart(step + 1)
         self.checkpoints.wait()
 
-    # -- the actions: each is called with the number of steps done --------------------------
+    # -- the actions: each is called with the number of steps done (the bar is train()'s) ----
 
-    def fetch(self, done: int | None = None) -> None:
+    def fetch(self) -> None:
         """Wait for the pending steps; a non-finite one ends the run (``diverged``)."""
         fetched = [(s, jax.device_get(m)) for s, m in self.pending]
         self.pending = []
@@ -337,8 +339,8 @@ class Session:
     def log_step(self, done: int) -> None:
         self.fetch()
         m = self.latest
-        speed = self.clock.steps_per_second(done)
-        speed = speed and speed * self.tokens_per_step
+        steps_per_second = self.clock.steps_per_second(done)
+        speed = steps_per_second * self.tokens_per_step if steps_per_second else None
         record = {
             "step": done,
             "loss": m["loss"],
@@ -397,6 +399,7 @@ class Session:
             f"training diverged at step {step}: loss {float(metrics['loss'])}, parameter norm "
             f"{float(metrics['param_norm'])} (NaN or infinity); {kept}. Try a lower "
             "optim.learning_rate, optim.grad_clip > 0 or model.dtype=float32"
+            + (" in a new --workdir" if self.last_checkpoint is not None else "")
         )
         if self.primary:
             summary = {**self.sizes(), "status": "diverged", "error": message, "step": step}

@@ -2,9 +2,10 @@
 parallel-LMU tasks (``tasks``) and the sweep's trials, which are ``train`` workdirs:
 
 - ``config.json`` holds the run's resolved config. A workdir that holds training (a
-  checkpoint or a summary) resumes only the same config (``check``).
+  checkpoint, or a finished summary) resumes only the same config (``check``); one that
+  holds none (a run that failed or diverged before its first checkpoint) takes a new one.
 - ``summary.json`` with ``"status": "finished"`` is a finished run: running it again returns
-  that summary and trains nothing (``finished``).
+  that summary and trains nothing (``finished``), whatever checkpoints or data remain.
 - A loss that becomes NaN or infinite stops the run with ``TrainingDiverged``.
 """
 
@@ -20,18 +21,19 @@ from lmuscale.train.config import ConfigError, differences, flatten, saved_flat,
 
 CONFIG = "config.json"
 SUMMARY = "summary.json"
-CHECKPOINTS = "checkpoints"  # language-model training's: one folder per step
+CHECKPOINTS = "checkpoints"  # language-model training's (and so a sweep trial's)
 
 
 class TrainingDiverged(RuntimeError):
     """The loss or the parameters became NaN or infinite."""
 
 
-def check(config: ConfigDict, workdir: Path, trained: bool) -> None:
-    """Refuse a workdir that holds training (``trained``) of another config; keys that do not
-    change the trained numbers (``config.RESUMABLE_CHANGES``) may differ."""
+def check(config: ConfigDict, workdir: Path, has_checkpoint: bool) -> None:
+    """Refuse a workdir that holds training of another config (``has_checkpoint``: the
+    caller's own checkpoint, or a finished summary); keys that do not change the trained
+    numbers (``config.RESUMABLE_CHANGES``) may differ."""
     saved = Path(workdir) / CONFIG
-    if not (trained and saved.exists()):
+    if not ((has_checkpoint or finished(workdir) is not None) and saved.exists()):
         return
     try:
         old = json.loads(saved.read_text())
@@ -67,4 +69,6 @@ def finished(workdir: Path) -> dict | None:
         return None
     except ValueError as error:
         raise ConfigError(f"{path}: not JSON ({error}); move it away to run again") from None
-    return summary if summary.get("status") == "finished" else None
+    # A task summary written before summaries had a status is a finished run (a training
+    # summary has always had one).
+    return summary if summary.get("status", "finished") == "finished" else None
