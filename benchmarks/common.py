@@ -6,6 +6,7 @@ import importlib.metadata
 import os
 import platform
 import resource
+import time
 from pathlib import Path
 
 import jax
@@ -86,6 +87,17 @@ def train_step_for(config, seq_len: int):
     mesh = step_lib.make_mesh(1)
     abstract = jax.eval_shape(init)
     return step_lib.make_train_step(model, tx, lr, mesh, abstract), init, mesh, abstract
+
+
+def timed_steps(train_step, state, tokens, repeats: int) -> tuple[dict, list[float]]:
+    """Run ``repeats`` train steps, each waited for: ``(state, seconds of each)``."""
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        state, metrics = train_step(state, tokens)
+        jax.block_until_ready(metrics)
+        times.append(time.perf_counter() - start)
+    return state, times
 
 
 def compiled_figures(compiled) -> dict:

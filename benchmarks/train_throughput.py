@@ -33,6 +33,7 @@ from common import (
     machine,
     peak_memory,
     print_table,
+    timed_steps,
     train_step_for,
     versions,
     write_json,
@@ -83,12 +84,7 @@ def measure(
     state, metrics = train_step(state, tokens)
     jax.block_until_ready(metrics)
     compile_s = time.perf_counter() - start
-    times = []
-    for _ in range(steps):
-        start = time.perf_counter()
-        state, metrics = train_step(state, tokens)
-        jax.block_until_ready(metrics)
-        times.append(time.perf_counter() - start)
+    state, times = timed_steps(train_step, state, tokens, steps)
     seconds = statistics.median(times)
     flops = flops_per_token(config, seq_len)
     speed = batch * seq_len / seconds

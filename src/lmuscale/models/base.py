@@ -90,29 +90,80 @@ def logits_from_hidden(h_xD, w_VxD):
 def cross_entropy(h_BxTxD, w_VxD, targets_BxT, chunk: int = LOSS_CHUNK):
     """Next-token cross-entropy in nats at every position, without the full logits.
 
-    The (B*T) positions are cut into J chunks of c = ``chunk`` tokens; each chunk's float32
-    logits (c x V) exist only inside a rematerialised ``lax.map`` body, so forward and backward
-    hold one chunk of logits at a time instead of (B, T, V).
+    The (B*T) positions are cut into J chunks of c = ``chunk`` tokens, and one pass over them
+    computes each chunk's logits (c x V, in h's dtype accumulating in float32), the loss, and
+    already the gradients with respect to h and the tied embedding w. The backward pass only
+    scales them: no logits are stored for it, and none are computed again.
+
+    That needs the cotangent of the losses to be the same at every position, as it is for
+    their mean or sum (training). For any other cotangent (per-position weights) the gradient
+    with respect to w is NaN, never silently wrong; the one with respect to h stays exact.
 
     Returns:
       ``loss_BxT`` in float32: ``logsumexp(logits) - logits[target]``.
     """
+    return _cross_entropy(h_BxTxD, w_VxD, targets_BxT, chunk)
+
+
+def _chunked(h_BxTxD, w_VxD, targets_BxT, chunk: int, gradients: bool):
+    """One ``lax.scan`` over chunks of positions: ``loss_BxT``, and with ``gradients`` also
+    the gradients of the losses' sum, ``dh_BxTxD`` (h's dtype) and ``dw_VxD`` (float32)."""
     batch, length, width = h_BxTxD.shape
     count = batch * length
     chunk = max(1, min(chunk, count))
-    pad = -count % chunk
+    pad = -count % chunk  # the padding has h = 0, whose gradients are 0
     h_JxcxD = jnp.pad(h_BxTxD.reshape(count, width), ((0, pad), (0, 0))).reshape(-1, chunk, width)
     targets_Jxc = jnp.pad(targets_BxT.reshape(count), (0, pad)).reshape(-1, chunk)
+    w_VxD_h = w_VxD.astype(h_BxTxD.dtype)
+    vocab_1xV = lax.broadcasted_iota(jnp.int32, (1, w_VxD.shape[0]), 1)
 
-    @jax.checkpoint
-    def one_chunk(args):
-        h_cxD, targets_c = args
-        logits_cxV = logits_from_hidden(h_cxD, w_VxD)
-        picked_c = jnp.take_along_axis(logits_cxV, targets_c[:, None], axis=-1)[:, 0]
-        return jax.nn.logsumexp(logits_cxV, axis=-1) - picked_c
+    def one_chunk(dw_VxD, chunk_inputs):
+        h_cxD, targets_c = chunk_inputs
+        logits_cxV = jnp.einsum("cd,vd->cv", h_cxD, w_VxD_h, preferred_element_type=jnp.float32)
+        lse_c = jax.nn.logsumexp(logits_cxV, axis=-1)
+        is_target_cxV = targets_c[:, None] == vocab_1xV
+        loss_c = lse_c - jnp.sum(jnp.where(is_target_cxV, logits_cxV, 0.0), axis=-1)
+        if not gradients:
+            return dw_VxD, (loss_c, None)
+        # d loss / d logits: the softmax minus the one-hot target.
+        dlogits_cxV = (jnp.exp(logits_cxV - lse_c[:, None]) - is_target_cxV).astype(h_cxD.dtype)
+        dh_cxD = jnp.einsum("cv,vd->cd", dlogits_cxV, w_VxD_h, preferred_element_type=jnp.float32)
+        dw_VxD += jnp.einsum("cv,cd->vd", dlogits_cxV, h_cxD, preferred_element_type=jnp.float32)
+        return dw_VxD, (loss_c, dh_cxD.astype(h_cxD.dtype))
 
-    losses = lax.map(one_chunk, (h_JxcxD, targets_Jxc)).reshape(-1)
-    return losses[:count].reshape(batch, length)
+    dw_VxD = jnp.zeros(w_VxD.shape, jnp.float32) if gradients else None
+    dw_VxD, (loss_Jxc, dh_JxcxD) = lax.scan(one_chunk, dw_VxD, (h_JxcxD, targets_Jxc))
+    loss_BxT = loss_Jxc.reshape(-1)[:count].reshape(batch, length)
+    if not gradients:
+        return loss_BxT
+    dh_BxTxD = dh_JxcxD.reshape(-1, width)[:count].reshape(batch, length, width)
+    return loss_BxT, dh_BxTxD, dw_VxD
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(3,))
+def _cross_entropy(h_BxTxD, w_VxD, targets_BxT, chunk):
+    return _chunked(h_BxTxD, w_VxD, targets_BxT, chunk, gradients=False)
+
+
+def _cross_entropy_fwd(h_BxTxD, w_VxD, targets_BxT, chunk):
+    loss_BxT, dh_BxTxD, dw_VxD = _chunked(h_BxTxD, w_VxD, targets_BxT, chunk, gradients=True)
+    w_dtype = jnp.zeros((0,), w_VxD.dtype)  # residuals must be arrays
+    return loss_BxT, (dh_BxTxD, dw_VxD, w_dtype)
+
+
+def _cross_entropy_bwd(chunk, residuals, g_BxT):
+    """Scale the gradients of the sum by the cotangent ``g_BxT``."""
+    del chunk
+    dh_BxTxD, dw_VxD, w_dtype = residuals
+    dh = (dh_BxTxD.astype(jnp.float32) * g_BxT[..., None]).astype(dh_BxTxD.dtype)
+    if g_BxT.size == 0:
+        return dh, jnp.zeros(dw_VxD.shape, w_dtype.dtype), None
+    g = g_BxT.reshape(-1)[0]
+    dw = jnp.where(jnp.all(g_BxT == g), g * dw_VxD, jnp.nan)  # see cross_entropy
+    return dh, dw.astype(w_dtype.dtype), None
+
+
+_cross_entropy.defvjp(_cross_entropy_fwd, _cross_entropy_bwd)
 
 
 class LanguageModel(nn.Module):
