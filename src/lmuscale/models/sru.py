@@ -327,8 +327,10 @@ def sru_pp_config(size: str, **overrides) -> SRUPPConfig:
     return dataclasses.replace(config(d_prime), **overrides)
 
 
-for _family in (
-    Family("sru", SRUConfig, SRULanguageModel, sru_config, sru_params, sru_flops, lambda c: {}),
+register(
+    Family("sru", SRUConfig, SRULanguageModel, sru_config, sru_params, sru_flops, lambda c: {})
+)
+register(
     Family(
         "sru_pp",
         SRUPPConfig,
@@ -337,6 +339,5 @@ for _family in (
         sru_params,
         sru_flops,
         shape=lambda c: {"d'": c.d_prime, "pre": "attn", "heads": 1},
-    ),
-):
-    register(_family)
+    )
+)
