@@ -209,17 +209,18 @@ def run(config: ConfigDict, workdir: str | Path, *, progress: bool | None = None
         session.close()
 
 
-def restore_or_init(init, mesh, checkpoints: Checkpoints) -> tuple[dict, float, int | None]:
+def restore_or_init(
+    init, mesh, shardings, checkpoints: Checkpoints
+) -> tuple[dict, float, int | None]:
     """``(state, elapsed seconds, step)`` of the latest checkpoint, each array placed with its
-    sharding; the initial state, 0 and None when there is none."""
+    sharding (a tree like the state's); the initial state, 0 and None when there is none."""
     latest = checkpoints.latest_step()
     if latest is None:
-        return step_lib.init_state(init, mesh), 0.0, None
-    abstract = jax.eval_shape(init)
+        return step_lib.init_state(init, mesh, shardings), 0.0, None
     target = jax.tree.map(
         lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s),
-        abstract,
-        step_lib.state_shardings(mesh, abstract),
+        jax.eval_shape(init),
+        shardings,
     )
     state, meta = checkpoints.restore(latest, target)
     return state, meta["elapsed"], latest
@@ -265,10 +266,11 @@ class Session:
         self.plateau = optim.plateau(c.optim)
         init = step_lib.init_fn(model, tx, self.plateau, c.train.seed, self.seq_len)
         abstract = jax.eval_shape(init)
-        self.plateau_sharding = step_lib.state_shardings(mesh, abstract)["plateau"]
+        shardings = step_lib.state_shardings(mesh, abstract)
+        self.plateau_sharding = shardings["plateau"]
         self.checkpoints = Checkpoints(workdir / workdir_lib.CHECKPOINTS, c.checkpoint.keep)
         self.state, self.elapsed_before, self.last_checkpoint = restore_or_init(
-            init, mesh, self.checkpoints
+            init, mesh, shardings, self.checkpoints
         )
         self.start = int(jax.device_get(self.state["step"]))
         self.log = MetricsLog(

@@ -86,9 +86,11 @@ def init_fn(model: LanguageModel, tx, plateau, seed: int, seq_len: int):
     return init
 
 
-def init_state(init, mesh: Mesh):
-    """The initial state, each array created directly with its sharding."""
-    shardings = state_shardings(mesh, jax.eval_shape(init))
+def init_state(init, mesh: Mesh, shardings=None):
+    """The initial state, each array created directly with its sharding (``shardings``, when
+    the caller has them already, else ``state_shardings``)."""
+    if shardings is None:
+        shardings = state_shardings(mesh, jax.eval_shape(init))
     return jax.jit(init, out_shardings=shardings)()
 
 
