@@ -183,3 +183,23 @@ def test_configs_saved_before_the_memory_modes_are_upgraded_to_the_fft_memory():
     assert "memory_mode" not in saved["model"]  # the saved dict is not modified
     transformer = load(f"{OWT2}:transformer-55k").to_dict()
     assert upgrade(transformer) == transformer
+
+
+def test_configs_saved_before_the_memory_budget_resume_and_keep_their_sweep_hash(tmp_path):
+    from lmuscale.sweep import config_hash
+
+    config = load(f"{OWT2}:tiny")
+    saved = config.to_dict()
+    del saved["train"]["memory_budget_gb"]
+    with pytest.raises(ConfigError, match="memory_budget_gb"):
+        check(ConfigDict(saved))
+    upgraded = upgrade(saved)
+    check(ConfigDict(upgraded))
+    assert upgraded["train"]["memory_budget_gb"] == 0.0
+    (tmp_path / "checkpoints" / "200").mkdir(parents=True)
+    (tmp_path / "config.json").write_text(json.dumps(saved))
+    check_workdir(config, tmp_path)
+    # The budget only picks a plan, which the workdir records: it may change on resume, and
+    # it is not part of a trial's folder name.
+    check_workdir(override(load(f"{OWT2}:tiny"), ["train.memory_budget_gb=3"]), tmp_path)
+    assert config_hash(config) == config_hash(saved)

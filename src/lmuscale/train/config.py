@@ -22,12 +22,22 @@ from ml_collections import ConfigDict
 from lmuscale.models import ModelConfig
 from lmuscale.models import family as families
 
-# Keys that may differ when a run resumes: none of them changes the trained numbers.
-RESUMABLE_CHANGES = ("log.", "distributed.", "data.verify", "data.path", "peak_flops")
+# Keys that may differ when a run resumes: none of them changes the trained numbers. (The
+# memory budget decides a micro-batch plan, which the workdir records: see train.memory.)
+RESUMABLE_CHANGES = (
+    "log.",
+    "distributed.",
+    "data.verify",
+    "data.path",
+    "peak_flops",
+    "train.memory_budget_gb",
+)
+# Keys added after runs were saved, with the value those runs had in effect: ``upgrade``
+# fills them into a saved config.
+ADDED_KEYS = {"train.memory_budget_gb": 0.0}
 POSITIVE = (
     "train.steps",
     "train.global_batch",
-    "train.microbatches",
     "data.seq_len",
     "eval.every",
     "eval.global_batch",
@@ -36,7 +46,14 @@ POSITIVE = (
     "log.every",
     "mesh.model",
 )
-NON_NEGATIVE = ("optim.warmup_steps", "optim.grad_clip", "eval.batches", "eval.final_batches")
+NON_NEGATIVE = (
+    "train.microbatches",
+    "train.memory_budget_gb",
+    "optim.warmup_steps",
+    "optim.grad_clip",
+    "eval.batches",
+    "eval.final_batches",
+)
 
 
 class ConfigError(ValueError):
@@ -65,7 +82,17 @@ def base_config(model: ModelConfig) -> ConfigDict:
             "verify": True,  # check the token files' sha256 against meta.json (process 0)
         }
     )
-    c.train = ConfigDict({"seed": 0, "steps": 25_000, "global_batch": 512, "microbatches": 1})
+    c.train = ConfigDict(
+        {
+            "seed": 0,
+            "steps": 25_000,
+            "global_batch": 512,
+            # Micro-batches per step (gradient accumulation); 0 = as few as fit in the memory
+            # budget, found by compiling the step (lmuscale.train.memory).
+            "microbatches": 1,
+            "memory_budget_gb": 0.0,  # per device; 0 = a fraction of the device's memory
+        }
+    )
     c.optim = ConfigDict(
         {
             "learning_rate": 1e-3,
@@ -186,7 +213,7 @@ def _check_values(c: ConfigDict, where: str) -> None:
         positive(key, values[key])
     for key in NON_NEGATIVE:
         positive(key, values[key], allow_zero=True)
-    if c.train.global_batch % c.train.microbatches:
+    if c.train.microbatches and c.train.global_batch % c.train.microbatches:
         raise ConfigError(
             f"{where}: train.global_batch ({c.train.global_batch}) must be a multiple of "
             f"train.microbatches ({c.train.microbatches})"
@@ -296,13 +323,24 @@ def to_json(config: ConfigDict) -> str:
 
 
 def upgrade(saved: dict) -> dict:
-    """A saved config (a config.json or a sweep trial's) with the model keys it predates
-    filled in as it ran (its family's ``legacy`` values), so that it resumes the same run."""
+    """A saved config (a config.json or a sweep trial's) with the keys it predates filled in
+    as it ran (``ADDED_KEYS``, and its model family's ``legacy`` values), so that it resumes
+    the same run."""
+    saved = _with_added_keys(saved)
     model = saved.get("model", {})
     record = families.REGISTRY.get(model.get("family"))
     if record is None or not record.legacy:
         return saved
     return {**saved, "model": {**record.legacy, **model}}
+
+
+def _with_added_keys(saved: dict) -> dict:
+    out = dict(saved)
+    for key, value in ADDED_KEYS.items():
+        section, leaf = key.split(".")
+        if isinstance(out.get(section), dict) and leaf not in out[section]:
+            out[section] = {**out[section], leaf: value}
+    return out
 
 
 def saved_flat(saved: dict) -> dict:

@@ -12,6 +12,7 @@ uninterrupted one.
 
 Workdir:
   config.json     the resolved config
+  plan.json       the micro-batch count and XLA's memory estimate of the train step
   checkpoints/    orbax, the last ``checkpoint.keep`` steps
   metrics.jsonl   one line per logged step (train loss, lr, grad norm, tokens, tokens/s, MFU)
   eval.jsonl      one line per validation (val loss, plateau scale)
@@ -34,6 +35,7 @@ import time
 from pathlib import Path
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 from ml_collections import ConfigDict
 from tqdm import tqdm
@@ -50,7 +52,7 @@ from lmuscale.data.format import META
 from lmuscale.files import atomic_write_json
 from lmuscale.models import build, count_params, flops_per_token
 from lmuscale.train import config as config_lib
-from lmuscale.train import optim
+from lmuscale.train import memory, optim
 from lmuscale.train import step as step_lib
 from lmuscale.train import workdir as workdir_lib
 from lmuscale.train.checkpoint import Checkpoints
@@ -151,8 +153,13 @@ def check_dataset(c: ConfigDict, model_config, dataset) -> None:
 
 def check_batches(c: ConfigDict, mesh) -> None:
     data_axis = step_lib.data_parallel_size(mesh)
-    per_micro = c.train.global_batch // c.train.microbatches
-    if per_micro % data_axis:
+    if c.train.microbatches == 0 and c.train.global_batch % data_axis:
+        raise config_lib.ConfigError(
+            f"train.global_batch ({c.train.global_batch}) must be a multiple of the mesh's "
+            f"data axis ({data_axis} devices)"
+        )
+    per_micro = c.train.global_batch // max(1, c.train.microbatches)
+    if c.train.microbatches and per_micro % data_axis:
         raise config_lib.ConfigError(
             f"train.global_batch / train.microbatches = {per_micro} sequences must be a "
             f"multiple of the mesh's data axis ({data_axis} devices)"
@@ -268,6 +275,11 @@ class Session:
         abstract = jax.eval_shape(init)
         shardings = step_lib.state_shardings(mesh, abstract)
         self.plateau_sharding = shardings["plateau"]
+        # Planned (and compiled) before anything is written or restored: a plan that cannot
+        # fit stops the run here.
+        self.plan, self.train_step = self.compile_train_step(
+            step_lib.make_train_step(model, tx, lr, mesh, abstract), abstract
+        )
         self.checkpoints = Checkpoints(workdir / workdir_lib.CHECKPOINTS, c.checkpoint.keep)
         self.state, self.elapsed_before, self.last_checkpoint = restore_or_init(
             init, mesh, shardings, self.checkpoints
@@ -276,13 +288,36 @@ class Session:
         self.log = MetricsLog(
             workdir, self.start, enabled=primary, tensorboard=c.log.tensorboard and primary
         )
-        self.train_step = step_lib.make_train_step(model, tx, lr, mesh, abstract)
         self.eval_step = step_lib.make_eval_step(model, mesh, abstract["params"])
         self.flops = flops_per_token(model_config, self.seq_len)
         self.peak = device_peak(model_config.dtype, c.peak_flops)
         self.pending = []  # (step, metrics on the device) not yet fetched
         self.losses = []  # training losses fetched since the last log line
         self.latest = None  # the last fetched step's metrics
+
+    def compile_train_step(self, train_step, abstract_state):
+        """The micro-batch plan (``train.memory``) and the train step compiled for it."""
+        c, mesh = self.c, self.mesh
+        sharding = step_lib.batch_sharding(mesh, 3, axis=1)
+
+        def compile_for(count: int):
+            shape = (count, c.train.global_batch // count, self.seq_len + 1)
+            tokens = jax.ShapeDtypeStruct(shape, jnp.int32, sharding=sharding)
+            return train_step.lower(abstract_state, tokens).compile()
+
+        plan, compiled = memory.plan(
+            compile_for,
+            microbatches=c.train.microbatches,
+            global_batch=c.train.global_batch,
+            data_axis=step_lib.data_parallel_size(mesh),
+            budget_gb=c.train.memory_budget_gb,
+            device=memory.Device.of(mesh),
+            workdir=self.workdir,
+        )
+        if self.primary:
+            memory.write(self.workdir, plan)
+            print(f"train step: {memory.describe(plan)}", flush=True)
+        return plan, compiled
 
     def train(self, stop: _StopSignals, show: bool) -> None:
         """The step loop: after each step, the actions of the schedule that are due."""
@@ -311,7 +346,7 @@ class Session:
         sharding = step_lib.batch_sharding(self.mesh, 3, axis=1)
         with self.bar:
             for step in range(self.start, last):
-                rows = batches(step).reshape(c.train.microbatches, -1, self.seq_len + 1)
+                rows = batches(step).reshape(self.plan.microbatches, -1, self.seq_len + 1)
                 tokens = step_lib.to_global(rows, sharding)
                 self.state, metrics = self.train_step(self.state, tokens)
                 self.pending.append((step + 1, metrics))
@@ -456,6 +491,8 @@ class Session:
             "flops_per_token": {"forward": self.flops.forward, "train": self.flops.train},
             "seq_len": self.seq_len,
             "global_batch": self.c.train.global_batch,
+            "microbatches": self.plan.microbatches,
+            "memory": self.plan.record(),
         }
 
     def finish(self) -> dict:

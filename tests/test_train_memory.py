@@ -1,0 +1,183 @@
+"""The micro-batch plan: the fewest micro-batches whose compiled train step fits the budget."""
+
+from __future__ import annotations
+
+import json
+import math
+
+import numpy as np
+import pytest
+from small_config import small
+
+from lmuscale.train import ConfigError, memory, run
+
+
+class _Stats:
+    def __init__(self, temp):
+        self.temp_size_in_bytes = temp
+        self.argument_size_in_bytes = 100
+        self.output_size_in_bytes = 100
+        self.alias_size_in_bytes = 90
+
+
+class _Compiled:
+    def __init__(self, count, temp):
+        self.count, self.temp = count, temp
+
+    def memory_analysis(self):
+        return _Stats(self.temp)
+
+
+def _fake(temp_of):
+    """``compile_for`` whose temporaries are ``temp_of(count)``, counting its calls."""
+    calls = []
+
+    def compile_for(count):
+        calls.append(count)
+        return _Compiled(count, temp_of(count))
+
+    return compile_for, calls
+
+
+CPU = memory.Device("cpu", "cpu", 1)
+
+
+@pytest.mark.parametrize("limit", [210, 300, 1000, 5000, 51_310, 100_000])
+def test_search_finds_the_fewest_counts_that_fit_with_few_compilations(limit):
+    counts = memory.candidates(512, 1)
+    assert counts == [1, 2, 4, 8, 16, 32, 64, 128, 256, 512]
+
+    def temp(count):
+        return 51200 // count  # the estimate is temp + 110 bytes
+
+    compile_for, calls = _fake(temp)
+    count, compiled, estimates = memory.search(compile_for, counts, limit)
+    fitting = [c for c in counts if temp(c) + 110 <= limit]
+    assert count == fitting[0]
+    assert compiled.count == count
+    assert {e.microbatches: e.total for e in estimates}[count] <= limit
+    assert len(calls) <= 2 + math.ceil(math.log2(len(counts)))
+    assert len(calls) == len(set(calls))  # no count compiled twice
+
+
+def test_candidates_divide_the_per_device_batch():
+    assert memory.candidates(24, 2) == [1, 2, 3, 4, 6, 12]
+    assert memory.candidates(8, 8) == [1]
+
+
+def test_an_impossible_budget_names_the_budget_and_the_smallest_estimate():
+    compile_for, _ = _fake(lambda count: 4_000_000_000 // count)
+    with pytest.raises(memory.OutOfMemoryBudget) as caught:
+        memory.search(compile_for, memory.candidates(16, 1), limit=int(0.1e9))
+    message = str(caught.value)
+    assert "budget of 0.1 GB" in message
+    assert "smallest estimate is 0.25 GB with 16 micro-batches per step" in message
+    assert isinstance(caught.value, ConfigError)
+
+
+def _plan(workdir, temp_of, budget_gb, device=CPU):
+    compile_for, calls = _fake(temp_of)
+    plan, _ = memory.plan(
+        compile_for,
+        microbatches=0,
+        global_batch=64,
+        data_axis=1,
+        budget_gb=budget_gb,
+        device=device,
+        workdir=workdir,
+    )
+    return plan, calls
+
+
+def test_a_resume_on_the_same_device_reuses_the_plan_and_another_device_plans_again(tmp_path):
+    plan, _ = _plan(tmp_path, lambda count: 6400 // count, budget_gb=1000e-9)
+    assert plan.microbatches == 8  # 800 + 110 bytes fits in 1000, 1600 + 110 does not
+    memory.write(tmp_path, plan)
+    record = json.loads((tmp_path / memory.PLAN).read_text())
+    assert record["microbatches"] == 8 and record["planned"] and record["budget_bytes"] == 1000
+
+    # The same device and budget: the count is reused, compiled once, even if the estimates
+    # would now give another (here: everything fits).
+    again, calls = _plan(tmp_path, lambda count: 0, budget_gb=1000e-9)
+    assert (again.microbatches, calls) == (8, [8])
+    assert again.note == "the workdir's plan"
+
+    # Another kind of device: planned again, and said so.
+    other = memory.Device("gpu", "NVIDIA H100 80GB HBM3", 1)
+    moved, _ = _plan(tmp_path, lambda count: 0, budget_gb=1000e-9, device=other)
+    assert moved.microbatches == 1
+    assert "planned again" in moved.note and "1 x cpu" in moved.note
+
+    # Another budget: planned again too.
+    rebudget, _ = _plan(tmp_path, lambda count: 6400 // count, budget_gb=2000e-9)
+    assert rebudget.microbatches == 4 and "planned again" in rebudget.note
+
+
+def test_a_given_count_is_kept_and_its_estimate_reported(tmp_path):
+    compile_for, calls = _fake(lambda count: 10**12)
+    plan, _ = memory.plan(
+        compile_for,
+        microbatches=2,
+        global_batch=64,
+        data_axis=1,
+        budget_gb=1e-6,
+        device=CPU,
+        workdir=tmp_path,
+    )
+    assert (plan.microbatches, calls, plan.budget) == (2, [2], None)
+    assert plan.estimate.total == 10**12 + 110
+
+
+def test_the_default_budget_on_cpu_is_a_fraction_of_the_machines_memory():
+    import os
+
+    ram = os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    default = memory.budget(0.0)
+    assert default.bytes == int(memory.HOST_FRACTION * ram)  # one local CPU device here
+    assert "of this machine's" in default.source
+    assert memory.budget(2.5) == memory.Budget(2_500_000_000, "train.memory_budget_gb")
+
+
+# -- the plan in a real run ------------------------------------------------------------------
+
+
+def _run(byte_corpus, workdir, **train):
+    config = small(str(byte_corpus))
+    config.train.update(steps=6, **train)
+    config.eval.update(every=3, batches=1)
+    config.checkpoint.every = 3
+    summary = run(config, workdir)
+    losses = [json.loads(line)["loss"] for line in (workdir / "metrics.jsonl").open()]
+    return summary, losses
+
+
+def test_a_small_budget_plans_more_micro_batches_and_equals_the_fixed_run(byte_corpus, tmp_path):
+    fixed = {m: _run(byte_corpus, tmp_path / f"fixed{m}", microbatches=m) for m in (1, 2)}
+    estimates = {m: fixed[m][0]["memory"]["memory_bytes"] for m in fixed}
+    total = {m: fixed[m][0]["memory"]["estimate_gb"] * 1e9 for m in fixed}
+    # Half the sequences per micro-batch: fewer temporaries.
+    assert estimates[2]["temp"] < estimates[1]["temp"]
+    assert total[2] < total[1]
+
+    roomy, roomy_losses = _run(byte_corpus, tmp_path / "roomy", microbatches=0)
+    assert roomy["microbatches"] == 1 and roomy["memory"]["planned"]
+    np.testing.assert_allclose(roomy_losses, fixed[1][1], rtol=1e-6)
+
+    budget_gb = (total[1] + total[2]) / 2 / 1e9
+    tight, tight_losses = _run(
+        byte_corpus, tmp_path / "tight", microbatches=0, memory_budget_gb=budget_gb
+    )
+    assert tight["microbatches"] == 2
+    assert tight["memory"]["estimate_gb"] <= budget_gb
+    assert tight["memory"]["budget_source"] == "train.memory_budget_gb"
+    np.testing.assert_allclose(tight_losses, fixed[2][1], rtol=1e-6)
+    # Accumulating two halves is the same step as one whole, to float rounding.
+    np.testing.assert_allclose(tight_losses, fixed[1][1], rtol=1e-5)
+    plan = json.loads((tmp_path / "tight" / memory.PLAN).read_text())
+    assert plan["microbatches"] == 2 and plan["device"]["platform"] == "cpu"
+
+
+def test_an_impossible_budget_stops_the_run_before_training(byte_corpus, tmp_path):
+    with pytest.raises(memory.OutOfMemoryBudget, match=r"budget of 1e-06 GB.*smallest estimate"):
+        _run(byte_corpus, tmp_path / "w", microbatches=0, memory_budget_gb=1e-6)
+    assert not (tmp_path / "w" / "metrics.jsonl").exists()
