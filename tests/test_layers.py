@@ -139,3 +139,58 @@ def test_unknown_memory_mode_is_named():
     x = jnp.zeros((1, 4, 2))
     with pytest.raises(ValueError, match="memory_mode must be one of"):
         ImplicitSelfAttention(4, 2, 8.0, memory_mode="scan").init(jax.random.key(0), x)
+
+
+class _Device:
+    def __init__(self, platform, compute_capability=None):
+        self.platform = platform
+        if compute_capability is not None:
+            self.compute_capability = compute_capability
+
+
+def test_flash_attention_is_chosen_only_on_recent_nvidia_gpus_in_half_precision():
+    from lmuscale.layers import attention_implementation
+
+    hopper, volta = _Device("gpu", "9.0"), _Device("gpu", "7.0")
+    assert attention_implementation(jnp.bfloat16, hopper) == "cudnn"
+    assert attention_implementation(jnp.float16, _Device("gpu", "8.0")) == "cudnn"
+    assert attention_implementation(jnp.float32, hopper) == "xla"
+    assert attention_implementation(jnp.bfloat16, volta) == "xla"
+    assert attention_implementation(jnp.bfloat16, _Device("gpu", "gfx90a")) == "xla"
+    assert attention_implementation(jnp.bfloat16, _Device("gpu")) == "xla"
+    assert attention_implementation(jnp.bfloat16, _Device("tpu")) == "xla"
+    assert attention_implementation(jnp.bfloat16) == "xla"  # this machine's CPU
+
+
+def _attention_reference(q, k, v):
+    q, k, v = (np.asarray(x, np.float64) for x in (q, k, v))
+    scores = np.einsum("bthd,bshd->bhts", q, k) / math.sqrt(q.shape[-1])
+    t = q.shape[1]
+    scores = np.where(np.tril(np.ones((t, t), bool)), scores, -np.inf)
+    weights = np.exp(scores - scores.max(-1, keepdims=True))
+    weights /= weights.sum(-1, keepdims=True)
+    return np.einsum("bhts,bshd->bthd", weights, v)
+
+
+@pytest.mark.parametrize("width", [13, 24, 34])
+def test_causal_attention_padded_for_cudnn_equals_the_float64_softmax(width, monkeypatch):
+    from lmuscale.layers import causal_attention
+
+    keys = jax.random.split(jax.random.key(0), 3)
+    q, k, v = (jax.random.normal(key, (2, 9, 3, width)) for key in keys)
+    want = _attention_reference(q, k, v)
+    np.testing.assert_allclose(causal_attention(q, k, v, "xla"), want, rtol=1e-5, atol=1e-6)
+
+    # cuDNN needs a GPU; here XLA computes what cuDNN would be given: the padded heads.
+    seen = []
+    xla_attention = jax.nn.dot_product_attention
+
+    def as_cudnn(query, *args, implementation=None, **kwargs):
+        seen.append((implementation, query.shape[-1]))
+        return xla_attention(query, *args, implementation="xla", **kwargs)
+
+    monkeypatch.setattr(jax.nn, "dot_product_attention", as_cudnn)
+    padded = causal_attention(q, k, v, "cudnn")
+    assert seen == [("cudnn", width + (-width % 8))]
+    assert padded.shape == q.shape
+    np.testing.assert_allclose(padded, want, rtol=1e-5, atol=1e-6)

@@ -35,7 +35,6 @@ import time
 from pathlib import Path
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 from ml_collections import ConfigDict
 from tqdm import tqdm
@@ -297,22 +296,8 @@ class Session:
 
     def compile_train_step(self, train_step, abstract_state):
         """The micro-batch plan (``train.memory``) and the train step compiled for it."""
-        c, mesh = self.c, self.mesh
-        sharding = step_lib.batch_sharding(mesh, 3, axis=1)
-
-        def compile_for(count: int):
-            shape = (count, c.train.global_batch // count, self.seq_len + 1)
-            tokens = jax.ShapeDtypeStruct(shape, jnp.int32, sharding=sharding)
-            return train_step.lower(abstract_state, tokens).compile()
-
-        plan, compiled = memory.plan(
-            compile_for,
-            microbatches=c.train.microbatches,
-            global_batch=c.train.global_batch,
-            data_axis=step_lib.data_parallel_size(mesh),
-            budget_gb=c.train.memory_budget_gb,
-            device=memory.Device.of(mesh),
-            workdir=self.workdir,
+        plan, compiled = memory.plan_train_step(
+            train_step, abstract_state, self.c, self.mesh, self.workdir
         )
         if self.primary:
             memory.write(self.workdir, plan)

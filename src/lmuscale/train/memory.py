@@ -5,9 +5,9 @@ step fits in the memory budget. The candidates are the divisors of the per-devic
 every micro-batch still splits evenly over the mesh's data axis). A step's estimate is what XLA
 assigns for one device: its arguments, outputs and temporaries, less the outputs that reuse
 donated arguments (the new state takes the old state's buffers). The estimate shrinks as the
-count grows (the temporaries scale with the sequences of one micro-batch), so the search is a
-bisection over the candidates: at most 2 + log2(number of candidates) compilations, and the
-compiled step it ends on is the one the run uses.
+count grows (the temporaries scale with the sequences of one micro-batch), so the search
+compiles the fewest count, guesses from its temporaries, and walks to the boundary (see
+``search``); the compiled step it ends on is the one the run uses.
 
 The budget, per device, is ``train.memory_budget_gb`` when it is above 0, else:
 
@@ -32,8 +32,10 @@ from collections.abc import Callable
 from pathlib import Path
 
 import jax
+import jax.numpy as jnp
 
 from lmuscale.files import atomic_write_json
+from lmuscale.train import step as step_lib
 from lmuscale.train.config import ConfigError
 
 PLAN = "plan.json"
@@ -126,42 +128,50 @@ def search(compile_for: Callable[[int], object], counts: list[int], limit: int):
 
     Returns ``(count, compiled, estimates)`` with every estimate made, or raises
     ``OutOfMemoryBudget`` when even the most micro-batches do not fit. Assumes, as holds for
-    a train step, that the estimate does not grow with the count.
+    a train step, that the estimate does not grow with the count. The first count is tried
+    first; if it does not fit, its temporaries divided by the count give a first guess (the
+    arguments and outputs do not change with the count), and the search walks from there:
+    up while a count does not fit, down while the one below fits. Usually three
+    compilations.
     """
     estimates: dict[int, Estimate] = {}
     compiled: dict[int, object] = {}
 
-    def fits(count: int) -> bool:
-        compiled[count] = compile_for(count)
-        estimates[count] = Estimate.of(count, compiled[count])
+    def fits(index: int) -> bool:
+        count = counts[index]
+        if count not in estimates:
+            compiled[count] = compile_for(count)
+            estimates[count] = Estimate.of(count, compiled[count])
         return estimates[count].total <= limit
 
-    def result(count: int):
+    def result(index: int):
+        count = counts[index]
         return count, compiled[count], [estimates[c] for c in sorted(estimates)]
 
-    if fits(counts[0]):
-        return result(counts[0])
-    if len(counts) == 1 or not fits(counts[-1]):
-        best = min(estimates.values(), key=lambda e: e.total)
-        raise OutOfMemoryBudget(
-            f"no micro-batch count fits the memory budget of {limit / GB:.3g} GB per device: "
-            f"the smallest estimate is {best.total / GB:.3g} GB with {best.microbatches} "
-            f"micro-batch{'es' if best.microbatches > 1 else ''} per step; raise "
-            "train.memory_budget_gb, or lower train.global_batch, "
-            "data.seq_len or the model's size"
-        )
-    low, high = 0, len(counts) - 1  # counts[low] does not fit, counts[high] does
-    while high - low > 1:
-        middle = (low + high) // 2
-        if fits(counts[middle]):
-            high = middle
-        else:
-            low = middle
-        # Free the executables that will not run.
-        for count in list(compiled):
-            if count != counts[high]:
-                del compiled[count]
-    return result(counts[high])
+    if fits(0):
+        return result(0)
+    first = estimates[counts[0]]
+    fixed = first.total - first.temp
+    scaled = [fixed + first.temp * counts[0] / count for count in counts]
+    index = next((i for i, total in enumerate(scaled) if total <= limit), len(counts) - 1)
+    index = max(index, 1)
+    while not fits(index):
+        if index == len(counts) - 1:
+            best = min(estimates.values(), key=lambda e: e.total)
+            raise OutOfMemoryBudget(
+                f"no micro-batch count fits the memory budget of {limit / GB:.3g} GB per "
+                f"device: the smallest estimate is {best.total / GB:.3g} GB with "
+                f"{best.microbatches} micro-batch{'es' if best.microbatches > 1 else ''} per "
+                "step; raise train.memory_budget_gb, or lower train.global_batch, "
+                "data.seq_len or the model's size"
+            )
+        index += 1
+    while index > 1 and fits(index - 1):
+        index -= 1
+    for count in list(compiled):  # free the executables that will not run
+        if count != counts[index]:
+            del compiled[count]
+    return result(index)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -245,6 +255,28 @@ def plan(
             count, compiled = agreed, compile_for(agreed)
     estimate = Estimate.of(count, compiled)
     return Plan(count, estimate, limit, device, note), compiled
+
+
+def plan_train_step(train_step, abstract_state, config, mesh, workdir: Path | None = None):
+    """``plan`` for a jitted ``step.make_train_step`` of ``config`` (its ``train`` section
+    and ``data.seq_len``) on ``mesh``: ``(plan, compiled step)``."""
+    train, seq_len = config.train, config.data.seq_len
+    sharding = step_lib.batch_sharding(mesh, 3, axis=1)
+
+    def compile_for(count: int):
+        shape = (count, train.global_batch // count, seq_len + 1)
+        tokens = jax.ShapeDtypeStruct(shape, jnp.int32, sharding=sharding)
+        return train_step.lower(abstract_state, tokens).compile()
+
+    return plan(
+        compile_for,
+        microbatches=train.microbatches,
+        global_batch=train.global_batch,
+        data_axis=step_lib.data_parallel_size(mesh),
+        budget_gb=train.memory_budget_gb,
+        device=Device.of(mesh),
+        workdir=workdir,
+    )
 
 
 def write(workdir: Path, the_plan: Plan) -> None:
