@@ -1,0 +1,397 @@
+"""Everything one GPU should tell us, in one process, into one JSON named after the device.
+
+    python benchmarks/gpu.py                      (every part: about 20 minutes on one H100)
+    python benchmarks/gpu.py --only 'train/lmu*' block
+    python benchmarks/gpu.py --only 'plan/*' --budget-gb 80      (compiles only; runs on CPU)
+
+Parts (``--only`` takes shell patterns of these names):
+
+- ``train/FAMILY``: each Table 3 size's paper config (``experiments/owt2.py``: bfloat16, the
+  micro-batch plan) at --batch x --seq-len tokens (512 x 1024): the planned micro-batches,
+  XLA's memory estimate, the device's peak bytes in use so far in the process (it only grows,
+  so it bounds each model's peak from above), the median step time of --steps steps after
+  a warm-up step, tokens/s and MFU by Table 2's FLOP count. An out-of-memory or other failure
+  is recorded in the model's row, and the rest go on.
+- ``plan/FAMILY``: the same configs compiled and planned only, no step run (the check that
+  every paper config fits a budget, e.g. --budget-gb 80 on a CPU).
+- ``long``: lmu-55k, transformer-55k and lmu_g-55k at n = --long-seq-len (8192), with
+  --batch x --seq-len / n sequences per step and the plan.
+- ``block``: one LMU block of lmu-1M (FFN, implicit attention, FFN), forward+backward, with
+  the FFT memory and the chunked one (``lmu_memory.bench_block``), in bfloat16.
+- ``precision``: lmu-55k trained by ``lmuscale.train.run`` for --loss-steps steps in float32
+  and in bfloat16 on the embedded Shakespeare plays (GPT-2 tokens, prepared into --loss-data
+  on first use), and the two loss curves compared.
+
+The JSON (``results/gpu-<device>.json``, or --out) keeps the parts of earlier runs on the same
+device and replaces those run now, so parts can be run one at a time. ``sweeps/owt2.py`` reads
+its ``train/*`` rows for ``--dry-run``'s time estimates.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import fnmatch
+import gc
+import json
+import re
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import jax
+import numpy as np
+from common import machine, print_table, timed_steps, train_step_for, versions, write_json
+
+from lmuscale.models import count_params, flops_per_token
+from lmuscale.models.sizes import FAMILIES, SIZES
+from lmuscale.train import config as config_lib
+from lmuscale.train import memory, run
+from lmuscale.train import step as step_lib
+from lmuscale.train.metrics import device_peak, mfu
+
+ROOT = Path(__file__).resolve().parents[1]
+EXPERIMENT = ROOT / "experiments" / "owt2.py"
+LONG_MODELS = ("lmu-55k", "transformer-55k", "lmu_g-55k")
+GB = 1e9
+
+
+def slug(device_kind: str) -> str:
+    return re.sub(r"[^a-z0-9]+", "-", device_kind.lower()).strip("-")
+
+
+def paper_config(name: str, seq_len: int, batch: int, budget_gb: float, dtype: str | None = None):
+    """experiments/owt2.py's config ``name`` at ``batch`` x ``seq_len`` tokens per step."""
+    config = config_lib.load(f"{EXPERIMENT}:{name}")
+    items = [
+        f"data.seq_len={seq_len}",
+        f"train.global_batch={batch}",
+        f"train.memory_budget_gb={budget_gb}",
+    ]
+    if "max_len" in config.model and config.model.max_len < seq_len:
+        items.append(f"model.max_len={seq_len}")  # the transformer's learned positions
+    if dtype:
+        items.append(f"model.dtype={dtype}")
+    with config.unlocked():
+        return config_lib.override(config, items)
+
+
+def _planned(config):
+    """``(plan, compiled step, init, mesh, seconds)`` of a paper config."""
+    model = config_lib.model_config(config.model)
+    train_step, init, mesh, abstract = train_step_for(model, config.data.seq_len)
+    start = time.perf_counter()
+    plan, compiled = memory.plan_train_step(train_step, abstract, config, mesh)
+    return plan, compiled, init, mesh, time.perf_counter() - start
+
+
+def _peak_gb() -> float | None:
+    stats = jax.devices()[0].memory_stats()
+    return stats["peak_bytes_in_use"] / GB if stats and "peak_bytes_in_use" in stats else None
+
+
+def _model_row(name: str, config) -> dict:
+    model = config_lib.model_config(config.model)
+    family, _, size = name.partition("-")
+    return {
+        "model": name,
+        "family": family,
+        "size": size,
+        "non_embedding_params": count_params(model).non_embedding,
+        "seq_len": config.data.seq_len,
+        "batch": config.train.global_batch,
+        "dtype": model.dtype,
+        "train_flops_per_token": flops_per_token(model, config.data.seq_len).train,
+    }
+
+
+def _plan_fields(plan: memory.Plan, seconds: float) -> dict:
+    return {
+        "microbatches": plan.microbatches,
+        "estimate_gb": plan.estimate.total / GB,
+        "budget_gb": plan.budget.bytes / GB if plan.budget else None,
+        "budget_source": plan.budget.source if plan.budget else None,
+        "plan_seconds": seconds,
+    }
+
+
+def measure_train(name: str, config, steps: int) -> dict:
+    row = _model_row(name, config)
+    plan, compiled, init, mesh, seconds = _planned(config)
+    row.update(_plan_fields(plan, seconds))
+    state = step_lib.init_state(init, mesh)
+    micro, seq_len = plan.microbatches, config.data.seq_len
+    shape = (micro, config.train.global_batch // micro, seq_len + 1)
+    vocab = config_lib.model_config(config.model).vocab_size
+    tokens = np.random.default_rng(0).integers(0, vocab, shape, dtype=np.int32)
+    tokens = step_lib.to_global(tokens, step_lib.batch_sharding(mesh, 3, axis=1))
+    state, first = timed_steps(compiled, state, tokens, 1)
+    state, times = timed_steps(compiled, state, tokens, steps)
+    step_seconds = statistics.median(times)
+    speed = config.train.global_batch * seq_len / step_seconds
+    flops = row["train_flops_per_token"]
+    row.update(
+        {
+            "first_step_seconds": first[0],
+            "step_seconds": step_seconds,
+            "step_seconds_all": times,
+            "tokens_per_second": speed,
+            "model_flops_per_second": speed * flops,
+            "mfu": mfu(speed, flops, mesh.devices.size, device_peak(row["dtype"])),
+            "peak_gb_so_far": _peak_gb(),
+        }
+    )
+    return row
+
+
+def measure_plan(name: str, config) -> dict:
+    row = _model_row(name, config)
+    plan, _, _, _, seconds = _planned(config)
+    row.update(_plan_fields(plan, seconds))
+    return row
+
+
+def _guarded(label: str, measure, *args) -> dict:
+    """``measure(*args)``, or a row naming the failure (an out-of-memory, say)."""
+    try:
+        row = measure(*args)
+    except Exception as error:
+        row = {"model": label, "error": f"{type(error).__name__}: {error}"[:500]}
+    gc.collect()  # the state and executables of one model are gone before the next
+    _print_row(row)
+    return row
+
+
+def _print_row(row: dict) -> None:
+    if "error" in row:
+        print(f"  {row['model']}: {row['error'][:200]}", file=sys.stderr, flush=True)
+        return
+    speed = row.get("tokens_per_second")
+    print(
+        f"  {row['model']} n={row['seq_len']}: micro-batches {row['microbatches']}, "
+        f"estimate {row['estimate_gb']:.2f} GB"
+        + (f", {row['step_seconds'] * 1e3:.1f} ms/step, {speed:,.0f} tokens/s" if speed else ""),
+        file=sys.stderr,
+        flush=True,
+    )
+
+
+def part_train(family: str, args, plan_only: bool) -> dict:
+    rows = []
+    for size in args.sizes:
+        name = f"{family}-{size}"
+        measure = measure_plan if plan_only else measure_train
+        extra = () if plan_only else (args.steps,)
+
+        def one(name=name, measure=measure, extra=extra):
+            config = paper_config(name, args.seq_len, args.batch, args.budget_gb)
+            return measure(name, config, *extra)
+
+        rows.append(_guarded(name, one))
+    return {"rows": rows}
+
+
+def part_long(args) -> dict:
+    batch = max(1, args.batch * args.seq_len // args.long_seq_len)
+    rows = []
+    for name in LONG_MODELS:
+
+        def one(name=name):
+            config = paper_config(name, args.long_seq_len, batch, args.budget_gb)
+            return measure_train(name, config, args.steps)
+
+        rows.append(_guarded(name, one))
+    return {"rows": rows}
+
+
+def part_block(args) -> dict:
+    from lmu_memory import SHAPES, bench_block
+
+    shape = {**SHAPES["paper"], "n": args.block_seq_len}
+    rows = bench_block(shape, args.block_batch, args.steps, args.block_chunks, "bfloat16")
+    return {"rows": rows}
+
+
+def part_precision(args) -> dict:
+    """lmu-55k's paper config in float32 and bfloat16, trained by ``run`` on the plays."""
+    curves, summaries = {}, {}
+    with tempfile.TemporaryDirectory() as scratch:
+        for dtype in ("float32", "bfloat16"):
+            config = paper_config("lmu-55k", args.loss_seq_len, args.loss_batch, 0.0, dtype)
+            warmup = max(1, args.loss_steps // 10)
+            every = max(1, args.loss_steps // 3)
+            config_lib.override(
+                config,
+                [
+                    f"data.path={args.loss_data}",
+                    "data.source=shakespeare",
+                    f"train.steps={args.loss_steps}",
+                    f"optim.warmup_steps={warmup}",
+                    f"eval.every={every}",
+                    f"eval.global_batch={args.loss_batch}",
+                    "eval.batches=8",
+                    "eval.final_batches=16",
+                    f"checkpoint.every={args.loss_steps}",
+                    "log.every=1",
+                    "log.progress=false",
+                    "log.tensorboard=false",
+                ],
+            )
+            workdir = Path(scratch) / dtype
+            summaries[dtype] = run(config, workdir, progress=False)
+            with open(workdir / "metrics.jsonl") as f:
+                curves[dtype] = [json.loads(line)["loss"] for line in f]
+    f32, bf16 = np.array(curves["float32"]), np.array(curves["bfloat16"])
+    tail = max(1, len(f32) // 6)
+    return {
+        "model": "lmu-55k",
+        "steps": args.loss_steps,
+        "batch": args.loss_batch,
+        "seq_len": args.loss_seq_len,
+        "loss_float32": curves["float32"],
+        "loss_bfloat16": curves["bfloat16"],
+        "max_abs_difference": float(np.abs(f32 - bf16).max()),
+        "mean_difference_last_sixth": float((bf16 - f32)[-tail:].mean()),
+        "val_loss": {k: s["val_loss"] for k, s in summaries.items()},
+        "test_loss": {k: s["test_loss"] for k, s in summaries.items()},
+    }
+
+
+def parts(args) -> dict:
+    """Every part's name and a function computing it."""
+    table = {}
+    for family in args.families:
+        table[f"train/{family}"] = lambda family=family: part_train(family, args, False)
+    for family in args.families:
+        table[f"plan/{family}"] = lambda family=family: part_train(family, args, True)
+    table["long"] = lambda: part_long(args)
+    table["block"] = lambda: part_block(args)
+    table["precision"] = lambda: part_precision(args)
+    return table
+
+
+def chosen(names, patterns) -> list[str]:
+    picked = [n for n in names if any(fnmatch.fnmatchcase(n, p) for p in patterns)]
+    unmatched = [p for p in patterns if not any(fnmatch.fnmatchcase(n, p) for n in names)]
+    if unmatched:
+        raise SystemExit(f"--only {unmatched[0]!r} matches no part; parts: {', '.join(names)}")
+    return picked
+
+
+DEFAULT_PARTS = ["train/*", "long", "block", "precision"]
+
+
+def summary_tables(record: dict) -> None:
+    rows = []
+    for name, part in record["parts"].items():
+        if not name.startswith(("train/", "plan/")) and name != "long":
+            continue
+        for r in part["rows"]:
+            if "error" in r:
+                rows.append((name, r["model"], "-", "-", "-", "-", "-", r["error"][:50]))
+                continue
+            ms = f"{r['step_seconds'] * 1e3:,.1f}" if "step_seconds" in r else "-"
+            speed = f"{r['tokens_per_second']:,.0f}" if "tokens_per_second" in r else "-"
+            util = f"{100 * r['mfu']:.1f}%" if r.get("mfu") is not None else "-"
+            peak = f"{r['peak_gb_so_far']:.1f}" if r.get("peak_gb_so_far") else "-"
+            rows.append(
+                (
+                    name,
+                    f"{r['model']} n={r['seq_len']}",
+                    r["microbatches"],
+                    f"{r['estimate_gb']:.2f}",
+                    peak,
+                    ms,
+                    speed,
+                    util,
+                )
+            )
+    if rows:
+        print_table(
+            f"train steps on {record['machine']['device_kind']}",
+            ("part", "model", "micro", "est. GB", "peak GB", "ms/step", "tokens/s", "MFU"),
+            rows,
+            left=2,
+        )
+    block = record["parts"].get("block")
+    if block:
+        print_table(
+            "one lmu-1M block, forward+backward (bfloat16)",
+            ("memory", "batch", "n", "fwd ms", "fwd+bwd ms"),
+            [
+                (
+                    r["mode"],
+                    r["batch"],
+                    r["n"],
+                    _ms(r["forward"]),
+                    _ms(r["forward_backward"]),
+                )
+                for r in block["rows"]
+            ],
+        )
+    precision = record["parts"].get("precision")
+    if precision:
+        print(
+            f"\nlmu-55k, {precision['steps']} steps: bfloat16 - float32 training loss, max "
+            f"|difference| {precision['max_abs_difference']:.4f} nats, mean over the last sixth "
+            f"{precision['mean_difference_last_sixth']:+.4f}; val loss float32 "
+            f"{precision['val_loss']['float32']:.4f}, bfloat16 "
+            f"{precision['val_loss']['bfloat16']:.4f}"
+        )
+
+
+def _ms(phase: dict) -> str:
+    return f"{phase['median_s'] * 1e3:.2f}" if "median_s" in phase else "error"
+
+
+def main(argv=None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--only", nargs="+", default=DEFAULT_PARTS, metavar="PATTERN")
+    parser.add_argument("--families", nargs="+", default=list(FAMILIES), choices=FAMILIES)
+    parser.add_argument("--sizes", nargs="+", default=list(SIZES), choices=SIZES)
+    parser.add_argument("--seq-len", type=int, default=1024)
+    parser.add_argument("--batch", type=int, default=512, help="sequences per step")
+    parser.add_argument("--steps", type=int, default=5, help="timed steps (after a warm-up)")
+    parser.add_argument("--budget-gb", type=float, default=0.0, help="0: the device's default")
+    parser.add_argument("--long-seq-len", type=int, default=8192)
+    parser.add_argument("--block-batch", type=int, default=16)
+    parser.add_argument("--block-seq-len", type=int, default=1024)
+    parser.add_argument("--block-chunks", nargs="+", type=int, default=[32, 64, 128])
+    parser.add_argument("--loss-steps", type=int, default=300)
+    parser.add_argument("--loss-batch", type=int, default=32)
+    parser.add_argument("--loss-seq-len", type=int, default=1024)
+    parser.add_argument("--loss-data", type=Path, default=ROOT / "data" / "shakespeare-gpt2")
+    parser.add_argument("--out", type=Path)
+    args = parser.parse_args(argv)
+    table = parts(args)
+    names = chosen(list(table), args.only)
+    info = machine()
+    out = args.out or ROOT / "benchmarks" / "results" / f"gpu-{slug(info['device_kind'])}.json"
+    record = {"parts": {}}
+    if out.exists():
+        old = json.loads(out.read_text())
+        if old.get("machine", {}).get("device_kind") == info["device_kind"]:
+            record = old
+    timings = record.setdefault("part_seconds", {})
+    for name in names:
+        print(f"{name} ...", file=sys.stderr, flush=True)
+        start = time.perf_counter()
+        record["parts"][name] = table[name]()
+        timings[name] = time.perf_counter() - start
+        record.update(
+            benchmark="gpu",
+            machine=info,
+            versions=versions(),
+            written=datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
+            peak_flops={d: device_peak(d) for d in ("bfloat16", "float32")},
+        )
+        write_json(out, record, quiet=True)  # each part is kept as soon as it is done
+        print(f"{name}: {timings[name]:.0f} s", file=sys.stderr, flush=True)
+    summary_tables(record)
+    print(f"\nwrote {out}")
+
+
+if __name__ == "__main__":
+    main()

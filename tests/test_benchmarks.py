@@ -1,0 +1,68 @@
+"""benchmarks/gpu.py on CPU, shrunk: it runs its parts, writes one JSON, and keeps earlier parts."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def _gpu(out: Path, *args: str) -> str:
+    command = [sys.executable, str(ROOT / "benchmarks" / "gpu.py"), "--out", str(out), *args]
+    done = subprocess.run(command, capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-3000:]
+    return done.stdout
+
+
+def test_gpu_benchmark_parts_write_one_json(tmp_path):
+    out = tmp_path / "gpu-cpu.json"
+    small = ["--sizes", "55k", "--seq-len", "16", "--batch", "4", "--steps", "1"]
+    _gpu(out, "--only", "train/lmu", "plan/transformer", *small, "--budget-gb", "50")
+    first = json.loads(out.read_text())
+    assert set(first["parts"]) == {"train/lmu", "plan/transformer"}
+    (row,) = first["parts"]["train/lmu"]["rows"]
+    assert (row["model"], row["family"], row["size"], row["dtype"]) == (
+        "lmu-55k",
+        "lmu",
+        "55k",
+        "bfloat16",
+    )
+    assert row["microbatches"] == 1 and 0 < row["estimate_gb"] <= row["budget_gb"] == 50
+    assert row["model_flops_per_second"] == row["tokens_per_second"] * row["train_flops_per_token"]
+    assert row["tokens_per_second"] == 4 * 16 / row["step_seconds"]
+    (planned,) = first["parts"]["plan/transformer"]["rows"]
+    assert "step_seconds" not in planned and planned["microbatches"] == 1
+
+    # A later run of another part keeps the first run's parts.
+    stdout = _gpu(
+        out,
+        "--only",
+        "precision",
+        "--loss-steps",
+        "3",
+        "--loss-batch",
+        "2",
+        "--loss-seq-len",
+        "16",
+        "--loss-data",
+        str(tmp_path / "plays"),
+    )
+    second = json.loads(out.read_text())
+    assert second["parts"]["train/lmu"] == first["parts"]["train/lmu"]
+    precision = second["parts"]["precision"]
+    f32, bf16 = precision["loss_float32"], precision["loss_bfloat16"]
+    assert len(f32) == len(bf16) == 3 and f32 != bf16
+    assert precision["max_abs_difference"] == max(
+        abs(a - b) for a, b in zip(f32, bf16, strict=True)
+    )
+    assert "bfloat16 - float32 training loss" in stdout
+
+
+def test_an_unknown_part_is_named():
+    command = [sys.executable, str(ROOT / "benchmarks" / "gpu.py"), "--only", "trian/*"]
+    done = subprocess.run(command, capture_output=True, text=True, timeout=300)
+    assert done.returncode != 0
+    assert "'trian/*' matches no part" in done.stderr
