@@ -10,15 +10,18 @@ results table sits beside sweeps/owt2.py's; the LSTM points are the measured cou
 the LSTM reference curve in Figure 3.
 """
 
+from pathlib import Path
+
 from lmuscale.models.sizes import BASELINE_FAMILIES, SIZES
-from lmuscale.sweep import Trial
+from lmuscale.sweep import Trial, from_benchmarks
 
 EXPERIMENT = "../experiments/owt2.py"  # relative to this file
 
-# As sweeps/owt2.py: a guess of ~10% of an H100's dense bf16 peak, for --dry-run's estimate
-# until the trials have measured their own speed. A scan over 1024 positions is latency-bound,
-# so these recurrent models may well fall short of it.
-THROUGHPUT = 1e14
+# As sweeps/owt2.py: the GPU benchmark's speed of each model (or its family's median) in
+# benchmarks/results, for --dry-run's estimate until the trials have measured their own. Only
+# until such a JSON exists is 1e14 used, a guess of ~10% of an H100's dense bf16 peak; a scan
+# over 1024 positions is latency-bound, so these recurrent models may well fall short of it.
+THROUGHPUT = from_benchmarks(Path(__file__).parent.parent / "benchmarks" / "results", default=1e14)
 
 SLURM = {"gpus_per_node": 1, "tasks_per_node": 1, "cpus_per_task": 8, "timeout_min": 24 * 60}
 

@@ -13,15 +13,19 @@ The data folder is ``$LMUSCALE_OWT2`` (default data/owt2); see experiments/owt2.
 prepare it.
 """
 
+from pathlib import Path
+
 from lmuscale.models.sizes import PAPER_FAMILIES, SIZES
-from lmuscale.sweep import Trial
+from lmuscale.sweep import Trial, from_benchmarks
 
 EXPERIMENT = "../experiments/owt2.py"  # relative to this file
 
 # Model FLOP/s one trial is assumed to reach, for --dry-run's estimate until trials have
-# measured their own: 1e14 is ~10% of an H100's dense bf16 peak (989 TFLOP/s), a guess for
-# models this small. Give --throughput to try another.
-THROUGHPUT = 1e14
+# measured their own: each model's speed in the newest GPU benchmark in benchmarks/results
+# (benchmarks/gpu.py; $LMUSCALE_GPU_BENCHMARK picks another device's), else its family's
+# median there. Only until such a JSON exists is 1e14 used: ~10% of an H100's dense bf16 peak
+# (989 TFLOP/s), a guess for models this small. Give --throughput to try another.
+THROUGHPUT = from_benchmarks(Path(__file__).parent.parent / "benchmarks" / "results", default=1e14)
 
 # submitit parameters for --executor slurm; add the partition, account, etc. of your cluster
 # with --slurm KEY=VALUE.

@@ -16,7 +16,7 @@ import pytest
 from sweep_files import SMALL, environment, run_sweep, sweep_command, wait_for, write_sweep
 
 from lmuscale.models import count_params
-from lmuscale.sweep import SweepError, Trial, config_hash, load_sweep
+from lmuscale.sweep import SweepError, Throughput, Trial, config_hash, load_sweep
 from lmuscale.sweep.__main__ import slurm_params
 from lmuscale.sweep.local import gpu_slots
 from lmuscale.sweep.plan import plan, table
@@ -116,7 +116,7 @@ def test_config_hash_covers_exactly_what_changes_the_numbers(byte_corpus):
 def test_dry_run_table_counts_and_throughputs(tmp_path, byte_corpus, monkeypatch):
     monkeypatch.setenv("LMUSCALE_TEST_DATA", str(byte_corpus))
     sweep = load_sweep(write_sweep(tmp_path, {"a": {}, "b": {"train.steps": 24}}))
-    rows = plan(sweep.trials, tmp_path / "work", throughput=1e9)
+    rows = plan(sweep.trials, tmp_path / "work", Throughput(1e9))
     a, b = rows
     assert a["tokens"] == 12 * 8 * 32 and b["tokens"] == 24 * 8 * 32
     assert a["total_flops"] == a["flops_per_token"] * a["tokens"]
@@ -129,7 +129,7 @@ def test_dry_run_table_counts_and_throughputs(tmp_path, byte_corpus, monkeypatch
     speeds = [1000.0, 3000.0, 2000.0]
     lines = [json.dumps({"step": i + 1, "tokens_per_second": s}) for i, s in enumerate(speeds)]
     (folder / "metrics.jsonl").write_text("\n".join(lines) + "\n{torn")
-    a, b = plan(sweep.trials, tmp_path / "work", throughput=1e9)
+    a, b = plan(sweep.trials, tmp_path / "work", Throughput(1e9))
     assert a["source"] == "measured" and b["source"] == "family"
     assert a["flops_per_second"] == pytest.approx(2000.0 * a["flops_per_token"])
     assert b["seconds"] == pytest.approx(b["total_flops"] / a["flops_per_second"])

@@ -8,5 +8,15 @@ defines ``get_trials()`` returning ``Trial(name, config, overrides)`` items (see
 from __future__ import annotations
 
 from lmuscale.sweep.spec import Sweep, SweepError, Trial, config_hash, load_sweep
+from lmuscale.sweep.throughput import BenchmarkError, Throughput, from_benchmarks
 
-__all__ = ["Sweep", "SweepError", "Trial", "config_hash", "load_sweep"]
+__all__ = [
+    "BenchmarkError",
+    "Sweep",
+    "SweepError",
+    "Throughput",
+    "Trial",
+    "config_hash",
+    "from_benchmarks",
+    "load_sweep",
+]

@@ -53,7 +53,8 @@ def parse(argv: list[str]) -> argparse.Namespace:
         "--throughput",
         type=float,
         metavar="FLOPS",
-        help="model FLOP/s per trial for --dry-run's estimate (default: the sweep's THROUGHPUT)",
+        help="model FLOP/s per trial for --dry-run's estimate, instead of the sweep's "
+        "THROUGHPUT (a number or a GPU benchmark)",
     )
     parser.add_argument("--quiet", action="store_true", help="no progress bar")
     args = parser.parse_args(argv)
@@ -95,6 +96,7 @@ def main(argv: list[str] | None = None) -> int:
         signal.signal(sig, signal.default_int_handler)
     from lmuscale.sweep.runner import run_sweep, select
     from lmuscale.sweep.spec import SweepError, load_sweep
+    from lmuscale.sweep.throughput import Throughput
 
     try:
         sweep = load_sweep(args.sweep)
@@ -102,8 +104,11 @@ def main(argv: list[str] | None = None) -> int:
         if args.dry_run:
             from lmuscale.sweep.plan import plan, table
 
-            rows = plan(select(sweep, args.only), workdir, args.throughput or sweep.throughput)
-            print(table(rows))
+            throughput = sweep.throughput
+            if args.throughput:
+                throughput = Throughput(args.throughput, source=f"--throughput {args.throughput:g}")
+            print(table(plan(select(sweep, args.only), workdir, throughput)))
+            print(f"FLOP/s for trials not yet measured: {throughput.source}")
             return 0
         return run_sweep(
             sweep,

@@ -5,7 +5,9 @@ FLOP/s, taken from the first of:
 
 1. ``measured``: the trial's own metrics.jsonl (median tokens/s x FLOPs per token);
 2. ``family``: the median of what the sweep's other trials of the same family measured;
-3. ``configured``: ``--throughput`` or the sweep file's THROUGHPUT.
+3. ``benchmark``: the sweep file's GPU benchmark (``THROUGHPUT = from_benchmarks(...)``) for
+   this model (same family and N), or ``benchmark family``: the median of its family's there;
+4. ``configured``: ``--throughput`` (which replaces the benchmark), or THROUGHPUT's number.
 
 Evaluation and compilation are not counted.
 """
@@ -17,6 +19,7 @@ import statistics
 from pathlib import Path
 
 from lmuscale.sweep.runner import _duration
+from lmuscale.sweep.throughput import Throughput
 from lmuscale.sweep.trials import result_row
 
 
@@ -37,7 +40,7 @@ def measured_flops(folder: Path, flops_per_token: float) -> float | None:
     return statistics.median(speeds) * flops_per_token if speeds else None
 
 
-def plan(trials, workdir: Path, throughput: float | None) -> list[dict]:
+def plan(trials, workdir: Path, throughput: Throughput) -> list[dict]:
     rows = []
     for trial in trials:
         folder = workdir / "trials" / trial.folder_name
@@ -55,9 +58,8 @@ def plan(trials, workdir: Path, throughput: float | None) -> list[dict]:
         if row["family"] in by_family:
             row["flops_per_second"] = statistics.median(by_family[row["family"]])
             row["source"] = "family"
-        elif throughput:
-            row["flops_per_second"] = throughput
-            row["source"] = "configured"
+        else:
+            row["flops_per_second"], row["source"] = throughput.lookup(row["family"], row["N"])
     for row in rows:
         speed = row["flops_per_second"]
         row["seconds"] = row["total_flops"] / speed if speed else None

@@ -6,7 +6,9 @@ A sweep file defines
   ConfigDict (a named config) or ``"FILE.py:NAME"`` of an experiment file, relative to the
   sweep file's folder; ``overrides`` maps config keys to values (``{"train.steps": 1000}``).
 - ``THROUGHPUT`` (optional): the model FLOP/s one trial achieves, for ``--dry-run``'s time
-  estimate until the trials' own measurements exist.
+  estimate until the trials' own measurements exist: a number, or
+  ``from_benchmarks(folder, default)`` for a GPU benchmark's per-model figures
+  (``lmuscale.sweep.throughput``).
 - ``SLURM`` (optional): submitit parameters for ``--executor slurm`` (``timeout_min``,
   ``slurm_partition``, ``gpus_per_node``, ...).
 - ``after(workdir)`` (optional): called once every trial has finished, e.g. to draw figures.
@@ -31,6 +33,7 @@ from typing import Any
 
 from ml_collections import ConfigDict
 
+from lmuscale.sweep.throughput import Throughput
 from lmuscale.train.config import (
     RESUMABLE_CHANGES,
     ConfigError,
@@ -79,7 +82,7 @@ class ResolvedTrial:
 class Sweep:
     path: Path
     trials: list[ResolvedTrial]
-    throughput: float | None = None  # model FLOP/s per trial, from the sweep file
+    throughput: Throughput  # model FLOP/s per trial, from the sweep file's THROUGHPUT
     slurm: dict = dataclasses.field(default_factory=dict)
     after: Callable[[Path], Any] | None = None
 
@@ -131,14 +134,26 @@ def load_sweep(path: str | Path) -> Sweep:
             )
         seen[trial.name] = _short(trial.origin)
         resolved.append(_resolve(trial, path.parent, where))
-    throughput = getattr(module, "THROUGHPUT", None)
-    if throughput is not None and not (isinstance(throughput, int | float) and throughput > 0):
-        raise SweepError(f"{path}: THROUGHPUT must be a positive number of FLOP/s")
+    throughput = _throughput(path, getattr(module, "THROUGHPUT", None))
     slurm = getattr(module, "SLURM", {})
     if not isinstance(slurm, dict):
         raise SweepError(f"{path}: SLURM must be a dict of submitit parameters")
     after = getattr(module, "after", None)
-    return Sweep(path, resolved, throughput and float(throughput), dict(slurm), after)
+    return Sweep(path, resolved, throughput, dict(slurm), after)
+
+
+def _throughput(path: Path, value) -> Throughput:
+    """THROUGHPUT as a Throughput: a plain number becomes its default."""
+    if isinstance(value, Throughput):
+        return value
+    if value is None:
+        return Throughput(None, source=f"no THROUGHPUT in {path}")
+    if isinstance(value, bool) or not (isinstance(value, int | float) and value > 0):
+        raise SweepError(
+            f"{path}: THROUGHPUT is {value!r}; expected a positive number of FLOP/s or "
+            "from_benchmarks(folder, default)"
+        )
+    return Throughput(float(value), source=f"THROUGHPUT {value:g} FLOP/s in {path}")
 
 
 def _resolve(trial: Trial, folder: Path, where: str) -> ResolvedTrial:

@@ -1,0 +1,176 @@
+"""The model FLOP/s a sweep's trials are assumed to reach before they have measured their own.
+
+A sweep file's ``THROUGHPUT`` is a number (``5e9``) or ``from_benchmarks(folder, default)``:
+the per-model training speeds that ``benchmarks/gpu.py`` measured on one GPU at the paper's
+512 x 1024 tokens per step, read from ``folder/gpu-<device>.json``. A trial then takes its
+model's measured FLOP/s (same family and N), else the median of its family's, else the default.
+
+One file per device: ``$LMUSCALE_GPU_BENCHMARK``, where set, picks one (a file path, or part of
+the device name such as ``h100``; naming none is an error, so a typo is not a silent guess);
+otherwise the one most recently written (its ``"written"`` time) is used.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import statistics
+from collections.abc import Mapping
+from datetime import UTC, datetime
+from pathlib import Path
+
+ENV = "LMUSCALE_GPU_BENCHMARK"
+
+
+class BenchmarkError(ValueError):
+    """A GPU benchmark file that cannot be read, or ``$LMUSCALE_GPU_BENCHMARK`` picking none."""
+
+
+@dataclasses.dataclass(frozen=True)
+class Throughput:
+    """Model FLOP/s per trial: ``measured`` maps (family, non-embedding N) to a benchmark's
+    figure, ``default`` covers the rest, and ``source`` says where they came from."""
+
+    default: float | None
+    measured: Mapping[tuple[str, int], float] = dataclasses.field(default_factory=dict)
+    source: str = ""
+
+    def lookup(self, family: str, n: int) -> tuple[float | None, str | None]:
+        """(FLOP/s, label) for a model: ``"benchmark"`` (this model was benchmarked),
+        ``"benchmark family"`` (the median of its family's), ``"configured"`` (the default),
+        or (None, None) when there is no figure at all."""
+        if (family, n) in self.measured:
+            return self.measured[(family, n)], "benchmark"
+        same_family = [speed for (f, _), speed in self.measured.items() if f == family]
+        if same_family:
+            return statistics.median(same_family), "benchmark family"
+        if self.default:
+            return self.default, "configured"
+        return None, None
+
+
+@dataclasses.dataclass(frozen=True)
+class _Benchmark:
+    path: Path
+    device: str  # the device kind, e.g. "NVIDIA H100 80GB HBM3"
+    devices: int
+    written: str  # as the file gives it
+    when: datetime  # written, parsed (UTC where it names no zone)
+    speeds: dict[tuple[str, int], float]
+
+
+def from_benchmarks(folder: str | Path, default: float | None = None) -> Throughput:
+    """The GPU benchmark in ``folder`` (see the module docstring), or just ``default`` with a
+    source that says it is a guess when the folder holds no ``gpu-*.json``."""
+    if default is not None and not (isinstance(default, int | float) and default > 0):
+        raise BenchmarkError(f"from_benchmarks: default must be a positive FLOP/s, not {default!r}")
+    default = default and float(default)
+    folder = Path(folder)
+    found = [_read(path) for path in sorted(folder.glob("gpu-*.json"))]
+    choice = os.environ.get(ENV, "")
+    if choice:
+        benchmark = _pick(choice, found, folder)
+    elif found:
+        benchmark = max(found, key=lambda b: b.when)
+    else:
+        guess = f"THROUGHPUT guess {default:g} FLOP/s" if default else "no FLOP/s"
+        return Throughput(
+            default,
+            source=f"{guess}, as there is no GPU benchmark (gpu-*.json) in {_short(folder)}",
+        )
+    device = benchmark.device + (f" x{benchmark.devices}" if benchmark.devices != 1 else "")
+    source = f"GPU benchmark {_short(benchmark.path)} ({device}, written {benchmark.written})"
+    if default:
+        source += f"; models and families it lacks: {default:g} FLOP/s"
+    return Throughput(default, benchmark.speeds, source)
+
+
+def _read(path: Path) -> _Benchmark:
+    """A benchmark file, checked for the keys this module reads."""
+    try:
+        data = json.loads(path.read_text())
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as error:
+        raise BenchmarkError(f"{path}: not a readable JSON file ({error})") from None
+    problem = None
+    machine = data.get("machine") if isinstance(data, dict) else None
+    if not isinstance(data, dict) or data.get("benchmark") != "gpu":
+        problem = 'expected an object with "benchmark": "gpu"'
+    elif not isinstance(machine, dict) or not isinstance(machine.get("device_kind"), str):
+        problem = 'expected "machine": {"device_kind": "...", ...}'
+    elif not isinstance(data.get("parts"), dict):
+        problem = 'expected "parts": {"train/FAMILY": {"rows": [...]}, ...}'
+    if problem:
+        raise BenchmarkError(f"{path}: {problem}")
+    try:
+        when = datetime.fromisoformat(data.get("written"))
+    except (TypeError, ValueError):
+        raise BenchmarkError(
+            f'{path}: "written" is {data.get("written")!r}; expected an ISO time such as '
+            '"2026-11-23T10:00:00+00:00"'
+        ) from None
+    return _Benchmark(
+        path,
+        machine["device_kind"],
+        machine.get("device_count", 1),
+        data["written"],
+        when if when.tzinfo else when.replace(tzinfo=UTC),
+        _speeds(path, data["parts"]),
+    )
+
+
+def _speeds(path: Path, parts: dict) -> dict[tuple[str, int], float]:
+    """Model FLOP/s by (family, N) from the ``train/*`` parts; failed rows (with ``error``)
+    and rows without a speed are left out, and a model benchmarked twice takes the median."""
+    speeds: dict[tuple[str, int], list[float]] = {}
+    for name, part in parts.items():
+        if not name.startswith("train/"):
+            continue
+        rows = part.get("rows") if isinstance(part, dict) else None
+        if not isinstance(rows, list):
+            raise BenchmarkError(f'{path}: parts["{name}"] has no "rows" list')
+        for i, row in enumerate(rows):
+            speed = row.get("model_flops_per_second") if isinstance(row, dict) else None
+            if speed is None or "error" in row:
+                continue
+            family, n = row.get("family"), row.get("non_embedding_params")
+            if not (
+                isinstance(family, str)
+                and isinstance(n, int)
+                and isinstance(speed, int | float)
+                and speed > 0
+            ):
+                raise BenchmarkError(
+                    f'{path}: parts["{name}"] row {i} ({row.get("model")!r}): expected a '
+                    '"family" name, an integer "non_embedding_params" and a positive '
+                    f'"model_flops_per_second"; got {family!r}, {n!r}, {speed!r}'
+                )
+            speeds.setdefault((family, n), []).append(float(speed))
+    return {key: statistics.median(values) for key, values in speeds.items()}
+
+
+def _pick(choice: str, found: list[_Benchmark], folder: Path) -> _Benchmark:
+    """The benchmark ``$LMUSCALE_GPU_BENCHMARK`` names: a file, or one device's name in part."""
+    if Path(choice).is_file():
+        return _read(Path(choice))
+    matches = [b for b in found if choice.lower() in b.device.lower()]
+    if len(matches) == 1:
+        return matches[0]
+    if matches:
+        raise BenchmarkError(
+            f"{ENV}={choice!r} matches several GPU benchmarks in {folder}: "
+            f"{', '.join(b.path.name for b in matches)}; give more of the device name or a path"
+        )
+    listed = ", ".join(f"{b.path.name} ({b.device})" for b in found) or "none"
+    raise BenchmarkError(
+        f"{ENV}={choice!r} is neither a file nor part of the device name of a GPU benchmark "
+        f"in {folder}; found: {listed}"
+    )
+
+
+def _short(path: Path) -> str:
+    """``path`` relative to the current folder where it lies under it, for a short line."""
+    try:
+        return str(path.resolve().relative_to(Path.cwd().resolve()))
+    except ValueError:
+        return str(path)

@@ -1,0 +1,262 @@
+"""A sweep's THROUGHPUT from GPU benchmark files: which file, which rows, which figure per
+trial, and the dry run of a copy of sweeps/owt2.py pointed at a folder of fake benchmarks."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import shutil
+import subprocess
+from pathlib import Path
+
+import pytest
+from sweep_files import sweep_command
+
+from lmuscale.sweep import BenchmarkError, SweepError, Throughput, from_benchmarks, load_sweep
+from lmuscale.sweep.plan import plan, table
+
+REPO = Path(__file__).resolve().parent.parent
+H100 = "NVIDIA H100 80GB HBM3"
+
+
+@pytest.fixture(autouse=True)
+def _no_choice(monkeypatch):
+    monkeypatch.delenv("LMUSCALE_GPU_BENCHMARK", raising=False)
+
+
+def row(family: str, n: int, speed: float | None = None, **extra) -> dict:
+    """A benchmark row as benchmarks/gpu.py writes it (the keys read here, and a few others)."""
+    out = {"model": f"{family}-{n}", "family": family, "non_embedding_params": n}
+    out.update(seq_len=1024, batch=512, dtype="bfloat16", tokens_per_second=1.0)
+    if speed is not None:
+        out["model_flops_per_second"] = speed
+    return out | extra
+
+
+def write_benchmark(folder: Path, device: str, written: str, parts: dict[str, list]) -> Path:
+    """``folder/gpu-<slug>.json`` for ``device`` with ``parts`` (name -> rows)."""
+    folder.mkdir(parents=True, exist_ok=True)
+    path = folder / f"gpu-{re.sub(r'[^a-z0-9]+', '-', device.lower())}.json"
+    data = {
+        "benchmark": "gpu",
+        "written": written,
+        "machine": {"platform": "gpu", "device_kind": device, "device_count": 1},
+        "parts": {name: {"rows": rows} for name, rows in parts.items()},
+    }
+    path.write_text(json.dumps(data))
+    return path
+
+
+def test_a_trial_takes_its_model_then_its_family_then_the_default(tmp_path):
+    path = write_benchmark(
+        tmp_path,
+        H100,
+        "2026-11-23T10:00:00+00:00",
+        {
+            "train/lmu": [
+                row("lmu", 100, 2e13),
+                row("lmu", 300, 4e13),
+                row("lmu", 200, 9e20, error="RESOURCE_EXHAUSTED: out of memory"),
+                row("lmu", 400),  # no speed
+            ],
+            "train/transformer": [row("transformer", 100, 5e13)],
+            "long": [row("lmu", 500, 7e20)],  # not the paper's 512 x 1024 training
+        },
+    )
+    throughput = from_benchmarks(tmp_path, default=1e14)
+    assert throughput.measured == {
+        ("lmu", 100): 2e13,
+        ("lmu", 300): 4e13,
+        ("transformer", 100): 5e13,
+    }
+    assert throughput.lookup("lmu", 100) == (2e13, "benchmark")
+    assert throughput.lookup("transformer", 100) == (5e13, "benchmark")
+    # The failed row and the long-context part leave the family's median at (2e13 + 4e13) / 2.
+    assert throughput.lookup("lmu", 200) == (3e13, "benchmark family")
+    assert throughput.lookup("lmu", 500) == (3e13, "benchmark family")
+    assert throughput.lookup("transformer", 7) == (5e13, "benchmark family")
+    assert throughput.lookup("lstm", 100) == (1e14, "configured")
+    assert path.name == "gpu-nvidia-h100-80gb-hbm3.json"
+    assert f"{path.name} ({H100}, written 2026-11-23T10:00:00+00:00)" in throughput.source
+    assert from_benchmarks(tmp_path).lookup("lstm", 100) == (None, None)
+
+
+def test_without_a_benchmark_the_default_is_a_guess(tmp_path):
+    throughput = from_benchmarks(tmp_path / "results", default=1e14)
+    assert throughput.measured == {} and throughput.lookup("lmu", 100) == (1e14, "configured")
+    assert "guess 1e+14" in throughput.source and str(tmp_path / "results") in throughput.source
+    assert from_benchmarks(tmp_path).lookup("lmu", 100) == (None, None)
+    with pytest.raises(BenchmarkError, match="positive"):
+        from_benchmarks(tmp_path, default=0)
+
+
+def test_the_newest_file_or_the_one_the_environment_names(tmp_path, monkeypatch):
+    # 12:00+05:00 is 07:00 UTC: written before the A100's 09:00 UTC, though it sorts after it
+    # as text.
+    h100 = write_benchmark(
+        tmp_path, H100, "2026-11-24T12:00:00+05:00", {"train/lmu": [row("lmu", 100, 3e13)]}
+    )
+    a100 = write_benchmark(
+        tmp_path,
+        "NVIDIA A100-SXM4-80GB",
+        "2026-11-24T09:00:00+00:00",
+        {"train/lmu": [row("lmu", 100, 1e13)]},
+    )
+    assert from_benchmarks(tmp_path).lookup("lmu", 100) == (1e13, "benchmark")
+    assert a100.name in from_benchmarks(tmp_path).source
+    for choice in ("h100", "H100 80GB", str(h100)):
+        monkeypatch.setenv("LMUSCALE_GPU_BENCHMARK", choice)
+        throughput = from_benchmarks(tmp_path)
+        assert throughput.lookup("lmu", 100) == (3e13, "benchmark"), choice
+        assert h100.name in throughput.source
+    monkeypatch.setenv("LMUSCALE_GPU_BENCHMARK", "v100")
+    with pytest.raises(BenchmarkError) as error:
+        from_benchmarks(tmp_path)
+    for part in ("LMUSCALE_GPU_BENCHMARK='v100'", a100.name, h100.name, H100):
+        assert part in str(error.value)
+    monkeypatch.setenv("LMUSCALE_GPU_BENCHMARK", "nvidia")
+    with pytest.raises(BenchmarkError, match="matches several"):
+        from_benchmarks(tmp_path)
+
+
+@pytest.mark.parametrize(
+    ("text", "message"),
+    [
+        ('{"benchmark": "gpu", "written": ', "not a readable JSON file"),
+        ('{"benchmark": "cpu"}', '"benchmark": "gpu"'),
+        ('{"benchmark": "gpu", "machine": {}, "parts": {}}', "device_kind"),
+        (
+            '{"benchmark": "gpu", "machine": {"device_kind": "X"}, "parts": {}, "written": "now"}',
+            "'now'; expected an ISO time",
+        ),
+        (
+            '{"benchmark": "gpu", "machine": {"device_kind": "X"}, "written": "2026-11-23", '
+            '"parts": {"train/lmu": {"rows": [{"model": "m", "model_flops_per_second": 1e13}]}}}',
+            "row 0 ('m')",
+        ),
+    ],
+)
+def test_a_malformed_benchmark_names_its_file(tmp_path, text, message):
+    write_benchmark(tmp_path, H100, "2026-11-23T10:00:00+00:00", {})
+    (tmp_path / "gpu-broken.json").write_text(text)
+    with pytest.raises(BenchmarkError) as error:
+        from_benchmarks(tmp_path, default=1e14)
+    assert str(tmp_path / "gpu-broken.json") in str(error.value)
+    assert message in str(error.value)
+
+
+def test_sweep_throughput_is_a_number_or_a_benchmark(tmp_path):
+    header = "from lmuscale.sweep import Trial, from_benchmarks\n"
+    trials = "def get_trials():\n    yield Trial('a', '../experiments/owt2.py:lmu-55k')\n"
+    (tmp_path / "experiments").symlink_to(REPO / "experiments")
+    sweeps = tmp_path / "sweeps"
+    sweeps.mkdir()
+    write_benchmark(tmp_path / "results", H100, "2026-11-23T10:00:00", {})
+    for value, expected in (
+        ("5e9", Throughput(5e9, source=f"THROUGHPUT 5e+09 FLOP/s in {sweeps / 's.py'}")),
+        (f"from_benchmarks({str(tmp_path / 'results')!r}, 1e14)", None),
+    ):
+        (sweeps / "s.py").write_text(f"{header}THROUGHPUT = {value}\n{trials}")
+        throughput = load_sweep(sweeps / "s.py").throughput
+        assert throughput == (expected or from_benchmarks(tmp_path / "results", 1e14))
+    (sweeps / "s.py").write_text(f"{header}{trials}")
+    assert load_sweep(sweeps / "s.py").throughput.default is None
+    (sweeps / "s.py").write_text(f"{header}THROUGHPUT = '1e14'\n{trials}")
+    with pytest.raises(SweepError, match=r"s\.py: THROUGHPUT is '1e14'; expected a positive"):
+        load_sweep(sweeps / "s.py")
+
+
+def _owt2_copy(tmp_path: Path) -> Path:
+    """sweeps/owt2.py as it is, in a tree whose benchmarks/results is tmp_path's."""
+    (tmp_path / "sweeps").mkdir()
+    (tmp_path / "experiments").symlink_to(REPO / "experiments")
+    return Path(shutil.copy(REPO / "sweeps" / "owt2.py", tmp_path / "sweeps" / "owt2.py"))
+
+
+def _dry_run(sweep: Path, workdir: Path, *extra: str) -> str:
+    env = {k: v for k, v in os.environ.items() if k != "LMUSCALE_GPU_BENCHMARK"}
+    out = subprocess.run(
+        sweep_command(sweep, workdir, "--dry-run", *extra),
+        capture_output=True,
+        text=True,
+        env=env | {"JAX_PLATFORMS": "cpu"},
+    )
+    assert out.returncode == 0, out.stderr
+    return out.stdout
+
+
+def test_owt2_dry_run_estimates_from_the_benchmark(tmp_path):
+    sweep_path = _owt2_copy(tmp_path)
+    path = write_benchmark(
+        tmp_path / "benchmarks" / "results",
+        H100,
+        "2026-11-23T10:00:00+00:00",
+        {
+            "train/lmu": [
+                row("lmu", 1_000_053, 3.25e13),  # lmu-1M
+                row("lmu", 55_065, 1.25e13),  # lmu-55k
+                row("lmu", 500_157, 9e20, error="RESOURCE_EXHAUSTED"),  # lmu-500k, failed
+            ],
+            "train/transformer": [row("transformer", 1_004_496, 5e13)],  # transformer-1M
+        },
+    )
+    sweep = load_sweep(sweep_path)
+    rows = {r["trial"]: r for r in plan(sweep.trials, tmp_path / "w", sweep.throughput)}
+    expected = {
+        "lmu-1M": (3.25e13, "benchmark"),
+        "lmu-55k": (1.25e13, "benchmark"),
+        "lmu-500k": (2.25e13, "benchmark family"),
+        "lmu-100k": (2.25e13, "benchmark family"),
+        "transformer-1M": (5e13, "benchmark"),
+        "transformer-1M-10x": (5e13, "benchmark"),
+        "transformer-55k-10x": (5e13, "benchmark family"),
+        "lmu_g-1M": (1e14, "configured"),  # no lmu_g in the benchmark: the guess
+    }
+    for trial, (speed, source) in expected.items():
+        r = rows[trial]
+        assert (r["flops_per_second"], r["source"]) == (speed, source), trial
+        assert r["seconds"] == pytest.approx(r["total_flops"] / speed), trial
+
+    stdout = _dry_run(sweep_path, tmp_path / "w")
+    assert table(list(rows.values())) in stdout
+    source = stdout.splitlines()[-1]
+    assert source == f"FLOP/s for trials not yet measured: {sweep.throughput.source}"
+    assert f"{path} ({H100}, written 2026-11-23T10:00:00+00:00)" in source
+    assert not (tmp_path / "w").exists()
+
+    # A trial's own measurement still comes first, and its family's before the benchmark.
+    folder = tmp_path / "w" / "trials" / rows["lmu-55k"]["folder"]
+    folder.mkdir(parents=True)
+    (folder / "metrics.jsonl").write_text(json.dumps({"step": 1, "tokens_per_second": 1e5}))
+    again = {r["trial"]: r for r in plan(sweep.trials, tmp_path / "w", sweep.throughput)}
+    speed = 1e5 * rows["lmu-55k"]["flops_per_token"]
+    assert (again["lmu-55k"]["source"], again["lmu-55k"]["flops_per_second"]) == (
+        "measured",
+        pytest.approx(speed),
+    )
+    assert (again["lmu-1M"]["source"], again["lmu-1M"]["flops_per_second"]) == (
+        "family",
+        pytest.approx(speed),
+    )
+    assert again["transformer-1M"]["source"] == "benchmark"
+    shutil.rmtree(tmp_path / "w")
+
+    # --throughput replaces the benchmark for every trial not measured.
+    stdout = _dry_run(sweep_path, tmp_path / "w", "--throughput", "2e14")
+    trial_rows = [line for line in stdout.splitlines() if line.startswith("| ")][1:-1]
+    assert len(trial_rows) == 24
+    assert all("| 200T | configured |" in line for line in trial_rows)
+    assert stdout.splitlines()[-1] == "FLOP/s for trials not yet measured: --throughput 2e+14"
+
+
+def test_owt2_dry_run_without_a_benchmark_says_it_guesses(tmp_path):
+    sweep_path = _owt2_copy(tmp_path)
+    stdout = _dry_run(sweep_path, tmp_path / "w")
+    trial_rows = [line for line in stdout.splitlines() if line.startswith("| ")][1:-1]
+    assert len(trial_rows) == 24
+    assert all("| 100T | configured |" in line for line in trial_rows)
+    assert stdout.splitlines()[-1] == (
+        "FLOP/s for trials not yet measured: THROUGHPUT guess 1e+14 FLOP/s, as there is no GPU "
+        f"benchmark (gpu-*.json) in {tmp_path / 'benchmarks' / 'results'}"
+    )
