@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import shutil
 
 import numpy as np
 import pytest
@@ -76,6 +77,8 @@ def test_an_impossible_budget_names_the_budget_and_the_smallest_estimate():
     assert "budget of 0.1 GB" in message
     assert "smallest estimate is 0.25 GB with 16 micro-batches per step" in message
     assert isinstance(caught.value, ConfigError)
+    with pytest.raises(memory.OutOfMemoryBudget, match="with 1 micro-batch per step"):
+        memory.search(compile_for, memory.candidates(8, 8), limit=int(0.1e9))
 
 
 def _plan(workdir, temp_of, budget_gb, device=CPU):
@@ -154,29 +157,38 @@ def _run(byte_corpus, workdir, **train):
     return summary, losses
 
 
-def test_a_small_budget_plans_more_micro_batches_and_equals_the_fixed_run(byte_corpus, tmp_path):
-    fixed = {m: _run(byte_corpus, tmp_path / f"fixed{m}", microbatches=m) for m in (1, 2)}
-    estimates = {m: fixed[m][0]["memory"]["memory_bytes"] for m in fixed}
+@pytest.fixture(scope="module")
+def fixed_and_tight(byte_corpus, tmp_path_factory):
+    """Runs with 1 and 2 micro-batches given, and a planned one whose budget lies between
+    their estimates: ``(fixed {count: (summary, losses)}, tight summary, losses, budget)``."""
+    root = tmp_path_factory.mktemp("plan")
+    fixed = {m: _run(byte_corpus, root / f"fixed{m}", microbatches=m) for m in (1, 2)}
     total = {m: fixed[m][0]["memory"]["estimate_gb"] * 1e9 for m in fixed}
+    budget_gb = (total[1] + total[2]) / 2 / 1e9
+    tight, losses = _run(byte_corpus, root / "tight", microbatches=0, memory_budget_gb=budget_gb)
+    return fixed, tight, losses, budget_gb, root / "tight"
+
+
+def test_a_small_budget_plans_more_micro_batches_and_equals_the_fixed_run(
+    byte_corpus, tmp_path, fixed_and_tight
+):
+    fixed, tight, tight_losses, budget_gb, tight_workdir = fixed_and_tight
+    estimates = {m: fixed[m][0]["memory"]["memory_bytes"] for m in fixed}
     # Half the sequences per micro-batch: fewer temporaries.
     assert estimates[2]["temp"] < estimates[1]["temp"]
-    assert total[2] < total[1]
+    assert fixed[2][0]["memory"]["estimate_gb"] < fixed[1][0]["memory"]["estimate_gb"]
 
     roomy, roomy_losses = _run(byte_corpus, tmp_path / "roomy", microbatches=0)
     assert roomy["microbatches"] == 1 and roomy["memory"]["planned"]
     np.testing.assert_allclose(roomy_losses, fixed[1][1], rtol=1e-6)
 
-    budget_gb = (total[1] + total[2]) / 2 / 1e9
-    tight, tight_losses = _run(
-        byte_corpus, tmp_path / "tight", microbatches=0, memory_budget_gb=budget_gb
-    )
     assert tight["microbatches"] == 2
     assert tight["memory"]["estimate_gb"] <= budget_gb
     assert tight["memory"]["budget_source"] == "train.memory_budget_gb"
     np.testing.assert_allclose(tight_losses, fixed[2][1], rtol=1e-6)
     # Accumulating two halves is the same step as one whole, to float rounding.
     np.testing.assert_allclose(tight_losses, fixed[1][1], rtol=1e-5)
-    plan = json.loads((tmp_path / "tight" / memory.PLAN).read_text())
+    plan = json.loads((tight_workdir / memory.PLAN).read_text())
     assert plan["microbatches"] == 2 and plan["device"]["platform"] == "cpu"
 
 
@@ -184,3 +196,37 @@ def test_an_impossible_budget_stops_the_run_before_training(byte_corpus, tmp_pat
     with pytest.raises(memory.OutOfMemoryBudget, match=r"budget of 1e-06 GB.*smallest estimate"):
         _run(byte_corpus, tmp_path / "w", microbatches=0, memory_budget_gb=1e-6)
     assert not (tmp_path / "w" / "metrics.jsonl").exists()
+
+
+def _resume_from_step_3(workdir):
+    """Undo the end of a finished run: what a run killed after its step-3 checkpoint left."""
+    shutil.rmtree(workdir / "checkpoints" / "6")
+    (workdir / "summary.json").unlink()
+
+
+def test_a_resumed_planned_run_reuses_the_plan_and_ends_bit_identical(
+    byte_corpus, tmp_path, capsys, fixed_and_tight
+):
+    _, whole, whole_losses, budget_gb, tight_workdir = fixed_and_tight
+    workdir = tmp_path / "resumed"
+    shutil.copytree(tight_workdir, workdir)
+    _resume_from_step_3(workdir)
+    capsys.readouterr()
+    resumed, resumed_losses = _run(byte_corpus, workdir, microbatches=0, memory_budget_gb=budget_gb)
+    assert "the workdir's plan" in capsys.readouterr().out
+    assert resumed_losses == whole_losses  # bit for bit
+    assert resumed["val_loss"] == whole["val_loss"]
+
+    # The plan was made on another device: planned again, and the log says so.
+    record = json.loads((workdir / memory.PLAN).read_text())
+    record["device"]["kind"] = "another cpu"
+    (workdir / memory.PLAN).write_text(json.dumps(record))
+    _resume_from_step_3(workdir)
+    capsys.readouterr()
+    replanned, replanned_losses = _run(
+        byte_corpus, workdir, microbatches=0, memory_budget_gb=budget_gb
+    )
+    out = capsys.readouterr().out
+    assert "planned again" in out and "1 x another cpu" in out
+    assert replanned["microbatches"] == 2
+    np.testing.assert_allclose(replanned_losses, whole_losses, rtol=1e-6)

@@ -148,8 +148,20 @@ def search(compile_for: Callable[[int], object], counts: list[int], limit: int):
         count = counts[index]
         return count, compiled[count], [estimates[c] for c in sorted(estimates)]
 
+    def too_big():
+        best = min(estimates.values(), key=lambda e: e.total)
+        return OutOfMemoryBudget(
+            f"no micro-batch count fits the memory budget of {limit / GB:.3g} GB per device: "
+            f"the smallest estimate is {best.total / GB:.3g} GB with {best.microbatches} "
+            f"micro-batch{'es' if best.microbatches > 1 else ''} per step; raise "
+            "train.memory_budget_gb, or lower train.global_batch, data.seq_len or the "
+            "model's size"
+        )
+
     if fits(0):
         return result(0)
+    if len(counts) == 1:
+        raise too_big()
     first = estimates[counts[0]]
     fixed = first.total - first.temp
     scaled = [fixed + first.temp * counts[0] / count for count in counts]
@@ -157,14 +169,7 @@ def search(compile_for: Callable[[int], object], counts: list[int], limit: int):
     index = max(index, 1)
     while not fits(index):
         if index == len(counts) - 1:
-            best = min(estimates.values(), key=lambda e: e.total)
-            raise OutOfMemoryBudget(
-                f"no micro-batch count fits the memory budget of {limit / GB:.3g} GB per "
-                f"device: the smallest estimate is {best.total / GB:.3g} GB with "
-                f"{best.microbatches} micro-batch{'es' if best.microbatches > 1 else ''} per "
-                "step; raise train.memory_budget_gb, or lower train.global_batch, "
-                "data.seq_len or the model's size"
-            )
+            raise too_big()
         index += 1
     while index > 1 and fits(index - 1):
         index -= 1
