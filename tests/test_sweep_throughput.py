@@ -34,14 +34,16 @@ def row(family: str, n: int, speed: float | None = None, **extra) -> dict:
     return out | extra
 
 
-def write_benchmark(folder: Path, device: str, written: str, parts: dict[str, list]) -> Path:
+def write_benchmark(
+    folder: Path, device: str, written: str, parts: dict[str, list], platform: str = "gpu"
+) -> Path:
     """``folder/gpu-<slug>.json`` for ``device`` with ``parts`` (name -> rows)."""
     folder.mkdir(parents=True, exist_ok=True)
     path = folder / f"gpu-{re.sub(r'[^a-z0-9]+', '-', device.lower())}.json"
     data = {
         "benchmark": "gpu",
         "written": written,
-        "machine": {"platform": "gpu", "device_kind": device, "device_count": 1},
+        "machine": {"platform": platform, "device_kind": device, "device_count": 1},
         "parts": {name: {"rows": rows} for name, rows in parts.items()},
     }
     path.write_text(json.dumps(data))
@@ -105,6 +107,13 @@ def test_the_newest_file_or_the_one_the_environment_names(tmp_path, monkeypatch)
     )
     assert from_benchmarks(tmp_path).lookup("lmu", 100) == (1e13, "benchmark")
     assert a100.name in from_benchmarks(tmp_path).source
+    # benchmarks/gpu.py run on a CPU, written last: not a figure for the sweeps' trials.
+    cpu = write_benchmark(
+        tmp_path, "cpu", "2026-11-25T09:00:00+00:00", {"train/lmu": [row("lmu", 100, 1e9)]}, "cpu"
+    )
+    assert from_benchmarks(tmp_path).lookup("lmu", 100) == (1e13, "benchmark")
+    monkeypatch.setenv("LMUSCALE_GPU_BENCHMARK", str(cpu))  # unless named
+    assert from_benchmarks(tmp_path).lookup("lmu", 100) == (1e9, "benchmark")
     for choice in ("h100", "H100 80GB", str(h100)):
         monkeypatch.setenv("LMUSCALE_GPU_BENCHMARK", choice)
         throughput = from_benchmarks(tmp_path)

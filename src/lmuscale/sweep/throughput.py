@@ -7,7 +7,8 @@ model's measured FLOP/s (same family and N), else the median of its family's, el
 
 One file per device: ``$LMUSCALE_GPU_BENCHMARK``, where set, picks one (a file path, or part of
 the device name such as ``h100``; naming none is an error, so a typo is not a silent guess);
-otherwise the one most recently written (its ``"written"`` time) is used.
+otherwise the one most recently written (its ``"written"`` time) is used. A file measured on a
+CPU (``gpu.py`` checked there) is left out unless the variable names it.
 """
 
 from __future__ import annotations
@@ -53,6 +54,7 @@ class Throughput:
 @dataclasses.dataclass(frozen=True)
 class _Benchmark:
     path: Path
+    platform: str  # "gpu", "tpu", "cpu"
     device: str  # the device kind, e.g. "NVIDIA H100 80GB HBM3"
     devices: int
     written: str  # as the file gives it
@@ -67,7 +69,10 @@ def from_benchmarks(folder: str | Path, default: float | None = None) -> Through
         raise BenchmarkError(f"from_benchmarks: default must be a positive FLOP/s, not {default!r}")
     default = default and float(default)
     folder = Path(folder)
+    # ``benchmarks/gpu.py`` run on a CPU (to check it, or to plan memory) writes gpu-cpu.json:
+    # no figure for a sweep's trials, unless $LMUSCALE_GPU_BENCHMARK names it.
     found = [_read(path) for path in sorted(folder.glob("gpu-*.json"))]
+    found = [b for b in found if b.platform != "cpu"] if not os.environ.get(ENV) else found
     choice = os.environ.get(ENV, "")
     if choice:
         benchmark = _pick(choice, found, folder)
@@ -111,6 +116,7 @@ def _read(path: Path) -> _Benchmark:
         ) from None
     return _Benchmark(
         path,
+        str(machine.get("platform", "gpu")),
         machine["device_kind"],
         machine.get("device_count", 1),
         data["written"],
