@@ -378,7 +378,8 @@ def main(argv=None) -> None:
     for name in names:
         print(f"{name} ...", file=sys.stderr, flush=True)
         start = time.perf_counter()
-        record["parts"][name] = table[name]()
+        settings = {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items()}
+        record["parts"][name] = {**table[name](), "args": settings}
         timings[name] = time.perf_counter() - start
         record.update(
             benchmark="gpu",
