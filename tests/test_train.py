@@ -96,6 +96,9 @@ def test_a_bfloat16_paper_model_tracks_its_float32_run(byte_corpus):
         for s in range(20):
             state, metrics = train_step(state, jnp.asarray(batches(s).reshape(1, 8, 65)))
             losses[dtype].append(float(metrics["loss"]))
+        # Parameters and the Adam moments stay float32 whatever the compute dtype.
+        for leaf in jax.tree.leaves({k: state[k] for k in ("params", "opt_state")}):
+            assert leaf.dtype in (jnp.float32, jnp.int32), (dtype, leaf.dtype)
     f32, bf16 = np.array(losses["float32"]), np.array(losses["bfloat16"])
     assert f32[0] - f32[-1] > 1.0  # the run learns, so tracking means something
     assert np.abs(bf16 - f32).max() < 5e-3
