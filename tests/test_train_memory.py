@@ -54,7 +54,7 @@ def test_search_finds_the_fewest_count_that_fits(limit, shape):
         return 51200 if count < 64 else 100  # far from the first count's guess
 
     compile_for, calls = _fake(temp)
-    count, compiled, estimates = memory.search(compile_for, counts, limit)
+    count, compiled, estimates = memory.search(compile_for, counts, memory.Budget(limit, "test"))
     fitting = [c for c in counts if temp(c) + 110 <= limit]
     assert count == fitting[0]
     assert compiled.count == count
@@ -62,6 +62,25 @@ def test_search_finds_the_fewest_count_that_fits(limit, shape):
     assert len(calls) == len(set(calls))  # no count compiled twice
     if shape == "proportional":
         assert len(calls) <= 3
+
+
+def test_a_compilation_that_runs_out_of_memory_does_not_fit():
+    def compile_for(count):
+        if count < 4:
+            raise RuntimeError("RESOURCE_EXHAUSTED: Ran out of memory in memory space hbm")
+        return _Compiled(count, 100)
+
+    count, _, estimates = memory.search(
+        compile_for, memory.candidates(16, 1), memory.Budget(1000, "test")
+    )
+    # 1 and 2 ran out of memory while compiling; walked down from the most micro-batches.
+    assert count == 4 and [e.microbatches for e in estimates] == [4, 8, 16]
+
+    def broken(count):
+        raise RuntimeError("INTERNAL: something else")
+
+    with pytest.raises(RuntimeError, match="something else"):  # not taken for a full memory
+        memory.search(broken, [1, 2], memory.Budget(1000, "test"))
 
 
 def test_candidates_divide_the_per_device_batch():
@@ -72,13 +91,13 @@ def test_candidates_divide_the_per_device_batch():
 def test_an_impossible_budget_names_the_budget_and_the_smallest_estimate():
     compile_for, _ = _fake(lambda count: 4_000_000_000 // count)
     with pytest.raises(memory.OutOfMemoryBudget) as caught:
-        memory.search(compile_for, memory.candidates(16, 1), limit=int(0.1e9))
+        memory.search(compile_for, memory.candidates(16, 1), memory.Budget(int(0.1e9), "a test"))
     message = str(caught.value)
-    assert "budget of 0.1 GB" in message
+    assert "budget of 0.1 GB per device (a test)" in message
     assert "smallest estimate is 0.25 GB with 16 micro-batches per step" in message
     assert isinstance(caught.value, ConfigError)
     with pytest.raises(memory.OutOfMemoryBudget, match="with 1 micro-batch per step"):
-        memory.search(compile_for, memory.candidates(8, 8), limit=int(0.1e9))
+        memory.search(compile_for, memory.candidates(8, 8), memory.Budget(int(0.1e9), "a test"))
 
 
 def _plan(workdir, temp_of, budget_gb, device=CPU):
@@ -112,7 +131,20 @@ def test_a_resume_on_the_same_device_reuses_the_plan_and_another_device_plans_ag
     other = memory.Device("gpu", "NVIDIA H100 80GB HBM3", 1)
     moved, _ = _plan(tmp_path, lambda count: 0, budget_gb=1000e-9, device=other)
     assert moved.microbatches == 1
-    assert "planned again" in moved.note and "1 x cpu" in moved.note
+    assert moved.note.startswith("planned again: the workdir's plan (8 micro-batches) was made")
+    assert "on 1 x cpu with a budget of 1e-06 GB; this run has 1 x NVIDIA H100" in moved.note
+    assert moved.note.endswith("differ from an uninterrupted run by float rounding")
+
+    # The same device and budget, but the saved count no longer fits (say, a new XLA):
+    # planned again, here to 1 micro-batch.
+    grown, calls = _plan(tmp_path, lambda count: 12800 // count if count == 8 else 800, 1000e-9)
+    assert grown.microbatches == 1 and calls[0] == 8
+    assert "is now estimated at 1.71e-06 GB, over the budget" in grown.note
+    memory.write(tmp_path, grown)
+    # Planned again for another budget, to the same count: nothing changes.
+    same, _ = _plan(tmp_path, lambda count: 800, budget_gb=2000e-9)
+    assert same.microbatches == 1 and same.note.endswith("the same count, so the same numbers")
+    memory.write(tmp_path, plan)
 
     # Another budget: planned again too.
     rebudget, _ = _plan(tmp_path, lambda count: 6400 // count, budget_gb=2000e-9)
@@ -132,6 +164,26 @@ def test_a_given_count_is_kept_and_its_estimate_reported(tmp_path):
     )
     assert (plan.microbatches, calls, plan.budget) == (2, [2], None)
     assert plan.estimate.total == 10**12 + 110
+
+
+class _Accelerator:
+    platform, device_kind = "gpu", "NVIDIA H100 80GB HBM3"
+
+    def __init__(self, stats):
+        self.stats = stats
+
+    def memory_stats(self):
+        return self.stats
+
+
+def test_the_default_budget_on_an_accelerator_is_a_fraction_of_what_jax_may_use():
+    limit = 60_000_000_000
+    default = memory.budget(0.0, _Accelerator({"bytes_limit": limit, "bytes_in_use": 0}))
+    assert default.bytes == int(memory.DEVICE_FRACTION * limit)
+    assert default.source == "90% of the 60.0 GB JAX may use on a NVIDIA H100 80GB HBM3"
+    with pytest.raises(ConfigError, match=r"reports no memory limit.*train\.memory_budget_gb"):
+        memory.budget(0.0, _Accelerator({}))
+    assert memory.budget(3.0, _Accelerator({})).bytes == 3_000_000_000
 
 
 def test_the_default_budget_on_cpu_is_a_fraction_of_the_machines_memory():
@@ -212,7 +264,15 @@ def test_a_resumed_planned_run_reuses_the_plan_and_ends_bit_identical(
     shutil.copytree(tight_workdir, workdir)
     _resume_from_step_3(workdir)
     capsys.readouterr()
-    resumed, resumed_losses = _run(byte_corpus, workdir, microbatches=0, memory_budget_gb=budget_gb)
+
+    def no_search(*args):
+        raise AssertionError("the workdir's plan should have been reused")
+
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(memory, "search", no_search)
+        resumed, resumed_losses = _run(
+            byte_corpus, workdir, microbatches=0, memory_budget_gb=budget_gb
+        )
     assert "the workdir's plan" in capsys.readouterr().out
     assert resumed_losses == whole_losses  # bit for bit
     assert resumed["val_loss"] == whole["val_loss"]
@@ -230,3 +290,31 @@ def test_a_resumed_planned_run_reuses_the_plan_and_ends_bit_identical(
     assert "planned again" in out and "1 x another cpu" in out
     assert replanned["microbatches"] == 2
     np.testing.assert_allclose(replanned_losses, whole_losses, rtol=1e-6)
+
+
+@pytest.mark.parametrize("process", [0, 1])
+def test_in_a_multi_process_run_process_0_decides(process, monkeypatch, tmp_path):
+    import jax
+    from jax.experimental import multihost_utils
+
+    sent = []
+
+    def broadcast(value):  # what process 0 sends reaches every process
+        sent.append(int(value))
+        return 4 if process else value
+
+    monkeypatch.setattr(jax, "process_count", lambda: 2)
+    monkeypatch.setattr(jax, "process_index", lambda: process)
+    monkeypatch.setattr(multihost_utils, "broadcast_one_to_all", broadcast)
+    plan, calls = _plan(tmp_path, lambda count: 6400 // count, budget_gb=2000e-9)
+    assert plan.microbatches == 4
+    if process:
+        assert calls == [4] and plan.note == "process 0's plan"  # no search of its own
+    else:
+        assert sent == [4] and plan.note == "planned"
+
+    # A budget nothing fits: process 0 names it; the others stop too, instead of waiting.
+    if process:
+        monkeypatch.setattr(multihost_utils, "broadcast_one_to_all", lambda value: 0)
+    with pytest.raises(memory.OutOfMemoryBudget, match="budget" if not process else "process 0"):
+        _plan(tmp_path, lambda count: 6400 // count, budget_gb=1e-9)

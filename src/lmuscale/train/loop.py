@@ -186,7 +186,9 @@ def run(config: ConfigDict, workdir: str | Path, *, progress: bool | None = None
     """Train (or resume) ``config`` in ``workdir``; returns the summary (also summary.json).
 
     Raises ``ConfigError`` before compiling anything when the config, the dataset or the
-    workdir is wrong, and ``TrainingDiverged`` when the loss becomes NaN or infinite.
+    workdir is wrong; ``memory.OutOfMemoryBudget`` (a ``ConfigError``) when, compiled, no
+    micro-batch count fits the memory budget, before any step; and ``TrainingDiverged`` when
+    the loss becomes NaN or infinite.
     """
     c = config
     config_lib.check(c)

@@ -13,14 +13,16 @@ The budget, per device, is ``train.memory_budget_gb`` when it is above 0, else:
 
 - on an accelerator, ``DEVICE_FRACTION`` of the memory JAX may allocate on it
   (``memory_stats()["bytes_limit"]``), leaving room for the evaluation step and the
-  allocator's fragmentation;
+  allocator's fragmentation (a device that reports no limit needs the key set);
 - on CPU, which reports no memory size, ``HOST_FRACTION`` of the machine's physical memory,
   shared by the process's local devices.
 
 The plan is written to ``plan.json`` in the workdir. A resumed run on the same kind of device,
-with the same number of devices and the same budget, reuses its count, so it computes the
-same numbers as an uninterrupted run. Anything else plans again and says so: the sums are then
-accumulated in another grouping and differ by float rounding.
+with the same number of devices and the same budget, reuses its count (while its estimate
+still fits: a new JAX can change it), so it computes the same numbers as an uninterrupted run.
+Anything else plans again and says so; if the count changes, the sums are accumulated in
+another grouping and the numbers differ by float rounding. In a multi-process run process 0
+decides and the other processes compile its count.
 """
 
 from __future__ import annotations
@@ -100,9 +102,15 @@ def budget(configured_gb: float, device=None) -> Budget:
     if configured_gb > 0:
         return Budget(int(configured_gb * GB), "train.memory_budget_gb")
     device = device or jax.local_devices()[0]
-    stats = device.memory_stats() if device.platform != "cpu" else None
-    if stats and stats.get("bytes_limit"):
-        limit = stats["bytes_limit"]
+    if device.platform != "cpu":
+        stats = device.memory_stats() or {}
+        limit = stats.get("bytes_limit")
+        if not limit:
+            raise ConfigError(
+                f"the {device.device_kind} reports no memory limit (memory_stats() has no "
+                "bytes_limit, e.g. under XLA_PYTHON_CLIENT_ALLOCATOR=platform): set "
+                "train.memory_budget_gb, or give train.microbatches"
+            )
         return Budget(
             int(DEVICE_FRACTION * limit),
             f"{DEVICE_FRACTION:.0%} of the {limit / GB:.1f} GB JAX may use on a "
@@ -123,8 +131,13 @@ def candidates(global_batch: int, data_axis: int) -> list[int]:
     return [m for m in range(1, per_device + 1) if per_device % m == 0]
 
 
-def search(compile_for: Callable[[int], object], counts: list[int], limit: int):
-    """The fewest of ``counts`` whose compiled step's estimate is at most ``limit`` bytes.
+def _out_of_memory(error: Exception) -> bool:
+    """A compilation that failed for lack of memory (XLA on TPU checks while compiling)."""
+    return "RESOURCE_EXHAUSTED" in str(error)
+
+
+def search(compile_for: Callable[[int], object], counts: list[int], limit: Budget):
+    """The fewest of ``counts`` whose compiled step's estimate is within ``limit``.
 
     Returns ``(count, compiled, estimates)`` with every estimate made, or raises
     ``OutOfMemoryBudget`` when even the most micro-batches do not fit. Assumes, as holds for
@@ -132,30 +145,45 @@ def search(compile_for: Callable[[int], object], counts: list[int], limit: int):
     first; if it does not fit, its temporaries divided by the count give a first guess (the
     arguments and outputs do not change with the count), and the search walks from there:
     up while a count does not fit, down while the one below fits. Usually three
-    compilations.
+    compilations. A count whose compilation runs out of memory does not fit.
     """
-    estimates: dict[int, Estimate] = {}
+    estimates: dict[int, Estimate | None] = {}  # None: the compilation ran out of memory
     compiled: dict[int, object] = {}
 
     def fits(index: int) -> bool:
         count = counts[index]
         if count not in estimates:
-            compiled[count] = compile_for(count)
-            estimates[count] = Estimate.of(count, compiled[count])
-        return estimates[count].total <= limit
+            try:
+                compiled[count] = compile_for(count)
+            except Exception as error:
+                if not _out_of_memory(error):
+                    raise
+                estimates[count] = None
+            else:
+                estimates[count] = Estimate.of(count, compiled[count])
+        estimate = estimates[count]
+        return estimate is not None and estimate.total <= limit.bytes
 
     def result(index: int):
         count = counts[index]
-        return count, compiled[count], [estimates[c] for c in sorted(estimates)]
+        made = [estimates[c] for c in sorted(estimates) if estimates[c] is not None]
+        return count, compiled[count], made
 
     def too_big():
-        best = min(estimates.values(), key=lambda e: e.total)
+        made = [e for e in estimates.values() if e is not None]
+        smallest = "every compilation ran out of memory"
+        if made:
+            best = min(made, key=lambda e: e.total)
+            plural = "es" if best.microbatches > 1 else ""
+            smallest = (
+                f"the smallest estimate is {best.total / GB:.3g} GB with {best.microbatches} "
+                f"micro-batch{plural} per step"
+            )
         return OutOfMemoryBudget(
-            f"no micro-batch count fits the memory budget of {limit / GB:.3g} GB per device: "
-            f"the smallest estimate is {best.total / GB:.3g} GB with {best.microbatches} "
-            f"micro-batch{'es' if best.microbatches > 1 else ''} per step; raise "
-            "train.memory_budget_gb, or lower train.global_batch, data.seq_len or the "
-            "model's size"
+            f"no micro-batch count fits the memory budget of {limit.bytes / GB:.3g} GB per "
+            f"device ({limit.source}): {smallest}; set a larger train.memory_budget_gb if the "
+            "device has the room, or spread the model over more devices (mesh.model), or "
+            "lower train.global_batch, data.seq_len or the model's size"
         )
 
     if fits(0):
@@ -163,9 +191,11 @@ def search(compile_for: Callable[[int], object], counts: list[int], limit: int):
     if len(counts) == 1:
         raise too_big()
     first = estimates[counts[0]]
-    fixed = first.total - first.temp
-    scaled = [fixed + first.temp * counts[0] / count for count in counts]
-    index = next((i for i, total in enumerate(scaled) if total <= limit), len(counts) - 1)
+    index = len(counts) - 1
+    if first is not None:
+        fixed = first.total - first.temp
+        scaled = [fixed + first.temp * counts[0] / count for count in counts]
+        index = next((i for i, total in enumerate(scaled) if total <= limit.bytes), index)
     index = max(index, 1)
     while not fits(index):
         if index == len(counts) - 1:
@@ -224,42 +254,75 @@ def plan(
     """The micro-batch count of a run and its compiled train step (``compile_for(count)``).
 
     ``microbatches > 0`` is taken as given (its estimate is still reported). With 0, a plan in
-    ``workdir`` made on the same device, device count and budget is reused; otherwise the
-    count is searched for (see ``search``).
+    ``workdir`` made on the same device, device count and budget is reused while it still
+    fits; otherwise the count is searched for (see ``search``). In a multi-process run,
+    process 0 decides and the others compile its count.
     """
     if microbatches > 0:
         compiled = compile_for(microbatches)
         estimate = Estimate.of(microbatches, compiled)
         return Plan(microbatches, estimate, None, device, "train.microbatches"), compiled
     limit = budget(budget_gb)
-    old = saved(workdir) if workdir is not None else None
-    if old and old.get("planned"):
-        same = old.get("device") == dataclasses.asdict(device) and (
-            old.get("budget_bytes") == limit.bytes
-        )
-        if same:
-            count = int(old["microbatches"])
-            compiled = compile_for(count)
-            estimate = Estimate.of(count, compiled)
-            return Plan(count, estimate, limit, device, "the workdir's plan"), compiled
-        before = old.get("device", {})
-        note = (
-            f"planned again: the workdir's plan ({old.get('microbatches')} micro-batches) was "
-            f"made for {before.get('count')} x {before.get('kind')} with a budget per step; raise "
-            f"{old.get('budget_gb')} GB, and the numbers from here on differ from an "
-            "uninterrupted run by float rounding"
-        )
+    counts = candidates(global_batch, data_axis)
+    if jax.process_count() == 1:
+        count, compiled, note = _decide(compile_for, counts, limit, device, workdir)
     else:
-        note = "planned"
-    count, compiled, _ = search(compile_for, candidates(global_batch, data_axis), limit.bytes)
-    if jax.process_count() > 1:  # every process runs process 0's count
-        from jax.experimental import multihost_utils
+        count, compiled, note = _decide_on_process_0(compile_for, counts, limit, device, workdir)
+    return Plan(count, Estimate.of(count, compiled), limit, device, note), compiled
 
-        agreed = int(multihost_utils.broadcast_one_to_all(count))
-        if agreed != count:
-            count, compiled = agreed, compile_for(agreed)
-    estimate = Estimate.of(count, compiled)
-    return Plan(count, estimate, limit, device, note), compiled
+
+def _decide(compile_for, counts, limit: Budget, device: Device, workdir: Path | None):
+    """``(count, compiled, note)``: the workdir's plan while it holds, else a search."""
+    old = saved(workdir) if workdir is not None else None
+    old_count = int(old["microbatches"]) if old and old.get("planned") else None
+    why = ""
+    if old_count is not None:
+        before = old.get("device", {})
+        if before != dataclasses.asdict(device) or old.get("budget_bytes") != limit.bytes:
+            why = (
+                f"the workdir's plan ({old_count} micro-batches) was made on {before.get('count')}"
+                f" x {before.get('kind')} with a budget of {old.get('budget_gb')} GB; this run "
+                f"has {device.count} x {device.kind} and {limit.bytes / GB:.3g} GB"
+            )
+        else:
+            compiled = compile_for(old_count)
+            estimate = Estimate.of(old_count, compiled)
+            if estimate.total <= limit.bytes:
+                return old_count, compiled, "the workdir's plan"
+            why = (
+                f"the workdir's plan ({old_count} micro-batches) is now estimated at "
+                f"{estimate.total / GB:.3g} GB, over the budget"
+            )
+    count, compiled, _ = search(compile_for, counts, limit)
+    if old_count is None:
+        return count, compiled, "planned"
+    effect = (
+        "the same count, so the same numbers"
+        if count == old_count
+        else "the numbers from here on differ from an uninterrupted run by float rounding"
+    )
+    return count, compiled, f"planned again: {why}; {effect}"
+
+
+def _decide_on_process_0(compile_for, counts, limit, device, workdir):
+    """``_decide`` on process 0; every process then compiles its count (0 = none fits)."""
+    import numpy as np
+    from jax.experimental import multihost_utils
+
+    error, count, compiled, note = None, 0, None, "process 0's plan"
+    if jax.process_index() == 0:
+        try:
+            count, compiled, note = _decide(compile_for, counts, limit, device, workdir)
+        except OutOfMemoryBudget as caught:
+            error = caught
+    agreed = int(multihost_utils.broadcast_one_to_all(np.int32(count)))
+    if error is not None:
+        raise error
+    if agreed == 0:
+        raise OutOfMemoryBudget("process 0 found no micro-batch count that fits; see its log")
+    if compiled is None:
+        compiled = compile_for(agreed)
+    return agreed, compiled, note
 
 
 def plan_train_step(train_step, abstract_state, config, mesh, workdir: Path | None = None):
