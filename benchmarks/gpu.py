@@ -1,6 +1,7 @@
 """Everything one GPU should tell us, in one process, into one JSON named after the device.
 
-    python benchmarks/gpu.py                      (every part: about 20 minutes on one H100)
+    python benchmarks/gpu.py                      (the default parts; meant to take 20 minutes
+                                                   on one H100, not yet measured)
     python benchmarks/gpu.py --only 'train/lmu*' block
     python benchmarks/gpu.py --only 'plan/*' --budget-gb 80      (compiles only; runs on CPU)
 
@@ -12,19 +13,25 @@ Parts (``--only`` takes shell patterns of these names):
   so it bounds each model's peak from above), the median step time of --steps steps after
   a warm-up step, tokens/s and MFU by Table 2's FLOP count. An out-of-memory or other failure
   is recorded in the model's row, and the rest go on.
-- ``plan/FAMILY``: the same configs compiled and planned only, no step run (the check that
-  every paper config fits a budget, e.g. --budget-gb 80 on a CPU).
+- ``plan/FAMILY``: the same configs compiled and planned only, no step run (not a default
+  part). On a CPU it checks that every paper config compiles and fits a budget such as
+  --budget-gb 80, by XLA:CPU's estimate: a CPU has no flash attention and lays buffers out
+  its own way, so a GPU's estimates differ.
 - ``long``: lmu-55k, transformer-55k and lmu_g-55k at n = --long-seq-len (8192), with
   --batch x --seq-len / n sequences per step and the plan.
 - ``block``: one LMU block of lmu-1M (FFN, implicit attention, FFN), forward+backward, with
   the FFT memory and the chunked one (``lmu_memory.bench_block``), in bfloat16.
+- ``attention``: cuDNN's flash attention (``layers.causal_attention``) against XLA's in
+  bfloat16 at n = 1024 for Table 3's head widths, outputs and gradients; recorded as skipped
+  where cuDNN's is not used (a CPU, float32, older GPUs).
 - ``precision``: lmu-55k trained by ``lmuscale.train.run`` for --loss-steps steps in float32
   and in bfloat16 on the embedded Shakespeare plays (GPT-2 tokens, prepared into --loss-data
   on first use), and the two loss curves compared.
 
 The JSON (``results/gpu-<device>.json``, or --out) keeps the parts of earlier runs on the same
-device and replaces those run now, so parts can be run one at a time. ``sweeps/owt2.py`` reads
-its ``train/*`` rows for ``--dry-run``'s time estimates.
+device, so parts can be run one at a time: a ``train/``, ``plan/`` or ``long`` part run again
+replaces the rows of the models it ran and keeps the others; other parts are replaced whole.
+``sweeps/owt2.py`` reads its ``train/*`` rows at 512 x 1024 for ``--dry-run``'s estimates.
 """
 
 from __future__ import annotations
@@ -259,6 +266,40 @@ def part_precision(args) -> dict:
     }
 
 
+def part_attention(args) -> dict:
+    """cuDNN's attention against XLA's, both in bfloat16, and both against float32."""
+    import jax.numpy as jnp
+
+    from lmuscale.layers import attention_implementation, causal_attention
+
+    if attention_implementation(jnp.bfloat16) != "cudnn":
+        return {"rows": [], "skipped": f"cuDNN attention is not used on {machine()['device_kind']}"}
+    rows = []
+    for width in (13, 24, 28, 34, 36):
+        keys = jax.random.split(jax.random.key(width), 4)
+        shape = (4, args.seq_len, 4, width)
+        q, k, v, cotangent = (jax.random.normal(key, shape, jnp.float32) for key in keys)
+
+        def loss(q, k, v, cotangent, implementation):
+            y = causal_attention(q, k, v, implementation).astype(jnp.float32)
+            return jnp.sum(y * cotangent)
+
+        grad = jax.jit(jax.value_and_grad(loss, argnums=(0, 1, 2)), static_argnums=4)
+        half = [x.astype(jnp.bfloat16) for x in (q, k, v)]
+        want = grad(q, k, v, cotangent, "xla")
+        row = {"head_width": width, "seq_len": args.seq_len}
+        for implementation in ("cudnn", "xla"):
+            got = grad(*half, cotangent, implementation)
+            errors = [
+                float(jnp.max(jnp.abs(a.astype(jnp.float32) - b)) / jnp.max(jnp.abs(b)))
+                for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(want), strict=True)
+            ]
+            row[implementation] = {"loss": errors[0], "dq_dk_dv": max(errors[1:])}
+        rows.append(row)
+        print(f"  attention width {width}: {row}", file=sys.stderr, flush=True)
+    return {"rows": rows}
+
+
 def parts(args) -> dict:
     """Every part's name and a function computing it."""
     table = {}
@@ -268,6 +309,7 @@ def parts(args) -> dict:
         table[f"plan/{family}"] = lambda family=family: part_train(family, args, True)
     table["long"] = lambda: part_long(args)
     table["block"] = lambda: part_block(args)
+    table["attention"] = lambda: part_attention(args)
     table["precision"] = lambda: part_precision(args)
     return table
 
@@ -280,7 +322,8 @@ def chosen(names, patterns) -> list[str]:
     return picked
 
 
-DEFAULT_PARTS = ["train/*", "long", "block", "precision"]
+DEFAULT_PARTS = ["train/*", "long", "block", "attention", "precision"]
+MERGED_BY_MODEL = ("train/", "plan/", "long")
 
 
 def summary_tables(record: dict) -> None:
@@ -342,6 +385,16 @@ def summary_tables(record: dict) -> None:
         )
 
 
+def merged(old_rows: list[dict], new_rows: list[dict]) -> list[dict]:
+    """``new_rows`` and the ``old_rows`` of other models or shapes (e.g. sizes not run now)."""
+
+    def key(row):
+        return row.get("model"), row.get("seq_len"), row.get("batch")
+
+    replaced = {key(row) for row in new_rows}
+    return [row for row in old_rows if key(row) not in replaced] + new_rows
+
+
 def _ms(phase: dict) -> str:
     return f"{phase['median_s'] * 1e3:.2f}" if "median_s" in phase else "error"
 
@@ -379,7 +432,11 @@ def main(argv=None) -> None:
         print(f"{name} ...", file=sys.stderr, flush=True)
         start = time.perf_counter()
         settings = {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items()}
-        record["parts"][name] = {**table[name](), "args": settings}
+        result = {**table[name](), "args": settings}
+        old = record["parts"].get(name)
+        if old and name.startswith(MERGED_BY_MODEL):
+            result["rows"] = merged(old["rows"], result["rows"])
+        record["parts"][name] = result
         timings[name] = time.perf_counter() - start
         record.update(
             benchmark="gpu",

@@ -36,11 +36,22 @@ def test_gpu_benchmark_parts_write_one_json(tmp_path):
     (planned,) = first["parts"]["plan/transformer"]["rows"]
     assert "step_seconds" not in planned and planned["microbatches"] == 1
 
-    # A later run of another part keeps the first run's parts.
+    # A later run keeps the first run's parts, and a train part run again for another size
+    # keeps the rows of the sizes it did not run.
     stdout = _gpu(
         out,
         "--only",
         "precision",
+        "attention",
+        "train/lmu",
+        "--sizes",
+        "100k",
+        "--seq-len",
+        "16",
+        "--batch",
+        "4",
+        "--steps",
+        "1",
         "--loss-steps",
         "3",
         "--loss-batch",
@@ -51,7 +62,10 @@ def test_gpu_benchmark_parts_write_one_json(tmp_path):
         str(tmp_path / "plays"),
     )
     second = json.loads(out.read_text())
-    assert second["parts"]["train/lmu"] == first["parts"]["train/lmu"]
+    assert second["parts"]["plan/transformer"] == first["parts"]["plan/transformer"]
+    assert [r["model"] for r in second["parts"]["train/lmu"]["rows"]] == ["lmu-55k", "lmu-100k"]
+    assert second["parts"]["train/lmu"]["rows"][0] == row
+    assert second["parts"]["attention"]["skipped"].startswith("cuDNN attention is not used")
     precision = second["parts"]["precision"]
     f32, bf16 = precision["loss_float32"], precision["loss_bfloat16"]
     assert len(f32) == len(bf16) == 3 and f32 != bf16

@@ -15,6 +15,7 @@ from sweep_files import sweep_command
 
 from lmuscale.sweep import BenchmarkError, SweepError, Throughput, from_benchmarks, load_sweep
 from lmuscale.sweep.plan import plan, table
+from lmuscale.sweep.throughput import load_benchmarks
 
 REPO = Path(__file__).resolve().parent.parent
 H100 = "NVIDIA H100 80GB HBM3"
@@ -61,6 +62,7 @@ def test_a_trial_takes_its_model_then_its_family_then_the_default(tmp_path):
                 row("lmu", 300, 4e13),
                 row("lmu", 200, 9e20, error="RESOURCE_EXHAUSTED: out of memory"),
                 row("lmu", 400),  # no speed
+                row("lmu", 300, 9e20, batch=8),  # a quick check at another shape
             ],
             "train/transformer": [row("transformer", 100, 5e13)],
             "long": [row("lmu", 500, 7e20)],  # not the paper's 512 x 1024 training
@@ -121,12 +123,13 @@ def test_the_newest_file_or_the_one_the_environment_names(tmp_path, monkeypatch)
         assert h100.name in throughput.source
     monkeypatch.setenv("LMUSCALE_GPU_BENCHMARK", "v100")
     with pytest.raises(BenchmarkError) as error:
-        from_benchmarks(tmp_path)
+        load_benchmarks(tmp_path)
+    assert str(error.value) in from_benchmarks(tmp_path, 1e14).source  # a sweep still loads
     for part in ("LMUSCALE_GPU_BENCHMARK='v100'", a100.name, h100.name, H100):
         assert part in str(error.value)
     monkeypatch.setenv("LMUSCALE_GPU_BENCHMARK", "nvidia")
     with pytest.raises(BenchmarkError, match="matches several"):
-        from_benchmarks(tmp_path)
+        load_benchmarks(tmp_path)
 
 
 @pytest.mark.parametrize(
@@ -150,9 +153,13 @@ def test_a_malformed_benchmark_names_its_file(tmp_path, text, message):
     write_benchmark(tmp_path, H100, "2026-11-23T10:00:00+00:00", {})
     (tmp_path / "gpu-broken.json").write_text(text)
     with pytest.raises(BenchmarkError) as error:
-        from_benchmarks(tmp_path, default=1e14)
+        load_benchmarks(tmp_path, default=1e14)
     assert str(tmp_path / "gpu-broken.json") in str(error.value)
     assert message in str(error.value)
+    # The sweep itself still loads: the dry run guesses and says why.
+    fallback = from_benchmarks(tmp_path, default=1e14)
+    assert fallback.measured == {} and fallback.lookup("lmu", 1) == (1e14, "configured")
+    assert fallback.source == f"THROUGHPUT guess 1e+14 FLOP/s, as {error.value}"
 
 
 def test_sweep_throughput_is_a_number_or_a_benchmark(tmp_path):
@@ -269,3 +276,16 @@ def test_owt2_dry_run_without_a_benchmark_says_it_guesses(tmp_path):
         "FLOP/s for trials not yet measured: THROUGHPUT guess 1e+14 FLOP/s, as there is no GPU "
         f"benchmark (gpu-*.json) in {tmp_path / 'benchmarks' / 'results'}"
     )
+
+
+def test_a_newer_file_without_training_rows_does_not_hide_an_older_one(tmp_path):
+    h100 = write_benchmark(
+        tmp_path, H100, "2026-11-23T10:00:00+00:00", {"train/lmu": [row("lmu", 100, 3e13)]}
+    )
+    write_benchmark(  # only the block part, later, on another GPU
+        tmp_path, "NVIDIA H200", "2026-11-24T10:00:00+00:00", {"block": [row("lmu", 100, 1e15)]}
+    )
+    throughput = from_benchmarks(tmp_path, 1e14)
+    assert throughput.lookup("lmu", 100) == (3e13, "benchmark") and h100.name in throughput.source
+    small = from_benchmarks(tmp_path, 1e14, batch=8)  # rows at another shape: none
+    assert small.measured == {} and "no GPU benchmark training rows at 8 x 1024" in small.source

@@ -62,28 +62,44 @@ class _Benchmark:
     speeds: dict[tuple[str, int], float]
 
 
-def from_benchmarks(folder: str | Path, default: float | None = None) -> Throughput:
+def from_benchmarks(
+    folder: str | Path, default: float | None = None, *, seq_len: int = 1024, batch: int = 512
+) -> Throughput:
     """The GPU benchmark in ``folder`` (see the module docstring), or just ``default`` with a
-    source that says it is a guess when the folder holds no ``gpu-*.json``."""
+    source that says it is a guess, and why: no ``gpu-*.json`` there, none with training rows
+    at ``batch`` x ``seq_len``, or one that cannot be read (the reason is in ``source``, which
+    ``--dry-run`` prints; a sweep still runs)."""
     if default is not None and not (isinstance(default, int | float) and default > 0):
         raise BenchmarkError(f"from_benchmarks: default must be a positive FLOP/s, not {default!r}")
     default = default and float(default)
+    try:
+        return load_benchmarks(folder, default, seq_len=seq_len, batch=batch)
+    except BenchmarkError as error:
+        return Throughput(default, source=f"{_guess(default)}, as {error}")
+
+
+def load_benchmarks(
+    folder: str | Path, default: float | None = None, *, seq_len: int = 1024, batch: int = 512
+) -> Throughput:
+    """``from_benchmarks``, but a file that cannot be read, or ``$LMUSCALE_GPU_BENCHMARK``
+    naming none, raises ``BenchmarkError``."""
     folder = Path(folder)
-    # ``benchmarks/gpu.py`` run on a CPU (to check it, or to plan memory) writes gpu-cpu.json:
-    # no figure for a sweep's trials, unless $LMUSCALE_GPU_BENCHMARK names it.
-    found = [_read(path) for path in sorted(folder.glob("gpu-*.json"))]
-    found = [b for b in found if b.platform != "cpu"] if not os.environ.get(ENV) else found
+    found = [_read(path, seq_len, batch) for path in sorted(folder.glob("gpu-*.json"))]
     choice = os.environ.get(ENV, "")
     if choice:
-        benchmark = _pick(choice, found, folder)
-    elif found:
-        benchmark = max(found, key=lambda b: b.when)
+        benchmark = _pick(choice, found, folder, seq_len, batch)
     else:
-        guess = f"THROUGHPUT guess {default:g} FLOP/s" if default else "no FLOP/s"
-        return Throughput(
-            default,
-            source=f"{guess}, as there is no GPU benchmark (gpu-*.json) in {_short(folder)}",
-        )
+        # benchmarks/gpu.py run on a CPU (to check it, or to plan memory) writes gpu-cpu.json:
+        # no figure for a sweep's trials, unless $LMUSCALE_GPU_BENCHMARK names it.
+        usable = [b for b in found if b.platform != "cpu" and b.speeds]
+        if not usable:
+            what = f"training rows at {batch} x {seq_len} tokens" if found else "(gpu-*.json)"
+            return Throughput(
+                default,
+                source=f"{_guess(default)}, as there is no GPU benchmark {what} in "
+                f"{_short(folder)}",
+            )
+        benchmark = max(usable, key=lambda b: b.when)
     device = benchmark.device + (f" x{benchmark.devices}" if benchmark.devices != 1 else "")
     source = f"GPU benchmark {_short(benchmark.path)} ({device}, written {benchmark.written})"
     if default:
@@ -91,8 +107,13 @@ def from_benchmarks(folder: str | Path, default: float | None = None) -> Through
     return Throughput(default, benchmark.speeds, source)
 
 
-def _read(path: Path) -> _Benchmark:
-    """A benchmark file, checked for the keys this module reads."""
+def _guess(default: float | None) -> str:
+    return f"THROUGHPUT guess {default:g} FLOP/s" if default else "no FLOP/s"
+
+
+def _read(path: Path, seq_len: int, batch: int) -> _Benchmark:
+    """A benchmark file, checked for the keys this module reads; its speeds are those of
+    ``batch`` x ``seq_len`` tokens per step."""
     try:
         data = json.loads(path.read_text())
     except (OSError, UnicodeDecodeError, json.JSONDecodeError) as error:
@@ -121,13 +142,14 @@ def _read(path: Path) -> _Benchmark:
         machine.get("device_count", 1),
         data["written"],
         when if when.tzinfo else when.replace(tzinfo=UTC),
-        _speeds(path, data["parts"]),
+        _speeds(path, data["parts"], seq_len, batch),
     )
 
 
-def _speeds(path: Path, parts: dict) -> dict[tuple[str, int], float]:
-    """Model FLOP/s by (family, N) from the ``train/*`` parts; failed rows (with ``error``)
-    and rows without a speed are left out, and a model benchmarked twice takes the median."""
+def _speeds(path: Path, parts: dict, seq_len: int, batch: int) -> dict[tuple[str, int], float]:
+    """Model FLOP/s by (family, N) from the ``train/*`` parts' rows at ``batch`` x
+    ``seq_len``; failed rows (with ``error``), rows without a speed and rows of another
+    shape are left out, and a model benchmarked twice takes the median."""
     speeds: dict[tuple[str, int], list[float]] = {}
     for name, part in parts.items():
         if not name.startswith("train/"):
@@ -151,14 +173,17 @@ def _speeds(path: Path, parts: dict) -> dict[tuple[str, int], float]:
                     '"family" name, an integer "non_embedding_params" and a positive '
                     f'"model_flops_per_second"; got {family!r}, {n!r}, {speed!r}'
                 )
-            speeds.setdefault((family, n), []).append(float(speed))
+            if (row.get("seq_len"), row.get("batch")) == (seq_len, batch):
+                speeds.setdefault((family, n), []).append(float(speed))
     return {key: statistics.median(values) for key, values in speeds.items()}
 
 
-def _pick(choice: str, found: list[_Benchmark], folder: Path) -> _Benchmark:
+def _pick(
+    choice: str, found: list[_Benchmark], folder: Path, seq_len: int, batch: int
+) -> _Benchmark:
     """The benchmark ``$LMUSCALE_GPU_BENCHMARK`` names: a file, or one device's name in part."""
     if Path(choice).is_file():
-        return _read(Path(choice))
+        return _read(Path(choice), seq_len, batch)
     matches = [b for b in found if choice.lower() in b.device.lower()]
     if len(matches) == 1:
         return matches[0]
