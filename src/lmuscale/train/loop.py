@@ -276,8 +276,8 @@ class Session:
         abstract = jax.eval_shape(init)
         shardings = step_lib.state_shardings(mesh, abstract)
         self.plateau_sharding = shardings["plateau"]
-        # Planned (and compiled) before anything is written or restored: a plan that cannot
-        # fit stops the run here.
+        # Planned (and compiled) before a checkpoint is restored or a log opened: a budget
+        # that nothing fits stops the run here, having written only config.json.
         self.plan, self.train_step = self.compile_train_step(
             step_lib.make_train_step(model, tx, lr, mesh, abstract), abstract
         )
