@@ -21,8 +21,10 @@ from lmuscale.sweep.__main__ import slurm_params
 from lmuscale.sweep.local import gpu_slots
 from lmuscale.sweep.plan import plan, table
 from lmuscale.sweep.runner import select
-from lmuscale.sweep.trials import RESULT_FIELDS, TrialLock, is_locked
+from lmuscale.sweep.trials import RESULT_FIELDS
 from lmuscale.train import load, model_config
+from lmuscale.train.workdir import Lock as TrialLock
+from lmuscale.train.workdir import is_locked
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -163,7 +165,7 @@ def test_trial_lock_is_exclusive_and_dies_with_its_holder(tmp_path):
         [
             sys.executable,
             "-c",
-            "import time; from lmuscale.sweep.trials import TrialLock; "
+            "import time; from lmuscale.train.workdir import Lock as TrialLock; "
             f"assert TrialLock({str(tmp_path)!r}).acquire(); print('held', flush=True); "
             "time.sleep(60)",
         ],

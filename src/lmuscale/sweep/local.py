@@ -16,8 +16,9 @@ from collections.abc import Callable
 from pathlib import Path
 
 from lmuscale.sweep.spec import SweepError
-from lmuscale.sweep.trials import DONE, LOG, is_locked, record_crash, status
+from lmuscale.sweep.trials import DONE, LOG, record_crash, status
 from lmuscale.sweep.worker import BUSY, PARENT
+from lmuscale.train.workdir import is_locked
 
 POLL_SECONDS = 0.5
 STOP_GRACE_SECONDS = 120  # how long stopped workers get to write their checkpoint

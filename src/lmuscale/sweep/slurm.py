@@ -20,8 +20,9 @@ from pathlib import Path
 
 from lmuscale.files import atomic_write_json
 from lmuscale.sweep.spec import Sweep, SweepError
-from lmuscale.sweep.trials import DONE, LOG, is_locked, read_json, record_crash, status
+from lmuscale.sweep.trials import DONE, LOG, read_json, record_crash, status
 from lmuscale.sweep.worker import BUSY, PARENT
+from lmuscale.train.workdir import is_locked
 
 try:
     import submitit

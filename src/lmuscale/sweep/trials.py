@@ -4,7 +4,7 @@ A trial folder is the training workdir (config.json, checkpoints/, metrics.jsonl
 summary.json) plus
 
     trial.json      the resolved config, written by the runner
-    lock            held (flock) by the process that trains the trial, released when it dies
+    lock            held (flock) by the process that trains the trial (``train.workdir.Lock``)
     train.log       the worker's output, every attempt appended
     attempts.jsonl  one line per attempt: start and end time, host, pid, outcome
     error.json      the exception and traceback of a failed attempt (removed by the next one)
@@ -13,7 +13,6 @@ summary.json) plus
 from __future__ import annotations
 
 import csv
-import fcntl
 import io
 import json
 import math
@@ -25,11 +24,10 @@ from lmuscale.files import atomic_write_bytes, atomic_write_json
 from lmuscale.models import count_params, flops_per_token
 from lmuscale.sweep.spec import ResolvedTrial
 from lmuscale.train.config import model_config
-from lmuscale.train.workdir import SUMMARY, has_checkpoint
+from lmuscale.train.workdir import SUMMARY, Lock, has_checkpoint, is_locked
 
-TRIAL, LOCK, LOG, ATTEMPTS, ERROR = (
+TRIAL, LOG, ATTEMPTS, ERROR = (
     "trial.json",
-    "lock",
     "train.log",
     "attempts.jsonl",
     "error.json",
@@ -59,38 +57,6 @@ RESULT_FIELDS = (
     "val_per_position",
     "test_per_position",
 )
-
-
-class TrialLock:
-    """An exclusive flock on ``FOLDER/lock``; the kernel drops it when its holder dies."""
-
-    def __init__(self, folder: Path):
-        self.path = Path(folder) / LOCK
-        self.fd = None
-
-    def acquire(self) -> bool:
-        fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
-        try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
-            os.close(fd)
-            return False
-        self.fd = fd
-        return True
-
-    def release(self) -> None:
-        if self.fd is not None:
-            os.close(self.fd)  # closing the last descriptor releases the flock
-            self.fd = None
-
-
-def is_locked(folder: Path) -> bool:
-    lock = TrialLock(folder)
-    if not lock.path.exists():
-        return False
-    free = lock.acquire()
-    lock.release()
-    return not free
 
 
 def read_json(path: Path) -> dict | None:
@@ -219,7 +185,7 @@ def record_crash(folder: Path, returncode: int) -> None:
     kernel's OOM killer) gets one that says how it ended and ends with its last output."""
     if (folder / ERROR).exists():
         return
-    lock = TrialLock(folder)
+    lock = Lock(folder)
     if not lock.acquire():  # someone else has started the trial again: not ours to mark
         return
     try:

@@ -22,7 +22,8 @@ import traceback
 from pathlib import Path
 
 from lmuscale.files import atomic_write_json
-from lmuscale.sweep.trials import ATTEMPTS, DONE, ERROR, SUMMARY, TRIAL, TrialLock, read_json
+from lmuscale.sweep.trials import ATTEMPTS, DONE, ERROR, SUMMARY, TRIAL, read_json
+from lmuscale.train.workdir import Lock
 
 FINISHED, FAILED, DIVERGED, INTERRUPTED, BUSY = 0, 1, 3, 4, 75
 
@@ -58,7 +59,7 @@ def train(folder: Path) -> int:
     from lmuscale.train import TrainingDiverged, TrainingInterrupted, run
     from lmuscale.train.config import check, upgrade
 
-    lock = TrialLock(folder)
+    lock = Lock(folder)
     # A runner's status check holds the lock for an instant: try a few times before giving up.
     for _ in range(10):
         if lock.acquire():
@@ -77,7 +78,7 @@ def train(folder: Path) -> int:
             config = ConfigDict(upgrade(json.loads((folder / TRIAL).read_text())["config"]))
             check(config, where=str(folder / TRIAL))
             config.lock()
-            summary = run(config, folder, progress=False)
+            summary = run(config, folder, progress=False, locked=True)
         except TrainingDiverged as error:
             _attempt(folder, {"event": "end", "outcome": "diverged"})
             print(f"diverged: {error}", flush=True)

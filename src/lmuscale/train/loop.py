@@ -27,6 +27,7 @@ of them at once, so further signals change nothing; SIGKILL stops a run at once.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import math
 import signal
@@ -182,8 +183,13 @@ class Evaluation:
     tokens: int
 
 
-def run(config: ConfigDict, workdir: str | Path, *, progress: bool | None = None) -> dict:
+def run(
+    config: ConfigDict, workdir: str | Path, *, progress: bool | None = None, locked: bool = False
+) -> dict:
     """Train (or resume) ``config`` in ``workdir``; returns the summary (also summary.json).
+
+    The workdir is locked for the run (``workdir.Lock``; ``locked``: the caller holds the lock
+    already), so a second process on it stops at once with ``workdir.WorkdirBusy``.
 
     Raises ``ConfigError`` before compiling anything when the config, the dataset or the
     workdir is wrong; ``memory.OutOfMemoryBudget`` (a ``ConfigError``) when, compiled, no
@@ -205,6 +211,14 @@ def run(config: ConfigDict, workdir: str | Path, *, progress: bool | None = None
     check_dataset(c, model_config, dataset)
     mesh = step_lib.make_mesh(c.mesh.model)
     check_batches(c, mesh)
+    with contextlib.ExitStack() as hold:
+        if primary and not locked:
+            hold.enter_context(workdir_lib.Lock(workdir_lib.usable(workdir)))
+            check_workdir(c, workdir)  # again, now that no other process can change it
+        return _train(c, workdir, model_config, dataset, mesh, primary, show)
+
+
+def _train(c, workdir: Path, model_config, dataset, mesh, primary: bool, show: bool) -> dict:
     if primary:
         workdir_lib.write_config(c, workdir)
     session = Session(c, workdir, model_config, dataset, mesh, primary)

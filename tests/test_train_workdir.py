@@ -1,0 +1,142 @@
+"""The training workdir: locked for the life of a run, and named when it cannot be one."""
+
+from __future__ import annotations
+
+import os
+import re
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+from small_config import small
+
+from lmuscale.train import ConfigError, run
+from lmuscale.train.workdir import Lock, WorkdirBusy, is_locked
+
+HERE = Path(__file__).resolve().parent
+
+
+def _command(workdir: Path) -> list[str]:
+    config = f"{HERE / 'small_config.py'}:small"
+    return [sys.executable, "-m", "lmuscale.train", "--config", config, "--workdir", str(workdir)]
+
+
+def _env(data: Path) -> dict:
+    return {**os.environ, "LMUSCALE_TEST_DATA": str(data), "PYTHONPATH": str(HERE)}
+
+
+def test_a_second_process_on_a_running_workdir_stops_at_once_naming_the_holder(
+    byte_corpus, tmp_path
+):
+    workdir = tmp_path / "w"
+    first = subprocess.Popen(
+        [*_command(workdir), "--config.train.steps=100000", "--quiet"],
+        env=_env(byte_corpus),
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        deadline = time.monotonic() + 300
+        while not is_locked(workdir):
+            assert first.poll() is None, first.stderr.read()
+            assert time.monotonic() < deadline, "the first run never took the lock"
+            time.sleep(0.05)
+        start = time.monotonic()
+        second = subprocess.run(
+            [*_command(workdir), "--quiet"],
+            env=_env(byte_corpus),
+            capture_output=True,
+            text=True,
+            timeout=300,
+        )
+        assert second.returncode == 1
+        message = second.stderr.strip()
+        assert f"workdir {workdir} is in use by pid {first.pid} on " in message
+        assert len(message.splitlines()) == 1
+        assert time.monotonic() - start < 60  # at once: nothing compiled or trained
+        assert first.poll() is None  # the first run goes on
+    finally:
+        first.kill()
+        first.wait()
+        first.stderr.close()
+    assert not is_locked(workdir)  # the kernel dropped the killed holder's lock
+
+
+def test_run_refuses_a_locked_workdir_in_process(byte_corpus, tmp_path):
+    workdir = tmp_path / "w"
+    workdir.mkdir()
+    holder = subprocess.Popen(
+        [
+            sys.executable,
+            "-c",
+            "import sys, time; from lmuscale.train.workdir import Lock; "
+            f"assert Lock({str(workdir)!r}).acquire(); print('held', flush=True); time.sleep(60)",
+        ],
+        stdout=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        assert holder.stdout.readline().strip() == "held"
+        with pytest.raises(WorkdirBusy, match=f"pid {holder.pid} on .* since"):
+            run(small(str(byte_corpus)), workdir)
+        assert not (workdir / "config.json").exists()  # nothing written
+    finally:
+        holder.kill()
+        holder.wait()
+        holder.stdout.close()
+    # A caller that holds the lock itself (a sweep worker) says so.
+    with Lock(workdir):
+        config = small(str(byte_corpus))
+        config.train.steps = 4
+        config.eval.every = 2
+        config.checkpoint.every = 2
+        assert run(config, workdir, locked=True)["status"] == "finished"
+
+
+@pytest.mark.parametrize("where", ["file", "below a file"])
+def test_a_workdir_that_cannot_be_one_is_named(byte_corpus, tmp_path, where):
+    (tmp_path / "f").write_text("not a folder")
+    workdir = tmp_path / "f" if where == "file" else tmp_path / "f" / "run"
+    with pytest.raises(ConfigError, match=f"workdir {workdir}: it \\(or a folder above it\\)"):
+        run(small(str(byte_corpus)), workdir)
+
+
+def test_unwritable_workdirs_are_named(tmp_path, monkeypatch):
+    import errno
+
+    from lmuscale.train import workdir as workdir_lib
+
+    for code, reason in (
+        (errno.EROFS, "the filesystem is read-only"),
+        (errno.EACCES, "permission denied"),
+        (errno.ENOSPC, "no space (or no inodes) left on the device"),
+    ):
+
+        def refuse(*args, code=code, **kwargs):
+            raise OSError(code, os.strerror(code))
+
+        monkeypatch.setattr(Path, "mkdir", refuse)
+        with pytest.raises(ConfigError, match=re.escape(f"cannot be created: {reason}")):
+            workdir_lib.usable(tmp_path / "new")
+        monkeypatch.undo()
+        monkeypatch.setattr(os, "open", refuse)
+        with pytest.raises(ConfigError, match=re.escape(f"cannot write in it: {reason}")):
+            Lock(tmp_path).acquire()
+        monkeypatch.undo()
+
+
+@pytest.mark.parametrize(
+    ("content", "message"),
+    [
+        (b'{"status": "finis', "not JSON"),
+        (b"\xff\xfe\x00binary", "not JSON"),
+        (b"[1, 2]", "a JSON list, not a summary"),
+    ],
+)
+def test_a_corrupt_summary_is_named(byte_corpus, tmp_path, content, message):
+    (tmp_path / "summary.json").write_bytes(content)
+    with pytest.raises(ConfigError, match=f"{tmp_path / 'summary.json'}: {message}"):
+        run(small(str(byte_corpus)), tmp_path)
