@@ -4,19 +4,47 @@ Orbax writes each checkpoint into a temporary folder and renames it when complet
 killed while saving leaves the previous checkpoints whole; the manager ignores (and cleans up)
 the unfinished folder on the next start. Saves are asynchronous: the arrays are copied off
 the device before ``save`` returns, then written while training goes on.
+
+Each checkpoint's JSON holds a CRC-32 of every array of the state (when this process holds
+all of them), checked on restore. A checkpoint that fails the check, or that orbax cannot read
+(a truncated file, a missing ``state/`` folder or manifest), raises ``CorruptCheckpoint``;
+``set_aside`` moves it to ``checkpoints.corrupt/`` beside the folder, never deleting it.
 """
 
 from __future__ import annotations
 
+import zlib
 from pathlib import Path
 
+import jax
+import numpy as np
 import orbax.checkpoint as ocp
+
+CHECKSUMS = "checksums"  # in a checkpoint's JSON: {array path: CRC-32 of its bytes}
+
+
+class CorruptCheckpoint(RuntimeError):
+    """A checkpoint that cannot be read, or whose arrays do not match their checksums."""
+
+
+def checksums(state) -> dict | None:
+    """CRC-32 of each array's bytes by its path in the tree; None when this process does not
+    hold every array whole (a multi-process run)."""
+    leaves = jax.tree_util.tree_leaves_with_path(state)
+    if not all(getattr(x, "is_fully_addressable", True) for _, x in leaves):
+        return None
+    values = jax.device_get([x for _, x in leaves])
+    return {
+        jax.tree_util.keystr(path): zlib.crc32(np.ascontiguousarray(value).tobytes())
+        for (path, _), value in zip(leaves, values, strict=True)
+    }
 
 
 class Checkpoints:
     """``workdir/checkpoints``: the last ``keep`` states, by step."""
 
     def __init__(self, directory: Path, keep: int):
+        self.directory = Path(directory).absolute()
         options = ocp.CheckpointManagerOptions(
             max_to_keep=keep, create=True, cleanup_tmp_directories=True
         )
@@ -25,18 +53,50 @@ class Checkpoints:
     def latest_step(self) -> int | None:
         return self.manager.latest_step()
 
+    def all_steps(self) -> list[int]:
+        return sorted(self.manager.all_steps())
+
     def save(self, step: int, state, meta: dict) -> None:
+        meta = {**meta, CHECKSUMS: checksums(state)}
         args = ocp.args.Composite(state=ocp.args.StandardSave(state), meta=ocp.args.JsonSave(meta))
         self.manager.save(step, args=args, force=True)
 
     def restore(self, step: int, abstract_state) -> tuple[dict, dict]:
         """The state at ``step``, each array placed with the sharding in ``abstract_state``
-        (a tree of ``jax.ShapeDtypeStruct`` with shardings), and its JSON."""
+        (a tree of ``jax.ShapeDtypeStruct`` with shardings), and its JSON, checked against the
+        checksums saved with it (``CorruptCheckpoint`` if it cannot be read or differs)."""
+        where = self.directory / str(step)
         args = ocp.args.Composite(
             state=ocp.args.StandardRestore(abstract_state), meta=ocp.args.JsonRestore()
         )
-        restored = self.manager.restore(step, args=args)
+        try:
+            restored = self.manager.restore(step, args=args)
+        except Exception as error:
+            reason = f"{type(error).__name__}: {error}".splitlines()[0][:300]
+            raise CorruptCheckpoint(f"{where} cannot be read ({reason})") from None
+        saved = (restored.meta or {}).get(CHECKSUMS)
+        if saved:  # checkpoints written before checksums existed are taken as they are
+            now = checksums(restored.state)
+            if now is not None:
+                bad = sorted(k for k in saved if now.get(k) != saved[k])
+                if bad or set(now) != set(saved):
+                    what = bad[0] if bad else "the set of arrays"
+                    raise CorruptCheckpoint(
+                        f"{where} does not match the checksums saved with it ({len(bad)} "
+                        f"arrays differ, e.g. {what}): its files were damaged"
+                    )
         return restored.state, restored.meta
+
+    def set_aside(self, step: int) -> Path:
+        """Move checkpoint ``step`` to ``checkpoints.corrupt/STEP[-k]``; returns the new path."""
+        aside = self.directory.parent / f"{self.directory.name}.corrupt"
+        aside.mkdir(exist_ok=True)
+        target, k = aside / str(step), 1
+        while target.exists():
+            target, k = aside / f"{step}-{k}", k + 1
+        (self.directory / str(step)).rename(target)
+        self.manager.reload()
+        return target
 
     def wait(self) -> None:
         self.manager.wait_until_finished()

@@ -31,6 +31,7 @@ import contextlib
 import dataclasses
 import math
 import signal
+import sys
 import threading
 import time
 from pathlib import Path
@@ -55,7 +56,7 @@ from lmuscale.train import config as config_lib
 from lmuscale.train import memory, optim
 from lmuscale.train import step as step_lib
 from lmuscale.train import workdir as workdir_lib
-from lmuscale.train.checkpoint import Checkpoints
+from lmuscale.train.checkpoint import Checkpoints, CorruptCheckpoint
 from lmuscale.train.metrics import MetricsLog, device_peak, mfu
 from lmuscale.train.workdir import TrainingDiverged
 
@@ -234,18 +235,24 @@ def _train(c, workdir: Path, model_config, dataset, mesh, primary: bool, show: b
 def restore_or_init(
     init, mesh, shardings, checkpoints: Checkpoints
 ) -> tuple[dict, float, int | None]:
-    """``(state, elapsed seconds, step)`` of the latest checkpoint, each array placed with its
-    sharding (a tree like the state's); the initial state, 0 and None when there is none."""
-    latest = checkpoints.latest_step()
-    if latest is None:
-        return step_lib.init_state(init, mesh, shardings), 0.0, None
+    """``(state, elapsed seconds, step)`` of the latest intact checkpoint, each array placed
+    with its sharding (a tree like the state's); the initial state, 0 and None when there is
+    none. A checkpoint that cannot be read or fails its checksums is set aside, and said so."""
     target = jax.tree.map(
         lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s),
         jax.eval_shape(init),
         shardings,
     )
-    state, meta = checkpoints.restore(latest, target)
-    return state, meta["elapsed"], latest
+    for step in reversed(checkpoints.all_steps()):
+        try:
+            state, meta = checkpoints.restore(step, target)
+        except CorruptCheckpoint as error:
+            if jax.process_index() == 0:
+                aside = checkpoints.set_aside(step)
+                print(f"checkpoint: {error}; moved to {aside}", file=sys.stderr, flush=True)
+            continue
+        return state, meta["elapsed"], step
+    return step_lib.init_state(init, mesh, shardings), 0.0, None
 
 
 class Clock:
@@ -425,9 +432,18 @@ class Session:
     # -- evaluation and the end of the run ---------------------------------------------------
 
     def diverged(self, step: int, metrics: dict) -> None:
-        """Write the diverged summary and raise ``TrainingDiverged``."""
+        """Write the diverged summary and raise ``TrainingDiverged``; or, right after a
+        restore, name the restored checkpoint as suspect and write no summary (so that a
+        sweep tries the trial again)."""
         self.checkpoints.wait()
         where = self.workdir / workdir_lib.CHECKPOINTS
+        if self.start > 0 and step <= self.start + max(1, self.c.log.every):
+            raise TrainingDiverged(
+                f"training diverged at step {step}, {step - self.start} step(s) after resuming "
+                f"from checkpoint {where / str(self.start)}: that checkpoint is suspect (damaged "
+                f"files, or written by another version). Move it aside (e.g. into "
+                f"{where}.corrupt/) and run again to resume from the one before it"
+            )
         kept = (
             f"the last good checkpoint is step {self.last_checkpoint} in {where}"
             if self.last_checkpoint is not None

@@ -1,0 +1,109 @@
+"""Checkpoints are verified on restore: a damaged one is named, set aside, and the run resumes
+from the newest intact one with the same numbers as an uninterrupted run."""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+from small_config import small
+
+from lmuscale.train import TrainingDiverged, run
+
+
+def _config(byte_corpus):
+    config = small(str(byte_corpus))
+    config.checkpoint.keep = 3  # steps 4, 8 and 12 stay
+    return config
+
+
+@pytest.fixture(scope="module")
+def finished_run(byte_corpus, tmp_path_factory):
+    workdir = tmp_path_factory.mktemp("whole")
+    run(_config(byte_corpus), workdir)
+    return workdir
+
+
+def _losses(workdir: Path) -> list[float]:
+    return [json.loads(line)["loss"] for line in (workdir / "metrics.jsonl").open()]
+
+
+def _largest_file(folder: Path) -> Path:
+    return max((p for p in folder.rglob("*") if p.is_file()), key=lambda p: p.stat().st_size)
+
+
+def _flip_bit(path: Path) -> None:
+    data = bytearray(path.read_bytes())
+    data[len(data) // 2] ^= 0x10
+    path.write_bytes(bytes(data))
+
+
+def _truncate(path: Path) -> None:
+    path.write_bytes(path.read_bytes()[: path.stat().st_size // 2])
+
+
+def _remove_state(folder: Path) -> None:
+    shutil.rmtree(folder / "state")
+
+
+@pytest.mark.parametrize("damage", [_flip_bit, _truncate, _remove_state])
+def test_a_damaged_checkpoint_is_set_aside_and_the_run_resumes_exactly(
+    byte_corpus, finished_run, tmp_path, capsys, damage
+):
+    workdir = tmp_path / "w"
+    shutil.copytree(finished_run, workdir)
+    (workdir / "summary.json").unlink()
+    newest = workdir / "checkpoints" / "12"
+    damage(newest if damage is _remove_state else _largest_file(newest / "state"))
+    capsys.readouterr()
+
+    summary = run(_config(byte_corpus), workdir)
+
+    err = capsys.readouterr().err
+    assert f"checkpoint: {newest} " in err
+    assert "cannot be read" in err or "does not match the checksums" in err
+    assert f"moved to {workdir / 'checkpoints.corrupt' / '12'}" in err
+    assert (workdir / "checkpoints.corrupt" / "12").is_dir()  # set aside, not deleted
+    assert _losses(workdir) == _losses(finished_run)  # resumed from step 8, bit for bit
+    whole = json.loads((finished_run / "summary.json").read_text())
+    assert summary["val_loss"] == whole["val_loss"]
+
+
+def test_a_divergence_right_after_a_restore_blames_the_checkpoint(byte_corpus, tmp_path):
+    """A checkpoint that reads back whole but holds a NaN (as a bad save by another version
+    would): the run names the checkpoint as suspect and writes no "diverged" summary."""
+    import jax
+    import jax.numpy as jnp
+
+    from lmuscale.models import build
+    from lmuscale.train import model_config, optim
+    from lmuscale.train import step as step_lib
+    from lmuscale.train.checkpoint import Checkpoints
+
+    config = _config(byte_corpus)
+    workdir = tmp_path / "w"
+    run(config, workdir)
+    (workdir / "summary.json").unlink()
+    model = build(model_config(config.model))
+    tx, _ = optim.optimizer(config.optim, config.train.steps)
+    init = step_lib.init_fn(model, tx, optim.plateau(config.optim), 0, config.data.seq_len)
+    checkpoints = Checkpoints(workdir / "checkpoints", keep=3)
+    state, meta = checkpoints.restore(12, jax.eval_shape(init))
+    shutil.rmtree(workdir / "checkpoints" / "12")
+    checkpoints.manager.reload()
+    leaves, tree = jax.tree.flatten(state["params"])
+    leaves[0] = leaves[0].at[(0,) * leaves[0].ndim].set(jnp.nan)
+    state["params"] = jax.tree.unflatten(tree, leaves)
+    checkpoints.save(8 + 4, state, meta)
+    checkpoints.wait()
+    checkpoints.close()
+    for name in ("metrics.jsonl", "eval.jsonl"):  # as a run killed after its last save
+        lines = (workdir / name).read_text().splitlines(keepends=True)
+        (workdir / name).write_text("".join(lines[:-1]))
+    config.train.steps = 16
+    (workdir / "config.json").unlink()  # the same run, now 16 steps long
+    with pytest.raises(TrainingDiverged, match=r"after resuming from checkpoint .*12: that"):
+        run(config, workdir)
+    assert not (workdir / "summary.json").exists()
