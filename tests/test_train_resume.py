@@ -169,3 +169,29 @@ def test_sigterm_writes_a_checkpoint_at_the_current_step_and_resumes_exactly(run
     assert _records(stopped / "metrics.jsonl", keys) == _records(whole / "metrics.jsonl", keys)
     keys = ("step", "val_loss", "lr_scale")
     assert _records(stopped / "eval.jsonl", keys) == _records(whole / "eval.jsonl", keys)
+
+
+def test_ctrl_c_stops_like_sigterm_with_one_line_and_status_130(runs, tmp_path):
+    whole, _, _ = runs
+    stopped = tmp_path / "stopped"
+    data = Path(json.loads((whole / "config.json").read_text())["data"]["path"])
+    process = subprocess.Popen(
+        [*_command(stopped), *OVERRIDES, "--quiet"],
+        env=_env(data),
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+    )
+    metrics = stopped / "metrics.jsonl"
+    deadline = time.monotonic() + 300
+    while not (metrics.exists() and len(metrics.read_text().splitlines()) >= 5):
+        assert process.poll() is None and time.monotonic() < deadline
+        time.sleep(0.01)
+    process.send_signal(signal.SIGINT)
+    _, stderr = process.communicate(timeout=120)
+    text = stderr.decode()
+    assert process.returncode == 130, text[-2000:]
+    assert "Traceback" not in text and "KeyboardInterrupt" not in text
+    stopped_lines = [line for line in text.splitlines() if line.startswith("stopped:")]
+    assert len(stopped_lines) == 1 and "SIGINT received: stopped after step" in text
+    logged = json.loads(metrics.read_text().splitlines()[-1])["step"]
+    assert max(_complete_checkpoints(stopped)) == logged < STEPS

@@ -3,7 +3,7 @@
 Runs (or resumes) one training run. Exit status: 0 when finished, 1 for a bad config or
 dataset (the message names the key, file or value), 2 for bad arguments, 3 when the loss
 diverged, 4 when SIGTERM/SIGUSR1/SIGUSR2 stopped it after a checkpoint (run it again to
-resume).
+resume), 130 for Ctrl-C (SIGINT): during training it also stops after a checkpoint.
 """
 
 from __future__ import annotations
@@ -61,7 +61,10 @@ def main(argv: list[str] | None = None) -> int:
         return 3
     except TrainingInterrupted as error:
         print(f"stopped: {error}", file=sys.stderr)
-        return 4
+        return 130 if error.signal_name == "SIGINT" else 4
+    except KeyboardInterrupt:  # Ctrl-C before training began: nothing to save
+        print("stopped: SIGINT received before training began", file=sys.stderr)
+        return 130
     print(
         f"val loss {summary['val_loss']:.4f} nats ({summary['val_bits_per_byte']:.4f} bits/byte), "
         f"test loss {summary['test_loss']:.4f} nats; summary in {args.workdir}/summary.json"

@@ -60,11 +60,16 @@ from lmuscale.train.checkpoint import Checkpoints, CorruptCheckpoint
 from lmuscale.train.metrics import MetricsLog, device_peak, mfu
 from lmuscale.train.workdir import TrainingDiverged
 
-STOP_SIGNALS = (signal.SIGTERM, signal.SIGUSR1, signal.SIGUSR2)
+# A scheduler's notices of preemption or time limit, and Ctrl-C.
+STOP_SIGNALS = (signal.SIGTERM, signal.SIGUSR1, signal.SIGUSR2, signal.SIGINT)
 
 
 class TrainingInterrupted(RuntimeError):
     """A stop signal arrived; the run saved a checkpoint and can be resumed."""
+
+    def __init__(self, message: str, signal_name: str = ""):
+        super().__init__(message)
+        self.signal_name = signal_name
 
 
 class _StopSignals:
@@ -426,7 +431,8 @@ class Session:
         self.checkpoints.wait()
         raise TrainingInterrupted(
             f"{signal_name} received: stopped after step {done} of {self.c.train.steps} with a "
-            f"checkpoint in {self.workdir / workdir_lib.CHECKPOINTS}; run again to resume"
+            f"checkpoint in {self.workdir / workdir_lib.CHECKPOINTS}; run again to resume",
+            signal_name,
         )
 
     # -- evaluation and the end of the run ---------------------------------------------------
