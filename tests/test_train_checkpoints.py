@@ -107,3 +107,61 @@ def test_a_divergence_right_after_a_restore_blames_the_checkpoint(byte_corpus, t
     with pytest.raises(TrainingDiverged, match=r"after resuming from checkpoint .*12: that"):
         run(config, workdir)
     assert not (workdir / "summary.json").exists()
+
+
+def test_a_full_disk_is_named_at_the_save_and_the_rerun_resumes_exactly(
+    byte_corpus, finished_run, tmp_path, monkeypatch
+):
+    from collections import namedtuple
+
+    from lmuscale.train import checkpoint
+    from lmuscale.train.checkpoint import CheckpointWriteError
+
+    usage = namedtuple("usage", "total used free")
+    saves = []
+    real = checkpoint.shutil.disk_usage
+
+    def filling(path):  # room for the first checkpoint only
+        saves.append(path)
+        return real(path) if len(saves) == 1 else usage(10**9, 10**9, 1000)
+
+    monkeypatch.setattr(checkpoint.shutil, "disk_usage", filling)
+    workdir = tmp_path / "w"
+    with pytest.raises(CheckpointWriteError) as error:
+        run(_config(byte_corpus), workdir)
+    message = str(error.value)
+    assert f"no room for checkpoint 8 in {workdir / 'checkpoints'}: it needs about " in message
+    assert "bytes and 1,000 are free; the checkpoints before it are kept" in message
+    monkeypatch.undo()
+    assert sorted(p.name for p in (workdir / "checkpoints").iterdir()) == ["4"]
+    run(_config(byte_corpus), workdir)  # space freed: resumes from step 4
+    assert _losses(workdir) == _losses(finished_run)
+
+
+def test_an_unwritable_checkpoint_folder_ends_the_process_with_one_line(byte_corpus, tmp_path):
+    """Today's hang: orbax's threads kept the process alive after the error."""
+    import os
+    import subprocess
+    import sys
+
+    here = Path(__file__).resolve().parent
+    workdir = tmp_path / "w"
+    workdir.mkdir()
+    (workdir / "checkpoints").write_text("a file where the folder should be")
+    command = [
+        sys.executable,
+        "-m",
+        "lmuscale.train",
+        "--config",
+        f"{here / 'small_config.py'}:small",
+        "--workdir",
+        str(workdir),
+        "--quiet",
+    ]
+    env = {**os.environ, "LMUSCALE_TEST_DATA": str(byte_corpus), "PYTHONPATH": str(here)}
+    done = subprocess.run(command, env=env, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 1
+    assert done.stderr.strip().splitlines() == [
+        f"error: checkpoint folder {workdir / 'checkpoints'} cannot be created (FileExistsError: "
+        f"[Errno 17] File exists: '{workdir / 'checkpoints'}')"
+    ]

@@ -1,9 +1,10 @@
 """``python -m lmuscale.train --config FILE.py[:NAME] [--config.KEY=VALUE ...] --workdir DIR``.
 
 Runs (or resumes) one training run. Exit status: 0 when finished, 1 for a bad config or
-dataset (the message names the key, file or value), 2 for bad arguments, 3 when the loss
-diverged, 4 when SIGTERM/SIGUSR1/SIGUSR2 stopped it after a checkpoint (run it again to
-resume), 130 for Ctrl-C (SIGINT): during training it also stops after a checkpoint.
+dataset (the message names the key, file or value) or a checkpoint that cannot be written, 2
+for bad arguments, 3 when the loss diverged, 4 when SIGTERM/SIGUSR1/SIGUSR2 stopped it after a
+checkpoint (run it again to resume), 130 for Ctrl-C (SIGINT): during training it also stops
+after a checkpoint.
 """
 
 from __future__ import annotations
@@ -49,11 +50,12 @@ def main(argv: list[str] | None = None) -> int:
         override,
         run,
     )
+    from lmuscale.train.checkpoint import CheckpointWriteError
 
     try:
         config = override(load(args.config), overrides)
         summary = run(config, args.workdir, progress=False if args.quiet else None)
-    except ConfigError as error:
+    except (ConfigError, CheckpointWriteError) as error:
         print(f"error: {error}", file=sys.stderr)
         return 1
     except TrainingDiverged as error:

@@ -13,6 +13,7 @@ all of them), checked on restore. A checkpoint that fails the check, or that orb
 
 from __future__ import annotations
 
+import shutil
 import zlib
 from pathlib import Path
 
@@ -21,6 +22,14 @@ import numpy as np
 import orbax.checkpoint as ocp
 
 CHECKSUMS = "checksums"  # in a checkpoint's JSON: {array path: CRC-32 of its bytes}
+
+
+class CheckpointWriteError(RuntimeError):
+    """A checkpoint could not be written: the folder cannot be made, or the disk is full."""
+
+
+def _reason(error: BaseException) -> str:
+    return f"{type(error).__name__}: {error}".splitlines()[0][:300]
 
 
 class CorruptCheckpoint(RuntimeError):
@@ -45,6 +54,12 @@ class Checkpoints:
 
     def __init__(self, directory: Path, keep: int):
         self.directory = Path(directory).absolute()
+        try:
+            self.directory.mkdir(parents=True, exist_ok=True)
+        except OSError as error:
+            raise CheckpointWriteError(
+                f"checkpoint folder {self.directory} cannot be created ({_reason(error)})"
+            ) from None
         options = ocp.CheckpointManagerOptions(
             max_to_keep=keep, create=True, cleanup_tmp_directories=True
         )
@@ -57,9 +72,24 @@ class Checkpoints:
         return sorted(self.manager.all_steps())
 
     def save(self, step: int, state, meta: dict) -> None:
+        """Save ``state`` at ``step``, first checking there is room for it (a full disk is
+        named here, at the save that needs the space, and the older checkpoints stay)."""
+        needed = sum(x.nbytes for x in jax.tree.leaves(state))
+        free = shutil.disk_usage(self.directory).free
+        if free < needed:
+            raise CheckpointWriteError(
+                f"no room for checkpoint {step} in {self.directory}: it needs about "
+                f"{needed:,} bytes and {free:,} are free; the checkpoints before it are kept. "
+                "Free some space and run again to resume"
+            )
         meta = {**meta, CHECKSUMS: checksums(state)}
         args = ocp.args.Composite(state=ocp.args.StandardSave(state), meta=ocp.args.JsonSave(meta))
-        self.manager.save(step, args=args, force=True)
+        try:
+            self.manager.save(step, args=args, force=True)
+        except Exception as error:  # also an earlier save's error, surfacing now
+            raise CheckpointWriteError(
+                f"saving checkpoint {step} in {self.directory} failed ({_reason(error)})"
+            ) from None
 
     def restore(self, step: int, abstract_state) -> tuple[dict, dict]:
         """The state at ``step``, each array placed with the sharding in ``abstract_state``
@@ -72,8 +102,7 @@ class Checkpoints:
         try:
             restored = self.manager.restore(step, args=args)
         except Exception as error:
-            reason = f"{type(error).__name__}: {error}".splitlines()[0][:300]
-            raise CorruptCheckpoint(f"{where} cannot be read ({reason})") from None
+            raise CorruptCheckpoint(f"{where} cannot be read ({_reason(error)})") from None
         saved = (restored.meta or {}).get(CHECKSUMS)
         if saved:  # checkpoints written before checksums existed are taken as they are
             now = checksums(restored.state)
@@ -99,7 +128,19 @@ class Checkpoints:
         return target
 
     def wait(self) -> None:
-        self.manager.wait_until_finished()
+        try:
+            self.manager.wait_until_finished()
+        except Exception as error:
+            raise CheckpointWriteError(
+                f"writing a checkpoint in {self.directory} failed ({_reason(error)})"
+            ) from None
 
     def close(self) -> None:
-        self.manager.close()
+        """Stop the manager's threads (whatever a save left behind: nothing may keep the
+        process from exiting)."""
+        try:
+            self.manager.wait_until_finished()
+        except Exception:
+            pass  # already reported by wait() or save()
+        finally:
+            self.manager.close()

@@ -536,6 +536,7 @@ class Session:
         return summary
 
     def close(self) -> None:
-        self.checkpoints.wait()
-        self.checkpoints.close()
-        self.log.close()
+        try:
+            self.checkpoints.close()
+        finally:
+            self.log.close()
