@@ -195,3 +195,46 @@ def test_ctrl_c_stops_like_sigterm_with_one_line_and_status_130(runs, tmp_path):
     assert len(stopped_lines) == 1 and "SIGINT received: stopped after step" in text
     logged = json.loads(metrics.read_text().splitlines()[-1])["step"]
     assert max(_complete_checkpoints(stopped)) == logged < STEPS
+
+
+def test_five_kills_at_random_moments_then_exact_equality(runs, tmp_path):
+    """SIGKILL at 5 seeded random moments: one while starting up, four a random number of
+    steps into training (so during a step, a save or an evaluation)."""
+    import random
+
+    whole, _, _ = runs
+    data = Path(json.loads((whole / "config.json").read_text())["data"]["path"])
+    workdir = tmp_path / "killed"
+    rng = random.Random(20)
+    kills = []
+    for _ in range(5):
+        process = subprocess.Popen(
+            [*_command(workdir), *OVERRIDES, "--quiet"],
+            env=_env(data),
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.DEVNULL,
+        )
+        metrics = workdir / "metrics.jsonl"
+        if not kills:  # the first while starting up
+            time.sleep(rng.uniform(1.0, 3.0))
+        else:  # the others a random number of logged steps into training, plus a moment
+            logged = len(metrics.read_text().splitlines()) if metrics.exists() else 0
+            target, deadline = logged + rng.randint(1, 20), time.monotonic() + 300
+            while process.poll() is None and time.monotonic() < deadline:
+                if metrics.exists() and len(metrics.read_text().splitlines()) >= target:
+                    break
+                time.sleep(0.01)
+            time.sleep(rng.uniform(0.0, 0.3))
+        process.send_signal(signal.SIGKILL)
+        process.wait()
+        kills.append(max(_complete_checkpoints(workdir), default=None))
+    print(f"checkpoints after each kill: {kills}")
+    _train(workdir, data)
+    keys = ("step", "loss", "lr", "grad_norm", "param_norm", "tokens")
+    assert _records(workdir / "metrics.jsonl", keys) == _records(whole / "metrics.jsonl", keys)
+    keys = ("step", "val_loss", "lr_scale")
+    assert _records(workdir / "eval.jsonl", keys) == _records(whole / "eval.jsonl", keys)
+    (whole_step, whole_params), (step, params) = _params(whole), _params(workdir)
+    assert step == whole_step == STEPS
+    for a, b in zip(whole_params, params, strict=True):
+        np.testing.assert_array_equal(a, b)
