@@ -90,6 +90,80 @@ def test_bad_overrides_are_rejected_by_name(item, message):
         override(load(f"{OWT2}:tiny"), [item])
 
 
+@pytest.mark.parametrize(
+    ("item", "message"),
+    [
+        ("optim.learning_rate=-1", r"optim\.learning_rate must be > 0, got -1\.0"),
+        ("optim.learning_rate=0", r"optim\.learning_rate must be > 0, got 0\.0"),
+        ("optim.learning_rate=inf", r"optim\.learning_rate must be > 0, got inf"),
+        ("optim.learning_rate=nan", r"optim\.learning_rate must be > 0, got nan"),
+        ("optim.b1=1", r"optim\.b1 must be in \[0, 1\), got 1\.0"),
+        ("optim.b1=-0.1", r"optim\.b1 must be in \[0, 1\), got -0\.1"),
+        ("optim.b2=1", r"optim\.b2 must be in \[0, 1\), got 1\.0"),
+        ("optim.b2=nan", r"optim\.b2 must be in \[0, 1\), got nan"),
+        ("optim.eps=0", r"optim\.eps must be > 0, got 0\.0"),
+        ("optim.eps=-inf", r"optim\.eps must be > 0, got -inf"),
+        ("optim.grad_clip=-1", r"optim\.grad_clip must be >= 0, got -1\.0"),
+        ("optim.grad_clip=nan", r"optim\.grad_clip must be >= 0, got nan"),
+        ("optim.plateau_factor=1", r"optim\.plateau_factor must be in \(0, 1\), got 1\.0"),
+        ("optim.plateau_factor=0", r"optim\.plateau_factor must be in \(0, 1\), got 0\.0"),
+        ("optim.plateau_rtol=0", r"optim\.plateau_rtol must be in \(0, 1\], got 0\.0"),
+        ("optim.plateau_rtol=nan", r"optim\.plateau_rtol must be in \(0, 1\], got nan"),
+        ("optim.plateau_patience=0", r"optim\.plateau_patience must be >= 1, got 0"),
+        ("optim.plateau_cooldown=-1", r"optim\.plateau_cooldown must be >= 0, got -1"),
+        ("optim.plateau_min_scale=2", r"optim\.plateau_min_scale must be in \[0, 1\], got 2\.0"),
+        (
+            "optim.plateau_min_scale=-0.5",
+            r"optim\.plateau_min_scale must be in \[0, 1\], got -0\.5",
+        ),
+        ("optim.plateau_min_scale=inf", r"optim\.plateau_min_scale must be in \[0, 1\], got inf"),
+        ("train.seed=-1", r"train\.seed must be in \[0, 2\*\*32\), got -1"),
+        ("train.seed=4294967296", r"train\.seed must be in \[0, 2\*\*32\), got 4294967296"),
+        ("train.memory_budget_gb=nan", r"train\.memory_budget_gb must be >= 0, got nan"),
+        ("peak_flops=-1", r"peak_flops must be >= 0, got -1\.0"),
+        ("peak_flops=inf", r"peak_flops must be >= 0, got inf"),
+        ("distributed.num_processes=-1", r"distributed\.num_processes must be >= 0, got -1"),
+        ("distributed.process_id=-2", r"distributed\.process_id must be >= -1, got -2"),
+    ],
+)
+def test_out_of_range_values_are_rejected_with_key_and_value(item, message):
+    with pytest.raises(ConfigError, match=rf"^command line: {message}$"):
+        override(load(f"{OWT2}:tiny"), [item])
+
+
+@pytest.mark.parametrize(
+    "item",
+    [
+        "optim.b1=0",
+        "optim.b2=0",
+        "optim.plateau_factor=0.999",
+        "optim.plateau_rtol=1",
+        "optim.plateau_patience=1",
+        "optim.plateau_min_scale=1",
+        "train.seed=4294967295",
+        "distributed.process_id=0",
+    ],
+)
+def test_values_at_the_edge_of_their_range_are_accepted(item):
+    override(load(f"{OWT2}:tiny"), [item])
+
+
+def test_a_config_file_with_a_bad_learning_rate_names_the_file(tmp_path):
+    body = "    config.optim.learning_rate = -1\n"
+    message = r"exp\.py: optim\.learning_rate must be > 0, got -1\.0$"  # ConfigDict made it a float
+    with pytest.raises(ConfigError, match=message):
+        load(_config_file(tmp_path, body))
+
+
+def test_every_shipped_config_passes_the_range_checks():
+    # The paper's models are loaded one by one above; tiny and the sweeps' trials here.
+    load(f"{OWT2}:tiny")
+    from lmuscale.sweep.spec import load_sweep
+
+    for path in sorted((ROOT / "sweeps").glob("*.py")):
+        assert load_sweep(path).trials  # each trial is checked as it is resolved
+
+
 def test_transformer_sequence_cannot_exceed_its_positions():
     with pytest.raises(ConfigError, match=r"data\.seq_len \(2048\) exceeds model\.max_len"):
         override(load(f"{OWT2}:transformer-55k"), ["data.seq_len=2048"])

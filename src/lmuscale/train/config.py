@@ -53,7 +53,32 @@ NON_NEGATIVE = (
     "optim.grad_clip",
     "eval.batches",
     "eval.final_batches",
+    "distributed.num_processes",  # 0 = from the cluster's environment
+    "peak_flops",
 )
+# Other keys' valid values: (test, the range as the error message says it). Floats must also
+# be finite (a NaN fails every test anyway).
+RANGES = {
+    # jax.random.key keeps only the low 32 bits (without x64): seed 2**32 would draw seed 0's
+    # parameters, but other batches.
+    "train.seed": (lambda v: 0 <= v < 2**32, "in [0, 2**32)"),
+    "optim.learning_rate": (lambda v: v > 0, "> 0"),
+    # Adam divides by 1 - b**t: 1 is a division by zero at the first step.
+    "optim.b1": (lambda v: 0 <= v < 1, "in [0, 1)"),
+    "optim.b2": (lambda v: 0 <= v < 1, "in [0, 1)"),
+    "optim.eps": (lambda v: v > 0, "> 0"),  # 0 would divide 0 by 0 where a gradient is 0
+    "optim.plateau_factor": (lambda v: 0 < v < 1, "in (0, 1)"),
+    "optim.plateau_rtol": (lambda v: 0 < v <= 1, "in (0, 1]"),  # optax's range when atol is 0
+    # optax cuts the scale when its count of evaluations without improvement equals patience;
+    # the count is 0 after an improvement, so 0 would cut it at every improvement and never on
+    # a plateau, and a negative patience would never cut it.
+    "optim.plateau_patience": (lambda v: v >= 1, ">= 1"),
+    "optim.plateau_cooldown": (lambda v: v >= 0, ">= 0"),  # below 0 acts as 0
+    # The scale starts at 1 and is max(scale, min_scale) at every evaluation: above 1 would
+    # raise the learning rate at the first one.
+    "optim.plateau_min_scale": (lambda v: 0 <= v <= 1, "in [0, 1]"),
+    "distributed.process_id": (lambda v: v >= -1, ">= -1"),  # -1 = from the environment
+}
 
 
 class ConfigError(ValueError):
@@ -213,6 +238,10 @@ def _check_values(c: ConfigDict, where: str) -> None:
         positive(key, values[key])
     for key in NON_NEGATIVE:
         positive(key, values[key], allow_zero=True)
+    for key, (test, bounds) in RANGES.items():
+        value = values[key]
+        if not test(value) or (isinstance(value, float) and not math.isfinite(value)):
+            raise ConfigError(f"{where}: {key} must be {bounds}, got {value!r}")
     if c.train.microbatches and c.train.global_batch % c.train.microbatches:
         raise ConfigError(
             f"{where}: train.global_batch ({c.train.global_batch}) must be a multiple of "
@@ -223,10 +252,6 @@ def _check_values(c: ConfigDict, where: str) -> None:
             f"{where}: optim.warmup_steps ({c.optim.warmup_steps}) must be below train.steps "
             f"({c.train.steps})"
         )
-    if not 0 < c.optim.plateau_factor < 1:
-        raise ConfigError(f"{where}: optim.plateau_factor must be in (0, 1)")
-    if not 0 < c.optim.plateau_rtol <= 1:
-        raise ConfigError(f"{where}: optim.plateau_rtol must be in (0, 1]")
     model = model_config(c.model)
     max_len = getattr(model, "max_len", None)
     if max_len is not None and c.data.seq_len > max_len:
