@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import json
 import math
+import re
+import shutil
 import struct
 
 import jax
@@ -17,6 +19,7 @@ from lmuscale.models import build, count_params
 from lmuscale.train import ConfigError, TrainingDiverged, model_config, optim, run
 from lmuscale.train import step as step_lib
 from lmuscale.train.checkpoint import Checkpoints
+from lmuscale.train.metrics import DamagedLog
 
 
 def test_schedule_is_linear_warmup_then_cosine_to_zero():
@@ -196,6 +199,35 @@ def test_a_finished_run_is_not_run_again(finished):
     before = (workdir / "metrics.jsonl").read_bytes()
     assert run(config, workdir) == summary
     assert (workdir / "metrics.jsonl").read_bytes() == before
+
+
+def test_a_resume_names_a_torn_middle_line_and_drops_a_torn_last_one(finished, tmp_path):
+    config, done, _ = finished
+    workdir = tmp_path / "run"
+    shutil.copytree(done, workdir)
+    (workdir / "summary.json").unlink()
+    shutil.rmtree(workdir / "checkpoints" / "12")  # the run resumes from step 8
+    metrics = workdir / "metrics.jsonl"
+    whole = metrics.read_bytes()
+    lines = whole.splitlines(keepends=True)
+    metrics.write_bytes(b"".join(lines[:2]) + lines[2][:15] + b"".join(lines[3:]))
+    damaged = metrics.read_bytes()
+    with pytest.raises(DamagedLog, match=rf"{re.escape(str(metrics))}:3: not a JSON log line"):
+        run(config, workdir)
+    assert metrics.read_bytes() == damaged
+
+    metrics.write_bytes(whole + b'{"step": 13, "lo')  # mended, and a kill's torn last line
+    run(config, workdir)
+    assert metrics.read_bytes()[: len(b"".join(lines[:8]))] == b"".join(lines[:8])
+    logs = {
+        "metrics.jsonl": ("step", "loss", "lr", "grad_norm", "param_norm", "tokens"),
+        "eval.jsonl": ("step", "val_loss", "lr_scale"),
+    }
+    for name, keys in logs.items():  # the resumed steps equal the first run's
+        want = [json.loads(line) for line in (done / name).open()]
+        got = [json.loads(line) for line in (workdir / name).open()]
+        assert [[r.get(k) for k in keys] for r in got] == [[r.get(k) for k in keys] for r in want]
+    assert not [p.name for p in workdir.iterdir() if p.name.startswith(".")]
 
 
 COMPILATIONS: list[str] = []

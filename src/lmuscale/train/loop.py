@@ -199,8 +199,10 @@ def run(
 
     Raises ``ConfigError`` before compiling anything when the config, the dataset or the
     workdir is wrong; ``memory.OutOfMemoryBudget`` (a ``ConfigError``) when, compiled, no
-    micro-batch count fits the memory budget, before any step; and ``TrainingDiverged`` when
-    the loss becomes NaN or infinite.
+    micro-batch count fits the memory budget, before any step; ``metrics.DamagedLog`` (a
+    ``ConfigError``) when a resumed run's metrics.jsonl or eval.jsonl has a bad line before its
+    last or steps out of order, before any step; and ``TrainingDiverged`` when the loss becomes
+    NaN or infinite.
     """
     c = config
     config_lib.check(c)
