@@ -310,13 +310,17 @@ class Session:
             step_lib.make_train_step(model, tx, lr, mesh, abstract), abstract
         )
         self.checkpoints = Checkpoints(workdir / workdir_lib.CHECKPOINTS, c.checkpoint.keep)
-        self.state, self.elapsed_before, self.last_checkpoint = restore_or_init(
-            init, mesh, shardings, self.checkpoints
-        )
-        self.start = int(jax.device_get(self.state["step"]))
-        self.log = MetricsLog(
-            workdir, self.start, enabled=primary, tensorboard=c.log.tensorboard and primary
-        )
+        try:
+            self.state, self.elapsed_before, self.last_checkpoint = restore_or_init(
+                init, mesh, shardings, self.checkpoints
+            )
+            self.start = int(jax.device_get(self.state["step"]))
+            self.log = MetricsLog(
+                workdir, self.start, enabled=primary, tensorboard=c.log.tensorboard and primary
+            )
+        except BaseException:  # a damaged log, say: no orbax thread may outlive the error
+            self.checkpoints.close()
+            raise
         self.eval_step = step_lib.make_eval_step(model, mesh, abstract["params"])
         self.flops = flops_per_token(model_config, self.seq_len)
         self.peak = device_peak(model_config.dtype, c.peak_flops)
