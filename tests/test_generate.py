@@ -2,19 +2,26 @@
 
 from __future__ import annotations
 
+import os
+import shutil
 import subprocess
 import sys
+from pathlib import Path
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import orbax.checkpoint as ocp
 import pytest
+from small_config import small
 from test_models import init, jiggle, tiny
 
 from lmuscale import generate
 from lmuscale.data.tokenizer import byte_tokenizer
 from lmuscale.models import build, named_config
+from lmuscale.train import model_config, optim, run
+from lmuscale.train import step as step_lib
+from lmuscale.train.checkpoint import Checkpoints
 
 
 @pytest.mark.parametrize("family", ["lmu", "lmu_g", "transformer"])
@@ -74,8 +81,7 @@ def test_command_samples_from_a_checkpoint(checkpoint, capsys):
 def test_command_rejects_a_checkpoint_of_another_model(checkpoint, capsys):
     _, _, path = checkpoint
     argv = ["--model", "lmu-100k", "--tokenizer", "bytes", "--checkpoint", str(path)]
-    with pytest.raises(SystemExit):
-        generate.main(argv)
+    assert generate.main(argv) == 1
     message = capsys.readouterr().err
     assert "does not fit the model" in message
     assert "['bias'] has shape (3, 5) in the checkpoint but (3, 7) in the model" in message
@@ -87,3 +93,180 @@ def test_module_runs_from_the_command_line():
     result = subprocess.run(command, capture_output=True, text=True, timeout=300, check=False)
     assert result.returncode == 0, result.stderr
     assert result.stdout.startswith("Hello") and "random init" in result.stderr
+
+
+@pytest.fixture(scope="module")
+def trained(byte_corpus, tmp_path_factory):
+    """A 4-step run of the small config with checkpoints at steps 2 and 4: (config, workdir)."""
+    workdir = tmp_path_factory.mktemp("trained")
+    config = small(str(byte_corpus))
+    config.train.update(steps=4)
+    config.optim.update(warmup_steps=1)
+    config.eval.update(every=2)
+    config.checkpoint.update(every=2)
+    run(config, workdir)
+    return config, workdir
+
+
+def _trained_params(config, workdir, step):
+    """The model of ``config`` and its parameters at ``step``, restored as training does."""
+    model = build(model_config(config.model))
+    tx, _ = optim.optimizer(config.optim, config.train.steps)
+    init_fn = step_lib.init_fn(model, tx, optim.plateau(config.optim), 0, config.data.seq_len)
+    checkpoints = Checkpoints(workdir / "checkpoints", keep=2)
+    state, _ = checkpoints.restore(step, jax.eval_shape(init_fn))
+    checkpoints.close()
+    return model, state["params"]
+
+
+def test_workdir_samples_from_its_newest_checkpoint_with_its_config(trained, capsys):
+    config, workdir = trained
+    assert sorted(p.name for p in (workdir / "checkpoints").iterdir()) == ["2", "4"]
+    model, params = _trained_params(config, workdir, 4)
+    _, older = _trained_params(config, workdir, 2)
+    found = generate.find_checkpoint(workdir)
+    assert found == generate.Checkpoint(workdir / "checkpoints" / "4" / "state", workdir)
+    loaded = generate.load_params(found.state, model)
+    for ours, theirs in zip(jax.tree.leaves(loaded), jax.tree.leaves(params), strict=True):
+        np.testing.assert_array_equal(ours, theirs)
+    # step 4's parameters, not step 2's: training moved the embedding
+    assert not np.array_equal(
+        loaded["params"]["embed"]["embedding"], older["params"]["embed"]["embedding"]
+    )
+    tokens = jnp.asarray([list(b"the memory holds")])
+    np.testing.assert_array_equal(model.apply(loaded, tokens), model.apply(params, tokens))
+
+    prompt = "the memory"
+    argv = ["--workdir", str(workdir), "--prompt", prompt, "--tokens", "24"]
+    assert generate.main([*argv, "--temperature", "0.7", "--seed", "3"]) == 0
+    out, err = capsys.readouterr()
+    tokenizer = byte_tokenizer()
+    new = generate.sample(
+        model, params, tokenizer.encode(prompt), 24, temperature=0.7, seed=3, start_id=0
+    )
+    assert out == prompt + tokenizer.decode(new) + "\n"
+    assert f"parameters from {workdir}/checkpoints/4/state" in err
+    assert f"the model of {workdir}/config.json" in err
+
+
+def test_every_form_of_a_checkpoint_gives_the_same_text(trained, capsys, monkeypatch):
+    _, workdir = trained
+    step = workdir / "checkpoints" / "4"
+    texts = {}
+    for form in (
+        ["--workdir", workdir],
+        ["--checkpoint", workdir],
+        ["--checkpoint", step],
+        ["--checkpoint", step / "state"],
+    ):
+        argv = [*map(str, form), "--prompt", "the", "--tokens", "16", "--seed", "5"]
+        assert generate.main(argv) == 0, form
+        out, err = capsys.readouterr()
+        assert f"parameters from {step}/state" in err
+        texts[str(form)] = out
+    assert len(set(texts.values())) == 1, texts
+    assert next(iter(texts.values())).startswith("the")
+    # the checkpoints folder and an older step are checkpoints too, and so is a relative path
+    assert generate.find_checkpoint(workdir / "checkpoints") == generate.find_checkpoint(workdir)
+    assert generate.find_checkpoint(workdir / "checkpoints" / "2").state.parent.name == "2"
+    monkeypatch.chdir(step)
+    assert generate.find_checkpoint(".") == generate.find_checkpoint(step / "state")
+    assert generate.find_checkpoint("../..") == generate.find_checkpoint(workdir)
+
+
+def _damage(workdir: Path, how: str) -> Path:
+    """Damage checkpoint 4 of ``workdir``; the path its error names."""
+    state = workdir / "checkpoints" / "4" / "state"
+    if how == "no state":
+        shutil.rmtree(state)
+        return state.parent
+    if how == "data files":
+        paths = [p for p in state.rglob("*") if p.is_file() and p.parent.name == "d"]
+    else:  # one file: manifest.ocdbt or _METADATA
+        paths = [state / how]
+    assert paths
+    for path in paths:
+        os.truncate(path, path.stat().st_size // 2)
+    return state
+
+
+DAMAGES = {
+    "no state": "no state/ folder (an incomplete or damaged checkpoint)",
+    "data files": "cannot be read (truncated or corrupt?): OUT_OF_RANGE: ",
+    "manifest.ocdbt": "cannot be read (truncated or corrupt?): DATA_LOSS",
+    "_METADATA": "cannot be read (truncated or corrupt?): ",
+}
+
+
+@pytest.mark.parametrize("how", DAMAGES)
+def test_a_damaged_checkpoint_is_one_named_error(trained, tmp_path, capsys, how):
+    _, workdir = trained
+    copy = tmp_path / "run"
+    shutil.copytree(workdir, copy)
+    named = _damage(copy, how)
+    for where in (copy, named):
+        assert generate.main(["--checkpoint", str(where), "--tokens", "4"]) == 1
+        out, err = capsys.readouterr()
+        assert out == ""
+        lines = err.splitlines()
+        assert len(lines) == 1, err
+        assert lines[0].startswith(f"error: {named}: {DAMAGES[how]}"), lines[0]
+        assert lines[0].endswith(f"; try the one before: --checkpoint {copy}/checkpoints/2")
+    # and the one before still samples
+    assert generate.main(["--checkpoint", str(copy / "checkpoints" / "2"), "--tokens", "4"]) == 0
+
+
+def test_a_truncated_checkpoint_stops_the_command_with_one_line(trained, tmp_path):
+    """In a real process, where orbax's threads would otherwise report on their way out."""
+    _, workdir = trained
+    copy = tmp_path / "run"
+    shutil.copytree(workdir, copy)
+    state = _damage(copy, "data files")
+    command = [sys.executable, "-m", "lmuscale.generate", "--workdir", str(copy)]
+    result = subprocess.run(command, capture_output=True, text=True, timeout=300, check=False)
+    assert result.returncode == 1
+    assert result.stdout == ""
+    assert result.stderr.splitlines() == [
+        line for line in result.stderr.splitlines() if line.startswith(f"error: {state}: ")
+    ], result.stderr
+    assert len(result.stderr.splitlines()) == 1
+
+
+def test_paths_that_are_no_checkpoint_are_named(trained, tmp_path, capsys):
+    _, workdir = trained
+    (tmp_path / "a-file").write_text("")
+    (tmp_path / "empty").mkdir()
+    (tmp_path / "fresh" / "checkpoints").mkdir(parents=True)
+    (tmp_path / "fresh" / "config.json").write_text("{}")
+    broken = tmp_path / "broken"
+    shutil.copytree(workdir, broken)
+    (broken / "config.json").write_bytes(b"\x89PNG\r\n")
+    unconfigured = tmp_path / "unconfigured"
+    shutil.copytree(workdir, unconfigured)
+    (unconfigured / "config.json").unlink()
+    cases = {
+        ("--checkpoint", tmp_path / "missing"): f"{tmp_path}/missing: no such checkpoint folder",
+        ("--checkpoint", tmp_path / "a-file"): f"{tmp_path}/a-file: a file, not a checkpoint",
+        ("--checkpoint", tmp_path / "empty"): f"{tmp_path}/empty: not a checkpoint (expected a",
+        ("--workdir", tmp_path / "empty"): f"{tmp_path}/empty/checkpoints: no checkpoint yet",
+        ("--workdir", tmp_path / "fresh"): f"{tmp_path}/fresh/checkpoints: no checkpoint yet",
+        ("--workdir", tmp_path / "missing"): f"{tmp_path}/missing: no such folder",
+        ("--workdir", broken): f"{broken}/config.json: not JSON ('utf-8' codec can't decode",
+        ("--workdir", unconfigured): f"{unconfigured}/config.json: not found; give --model",
+    }
+    for (option, path), message in cases.items():
+        assert generate.main([option, str(path), "--tokens", "4"]) == 1, (option, path)
+        out, err = capsys.readouterr()
+        assert out == "" and err.startswith(f"error: {message}"), (option, path, err)
+        assert len(err.splitlines()) == 1, err
+
+
+def test_the_workdir_decides_the_tokenizer(trained, capsys):
+    _, workdir = trained
+    with pytest.raises(SystemExit) as stopped:
+        generate.main(["--workdir", str(workdir), "--tokenizer", "gpt2"])
+    assert stopped.value.code == 2
+    assert "--tokenizer gpt2: the run in" in capsys.readouterr().err
+    with pytest.raises(SystemExit) as stopped:
+        generate.main(["--workdir", str(workdir), "--checkpoint", str(workdir)])
+    assert stopped.value.code == 2
