@@ -174,6 +174,69 @@ def test_malformed_cells_name_file_line_and_column(tmp_path):
         load_results(path)
 
 
+def _cli_error(capsys, argv) -> str:
+    """The one line ``python -m lmuscale.analysis ARGV`` prints, having exited with status 1."""
+    assert main([*argv, "--n-boot", "5", "--quiet"]) == 1
+    out, err = capsys.readouterr()
+    assert out == "" and len(err.splitlines()) == 1, err
+    assert err.startswith("error: ")
+    return err.strip()
+
+
+def test_unreadable_results_files_are_named(tmp_path, capsys):
+    out = str(tmp_path / "out")
+    binary = tmp_path / "results.csv"
+    binary.write_bytes(b"\x89PNG\r\n\x1a\n\x00\x00\x00\rIHDR\x00\x00")
+    message = _cli_error(capsys, [str(binary), "--out", out])
+    assert message == (
+        f"error: {binary}:1: not UTF-8 text (byte 0x89 at offset 0); expected the results table "
+        "a sweep writes"
+    )
+    # the line of the first bad byte, in a table that starts well
+    jsonl = write_jsonl(tmp_path / "results.jsonl", paper_rows()[:2])
+    jsonl.write_bytes(jsonl.read_bytes() + b'{"trial": "\xff"}\n')
+    assert f"{jsonl}:3: not UTF-8 text (byte 0xff" in _cli_error(capsys, [str(jsonl), "--out", out])
+    huge = tmp_path / "huge.csv"
+    huge.write_text("trial,family\n" + "x" * 200_000 + ",lmu\n")
+    assert f"{huge}:2: not CSV (field larger than field limit" in _cli_error(
+        capsys, [str(huge), "--out", out]
+    )
+    deep = tmp_path / "deep.jsonl"
+    deep.write_text("[" * 100_000 + "]" * 100_000 + "\n")
+    assert f"{deep}:1: not a results row (nested too deeply)" in _cli_error(
+        capsys, [str(deep), "--out", out]
+    )
+    odd = write_jsonl(tmp_path / "odd.jsonl", [r | {"tokenizer": ["gpt2"]} for r in paper_rows()])
+    assert f"{odd}:1: column tokenizer is ['gpt2'], not a tokenizer's name" in _cli_error(
+        capsys, [str(odd), "--out", out]
+    )
+    assert f"{tmp_path}: a folder; give the results table in it" in _cli_error(
+        capsys, [str(tmp_path), "--out", out]
+    )
+    assert not (tmp_path / "out").exists()
+    # a spreadsheet's byte-order mark is no error
+    write_results(tmp_path, paper_rows()[:6])
+    csv_path = tmp_path / "results.csv"
+    csv_path.write_bytes(b"\xef\xbb\xbf" + csv_path.read_bytes())
+    assert len(load_results(csv_path).runs) == 6
+
+
+def test_an_out_that_is_not_a_folder_is_named(tmp_path, capsys):
+    results = str(write_jsonl(tmp_path / "results.jsonl", paper_rows(tenx=False)))
+    taken = tmp_path / "fig.png"
+    taken.write_bytes(b"mine")
+    message = _cli_error(capsys, [results, "--out", str(taken)])
+    assert (
+        message == f"error: {taken}: a file, not a folder (the figures and tables go in a folder)"
+    )
+    assert taken.read_bytes() == b"mine"
+    message = _cli_error(capsys, [results, "--out", str(taken / "analysis")])
+    assert message == f"error: {taken / 'analysis'}: cannot make the folder (Not a directory)"
+    (tmp_path / "out" / "fits.md").mkdir(parents=True)  # a folder where a table goes
+    message = _cli_error(capsys, [results, "--out", str(tmp_path / "out")])
+    assert message == f"error: {tmp_path / 'out' / 'fits.md'}: cannot be written (Is a directory)"
+
+
 def test_nan_losses_and_unfinished_rows_are_left_out_and_said(tmp_path):
     rows = paper_rows(tenx=False)
     rows[0]["test_loss"] = float("nan")

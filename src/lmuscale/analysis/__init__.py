@@ -15,6 +15,10 @@ from lmuscale.analysis.results import Results, ResultsError, Run, load_results
 from lmuscale.files import atomic_write_bytes
 
 
+class OutputError(ValueError):
+    """An output folder that cannot be made or written; the message names the path."""
+
+
 @dataclass
 class Report:
     results: Results
@@ -34,24 +38,38 @@ def analyse(
     progress: bool = False,
 ) -> Report:
     """Read ``results`` (a results.jsonl or .csv), fit, and write the figures and tables into
-    ``out``. Each file is replaced atomically. Raises ``ResultsError`` for an unusable table."""
+    ``out``. Each file is replaced atomically. Raises ``ResultsError`` for an unusable table
+    and ``OutputError`` for an ``out`` that is not a folder or cannot be written, before the
+    (slow) fits when it can."""
     loaded = load_results(results, split)
     out = Path(out)
-    out.mkdir(parents=True, exist_ok=True)
+    try:
+        out.mkdir(parents=True, exist_ok=True)
+    except FileExistsError:
+        raise OutputError(
+            f"{out}: a file, not a folder (the figures and tables go in a folder)"
+        ) from None
+    except OSError as e:
+        raise OutputError(f"{out}: cannot make the folder ({e.strerror})") from None
     fits = fit_all(loaded, n_boot=n_boot, ci=ci, seed=seed, progress=progress)
     files = []
-    files += figures.save(figures.figure3(loaded, fits), out / "fig3")
-    files += figures.save(figures.figure4(loaded, size), out / "fig4")
-    files += figures.save(figures.figure5(loaded, fits), out / "fig5")
-    tables.write_csv(out / "fits.csv", fits)
-    files.append(out / "fits.csv")
-    atomic_write_bytes(out / "fits.md", tables.markdown(loaded, fits).encode())
-    files.append(out / "fits.md")
+    try:
+        files += figures.save(figures.figure3(loaded, fits), out / "fig3")
+        files += figures.save(figures.figure4(loaded, size), out / "fig4")
+        files += figures.save(figures.figure5(loaded, fits), out / "fig5")
+        tables.write_csv(out / "fits.csv", fits)
+        files.append(out / "fits.csv")
+        atomic_write_bytes(out / "fits.md", tables.markdown(loaded, fits).encode())
+        files.append(out / "fits.md")
+    except OSError as e:
+        path = e.filename2 or e.filename or out  # a rename names its target second
+        raise OutputError(f"{path}: cannot be written ({e.strerror or e})") from None
     return Report(loaded, fits, files)
 
 
 __all__ = [
     "GroupFit",
+    "OutputError",
     "Report",
     "Results",
     "ResultsError",

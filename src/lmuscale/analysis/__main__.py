@@ -1,7 +1,9 @@
 """``python -m lmuscale.analysis RESULTS --out DIR``: Figures 3, 4 and 5 and the fits table
 from a sweep's results (``WORKDIR/results.jsonl`` or ``results.csv``).
 
-Exit status: 0 on success, 1 for a results table that cannot be analysed, 2 for bad arguments.
+Exit status: 0 on success; 1 for a results table that cannot be read or analysed (binary, not
+CSV or JSON lines, missing columns: the message names the file and line) or an ``--out`` that
+is not a folder or cannot be written; 2 for bad arguments.
 """
 
 from __future__ import annotations
@@ -10,7 +12,7 @@ import argparse
 import re
 import sys
 
-from lmuscale.analysis import ResultsError, analyse
+from lmuscale.analysis import OutputError, ResultsError, analyse
 
 SUFFIXES = {"": 1, "k": 1e3, "m": 1e6, "b": 1e9}
 
@@ -62,7 +64,7 @@ def main(argv=None) -> int:
             seed=args.seed,
             progress=not args.quiet,
         )
-    except ResultsError as e:
+    except (ResultsError, OutputError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 1
     if not args.quiet:

@@ -9,6 +9,7 @@ per-position losses (``test_per_position`` / ``val_per_position``) for Figure 4.
 from __future__ import annotations
 
 import csv
+import io
 import json
 import math
 from collections import Counter
@@ -121,12 +122,14 @@ def load_results(path, split: str = "test") -> Results:
     path = Path(path)
     if split not in LOSSES:
         raise ResultsError(f"split must be one of {sorted(LOSSES)}, got {split!r}")
+    if path.is_dir():
+        raise ResultsError(f"{path}: a folder; give the results table in it (results.jsonl)")
     if not path.is_file():
         raise ResultsError(f"{path}: no such results file (a sweep writes WORKDIR/results.jsonl)")
     if path.suffix == ".jsonl":
-        rows, columns = _read_jsonl(path)
+        rows, columns = _read_jsonl(path, _text(path))
     elif path.suffix == ".csv":
-        rows, columns = _read_csv(path)
+        rows, columns = _read_csv(path, _text(path))
     else:
         raise ResultsError(f"{path}: expected a .jsonl or .csv results table")
     if not rows:
@@ -151,15 +154,34 @@ def load_results(path, split: str = "test") -> Results:
     return results
 
 
-def _read_jsonl(path: Path):
+def _text(path: Path) -> str:
+    """The file as UTF-8 text: a binary or otherwise encoded file is named with the line of
+    its first bad byte, rather than failing inside the CSV or JSON reader."""
+    try:
+        data = path.read_bytes()
+    except OSError as e:
+        raise ResultsError(f"{path}: cannot be read ({e.strerror})") from None
+    try:
+        return data.decode("utf-8-sig")  # a byte-order mark (as spreadsheets write) is dropped
+    except UnicodeDecodeError as e:
+        line = data.count(b"\n", 0, e.start) + 1
+        raise ResultsError(
+            f"{path}:{line}: not UTF-8 text (byte {data[e.start]:#04x} at offset {e.start}); "
+            "expected the results table a sweep writes"
+        ) from None
+
+
+def _read_jsonl(path: Path, content: str):
     rows, columns = [], {}
-    for line, text in enumerate(path.read_text(encoding="utf-8").splitlines(), 1):
+    for line, text in enumerate(content.splitlines(), 1):
         if not text.strip():
             continue
         try:
             row = json.loads(text)
         except json.JSONDecodeError as e:
             raise ResultsError(f"{path}:{line}: not JSON ({e.msg})") from None
+        except RecursionError:
+            raise ResultsError(f"{path}:{line}: not a results row (nested too deeply)") from None
         if not isinstance(row, dict):
             raise ResultsError(f"{path}:{line}: expected a JSON object, got {type(row).__name__}")
         rows.append((line, row))
@@ -167,17 +189,19 @@ def _read_jsonl(path: Path):
     return rows, list(columns)
 
 
-def _read_csv(path: Path):
-    with path.open(newline="", encoding="utf-8") as f:
-        reader = csv.DictReader(f)
+def _read_csv(path: Path, content: str):
+    reader = csv.DictReader(io.StringIO(content, newline=""))
+    rows = []
+    try:
         columns = list(reader.fieldnames or [])
-        rows = []
         for row in reader:
             if None in row:
                 raise ResultsError(
                     f"{path}:{reader.line_num}: more cells than the {len(columns)} columns"
                 )
             rows.append((reader.line_num, {k: (None if v == "" else v) for k, v in row.items()}))
+    except csv.Error as e:  # e.g. a field over csv's size limit
+        raise ResultsError(f"{path}:{reader.reader.line_num}: not CSV ({e})") from None
     return rows, columns
 
 
@@ -215,6 +239,9 @@ def _run(path, line, row, split, skipped) -> Run | None:
         ):
             raise ResultsError(f"{where}: column {split}_per_position must be a list of numbers")
         per_position = [math.nan if v is None else float(v) for v in per_position]
+    tokenizer = row.get("tokenizer")
+    if tokenizer is not None and not isinstance(tokenizer, str):
+        raise ResultsError(f"{where}: column tokenizer is {tokenizer!r}, not a tokenizer's name")
     total = row.get("total_params")
     return Run(
         trial=trial,
@@ -225,7 +252,7 @@ def _run(path, line, row, split, skipped) -> Run | None:
         loss=loss,
         line=line,
         total_params=None if total is None else _number(total, where, "total_params"),
-        tokenizer=row.get("tokenizer"),
+        tokenizer=tokenizer,
         per_position=per_position or None,
     )
 
