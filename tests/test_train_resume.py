@@ -142,11 +142,8 @@ def test_resumed_summary_equals_the_uninterrupted_one(runs):
         assert a[key] == b[key], key
 
 
-def test_sigterm_writes_a_checkpoint_at_the_current_step_and_resumes_exactly(runs, tmp_path):
-    """What a scheduler's preemption notice does: stop after this step, with a checkpoint."""
-    whole, _, _ = runs
-    stopped = tmp_path / "stopped"
-    data = Path(json.loads((whole / "config.json").read_text())["data"]["path"])
+def _start_and_wait_for(stopped: Path, data: Path, lines: int) -> subprocess.Popen:
+    """A training subprocess in ``stopped``, once it has logged ``lines`` steps."""
     process = subprocess.Popen(
         [*_command(stopped), *OVERRIDES, "--quiet"],
         env=_env(data),
@@ -155,9 +152,19 @@ def test_sigterm_writes_a_checkpoint_at_the_current_step_and_resumes_exactly(run
     )
     metrics = stopped / "metrics.jsonl"
     deadline = time.monotonic() + 300
-    while not (metrics.exists() and len(metrics.read_text().splitlines()) >= 13):
+    while not (metrics.exists() and len(metrics.read_text().splitlines()) >= lines):
         assert process.poll() is None and time.monotonic() < deadline
         time.sleep(0.01)
+    return process
+
+
+def test_sigterm_writes_a_checkpoint_at_the_current_step_and_resumes_exactly(runs, tmp_path):
+    """What a scheduler's preemption notice does: stop after this step, with a checkpoint."""
+    whole, _, _ = runs
+    stopped = tmp_path / "stopped"
+    data = Path(json.loads((whole / "config.json").read_text())["data"]["path"])
+    process = _start_and_wait_for(stopped, data, 13)
+    metrics = stopped / "metrics.jsonl"
     process.send_signal(signal.SIGTERM)
     _, stderr = process.communicate(timeout=120)
     assert process.returncode == 4, stderr.decode()[-2000:]
@@ -175,17 +182,8 @@ def test_ctrl_c_stops_like_sigterm_with_one_line_and_status_130(runs, tmp_path):
     whole, _, _ = runs
     stopped = tmp_path / "stopped"
     data = Path(json.loads((whole / "config.json").read_text())["data"]["path"])
-    process = subprocess.Popen(
-        [*_command(stopped), *OVERRIDES, "--quiet"],
-        env=_env(data),
-        stdout=subprocess.DEVNULL,
-        stderr=subprocess.PIPE,
-    )
+    process = _start_and_wait_for(stopped, data, 5)
     metrics = stopped / "metrics.jsonl"
-    deadline = time.monotonic() + 300
-    while not (metrics.exists() and len(metrics.read_text().splitlines()) >= 5):
-        assert process.poll() is None and time.monotonic() < deadline
-        time.sleep(0.01)
     process.send_signal(signal.SIGINT)
     _, stderr = process.communicate(timeout=120)
     text = stderr.decode()
