@@ -334,6 +334,99 @@ def test_killed_prepare_leaves_nothing_that_looks_complete_and_resumes_to_the_sa
     assert not work.exists()
 
 
+def _process(pid: int) -> tuple[int, str] | None:
+    """(ppid, start time) of a live process; None when it is gone or a zombie."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return None
+    fields = stat[stat.rindex(")") + 2 :].split()  # after "pid (name) "
+    return None if fields[0] in "ZX" else (int(fields[1]), fields[19])
+
+
+def _alive(pid: int, start: str | None) -> bool:
+    """Whether the process ``pid`` that started at ``start`` still runs."""
+    return start is not None and (_process(pid) or (0, ""))[1] == start
+
+
+def _descendants(pid: int) -> dict[int, str]:
+    """Live descendants of ``pid`` and their start times (to tell a reused pid)."""
+    parents = {}
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit() and (info := _process(int(entry.name))):
+            parents[int(entry.name)] = info
+    found, frontier = {}, [pid]
+    while frontier:
+        parent = frontier.pop()
+        for child, (ppid, start) in parents.items():
+            if ppid == parent and child not in found:
+                found[child] = start
+                frontier.append(child)
+    return found
+
+
+def _workers(pid: int) -> list[int]:
+    """The pool's worker processes among ``pid``'s children (spawned, so by their command)."""
+    found = []
+    for child in _descendants(pid):
+        try:
+            if b"spawn_main" in Path(f"/proc/{child}/cmdline").read_bytes():
+                found.append(child)
+        except OSError:
+            pass
+    return found
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc; prctl is Linux's")
+@pytest.mark.parametrize("moment", ["starting", "tokenising"])
+def test_workers_die_with_a_killed_prepare(datafiles, tmp_path, moment):
+    """SIGKILL of ``prepare --workers 2`` leaves no worker or resource tracker behind, whether
+    the workers were still starting or had tokenised. The last input is a FIFO that nobody
+    writes, so the prepare waits on it for as long as the test likes: no race with its end."""
+    inputs = [datafiles.jsonl(f"p{i}.jsonl", datafiles.texts(2000, seed=i)) for i in range(6)]
+    fifo = datafiles.root / "never.txt"
+    os.mkfifo(fifo)
+    out = tmp_path / "out"
+    command = [sys.executable, "-m", "lmuscale.data", "prepare", "text", *map(str, inputs)]
+    command += [str(fifo), "--out", str(out), "--workers", "2", "--tokenizer", "bytes", "--quiet"]
+    child = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL)
+    before, workers, left = {}, [], set()
+    try:
+        deadline = time.monotonic() + 60
+        while time.monotonic() < deadline and child.poll() is None:
+            ready = len(_workers(child.pid)) == 2
+            if moment == "tokenising":  # a result came back: the workers ran their initializer
+                train = tmp_path / "out.partial" / "train.bin"
+                ready = ready and train.exists() and train.stat().st_size > 0
+            if ready:
+                break
+            time.sleep(0.01)
+        assert child.poll() is None, "prepare ended before it could be killed"
+        before, workers = _descendants(child.pid), _workers(child.pid)
+        assert len(before) >= 3, before  # two workers and the resource tracker
+        os.kill(child.pid, signal.SIGKILL)
+        child.wait()
+        deadline = time.monotonic() + 10
+        while time.monotonic() < deadline:
+            left = {pid for pid, start in before.items() if _alive(pid, start)}
+            if not left:
+                break
+            time.sleep(0.05)
+        assert not left, f"still running after the prepare was killed: {sorted(left)}"
+        assert child.stdout.read() == b""  # every holder of its stdout is gone: no hang here
+    finally:  # on failure, end the orphans this test made: the workers first, so that the
+        # resource tracker, leaving after them, still unlinks the pool's semaphores
+        for pids in (workers, before):
+            if any(_alive(pid, before.get(pid)) for pid in pids):
+                time.sleep(1 if pids is before else 0)
+            for pid in pids:
+                if _alive(pid, before.get(pid)):
+                    os.kill(pid, signal.SIGKILL)
+        if child.poll() is None:
+            child.kill()
+        child.stdout.close()
+
+
 @pytest.mark.parametrize("step", ["meta.json", "rename"])
 def test_a_crash_in_the_last_steps_recovers(datafiles, tmp_path, monkeypatch, step):
     inputs = [datafiles.jsonl(f"p{i}.jsonl", datafiles.texts(100, seed=i)) for i in range(3)]

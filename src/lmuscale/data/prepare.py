@@ -60,6 +60,7 @@ from lmuscale.data.sources import (
 )
 from lmuscale.data.tokenizer import Tokenizer, get_tokenizer
 from lmuscale.files import atomic_write_json, fsync_dir
+from lmuscale.processes import die_with_parent
 
 FRACTIONS = {"train": 0.96, "val": 0.03, "test": 0.01}
 SPLIT_RULE = (
@@ -87,7 +88,16 @@ def split_of(data: bytes, seed: int) -> str:
 _worker: dict = {}
 
 
-def _start_worker(tokenizer: Tokenizer, seed: int) -> None:
+def _start_worker(tokenizer: Tokenizer, seed: int, parent: int | None = None) -> None:
+    """Set up a worker process (``parent`` is the prepare's pid) or this one (None).
+
+    A worker dies with the prepare, even one killed with SIGKILL: otherwise the pool's workers
+    wait forever on a queue they hold both ends of, and with them the resource tracker, and
+    all of them keep the prepare's stdout open. (The tracker, which unlinks the pool's named
+    semaphores, ends by itself once the prepare and its workers are gone.)
+    """
+    if parent is not None and not die_with_parent(parent):
+        os._exit(1)  # the prepare died while this worker was starting: nobody wants its work
     _worker["tokenizer"] = tokenizer  # pickled from the parent: faster than building it again
     _worker["seed"] = seed
 
@@ -284,7 +294,8 @@ def prepare(
     ``workers`` tokenizer processes (0 tokenises in this process; the default is one per CPU,
     or 0 for inputs under 32 MiB, where starting workers costs more than it saves). The
     workers are spawned, so a script that calls this needs the ``if __name__ == "__main__":``
-    guard. A folder that already holds this job's result is left as it is.
+    guard; they die with the process that calls this, even one killed with SIGKILL. A folder
+    that already holds this job's result is left as it is.
     """
     out = Path(out).absolute()
     if max_bad_lines < 0:
@@ -319,7 +330,7 @@ def prepare(
                     workers,
                     mp_context=multiprocessing.get_context("spawn"),  # safe after jax or threads
                     initializer=_start_worker,
-                    initargs=(tok, seed),
+                    initargs=(tok, seed, os.getpid()),
                 )
             else:
                 _start_worker(tok, seed)
