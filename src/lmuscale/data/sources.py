@@ -169,8 +169,10 @@ def _jsonl_documents(chunks: Iterable[bytes], name: str) -> Iterator[Document | 
 
 
 def _text_file(path: Path) -> Iterator[Document | BadLine]:
-    """A .txt file is one document."""
+    """A .txt file is one document; an empty one is none (as a blank JSONL line is none)."""
     data = path.read_bytes()
+    if not data:
+        return
     try:
         yield Document(data.decode("utf-8"), f"{path}:1")
     except UnicodeDecodeError as e:
@@ -303,7 +305,8 @@ def owt2_source(inputs: list[str]) -> Source:
 
 
 def text_source(inputs: list[str]) -> Source:
-    """.txt files (one document each) and .jsonl / .jsonl.zst files (one per line)."""
+    """.txt files (one document each; an empty one is none) and .jsonl / .jsonl.zst files (one
+    per line)."""
     if not inputs:
         raise DataError("text needs at least one path or glob of .txt, .jsonl or .jsonl.zst files")
     files = _files(inputs, (".txt", ".jsonl", ".jsonl.zst"), "text")
