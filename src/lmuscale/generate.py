@@ -4,6 +4,7 @@ The prompt is fed through ``model.step`` one token at a time (for the plain LMU 
 only the (d, q) memories, whatever the length), then tokens are drawn one at a time from
 softmax(logits / temperature); temperature 0 is greedy. Without ``--checkpoint`` the model is
 randomly initialised from ``--seed``, which is useful for checking the pipeline, not the text.
+A prompt that is not UTF-8 is refused, naming its first bad byte, with either tokenizer.
 """
 
 from __future__ import annotations
@@ -99,6 +100,10 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
 
     tokenizer: Tokenizer = get_tokenizer(args.tokenizer)
+    try:  # before the model: a prompt the tokenizer refuses needs no weights
+        prompt_ids = tokenizer.encode(args.prompt)
+    except ValueError as error:
+        parser.error(f"--prompt: {error}")
     try:
         config = named_config(args.model, vocab_size=tokenizer.vocab_size)
     except ValueError as error:
@@ -116,7 +121,7 @@ def main(argv: list[str] | None = None) -> int:
         new = sample(
             model,
             params,
-            tokenizer.encode(args.prompt),
+            prompt_ids,
             args.tokens,
             temperature=args.temperature,
             seed=args.seed,
