@@ -270,3 +270,16 @@ def test_the_workdir_decides_the_tokenizer(trained, capsys):
     with pytest.raises(SystemExit) as stopped:
         generate.main(["--workdir", str(workdir), "--checkpoint", str(workdir)])
     assert stopped.value.code == 2
+
+
+@pytest.mark.parametrize("tokenizer", ["bytes", "gpt2"])
+def test_a_prompt_that_is_not_utf8_is_refused_by_either_tokenizer(tokenizer):
+    """The prompt as a shell passes it, raw bytes: Python hands it over with surrogateescape,
+    and GPT-2's tokenizer took it (as U+FFFD) where the byte tokenizer refused it."""
+    command = [sys.executable, "-m", "lmuscale.generate", "--model", "transformer-55k"]
+    command += ["--tokenizer", tokenizer, "--prompt", b"caf\xe9 au lait", "--tokens", "3"]
+    result = subprocess.run(command, capture_output=True, timeout=300, check=False)
+    assert result.returncode == 2 and result.stdout == b""
+    assert result.stderr.decode().endswith(
+        "error: --prompt: not valid UTF-8 (byte 0xe9 at line 1, column 4)\n"
+    )

@@ -35,6 +35,12 @@ def split_documents(folder: Path, tokenizer) -> dict[str, list[str]]:
     return out
 
 
+def filler(datafiles) -> Path:
+    """Enough documents for every split (a prepare with an empty one is refused), to go after
+    a test's own few lines: 378 train, 17 val and 5 test documents."""
+    return datafiles.jsonl("filler.jsonl", datafiles.texts(400, seed=99))
+
+
 def run(spec, inputs, out, **kw):
     kw.setdefault("tokenizer", "bytes")
     kw.setdefault("workers", 0)
@@ -123,15 +129,12 @@ def test_uint32_when_the_vocabulary_needs_it(datafiles, tmp_path, monkeypatch):
     monkeypatch.setitem(
         tok.TOKENIZERS, "wide", lambda: Wide("wide", 65536 + 257, 65536 + 256, "test")
     )
-    meta = run(
-        "text",
-        [datafiles.jsonl("a.jsonl", ["abc", "def", "ghi"])],
-        tmp_path / "out",
-        tokenizer="wide",
-    )
+    texts = datafiles.texts(400)
+    meta = run("text", [datafiles.jsonl("a.jsonl", texts)], tmp_path / "out", tokenizer="wide")
     assert meta["dtype"] == "uint32"
     ids = np.concatenate([np.fromfile(tmp_path / "out" / f"{s}.bin", np.uint32) for s in SPLITS])
-    assert sorted(ids.tolist()) == sorted([65536 + ord(c) for c in "abcdefghi"] + [65536 + 256] * 3)
+    expected = [65536 + b for t in texts for b in t.encode()] + [65536 + 256] * len(texts)
+    assert sorted(ids.tolist()) == sorted(expected)
 
 
 def test_a_token_id_out_of_range_is_an_error_naming_the_document(datafiles, tmp_path, monkeypatch):
@@ -156,21 +159,21 @@ def test_bad_lines_stop_the_run_by_default_and_are_counted_when_allowed(datafile
     )
     where = f"{path.resolve()}:"
     with pytest.raises(DataError, match=re.escape(where + "2: not JSON")):
-        run("text", [path], tmp_path / "strict")
+        run("text", [path, filler(datafiles)], tmp_path / "strict")
     with pytest.raises(
         DataError,
         match=re.escape(where + "5: text holds the end-of-text id 0")
         + ".*bad line 3, more than --max-bad-lines 2",
     ):
-        run("text", [path], tmp_path / "two", max_bad_lines=2)
-    meta = run("text", [path], tmp_path / "three", max_bad_lines=3)
+        run("text", [path, filler(datafiles)], tmp_path / "two", max_bad_lines=2)
+    meta = run("text", [path, filler(datafiles)], tmp_path / "three", max_bad_lines=3)
     assert meta["bad_lines"]["skipped"] == 3
     assert [e.split(": ")[0] for e in meta["bad_lines"]["examples"]] == [
         where + "2",
         where + "4",
         where + "5",
     ]
-    assert sum(s["documents"] for s in meta["splits"].values()) == 2
+    assert sum(s["documents"] for s in meta["splits"].values()) == 2 + 400
 
 
 def crash_at_first_record(monkeypatch):
@@ -196,10 +199,10 @@ def test_skipped_lines_are_counted_once_across_a_resume(datafiles, tmp_path, mon
     ]
     undo = crash_at_first_record(monkeypatch)
     with pytest.raises(KeyboardInterrupt):
-        run("text", inputs, tmp_path / "out", max_bad_lines=3)
+        run("text", [*inputs, filler(datafiles)], tmp_path / "out", max_bad_lines=3)
     undo()
     assert json.loads((tmp_path / "out.partial" / "progress.json").read_text())["shards"] == 1
-    meta = run("text", inputs, tmp_path / "out", max_bad_lines=3)
+    meta = run("text", [*inputs, filler(datafiles)], tmp_path / "out", max_bad_lines=3)
     assert meta["bad_lines"]["skipped"] == 3
     assert meta["bad_lines"]["examples"] == [
         f"{p.resolve()}:1: not JSON (Expecting value at column 1)" for p in inputs
@@ -211,16 +214,17 @@ def test_bad_lines_are_met_in_file_order(datafiles, tmp_path):
     the reader (not JSON): the first in the file is the one reported."""
     path = datafiles.write("m.jsonl", b'{"text": "nul \\u0000"}\n{"text": "ok"}\nnot json\n')
     where = f"{path.resolve()}:"
+    inputs = [path, filler(datafiles)]
     with pytest.raises(DataError, match=re.escape(where + "1: text holds the end-of-text id 0")):
-        run("text", [path], tmp_path / "strict")
+        run("text", inputs, tmp_path / "strict")
     with pytest.raises(DataError, match=re.escape(where + "3: not JSON") + ".*bad line 2"):
-        run("text", [path], tmp_path / "one", max_bad_lines=1)
-    meta = run("text", [path], tmp_path / "two", max_bad_lines=2)
+        run("text", inputs, tmp_path / "one", max_bad_lines=1)
+    meta = run("text", inputs, tmp_path / "two", max_bad_lines=2)
     assert [e.split(": ")[0] for e in meta["bad_lines"]["examples"]] == [where + "1", where + "3"]
 
 
 def test_the_bad_line_limit_can_be_raised_on_resume(datafiles, tmp_path, monkeypatch):
-    good = datafiles.jsonl("a.jsonl", datafiles.texts(20))
+    good = datafiles.jsonl("a.jsonl", datafiles.texts(400))
     bad = datafiles.write("b.jsonl", b"not json\n")
     undo = crash_at_first_record(monkeypatch)
     with pytest.raises(KeyboardInterrupt):
@@ -239,6 +243,36 @@ def test_inputs_without_documents_are_an_error(datafiles, tmp_path):
     assert not (tmp_path / "out").exists()
 
 
+def test_an_empty_text_file_is_refused(datafiles, tmp_path, capsys):
+    """An empty .txt holds no document (it gave a dataset of one end-of-text id)."""
+    empty = datafiles.write("empty.txt", b"")
+    out = tmp_path / "out"
+    assert main(["prepare", "text", str(empty), "--out", str(out), "--quiet"]) == 1
+    error = capsys.readouterr().err
+    assert error == f"error: text: the inputs hold no documents ({empty.resolve()})\n"
+    assert not out.exists() and not (tmp_path / "out.partial").exists()
+
+
+@pytest.mark.parametrize(("n", "texts_seed", "empty"), [(50, 0, "val"), (80, 2, "test")])
+def test_a_split_without_documents_is_refused_by_name(datafiles, tmp_path, n, texts_seed, empty):
+    """Too few documents for the hash split to put one in every split: refused, naming the
+    split; nothing is left to resume, so another --seed (here one that fills them) just runs."""
+    texts = datafiles.texts(n, seed=texts_seed)
+    splits = {prep.split_of(t.encode(), 0) for t in texts}
+    assert [s for s in SPLITS if s not in splits] == [empty]
+    path = datafiles.jsonl("few.jsonl", texts)
+    with pytest.raises(
+        DataError,
+        match=re.escape(f"text: the {empty} split has no tokens: none of the {n} documents")
+        + ".*use more documents .* or another --seed",
+    ):
+        run("text", [path], tmp_path / "out")
+    assert not (tmp_path / "out").exists() and not (tmp_path / "out.partial").exists()
+    if empty == "test":
+        meta = run("text", [path], tmp_path / "out", seed=1)
+        assert all(meta["splits"][s]["documents"] > 0 for s in SPLITS)
+
+
 def test_seed_must_fit_the_hash_key(datafiles, tmp_path):
     path = datafiles.jsonl("a.jsonl", ["x"])
     for seed in (-1, 2**64):
@@ -249,7 +283,7 @@ def test_seed_must_fit_the_hash_key(datafiles, tmp_path):
 def test_meta_json_gets_the_usual_permissions(datafiles, tmp_path):
     old = os.umask(0o022)
     try:
-        run("text", [datafiles.jsonl("a.jsonl", ["x", "y"])], tmp_path / "out")
+        run("text", [datafiles.jsonl("a.jsonl", datafiles.texts(400))], tmp_path / "out")
     finally:
         os.umask(old)
     for name in ("meta.json", "train.bin"):
@@ -265,7 +299,7 @@ def test_an_unpaired_surrogate_is_a_bad_line(datafiles, tmp_path):
 
 
 def test_a_finished_folder_is_left_alone_and_another_job_is_refused(datafiles, tmp_path):
-    path = datafiles.jsonl("a.jsonl", datafiles.texts(50))
+    path = datafiles.jsonl("a.jsonl", datafiles.texts(400))
     run("text", [path], tmp_path / "out")
     stamp = (tmp_path / "out" / "meta.json").stat().st_mtime_ns
     run("text", [path], tmp_path / "out")
@@ -332,6 +366,99 @@ def test_killed_prepare_leaves_nothing_that_looks_complete_and_resumes_to_the_sa
         "val.bin",
     ]
     assert not work.exists()
+
+
+def _process(pid: int) -> tuple[int, str] | None:
+    """(ppid, start time) of a live process; None when it is gone or a zombie."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return None
+    fields = stat[stat.rindex(")") + 2 :].split()  # after "pid (name) "
+    return None if fields[0] in "ZX" else (int(fields[1]), fields[19])
+
+
+def _alive(pid: int, start: str | None) -> bool:
+    """Whether the process ``pid`` that started at ``start`` still runs."""
+    return start is not None and (_process(pid) or (0, ""))[1] == start
+
+
+def _descendants(pid: int) -> dict[int, str]:
+    """Live descendants of ``pid`` and their start times (to tell a reused pid)."""
+    parents = {}
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit() and (info := _process(int(entry.name))):
+            parents[int(entry.name)] = info
+    found, frontier = {}, [pid]
+    while frontier:
+        parent = frontier.pop()
+        for child, (ppid, start) in parents.items():
+            if ppid == parent and child not in found:
+                found[child] = start
+                frontier.append(child)
+    return found
+
+
+def _workers(pid: int) -> list[int]:
+    """The pool's worker processes among ``pid``'s children (spawned, so by their command)."""
+    found = []
+    for child in _descendants(pid):
+        try:
+            if b"spawn_main" in Path(f"/proc/{child}/cmdline").read_bytes():
+                found.append(child)
+        except OSError:
+            pass
+    return found
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc; prctl is Linux's")
+@pytest.mark.parametrize("moment", ["starting", "tokenising"])
+def test_workers_die_with_a_killed_prepare(datafiles, tmp_path, moment):
+    """SIGKILL of ``prepare --workers 2`` leaves no worker or resource tracker behind, whether
+    the workers were still starting or had tokenised. The last input is a FIFO that nobody
+    writes, so the prepare waits on it for as long as the test likes: no race with its end."""
+    inputs = [datafiles.jsonl(f"p{i}.jsonl", datafiles.texts(2000, seed=i)) for i in range(6)]
+    fifo = datafiles.root / "never.txt"
+    os.mkfifo(fifo)
+    out = tmp_path / "out"
+    command = [sys.executable, "-m", "lmuscale.data", "prepare", "text", *map(str, inputs)]
+    command += [str(fifo), "--out", str(out), "--workers", "2", "--tokenizer", "bytes", "--quiet"]
+    child = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL)
+    before, workers, left = {}, [], set()
+    try:
+        deadline = time.monotonic() + 60
+        while time.monotonic() < deadline and child.poll() is None:
+            ready = len(_workers(child.pid)) == 2
+            if moment == "tokenising":  # a result came back: the workers ran their initializer
+                train = tmp_path / "out.partial" / "train.bin"
+                ready = ready and train.exists() and train.stat().st_size > 0
+            if ready:
+                break
+            time.sleep(0.01)
+        assert child.poll() is None, "prepare ended before it could be killed"
+        before, workers = _descendants(child.pid), _workers(child.pid)
+        assert len(before) >= 3, before  # two workers and the resource tracker
+        os.kill(child.pid, signal.SIGKILL)
+        child.wait()
+        deadline = time.monotonic() + 10
+        while time.monotonic() < deadline:
+            left = {pid for pid, start in before.items() if _alive(pid, start)}
+            if not left:
+                break
+            time.sleep(0.05)
+        assert not left, f"still running after the prepare was killed: {sorted(left)}"
+        assert child.stdout.read() == b""  # every holder of its stdout is gone: no hang here
+    finally:  # on failure, end the orphans this test made: the workers first, so that the
+        # resource tracker, leaving after them, still unlinks the pool's semaphores
+        for pids in (workers, before):
+            if any(_alive(pid, before.get(pid)) for pid in pids):
+                time.sleep(1 if pids is before else 0)
+            for pid in pids:
+                if _alive(pid, before.get(pid)):
+                    os.kill(pid, signal.SIGKILL)
+        if child.poll() is None:
+            child.kill()
+        child.stdout.close()
 
 
 @pytest.mark.parametrize("step", ["meta.json", "rename"])

@@ -83,6 +83,12 @@ def test_blank_lines_are_not_documents(datafiles):
     assert found[1].where == f"{path.resolve()}:4"
 
 
+def test_an_empty_text_file_is_no_document(datafiles):
+    empty = datafiles.write("empty.txt", b"")
+    blank = datafiles.write("blank.txt", b"\n")  # a line break is text, like any other
+    assert texts("text", [str(empty), str(blank)]) == ["\n"]
+
+
 def test_shakespeare_is_38_plays_of_whole_scenes():
     source = open_source("shakespeare")
     plays = list(source.shards())

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import hashlib
 import importlib.resources
+import re
 from pathlib import Path
 
 import pytest
@@ -100,3 +101,20 @@ def test_byte_tokenizer_round_trips():
     assert bytes_tok.decode(bytes_tok.encode(text)) == text
     with pytest.raises(ValueError, match="unknown tokenizer 'bpe'; known: gpt2, bytes"):
         tok.get_tokenizer("bpe")
+
+
+@pytest.mark.parametrize("name", ["bytes", "gpt2"])
+def test_text_that_is_not_unicode_is_refused_alike(cache, name):
+    """tiktoken alone would encode a lone surrogate as U+FFFD; both tokenizers refuse it, and
+    name a byte that was not UTF-8 (Python's surrogateescape) by its line and byte column."""
+    tokenizer = tok.get_tokenizer(name)
+    cases = {
+        "caf\udce9 x": "not valid UTF-8 (byte 0xe9 at line 1, column 4)",
+        "ok\nnaïve \udcff": "not valid UTF-8 (byte 0xff at line 2, column 8)",  # ï is 2 bytes
+        "half \ud800": "holds an unpaired surrogate (U+D800 at line 1, column 6)",
+    }
+    for text, message in cases.items():
+        for encode in (tokenizer.encode, tokenizer.encode_array):
+            with pytest.raises(ValueError, match=re.escape(message)):
+                encode(text)
+    assert tokenizer.encode("naïve") == tokenizer.encode_array("naïve").tolist()

@@ -3,7 +3,8 @@ for a model trained there, or ``--model lmu-1M [--checkpoint DIR]`` for a built-
 
 The prompt is fed through ``model.step`` one token at a time (for the plain LMU this carries
 only the (d, q) memories, whatever the length), then tokens are drawn one at a time from
-softmax(logits / temperature); temperature 0 is greedy.
+softmax(logits / temperature); temperature 0 is greedy. A prompt that is not UTF-8 is refused,
+naming its first bad byte, with either tokenizer.
 
 Where the parameters come from:
 - ``--workdir W``: a training workdir. The model and tokenizer are those of ``W/config.json``,
@@ -354,6 +355,10 @@ def main(argv: list[str] | None = None) -> int:
             except ValueError as error:
                 parser.error(str(error))
             what = name
+        try:  # before the weights: a prompt the tokenizer refuses needs none
+            prompt_ids = tokenizer.encode(args.prompt)
+        except ValueError as error:
+            parser.error(f"--prompt: {error}")
         model = build(config)
         if checkpoint is None:
             print(f"{what}: random init (seed {args.seed}), no --checkpoint", file=sys.stderr)
@@ -368,7 +373,7 @@ def main(argv: list[str] | None = None) -> int:
         new = sample(
             model,
             params,
-            tokenizer.encode(args.prompt),
+            prompt_ids,
             args.tokens,
             temperature=args.temperature,
             seed=args.seed,

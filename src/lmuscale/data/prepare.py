@@ -6,7 +6,8 @@ Splits are by document: ``u = blake2b-64(seed, text)``, read as a fraction of 2*
 document in train (u < 0.96), val (u < 0.99) or test. The split of a document depends on its
 text alone, so adding input files never moves a document already seen; identical texts
 land in the same split. Within a split, documents keep the source's order, so the files are
-the same for any number of workers.
+the same for any number of workers. Inputs with no documents, or a split with none (too few
+documents for the hash to reach every split), are refused: a run cannot train or evaluate on it.
 
 Interruption and resume: everything is built in ``OUT.partial/`` (the plan, a progress record
 and the token files). At a shard boundary, at most every COMMIT_SECONDS, the token files are
@@ -60,6 +61,7 @@ from lmuscale.data.sources import (
 )
 from lmuscale.data.tokenizer import Tokenizer, get_tokenizer
 from lmuscale.files import atomic_write_json, fsync_dir
+from lmuscale.processes import die_with_parent
 
 FRACTIONS = {"train": 0.96, "val": 0.03, "test": 0.01}
 SPLIT_RULE = (
@@ -87,7 +89,16 @@ def split_of(data: bytes, seed: int) -> str:
 _worker: dict = {}
 
 
-def _start_worker(tokenizer: Tokenizer, seed: int) -> None:
+def _start_worker(tokenizer: Tokenizer, seed: int, parent: int | None = None) -> None:
+    """Set up a worker process (``parent`` is the prepare's pid) or this one (None).
+
+    A worker dies with the prepare, even one killed with SIGKILL: otherwise the pool's workers
+    wait forever on a queue they hold both ends of, and with them the resource tracker, and
+    all of them keep the prepare's stdout open. (The tracker, which unlinks the pool's named
+    semaphores, ends by itself once the prepare and its workers are gone.)
+    """
+    if parent is not None and not die_with_parent(parent):
+        os._exit(1)  # the prepare died while this worker was starting: nobody wants its work
     _worker["tokenizer"] = tokenizer  # pickled from the parent: faster than building it again
     _worker["seed"] = seed
 
@@ -284,7 +295,8 @@ def prepare(
     ``workers`` tokenizer processes (0 tokenises in this process; the default is one per CPU,
     or 0 for inputs under 32 MiB, where starting workers costs more than it saves). The
     workers are spawned, so a script that calls this needs the ``if __name__ == "__main__":``
-    guard. A folder that already holds this job's result is left as it is.
+    guard; they die with the process that calls this, even one killed with SIGKILL. A folder
+    that already holds this job's result is left as it is.
     """
     out = Path(out).absolute()
     if max_bad_lines < 0:
@@ -319,7 +331,7 @@ def prepare(
                     workers,
                     mp_context=multiprocessing.get_context("spawn"),  # safe after jax or threads
                     initializer=_start_worker,
-                    initargs=(tok, seed),
+                    initargs=(tok, seed, os.getpid()),
                 )
             else:
                 _start_worker(tok, seed)
@@ -456,13 +468,34 @@ class _Run:
         self.committed = time.perf_counter()
 
 
+def _check_splits(work: Path, plan: dict, state: dict) -> None:
+    """Refuse inputs without documents, or with a split that got none (and so no tokens).
+
+    The work folder is removed first: a rerun would only meet the same refusal, and a new
+    ``--seed`` would otherwise be told to finish this job or restart it.
+    """
+    spec, files = plan["source"]["spec"], [name for name, _ in plan["source"]["files"]]
+    named = ", ".join(files[:3]) + (f" and {len(files) - 3} more" if len(files) > 3 else "")
+    documents = sum(state["documents"].values())
+    empty = [split for split in SPLITS if state["tokens"][split] == 0]
+    if not empty:
+        return
+    shutil.rmtree(work)
+    if documents == 0:
+        skipped = f"; {state['bad_lines']} bad lines were skipped" if state["bad_lines"] else ""
+        raise DataError(f"{spec}: the inputs hold no documents ({named}){skipped}")
+    split = empty[0]
+    raise DataError(
+        f"{spec}: the {split} split has no tokens: none of the {documents} documents fell in "
+        f"it (the hash split sends about {FRACTIONS[split]:.0%} of them there); use more "
+        f"documents (a .txt file is one, a JSONL file has one per line; about "
+        f"{round(3 / min(FRACTIONS.values()))} give every split a few) or another --seed"
+    )
+
+
 def _finish(work: Path, plan: dict, tok: Tokenizer, state: dict, workers: int, max_bad: int):
     """Checksum the token files and write meta.json beside them."""
-    if sum(state["documents"].values()) == 0:
-        raise DataError(
-            f"{plan['source']['spec']}: the inputs hold no documents "
-            f"({', '.join(f for f, _ in plan['source']['files'][:3])}...)"
-        )
+    _check_splits(work, plan, state)
     dtype = np.dtype(plan["dtype"])
     splits = {}
     for split in SPLITS:

@@ -136,7 +136,8 @@ def _file_chunks(path: Path) -> Iterator[bytes]:
             yield data
 
 
-def _utf8_error(data: bytes, error: UnicodeDecodeError) -> str:
+def utf8_error(data: bytes, error: UnicodeDecodeError) -> str:
+    """Where ``data`` stops being UTF-8: its byte, line and column (in bytes, from 1)."""
     line = data.count(b"\n", 0, error.start) + 1
     column = error.start - (data.rfind(b"\n", 0, error.start) + 1) + 1
     return f"not valid UTF-8 (byte 0x{data[error.start]:02x} at line {line}, column {column})"
@@ -149,7 +150,7 @@ def _json_record(line: bytes, where: str) -> Document | BadLine | None:
     try:
         text = line.decode("utf-8")
     except UnicodeDecodeError as e:
-        return BadLine(where, _utf8_error(line, e).replace(" at line 1,", " at"))
+        return BadLine(where, utf8_error(line, e).replace(" at line 1,", " at"))
     try:
         record = json.loads(text)
     except json.JSONDecodeError as e:
@@ -169,13 +170,15 @@ def _jsonl_documents(chunks: Iterable[bytes], name: str) -> Iterator[Document | 
 
 
 def _text_file(path: Path) -> Iterator[Document | BadLine]:
-    """A .txt file is one document."""
+    """A .txt file is one document; an empty one is none (as a blank JSONL line is none)."""
     data = path.read_bytes()
+    if not data:
+        return
     try:
         yield Document(data.decode("utf-8"), f"{path}:1")
     except UnicodeDecodeError as e:
         line = data.count(b"\n", 0, e.start) + 1
-        yield BadLine(f"{path}:{line}", _utf8_error(data, e))
+        yield BadLine(f"{path}:{line}", utf8_error(data, e))
 
 
 def _file_documents(path: Path) -> Iterator[Document | BadLine]:
@@ -303,7 +306,8 @@ def owt2_source(inputs: list[str]) -> Source:
 
 
 def text_source(inputs: list[str]) -> Source:
-    """.txt files (one document each) and .jsonl / .jsonl.zst files (one per line)."""
+    """.txt files (one document each; an empty one is none) and .jsonl / .jsonl.zst files (one
+    per line)."""
     if not inputs:
         raise DataError("text needs at least one path or glob of .txt, .jsonl or .jsonl.zst files")
     files = _files(inputs, (".txt", ".jsonl", ".jsonl.zst"), "text")
@@ -419,7 +423,7 @@ def tfds_source(name: str, inputs: list[str]) -> Source:
             try:
                 yield Document(example[key].decode("utf-8"), where)
             except UnicodeDecodeError as e:
-                yield BadLine(where, _utf8_error(example[key], e))
+                yield BadLine(where, utf8_error(example[key], e))
 
     splits = sorted(builder.info.splits)
     return Source(

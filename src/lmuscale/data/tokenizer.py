@@ -9,6 +9,11 @@ GPT-2 (tiktoken "gpt2" / "r50k_base", 50257 ids, <|endoftext|> = 50256):
 User text is always encoded as ordinary text: a literal "<|endoftext|>" inside it is BPE'd like
 any other string, never turned into the special id. Documents are separated by ``eot`` ids that
 the caller inserts.
+
+Text must be valid Unicode. A Python str can hold lone surrogates: the stand-ins for bytes that
+were not UTF-8 (a command-line argument, read with surrogateescape) or unpaired halves (JSON's
+"\\ud800"). Both tokenizers refuse them with a ValueError that names the first one, where GPT-2's
+(tiktoken) would quietly encode them as U+FFFD: the ids would not be the text's.
 """
 
 from __future__ import annotations
@@ -23,6 +28,8 @@ from pathlib import Path
 
 import numpy as np
 import tiktoken
+
+from lmuscale.data.sources import utf8_error
 
 GPT2_VOCAB = 50257
 GPT2_EOT = 50256
@@ -49,14 +56,16 @@ class Tokenizer:
     _encoding: tiktoken.Encoding | None = dataclasses.field(default=None, repr=False)
 
     def encode(self, text: str) -> list[int]:
+        data = utf8(text)  # for both tokenizers: tiktoken would take a lone surrogate
         if self._encoding is None:
-            return list(text.encode("utf-8"))
+            return list(data)
         return self._encoding.encode_ordinary(text)
 
     def encode_array(self, text: str) -> np.ndarray:
         """``encode`` as an int64 array (no Python list for the byte tokenizer)."""
+        data = utf8(text)
         if self._encoding is None:
-            return np.frombuffer(text.encode("utf-8"), np.uint8).astype(np.int64)
+            return np.frombuffer(data, np.uint8).astype(np.int64)
         return np.asarray(self._encoding.encode_ordinary(text), np.int64)
 
     def decode(self, ids) -> str:
@@ -64,6 +73,24 @@ class Tokenizer:
         if self._encoding is None:
             return bytes(ids).decode("utf-8", errors="replace")
         return self._encoding.decode(ids)
+
+
+def utf8(text: str) -> bytes:
+    """``text`` in UTF-8, or a ValueError naming its first lone surrogate (module docstring)."""
+    try:
+        return text.encode("utf-8")
+    except UnicodeEncodeError as e:
+        start = e.start
+    code = ord(text[start])
+    if 0xDC80 <= code <= 0xDCFF:  # surrogateescape's byte: say where it was in the bytes
+        data = text[: start + 1].encode("utf-8", "surrogateescape")
+        try:
+            data.decode("utf-8")
+        except UnicodeDecodeError as bad:
+            raise ValueError(utf8_error(data, bad)) from None
+    line = text.count("\n", 0, start) + 1
+    column = start - (text.rfind("\n", 0, start) + 1) + 1
+    raise ValueError(f"holds an unpaired surrogate (U+{code:04X} at line {line}, column {column})")
 
 
 def byte_tokenizer() -> Tokenizer:

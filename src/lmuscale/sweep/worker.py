@@ -11,10 +11,8 @@ process.
 
 from __future__ import annotations
 
-import ctypes
 import json
 import os
-import signal
 import socket
 import sys
 import time
@@ -22,6 +20,7 @@ import traceback
 from pathlib import Path
 
 from lmuscale.files import atomic_write_json
+from lmuscale.processes import die_with_parent
 from lmuscale.sweep.trials import ATTEMPTS, DONE, ERROR, SUMMARY, TRIAL, read_json
 from lmuscale.train.workdir import Lock
 
@@ -29,21 +28,6 @@ FINISHED, FAILED, DIVERGED, INTERRUPTED, BUSY = 0, 1, 3, 4, 75
 
 
 PARENT = "LMUSCALE_SWEEP_PARENT"  # the pid of the runner (or SLURM task) that started us
-
-
-def die_with_parent() -> None:
-    """Ask Linux to SIGKILL this process when its parent dies (prctl PR_SET_PDEATHSIG)."""
-    if not sys.platform.startswith("linux"):
-        return
-    try:
-        libc = ctypes.CDLL(None, use_errno=True)
-        libc.prctl(1, signal.SIGKILL, 0, 0, 0)  # 1 = PR_SET_PDEATHSIG
-    except (OSError, AttributeError):
-        return
-    # The parent may have died while this process was importing, before prctl took effect.
-    expected = os.environ.get(PARENT)
-    if expected and os.getppid() != int(expected):
-        os._exit(BUSY)
 
 
 def _attempt(folder: Path, record: dict) -> None:
@@ -118,7 +102,9 @@ def main(argv: list[str] | None = None) -> int:
     if len(argv) != 1:
         print("usage: python -m lmuscale.sweep.worker TRIAL_FOLDER", file=sys.stderr)
         return 2
-    die_with_parent()
+    parent = os.environ.get(PARENT)
+    if not die_with_parent(int(parent) if parent else None):
+        return BUSY  # the runner died while this process was starting
     return train(Path(argv[0]))
 
 
