@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
 import subprocess
@@ -214,6 +215,31 @@ def test_a_damaged_checkpoint_is_one_named_error(trained, tmp_path, capsys, how)
         assert lines[0].endswith(f"; try the one before: --checkpoint {copy}/checkpoints/2")
     # and the one before still samples
     assert generate.main(["--checkpoint", str(copy / "checkpoints" / "2"), "--tokens", "4"]) == 0
+
+
+def test_parameters_that_differ_from_their_checksums_are_refused(trained, tmp_path, capsys):
+    """Step 2's state in step 4's folder: every file reads, but the parameters are not the ones
+    whose CRC-32s training saved beside them."""
+    _, workdir = trained
+    copy = tmp_path / "run"
+    shutil.copytree(workdir, copy)
+    state = copy / "checkpoints" / "4" / "state"
+    shutil.rmtree(state)
+    shutil.copytree(copy / "checkpoints" / "2" / "state", state)
+    assert generate.main(["--workdir", str(copy), "--tokens", "4"]) == 1
+    out, err = capsys.readouterr()
+    assert out == "" and len(err.splitlines()) == 1, err
+    assert err.startswith(f"error: {state}: does not match the checksums saved with it (")
+    assert "arrays differ, e.g. ['params']['params']" in err
+    assert err.rstrip().endswith(f"; try the one before: --checkpoint {copy}/checkpoints/2")
+
+    # a checkpoint saved before checksums existed is read as it is
+    meta = copy / "checkpoints" / "4" / "meta" / "metadata"
+    saved = json.loads(meta.read_text())
+    del saved["checksums"]
+    meta.write_text(json.dumps(saved))
+    assert generate.main(["--workdir", str(copy), "--tokens", "4"]) == 0
+    assert f"parameters from {state}" in capsys.readouterr().err
 
 
 def test_a_truncated_checkpoint_stops_the_command_with_one_line(trained, tmp_path):

@@ -249,7 +249,31 @@ def load_params(path: Path, model: LanguageModel):
             raise CheckpointError(_unreadable(path, error)) from None
     finally:
         handler.close()
-    return restored["params"] if in_state else restored
+    if not in_state:
+        return restored
+    _verify(path, restored)
+    return restored["params"]
+
+
+def _verify(path: Path, restored) -> None:
+    """Check the parameters read from a training checkpoint's ``state`` folder against the
+    CRC-32s that training saved beside it (``N/meta``); checkpoints from before checksums,
+    or from a multi-process run, have none and are taken as they are."""
+    from lmuscale.train.checkpoint import CHECKSUMS, checksums, mismatched
+
+    try:
+        meta = json.loads((path.parent / "meta" / "metadata").read_text())
+    except (OSError, ValueError):
+        return  # no JSON beside the state: not written by our training loop
+    saved = meta.get(CHECKSUMS) if isinstance(meta, dict) else None
+    if not saved:
+        return
+    bad = mismatched(saved, checksums(restored))
+    if bad:
+        raise CheckpointError(
+            f"{path}: does not match the checksums saved with it ({len(bad)} arrays differ, "
+            f"e.g. {bad[0]}): its files were damaged{_older(path.parent)}"
+        )
 
 
 def _quiet_closed_loops() -> None:

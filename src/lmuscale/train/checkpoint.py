@@ -49,6 +49,11 @@ def checksums(state) -> dict | None:
     }
 
 
+def mismatched(saved: dict, now: dict) -> list[str]:
+    """The paths of the arrays in ``now`` whose CRC-32 is not the one in ``saved``."""
+    return sorted(k for k in now if saved.get(k) != now[k])
+
+
 class Checkpoints:
     """``workdir/checkpoints``: the last ``keep`` states, by step."""
 
@@ -107,7 +112,7 @@ class Checkpoints:
         if saved:  # checkpoints written before checksums existed are taken as they are
             now = checksums(restored.state)
             if now is not None:
-                bad = sorted(k for k in saved if now.get(k) != saved[k])
+                bad = mismatched(saved, now)
                 if bad or set(now) != set(saved):
                     what = bad[0] if bad else "the set of arrays"
                     raise CorruptCheckpoint(
