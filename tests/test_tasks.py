@@ -273,6 +273,17 @@ def test_a_kill_between_the_metrics_and_the_checkpoint_loses_nothing(tmp_path, m
     assert strip(killed) == strip(expected)
 
 
+def test_a_damaged_metrics_row_is_named_not_dropped(tmp_path):
+    run_task(tiny_mackey_glass(2), tmp_path / "run", progress=False)
+    (tmp_path / "run" / "summary.json").unlink()
+    metrics = tmp_path / "run" / "metrics.jsonl"
+    first, second = metrics.read_bytes().splitlines()
+    metrics.write_bytes(first[:-9] + b"\n" + second + b"\n")
+    with pytest.raises(ConfigError, match=rf"^{metrics}, line 1: not a metrics row"):
+        run_task(tiny_mackey_glass(2), tmp_path / "run", progress=False)
+    assert metrics.read_bytes().splitlines()[1] == second  # left as it was
+
+
 def test_a_workdir_of_another_config_is_refused(tmp_path):
     run_task(tiny_mackey_glass(1), tmp_path, progress=False)
     config = tiny_mackey_glass(1)
@@ -293,6 +304,17 @@ def test_config_keys_and_types_are_checked():
         base_config_check(dict(output_activation="swish"))
     with pytest.raises(ConfigError, match=r"model\.memory_dim must be >= 0"):
         base_config_check(dict(memory_dim=-3))
+
+
+@pytest.mark.parametrize("lr", ["0", "-1", "inf", "nan"])
+def test_a_learning_rate_that_is_not_finite_and_positive_is_refused(lr):
+    from lmuscale.tasks.config import check
+
+    config = tiny_mackey_glass(1)
+    config.train.learning_rate = float(lr)
+    message = rf"train\.learning_rate must be finite and > 0, got {float(lr)!r}$"
+    with pytest.raises(ConfigError, match=message):
+        check(config)
 
 
 def base_config_check(model):

@@ -8,6 +8,7 @@ Unknown keys and values of the wrong type are errors that name the key.
 from __future__ import annotations
 
 import dataclasses
+import math
 
 from ml_collections import ConfigDict
 
@@ -73,8 +74,9 @@ def check(config: ConfigDict, where: str = "config") -> None:
     for key in ("epochs", "batch_size", "eval_batch_size"):
         if config.train[key] <= 0:
             raise ConfigError(f"{where}: train.{key} must be > 0, got {config.train[key]!r}")
-    if not config.train.learning_rate > 0:
-        raise ConfigError(f"{where}: train.learning_rate must be > 0")
+    lr = config.train.learning_rate
+    if not (lr > 0 and math.isfinite(lr)):
+        raise ConfigError(f"{where}: train.learning_rate must be finite and > 0, got {lr!r}")
     vocab = config.data.get("vocab")
     if vocab is not None and model.vocab_size != vocab:
         raise ConfigError(

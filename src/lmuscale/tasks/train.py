@@ -32,6 +32,7 @@ from lmuscale.tasks.base import Split, Task
 from lmuscale.tasks.config import model_config, task_of
 from lmuscale.tasks.models import TaskModel, tree_params
 from lmuscale.train import workdir as workdir_lib
+from lmuscale.train.metrics import DamagedLog
 from lmuscale.train.workdir import SUMMARY, TrainingDiverged
 
 CHECKPOINT = "checkpoint.msgpack"
@@ -127,10 +128,26 @@ class Trainer:
 
 
 def _read_metrics(path: Path, upto: int) -> list[dict]:
+    """The rows of the epochs up to ``upto``. The file is only ever replaced whole (one row
+    per epoch, so rewriting it costs little), so a row that does not parse was damaged by
+    something else: it is named, never dropped."""
     if not path.exists():
         return []
-    rows = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
-    return [row for row in rows if row["epoch"] <= upto]
+    rows = []
+    for number, line in enumerate(path.read_bytes().splitlines(), 1):
+        if not line.strip():
+            continue
+        try:
+            row = json.loads(line)
+            epoch = row["epoch"]
+        except (ValueError, TypeError, KeyError):
+            raise DamagedLog(
+                f"{path}, line {number}: not a metrics row (the file is damaged; move it "
+                "aside to resume without its history)"
+            ) from None
+        if epoch <= upto:
+            rows.append(row)
+    return rows
 
 
 def run_task(config: ConfigDict, workdir, progress: bool | None = None) -> dict:
