@@ -549,7 +549,7 @@ def test_untrained_loss_is_near_uniform():
 def test_training_step_of_the_1m_model_fits_in_4gb():
     # XLA's buffer assignment for one Adam step on a (16, 1024) batch, from compilation only.
     # The process around it adds ~0.8 GB (measured peak RSS of the real step: 2.8 GB), so the
-    # buffers must stay under 3 GB. benchmarks/model_step.py runs the step and reports RSS.
+    # buffers must stay under 3 GB. benchmarks/models.py runs the step and reports RSS.
     config = named_config("lmu-1M")
     model = build(config)
     tokens = jnp.zeros((16, 1025), jnp.int32)
