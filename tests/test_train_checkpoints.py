@@ -165,3 +165,125 @@ def test_an_unwritable_checkpoint_folder_ends_the_process_with_one_line(byte_cor
         f"error: checkpoint folder {workdir / 'checkpoints'} cannot be created (FileExistsError: "
         f"[Errno 17] File exists: '{workdir / 'checkpoints'}')"
     ]
+
+
+def test_no_free_inodes_is_named_at_the_save_and_the_rerun_resumes_exactly(
+    byte_corpus, finished_run, tmp_path, monkeypatch
+):
+    from lmuscale.train import checkpoint
+    from lmuscale.train.checkpoint import CheckpointWriteError
+
+    real = checkpoint.os.statvfs
+    workdir = tmp_path / "w"
+
+    class NoInodes:  # what statvfs reports once the inodes are used up (bytes are left)
+        def __init__(self, stats):
+            self.stats = stats
+
+        def __getattr__(self, name):
+            return {"f_files": 10**6, "f_favail": 3}.get(name, getattr(self.stats, name))
+
+    def filling(path):  # inodes for the first checkpoint only
+        first = not (workdir / "checkpoints" / "4").exists()
+        return real(path) if first else NoInodes(real(path))
+
+    monkeypatch.setattr(checkpoint.os, "statvfs", filling)
+    with pytest.raises(CheckpointWriteError) as error:
+        run(_config(byte_corpus), workdir)
+    files = 1 + sum(1 for _ in (workdir / "checkpoints" / "4").rglob("*"))
+    assert str(error.value) == (
+        f"no room for checkpoint 8 in {workdir / 'checkpoints'}: it needs about {files} files "
+        "and the filesystem has 3 free inodes; the checkpoints before it are kept. Free some "
+        "space and run again to resume"
+    )
+    monkeypatch.undo()
+    assert sorted(p.name for p in (workdir / "checkpoints").iterdir()) == ["4"]
+    run(_config(byte_corpus), workdir)
+    assert _losses(workdir) == _losses(finished_run)
+
+
+def test_a_save_that_fails_in_the_background_is_named_at_the_next_logged_step(
+    byte_corpus, tmp_path, monkeypatch
+):
+    """Orbax writes a checkpoint while training goes on; its failure is raised with the step
+    it was writing, at the next logged step, not at the next save."""
+    import orbax.checkpoint as ocp
+
+    from lmuscale.train.checkpoint import Checkpoints, CheckpointWriteError
+
+    failed = []
+    save = Checkpoints.save
+    wait_until_finished = ocp.CheckpointManager.wait_until_finished
+
+    def save_then_fail(self, step, state, meta):
+        save(self, step, state, meta)
+        if step == 8:  # what orbax's finalize thread holds when the write failed
+            failed.append(OSError(28, "No space left on device"))
+
+    def surfacing(self):
+        wait_until_finished(self)
+        if failed:
+            raise failed.pop()
+
+    monkeypatch.setattr(Checkpoints, "save", save_then_fail)
+    monkeypatch.setattr(ocp.CheckpointManager, "wait_until_finished", surfacing)
+    workdir = tmp_path / "w"
+    with pytest.raises(CheckpointWriteError) as error:
+        run(_config(byte_corpus), workdir)
+    assert str(error.value) == (
+        f"writing checkpoint 8 in {workdir / 'checkpoints'} failed (OSError: [Errno 28] No "
+        "space left on device); the checkpoints before it are kept"
+    )
+    # named once the write is over: at step 9 unless it was still going, and at the latest
+    # before checkpoint 12 is saved
+    last = [json.loads(line)["step"] for line in (workdir / "metrics.jsonl").open()][-1]
+    assert 9 <= last <= 12
+    assert sorted(p.name for p in (workdir / "checkpoints").iterdir()) == ["4", "8"]
+
+
+def test_orbax_tracebacks_of_failed_saves_are_kept_off_the_terminal():
+    import logging
+
+    from lmuscale.train.checkpoint import _orbax_traceback
+
+    def record(path, level, exc_info):
+        return logging.LogRecord("absl", level, path, 1, "failed", None, exc_info)
+
+    error = (OSError, OSError(28, "No space left on device"), None)
+    orbax = "/venv/site-packages/orbax/checkpoint/_src/checkpointers/async_checkpointer.py"
+    assert not _orbax_traceback(record(orbax, logging.ERROR, error))
+    assert _orbax_traceback(record(orbax, logging.ERROR, None))  # a message alone still shows
+    assert _orbax_traceback(record(orbax, logging.WARNING, error))
+    assert _orbax_traceback(record("/venv/site-packages/jax/_src/api.py", logging.ERROR, error))
+
+
+def test_a_filesystem_out_of_inodes_ends_the_process_with_one_line(byte_corpus, tmp_path):
+    """The issue's reproduction, on a real 100-inode tmpfs: it hung, then printed 121 lines."""
+    import os
+    import subprocess
+    import sys
+
+    mount = tmp_path / "small"
+    mount.mkdir()
+    made = subprocess.run(
+        ["mount", "-t", "tmpfs", "-o", "size=30m,nr_inodes=100", "tmpfs", str(mount)],
+        capture_output=True,
+        check=False,
+    )
+    if made.returncode != 0:
+        pytest.skip(f"cannot mount a tmpfs here: {made.stderr.decode().strip()}")
+    try:
+        here = Path(__file__).resolve().parent
+        workdir = mount / "run"
+        command = [sys.executable, "-m", "lmuscale.train", "--config"]
+        command += [f"{here / 'small_config.py'}:small", "--workdir", str(workdir), "--quiet"]
+        command += ["--config.train.steps=200", "--config.checkpoint.keep=100"]
+        env = {**os.environ, "LMUSCALE_TEST_DATA": str(byte_corpus), "PYTHONPATH": str(here)}
+        done = subprocess.run(command, env=env, capture_output=True, text=True, timeout=300)
+        lines = done.stderr.strip().splitlines()
+        assert done.returncode == 1, done.stderr
+        assert len(lines) == 1, done.stderr
+        assert lines[0].startswith("error: no room for checkpoint ")
+        assert "free inodes; the checkpoints before it are kept" in lines[0]
+    finally:
+        subprocess.run(["umount", str(mount)], check=True)

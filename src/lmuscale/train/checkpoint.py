@@ -9,10 +9,17 @@ Each checkpoint's JSON holds a CRC-32 of every array of the state (when this pro
 all of them), checked on restore. A checkpoint that fails the check, or that orbax cannot read
 (a truncated file, a missing ``state/`` folder or manifest), raises ``CorruptCheckpoint``;
 ``set_aside`` moves it to ``checkpoints.corrupt/`` beside the folder, never deleting it.
+
+A save that cannot be written (the folder cannot be made, no bytes or inodes left) raises
+``CheckpointWriteError`` naming the checkpoint and the folder: before the save where the free
+space is known to be short, otherwise from ``check`` once the background write has failed.
+Orbax's own tracebacks of such failures are kept off the terminal: the error says it once.
 """
 
 from __future__ import annotations
 
+import logging
+import os
 import shutil
 import zlib
 from pathlib import Path
@@ -22,6 +29,17 @@ import numpy as np
 import orbax.checkpoint as ocp
 
 CHECKSUMS = "checksums"  # in a checkpoint's JSON: {array path: CRC-32 of its bytes}
+FILES_GUESS = 64  # inodes a first checkpoint may need; later saves count the newest one's
+
+
+def _orbax_traceback(record: logging.LogRecord) -> bool:
+    """False for the traceback orbax logs when a background save fails: ``Checkpoints``
+    raises that failure as one named error, and the traceback would bury it."""
+    return not (
+        record.exc_info
+        and record.levelno >= logging.ERROR
+        and f"{os.sep}orbax{os.sep}" in record.pathname
+    )
 
 
 class CheckpointWriteError(RuntimeError):
@@ -69,6 +87,10 @@ class Checkpoints:
             max_to_keep=keep, create=True, cleanup_tmp_directories=True
         )
         self.manager = ocp.CheckpointManager(Path(directory).absolute(), options=options)
+        self.writing: int | None = None  # the step of the last save, until it is checked
+        absl = logging.getLogger("absl")
+        if _orbax_traceback not in absl.filters:
+            absl.addFilter(_orbax_traceback)
 
     def latest_step(self) -> int | None:
         return self.manager.latest_step()
@@ -77,24 +99,45 @@ class Checkpoints:
         return sorted(self.manager.all_steps())
 
     def save(self, step: int, state, meta: dict) -> None:
-        """Save ``state`` at ``step``, first checking there is room for it (a full disk is
-        named here, at the save that needs the space, and the older checkpoints stay)."""
-        needed = sum(x.nbytes for x in jax.tree.leaves(state))
-        free = shutil.disk_usage(self.directory).free
-        if free < needed:
-            raise CheckpointWriteError(
-                f"no room for checkpoint {step} in {self.directory}: it needs about "
-                f"{needed:,} bytes and {free:,} are free; the checkpoints before it are kept. "
-                "Free some space and run again to resume"
-            )
+        """Save ``state`` at ``step``, first checking that the previous save was written and
+        that there is room for this one (a full disk is named here, at the save that needs
+        the space, and the older checkpoints stay)."""
+        self.wait()  # orbax would wait for it too; this names the step that failed
+        self._check_room(step, sum(x.nbytes for x in jax.tree.leaves(state)))
         meta = {**meta, CHECKSUMS: checksums(state)}
         args = ocp.args.Composite(state=ocp.args.StandardSave(state), meta=ocp.args.JsonSave(meta))
         try:
             self.manager.save(step, args=args, force=True)
-        except Exception as error:  # also an earlier save's error, surfacing now
+        except Exception as error:
             raise CheckpointWriteError(
-                f"saving checkpoint {step} in {self.directory} failed ({_reason(error)})"
+                f"saving checkpoint {step} in {self.directory} failed ({_reason(error)}); the "
+                "checkpoints before it are kept"
             ) from None
+        self.writing = step
+
+    def _check_room(self, step: int, needed: int) -> None:
+        no_room = f"no room for checkpoint {step} in {self.directory}: it needs about"
+        keep = "the checkpoints before it are kept. Free some space and run again to resume"
+        free = shutil.disk_usage(self.directory).free
+        if free < needed:
+            raise CheckpointWriteError(f"{no_room} {needed:,} bytes and {free:,} are free; {keep}")
+        stats = os.statvfs(self.directory)
+        if stats.f_files:  # 0: a filesystem that does not count inodes
+            newest = self.latest_step()
+            files = FILES_GUESS
+            if newest is not None:
+                files = 1 + sum(1 for _ in (self.directory / str(newest)).rglob("*"))
+            if stats.f_favail < files:
+                raise CheckpointWriteError(
+                    f"{no_room} {files} files and the filesystem has {stats.f_favail} free "
+                    f"inodes; {keep}"
+                )
+
+    def check(self) -> None:
+        """Raise ``CheckpointWriteError`` if the last save has failed in the background (the
+        loop calls this at every logged step, so a failure is named soon after it happens)."""
+        if self.writing is not None and not self.manager.is_saving_in_progress():
+            self.wait()
 
     def restore(self, step: int, abstract_state) -> tuple[dict, dict]:
         """The state at ``step``, each array placed with the sharding in ``abstract_state``
@@ -133,12 +176,15 @@ class Checkpoints:
         return target
 
     def wait(self) -> None:
+        """Wait for the last save to be written; ``CheckpointWriteError`` if it failed."""
         try:
             self.manager.wait_until_finished()
         except Exception as error:
             raise CheckpointWriteError(
-                f"writing a checkpoint in {self.directory} failed ({_reason(error)})"
+                f"writing checkpoint {self.writing} in {self.directory} failed "
+                f"({_reason(error)}); the checkpoints before it are kept"
             ) from None
+        self.writing = None
 
     def close(self) -> None:
         """Stop the manager's threads (whatever a save left behind: nothing may keep the

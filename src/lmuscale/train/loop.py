@@ -413,6 +413,7 @@ class Session:
         }
         self.losses = []
         self.log.write("train", record)
+        self.checkpoints.check()  # a save that failed in the background is named here
         self.bar.set_postfix(loss=f"{m['loss']:.4f}", tok_s=f"{speed or 0:,.0f}")
 
     def validate(self, done: int) -> None:
