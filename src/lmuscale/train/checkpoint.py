@@ -102,9 +102,9 @@ class Checkpoints:
         """Save ``state`` at ``step``, first checking that the previous save was written and
         that there is room for this one (a full disk is named here, at the save that needs
         the space, and the older checkpoints stay)."""
+        meta = {**meta, CHECKSUMS: checksums(state)}  # while the previous save is written
         self.wait()  # orbax would wait for it too; this names the step that failed
         self._check_room(step, sum(x.nbytes for x in jax.tree.leaves(state)))
-        meta = {**meta, CHECKSUMS: checksums(state)}
         args = ocp.args.Composite(state=ocp.args.StandardSave(state), meta=ocp.args.JsonSave(meta))
         try:
             self.manager.save(step, args=args, force=True)
