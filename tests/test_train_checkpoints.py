@@ -265,11 +265,11 @@ def test_a_filesystem_out_of_inodes_ends_the_process_with_one_line(byte_corpus, 
 
     mount = tmp_path / "small"
     mount.mkdir()
-    made = subprocess.run(
-        ["mount", "-t", "tmpfs", "-o", "size=30m,nr_inodes=100", "tmpfs", str(mount)],
-        capture_output=True,
-        check=False,
-    )
+    command = ["mount", "-t", "tmpfs", "-o", "size=30m,nr_inodes=100", "tmpfs", str(mount)]
+    try:
+        made = subprocess.run(command, capture_output=True, check=False)
+    except FileNotFoundError:
+        pytest.skip("no mount command here")
     if made.returncode != 0:
         pytest.skip(f"cannot mount a tmpfs here: {made.stderr.decode().strip()}")
     try:
