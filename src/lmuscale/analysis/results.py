@@ -2,8 +2,10 @@
 
 Needs the columns trial, family, N (non-embedding parameters), steps, tokens and the chosen
 loss (``test_loss`` or ``val_loss``, nats per token). Optional: status (rows other than
-"finished" are skipped), global_batch and seq_len, total_params, tokenizer, and the
-per-position losses (``test_per_position`` / ``val_per_position``) for Figure 4.
+"finished" are skipped), global_batch and seq_len, total_params, tokenizer, the
+per-position losses (``test_per_position`` / ``val_per_position``) for Figure 4, and for the
+compute-optimal analyses flops_per_token, learning_rate, seed and folder (the trial's folder
+beside the table, whose ``eval.jsonl`` gives the run's evaluation curve).
 """
 
 from __future__ import annotations
@@ -48,6 +50,15 @@ class Run:
     total_params: float | None = None
     tokenizer: str | None = None
     per_position: list[float] | None = None
+    flops_per_token: float | None = None  # training FLOPs per token (3x the forward)
+    learning_rate: float | None = None
+    seed: int | None = None
+    folder: str | None = None  # the trial's folder, beside the results table
+
+    @property
+    def flops(self) -> float | None:
+        """Training FLOPs of the whole run, when the table gives the FLOPs per token."""
+        return None if self.flops_per_token is None else self.flops_per_token * self.tokens
 
     @property
     def batch_tokens(self) -> float:
@@ -243,6 +254,18 @@ def _run(path, line, row, split, skipped) -> Run | None:
     if tokenizer is not None and not isinstance(tokenizer, str):
         raise ResultsError(f"{where}: column tokenizer is {tokenizer!r}, not a tokenizer's name")
     total = row.get("total_params")
+    optional = {}
+    for key, column in (("flops_per_token", "flops_per_token"), ("learning_rate", "learning_rate")):
+        value = _number(row.get(column), where, column, allow_missing=True)
+        if value is not None and not (math.isfinite(value) and value > 0):
+            raise ResultsError(f"{where}: column {column} must be a positive number, got {value}")
+        optional[key] = value
+    seed = _number(row.get("seed"), where, "seed", allow_missing=True)
+    if seed is not None and (not seed.is_integer() or seed < 0):
+        raise ResultsError(f"{where}: column seed must be a whole number >= 0, got {seed}")
+    folder = row.get("folder")
+    if folder is not None and not isinstance(folder, str):
+        raise ResultsError(f"{where}: column folder is {folder!r}, not a folder's name")
     return Run(
         trial=trial,
         family=str(family),
@@ -254,6 +277,9 @@ def _run(path, line, row, split, skipped) -> Run | None:
         total_params=None if total is None else _number(total, where, "total_params"),
         tokenizer=tokenizer,
         per_position=per_position or None,
+        seed=None if seed is None else int(seed),
+        folder=folder,
+        **optional,
     )
 
 

@@ -45,6 +45,8 @@ RESULT_FIELDS = (
     "tokens",
     "flops_per_token",
     "total_flops",
+    "learning_rate",
+    "seed",
     "val_loss",
     "test_loss",
     "val_bits_per_byte",
@@ -125,6 +127,8 @@ def result_row(trial: ResolvedTrial, folder: Path) -> dict:
         tokens=tokens,
         flops_per_token=flops,
         total_flops=flops * tokens,
+        learning_rate=c.optim.learning_rate,
+        seed=c.train.seed,
         status=status(folder),
         folder=folder.name,
     )

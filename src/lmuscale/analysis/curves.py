@@ -1,0 +1,75 @@
+"""Evaluation curves: each run's validation loss against the tokens (and FLOPs) trained on.
+
+A sweep's results table names each trial's folder (column ``folder``, beside the table); its
+``eval.jsonl`` holds one line per evaluation (``step``, ``val_loss``). The compute-optimal
+analyses read them here: tokens = step x the run's tokens per step, FLOPs = tokens x the
+run's training FLOPs per token.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import dataclass
+
+import numpy as np
+
+from lmuscale.analysis.results import Results, Run
+
+EVAL = "eval.jsonl"
+
+
+@dataclass(frozen=True)
+class Curve:
+    """One run's evaluations in step order: ``tokens`` trained on and ``loss`` (nats) there."""
+
+    run: Run
+    tokens: np.ndarray
+    loss: np.ndarray
+
+    @property
+    def flops(self) -> np.ndarray:
+        """Training FLOPs at each evaluation (needs the table's flops_per_token)."""
+        if self.run.flops_per_token is None:
+            raise ValueError(f"{self.run.trial}: the results table has no flops_per_token")
+        return self.tokens * self.run.flops_per_token
+
+
+def load_curves(results: Results) -> tuple[dict[str, Curve], list[str]]:
+    """The curve of every run that has one, by trial name, and one line for each run left
+    without: no folder column, no eval.jsonl, or fewer than two finite evaluations. A line
+    of eval.jsonl that is not JSON is named (file and line) and left out; the last line may
+    be torn by a kill."""
+    curves, missing = {}, []
+    for run in results.runs:
+        if run.folder is None:
+            missing.append(f"{run.trial}: the results table names no folder")
+            continue
+        path = results.path.parent / run.folder / EVAL
+        try:
+            text = path.read_text()
+        except FileNotFoundError:
+            missing.append(f"{run.trial}: no {path}")
+            continue
+        except (OSError, UnicodeDecodeError) as e:
+            missing.append(f"{run.trial}: {path} cannot be read ({e})")
+            continue
+        steps, losses = {}, {}
+        for number, line in enumerate(text.splitlines(), 1):
+            if not line.strip():
+                continue
+            try:
+                row = json.loads(line)
+                step, loss = int(row["step"]), float(row["val_loss"])
+            except (ValueError, TypeError, KeyError):
+                missing.append(f"{run.trial}: {path}:{number} is not an evaluation; left out")
+                continue
+            if math.isfinite(loss) and 0 < step <= run.steps:
+                steps[step], losses[step] = step, loss  # a resumed run's repeat replaces it
+        if len(steps) < 2:
+            missing.append(f"{run.trial}: {path} has {len(steps)} finite evaluation(s)")
+            continue
+        order = sorted(steps)
+        tokens = np.array(order, float) * run.batch_tokens
+        curves[run.trial] = Curve(run, tokens, np.array([losses[s] for s in order]))
+    return curves, missing
