@@ -32,11 +32,18 @@ def paper(name: str):
     implicit attention runs over whole micro-batches (``batch_chunk = 0``) with nothing
     rematerialised.
     """
-    model = named_config(name, dtype="bfloat16")
+    config = paper_training(named_config(name))
+    config.name = name
+    return config
+
+
+def paper_training(model):
+    """Any model (e.g. one of a compute-optimal grid, sweeps/isoflop.py) with the paper's
+    training, computing in bfloat16 as ``paper`` describes."""
+    model = dataclasses.replace(model, dtype="bfloat16")
     if hasattr(model, "batch_chunk"):
         model = dataclasses.replace(model, batch_chunk=0)
     config = base_config(model)
-    config.name = name
     config.data.path = os.environ.get("LMUSCALE_OWT2", "data/owt2")
     config.data.source = "owt2"
     config.train.microbatches = 0

@@ -19,6 +19,8 @@ from __future__ import annotations
 import dataclasses
 import math
 
+import numpy as np
+
 from lmuscale.models import family as families
 from lmuscale.models.family import ModelConfig
 
@@ -108,11 +110,38 @@ def attention_params(d: int) -> int:
     return 4 * d * d + 4 * d
 
 
-def row(size: str) -> Table3Row:
+def row(size: str | int) -> Table3Row:
+    """A row of Table 3 by name ("55k"), or the grid point of any N (an int): the table's row
+    where N is one of its own, else d = round(sqrt(N / 24)) with q / d and q' / q interpolated
+    in log N between the rows around it (held at the end rows' ratios outside the table).
+    Compute-optimal grids use this to size every family between and beyond Table 3's rows."""
+    if isinstance(size, str):
+        for table_row in TABLE3:
+            if table_row.size == size:
+                return table_row
+        raise ValueError(f"unknown size {size!r}; Table 3 has {', '.join(SIZES)}")
+    if isinstance(size, bool) or not isinstance(size, int) or size < 1_000:
+        raise ValueError(f"a size is a Table 3 name or a whole N >= 1000, got {size!r}")
     for table_row in TABLE3:
-        if table_row.size == size:
+        if table_row.n == size:
             return table_row
-    raise ValueError(f"unknown size {size!r}; Table 3 has {', '.join(SIZES)}")
+    log_n = [math.log(r.n) for r in TABLE3]
+    d = width(size)
+    q = max(1, round(d * _interpolate(math.log(size), log_n, [r.q / r.d for r in TABLE3])))
+    q_prime_ratio = _interpolate(math.log(size), log_n, [r.q_prime / r.q for r in TABLE3])
+    return Table3Row(_name(size), size, math.nan, d, q, max(1, round(q * q_prime_ratio)))
+
+
+def _interpolate(x: float, xs: list[float], ys: list[float]) -> float:
+    return float(np.interp(x, xs, ys))  # constant beyond the ends
+
+
+def _name(n: int) -> str:
+    """A size's short name: 55000 -> "55k", 1500000 -> "1.5M"."""
+    for unit, scale in (("B", 1e9), ("M", 1e6), ("k", 1e3)):
+        if n >= scale:
+            return f"{n / scale:.3g}{unit}"
+    return str(n)
 
 
 def nearest(n_of, target: int, candidates) -> int:

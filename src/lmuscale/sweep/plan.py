@@ -67,6 +67,7 @@ def plan(trials, workdir: Path, throughput: Throughput) -> list[dict]:
 
 
 def _count(n: float) -> str:
+    n = float(f"{n:.3g}")  # rounded first: 999.6 of a unit is 1 of the next, not "1e+03"
     for unit, scale in (("E", 1e18), ("P", 1e15), ("T", 1e12), ("G", 1e9), ("M", 1e6), ("k", 1e3)):
         if abs(n) >= scale:
             return f"{n / scale:.3g}{unit}"

@@ -1,0 +1,197 @@
+"""Grids of trials for compute-optimal studies, for sweep files to yield.
+
+- ``isoflop_grid``: for each compute budget C (training FLOPs), a run of several model sizes
+  per family, each trained on the tokens D that C buys at that model's own training FLOPs per
+  token (``flops_per_token(model, seq_len).train``, embedding and attention terms included,
+  not 6N): steps = round(C / (f x batch x seq_len)). The sizes of a budget are the family's
+  candidates nearest a target tokens-per-parameter ratio, so the window slides with C.
+- ``learning_rate_grid``: each size of each family at each of several learning rates, at a
+  short budget, for ``python -m lmuscale.analysis`` to pick a rate per size.
+- ``seeds`` on either: the same point trained with several ``train.seed``.
+
+Every trial's schedule scales with its own steps: warmup is the base config's fraction of its
+steps (at least one step), the cosine decays to zero at the last step, and evaluations and
+checkpoints come ``evals`` times per run, so every run has an evaluation curve.
+"""
+
+from __future__ import annotations
+
+import math
+import sys
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from dataclasses import dataclass
+
+from ml_collections import ConfigDict
+
+from lmuscale.models import ModelConfig, count_params, flops_per_token
+from lmuscale.sweep.spec import Trial
+
+MakeConfig = Callable[[ModelConfig], ConfigDict]  # a model -> its training config
+
+
+@dataclass(frozen=True)
+class GridPoint:
+    """One model at one budget: ``flops`` is what its whole run costs (within rounding of
+    ``budget``)."""
+
+    family: str
+    model: ModelConfig
+    n: int  # non-embedding parameters
+    budget: float
+    steps: int
+    tokens: int
+    flops: float
+
+
+def isoflop_points(
+    models: Mapping[str, Sequence[ModelConfig]],
+    budgets: Iterable[float],
+    *,
+    batch: int,
+    seq_len: int,
+    per_budget: int = 5,
+    tokens_per_param: float = 20.0,
+    min_steps: int = 50,
+) -> list[GridPoint]:
+    """The sizes each budget trains, per family.
+
+    ``models`` maps a family's label to its candidate models (any order); for each budget the
+    ``per_budget`` candidates with at least ``min_steps`` steps whose D / N lies nearest
+    ``tokens_per_param`` (in log) are kept, as a run of consecutive sizes. Raises ValueError
+    naming the family and budget when fewer than ``per_budget`` candidates afford
+    ``min_steps`` steps."""
+    points = []
+    tokens_per_step = batch * seq_len
+    for budget in budgets:
+        for family, candidates in models.items():
+            sized = sorted(candidates, key=lambda m: count_params(m).non_embedding)
+            usable = []
+            for model in sized:
+                f = flops_per_token(model, seq_len).train
+                steps = round(budget / (f * tokens_per_step))
+                if steps >= min_steps:
+                    tokens = steps * tokens_per_step
+                    n = count_params(model).non_embedding
+                    usable.append(GridPoint(family, model, n, budget, steps, tokens, f * tokens))
+            if len(usable) < per_budget:
+                raise ValueError(
+                    f"{family} at C = {budget:.3g} FLOPs: only {len(usable)} of its "
+                    f"{len(sized)} sizes afford {min_steps} steps of {tokens_per_step:,} "
+                    f"tokens; {per_budget} are needed (add smaller sizes or raise the budget)"
+                )
+            ratio = [abs(math.log(p.tokens / p.n / tokens_per_param)) for p in usable]
+            centre = ratio.index(min(ratio))
+            start = min(max(0, centre - per_budget // 2), len(usable) - per_budget)
+            points += usable[start : start + per_budget]
+    return points
+
+
+def isoflop_grid(
+    models: Mapping[str, Sequence[ModelConfig]],
+    budgets: Iterable[float],
+    make_config: MakeConfig,
+    *,
+    per_budget: int = 5,
+    tokens_per_param: float = 20.0,
+    min_steps: int = 50,
+    evals: int = 10,
+    seeds: Sequence[int] = (0,),
+    learning_rate: Callable[[str, int], float] | None = None,
+) -> list[Trial]:
+    """The trials of an IsoFLOP study: ``isoflop_points`` (batch and sequence length from
+    ``make_config``'s config), each trained for its steps with ``schedule`` applied, at each
+    seed. ``learning_rate(family, n)``, if given, sets each size's rate (e.g. ``lookup`` of a
+    learning-rate file the analysis wrote). Trial names are FAMILY-N-C (N and C in short
+    form, e.g. ``lmu-29k-3e11``), with ``-sK`` for seed K when there are several seeds."""
+    budgets = list(budgets)
+    probe = make_config(next(iter(next(iter(models.values())))))
+    batch, seq_len = probe.train.global_batch, probe.data.seq_len
+    points = isoflop_points(
+        models,
+        budgets,
+        batch=batch,
+        seq_len=seq_len,
+        per_budget=per_budget,
+        tokens_per_param=tokens_per_param,
+        min_steps=min_steps,
+    )
+    trials = []
+    for point in points:
+        base = make_config(point.model)
+        if (base.train.global_batch, base.data.seq_len) != (batch, seq_len):
+            raise ValueError(
+                f"make_config gave {point.family} a batch of {base.train.global_batch} x "
+                f"{base.data.seq_len}, the first model {batch} x {seq_len}: one grid, one batch"
+            )
+        lr = None if learning_rate is None else learning_rate(point.family, point.n)
+        name = f"{point.family}-{short(point.n)}-{short(point.budget)}"
+        trials += _seeded(name, schedule(base, point.steps, evals, lr), seeds, _caller())
+    return trials
+
+
+def learning_rate_grid(
+    models: Mapping[str, Sequence[ModelConfig]],
+    learning_rates: Sequence[float],
+    make_config: MakeConfig,
+    *,
+    steps: int,
+    evals: int = 5,
+    seeds: Sequence[int] = (0,),
+) -> list[Trial]:
+    """Every model of every family at every learning rate, for ``steps`` steps each. Trial
+    names are FAMILY-N-lrRATE (``lmu-29k-lr0.003``)."""
+    trials = []
+    for family, candidates in models.items():
+        for model in sorted(candidates, key=lambda m: count_params(m).non_embedding):
+            n = count_params(model).non_embedding
+            for lr in sorted(learning_rates):
+                config = schedule(make_config(model), steps, evals, lr)
+                name = f"{family}-{short(n)}-lr{lr:g}"
+                trials += _seeded(name, config, seeds, _caller())
+    return trials
+
+
+def schedule(config: ConfigDict, steps: int, evals: int, learning_rate=None) -> ConfigDict:
+    """A copy of ``config`` trained for ``steps``: the warmup keeps the base config's fraction
+    of its steps (at least 1, below ``steps``), and evaluations and checkpoints come every
+    ``steps // evals`` steps (the last step always has both)."""
+    config = ConfigDict(config.to_dict())
+    fraction = config.optim.warmup_steps / config.train.steps
+    config.train.steps = steps
+    config.optim.warmup_steps = min(max(1, round(fraction * steps)), steps - 1)
+    if learning_rate is not None:
+        config.optim.learning_rate = float(learning_rate)
+    every = max(1, steps // evals)
+    config.eval.every = every
+    config.checkpoint.every = every
+    config.log.every = min(config.log.every, every)
+    return config
+
+
+def short(x: float) -> str:
+    """A count in a trial name: 29216 -> "29k", 3e11 -> "3e11", 1.5e6 -> "1.5M"."""
+    if x >= 1e10:
+        mantissa, exponent = f"{x:.2g}".split("e")
+        return f"{mantissa}e{int(exponent)}"
+    for unit, scale in (("B", 1e9), ("M", 1e6), ("k", 1e3)):
+        if x >= scale:
+            return f"{x / scale:.3g}{unit}"
+    return f"{x:.3g}"
+
+
+def _caller() -> str:
+    """The sweep file's line that asked for the grid, for the trials' error messages."""
+    frame = sys._getframe(2)
+    return f"{frame.f_code.co_filename}:{frame.f_lineno}"
+
+
+def _seeded(name: str, config: ConfigDict, seeds: Sequence[int], origin: str) -> list[Trial]:
+    if len(seeds) == 1:
+        config.train.seed = seeds[0]
+        return [Trial(name, config, origin=origin)]
+    trials = []
+    for seed in seeds:
+        seeded = ConfigDict(config.to_dict())
+        seeded.train.seed = seed
+        trials.append(Trial(f"{name}-s{seed}", seeded, origin=origin))
+    return trials
