@@ -1,0 +1,314 @@
+"""Choosing the learning rate at each model size, and the file a sweep reads the choices from.
+
+A learning-rate sweep trains each (family, size, token budget) at a grid of rates.
+``select_learning_rates`` picks one rate per such group: the loss is averaged over seeds at
+each rate, and the choice is the vertex of the parabola in log10(rate) through the best grid
+point and its two neighbours. ``write_learning_rates`` saves the choices as JSON;
+a sweep file reads them with ``read_learning_rates(path).lookup(family, n)``.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import numbers
+from collections import defaultdict
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+
+from lmuscale.analysis.results import FAMILY_ORDER, Run, label
+from lmuscale.files import atomic_write_json
+
+FORMAT = "lmuscale learning rates"
+VERSION = 1
+SIZE_RTOL = 0.05  # runs whose N are within 5% of each other are one size
+REQUIRED = ("family", "N", "learning_rate")
+
+
+class LearningRateFileError(ValueError):
+    """A learning-rate file that cannot be used; the message names the file and what is wrong."""
+
+
+@dataclass(frozen=True)
+class LearningRateChoice:
+    """The rate chosen for one (family, size, token budget). Arrays follow ``learning_rates``."""
+
+    family: str
+    n: float  # non-embedding parameters (the median of the size's runs)
+    tokens: float  # the token budget of the runs
+    learning_rates: np.ndarray  # the grid tried, ascending
+    loss: np.ndarray  # final loss at each rate, mean over seeds (nats)
+    best: float  # the parabola's vertex; grid_best when not bracketed
+    grid_best: float  # the rate of the grid's lowest loss
+    bracketed: bool  # False: grid_best is the smallest or largest rate tried
+    trials: tuple[str, ...]
+
+    @property
+    def note(self) -> str:
+        """Empty when the optimum is bracketed; otherwise which way to extend the grid."""
+        if self.bracketed:
+            return ""
+        low = self.grid_best == self.learning_rates[0]
+        return (
+            f"{label(self.family)} N={self.n:.4g}, {self.tokens:.4g} tokens: the best rate, "
+            f"{self.grid_best:.4g}, is the {'smallest' if low else 'largest'} tried; extend the "
+            f"grid {'below' if low else 'above'} it"
+        )
+
+
+def select_learning_rates(runs: list[Run]) -> tuple[list[LearningRateChoice], list[str]]:
+    """One ``LearningRateChoice`` per (family, size, token budget) with >= 2 distinct rates.
+
+    Runs whose N are within 5% of each other are one size. Every token budget of a size is
+    its own group and is returned (the optimum can move with the budget; ``write_learning_rates``
+    keeps them all and ``LearningRates.lookup`` takes the largest). A rate whose runs all
+    diverged is not in the results table, so it is not in the grid either: a grid that ends at
+    a diverged rate can look unbracketed.
+
+    The second list has one line per group left out and why (a single rate), one per family
+    naming its runs without a learning rate, and one per run without a finite loss.
+    """
+    left_out = []
+    no_rate = defaultdict(list)
+    usable = []
+    for run in runs:
+        if run.learning_rate is None:
+            no_rate[run.family].append(run.trial)
+        elif not math.isfinite(run.loss):
+            left_out.append(f"{run.trial}: loss is {run.loss}")
+        else:
+            usable.append(run)
+    for family, trials in sorted(no_rate.items(), key=lambda kv: _family_key(kv[0])):
+        left_out.append(
+            f"{label(family)}: no learning_rate in {len(trials)} run(s): {', '.join(trials)}"
+        )
+    choices = []
+    for family in sorted({r.family for r in usable}, key=_family_key):
+        of_family = [r for r in usable if r.family == family]
+        for size in _size_groups([r.n for r in of_family]):
+            at_size = [of_family[i] for i in size]
+            n = float(np.median([r.n for r in at_size]))
+            for tokens in sorted({r.tokens for r in at_size}):
+                group = [r for r in at_size if r.tokens == tokens]
+                rates = sorted({r.learning_rate for r in group})
+                if len(rates) < 2:
+                    left_out.append(
+                        f"{label(family)} N={n:.4g}, {tokens:.4g} tokens: only one learning rate "
+                        f"({rates[0]:.4g}) in {', '.join(r.trial for r in group)}"
+                    )
+                    continue
+                choices.append(_choose(family, n, tokens, rates, group))
+    return choices, left_out
+
+
+def _choose(family, n, tokens, rates, group) -> LearningRateChoice:
+    loss = np.array([np.mean([r.loss for r in group if r.learning_rate == lr]) for lr in rates])
+    grid = np.array(rates)
+    i = int(np.argmin(loss))
+    bracketed = 0 < i < len(grid) - 1
+    best = grid[i]
+    if bracketed:
+        best = 10 ** _vertex(np.log10(grid[i - 1 : i + 2]), loss[i - 1 : i + 2])
+    return LearningRateChoice(
+        family=family,
+        n=n,
+        tokens=float(tokens),
+        learning_rates=grid,
+        loss=loss,
+        best=float(best),
+        grid_best=float(grid[i]),
+        bracketed=bracketed,
+        trials=tuple(r.trial for r in sorted(group, key=lambda r: (r.learning_rate, r.trial))),
+    )
+
+
+def _vertex(x, y) -> float:
+    """The vertex of the parabola through three points whose middle one is lowest (so it lies
+    between the outer two); the middle x when the three are level."""
+    d0, d2 = x[1] - x[0], x[1] - x[2]
+    num = d0**2 * (y[1] - y[2]) - d2**2 * (y[1] - y[0])
+    den = d0 * (y[1] - y[2]) - d2 * (y[1] - y[0])
+    return float(x[1]) if den == 0 else float(x[1] - 0.5 * num / den)
+
+
+def _size_groups(values) -> list[list[int]]:
+    """Indices of ``values`` grouped into sizes: ascending, a group holds the values within
+    ``SIZE_RTOL`` of its smallest."""
+    order = sorted(range(len(values)), key=lambda i: values[i])
+    groups: list[list[int]] = []
+    for i in order:
+        if groups and values[i] <= values[groups[-1][0]] * (1 + SIZE_RTOL):
+            groups[-1].append(i)
+        else:
+            groups.append([i])
+    return groups
+
+
+def _family_key(family: str):
+    order = {f: i for i, f in enumerate(FAMILY_ORDER)}
+    return (order.get(family, len(order)), family)
+
+
+def write_learning_rates(path, choices: list[LearningRateChoice]) -> None:
+    """Write ``choices`` to ``path`` as JSON, atomically, in the format
+    ``read_learning_rates`` reads::
+
+        {"format": "lmuscale learning rates", "version": 1,
+         "rates": [{"family", "N", "tokens", "learning_rate" (the choice's best), "bracketed",
+                    "grid", "loss"}, ...]}
+    """
+    rows = [
+        {
+            "family": c.family,
+            "N": float(c.n),
+            "tokens": float(c.tokens),
+            "learning_rate": float(c.best),
+            "bracketed": bool(c.bracketed),
+            "grid": [float(v) for v in c.learning_rates],
+            "loss": [float(v) for v in c.loss],
+        }
+        for c in choices
+    ]
+    atomic_write_json(path, {"format": FORMAT, "version": VERSION, "rates": rows})
+
+
+@dataclass(frozen=True)
+class _Rate:
+    n: float
+    learning_rate: float
+    tokens: float | None
+    index: int  # its place in the file's "rates"
+
+
+class LearningRates:
+    """A learning-rate file, read back with ``read_learning_rates(path)``.
+
+    ``lookup(family, n)`` gives the rate of ``family`` at the size nearest ``n``. Rows of one
+    family within 5% in N are one size; of a size's rows, the one with the largest token budget
+    counts (a row without tokens counts as the smallest).
+    """
+
+    def __init__(self, path: Path, rates: dict[str, tuple[_Rate, ...]]):
+        self.path = path
+        self._rates = rates
+
+    def __repr__(self) -> str:
+        return f"LearningRates({str(self.path)!r}, families={list(self.families)})"
+
+    @property
+    def families(self) -> tuple[str, ...]:
+        return tuple(sorted(self._rates, key=_family_key))
+
+    def sizes(self, family: str) -> np.ndarray:
+        """The sizes (N) the file has for ``family``, ascending; empty for an unknown family."""
+        return np.array([r.n for r in self._rates.get(family, ())])
+
+    def lookup(self, family: str, n: float, rtol: float = 0.1) -> float:
+        """The learning rate of ``family`` at the size nearest ``n`` in log N.
+
+        Raises ``LearningRateFileError`` (naming the file) for a family the file does not
+        have, or when the nearest size differs from ``n`` by more than ``rtol * n``.
+        """
+        if isinstance(n, bool) or not (isinstance(n, numbers.Real) and math.isfinite(n) and n > 0):
+            raise ValueError(f"n must be a positive number of parameters, got {n!r}")
+        rates = self._rates.get(family)
+        if not rates:
+            have = ", ".join(self.families) or "no rows"
+            raise LearningRateFileError(
+                f"{self.path}: no learning rate for family {family!r}; the file has {have}"
+            )
+        nearest = min(rates, key=lambda r: abs(math.log(r.n / n)))
+        if abs(nearest.n - n) > rtol * n:
+            have = ", ".join(f"{r.n:.4g}" for r in rates)
+            raise LearningRateFileError(
+                f"{self.path}: no {family} size within {rtol:.0%} of N={n:.4g} (the nearest is "
+                f"N={nearest.n:.4g}); the file has {family} at N = {have}. Run a learning-rate "
+                "sweep at this size, or pass a larger rtol"
+            )
+        return nearest.learning_rate
+
+
+def read_learning_rates(path) -> LearningRates:
+    """Read a file ``write_learning_rates`` wrote. Raises ``LearningRateFileError`` naming the
+    file and what is wrong: missing, not JSON, not this format or version, a row without
+    family, N or learning_rate, a value that is not a positive number, or two rows of one
+    family, size and budget with different rates."""
+    path = Path(path)
+    try:
+        text = path.read_text(encoding="utf-8")
+    except FileNotFoundError:
+        raise LearningRateFileError(
+            f"{path}: no such learning-rate file (write_learning_rates writes one from a "
+            "learning-rate sweep's results)"
+        ) from None
+    except (OSError, UnicodeDecodeError) as e:
+        raise LearningRateFileError(f"{path}: cannot be read ({e})") from None
+    try:
+        data = json.loads(text)
+    except json.JSONDecodeError as e:
+        raise LearningRateFileError(f"{path}:{e.lineno}: not JSON ({e.msg})") from None
+    except RecursionError:
+        raise LearningRateFileError(
+            f"{path}: not a learning-rate file (nested too deeply)"
+        ) from None
+    got = data.get("format") if isinstance(data, dict) else f"a JSON {type(data).__name__}"
+    if got != FORMAT:
+        raise LearningRateFileError(
+            f"{path}: not a learning-rate file: format is {got!r}, expected {FORMAT!r}"
+        )
+    if data.get("version") != VERSION:
+        raise LearningRateFileError(
+            f"{path}: version {data.get('version')!r}; this reader reads version {VERSION}"
+        )
+    rows = data.get("rates")
+    if not isinstance(rows, list):
+        raise LearningRateFileError(f"{path}: 'rates' must be a list of rows, got {rows!r}")
+    by_family = defaultdict(list)
+    for i, row in enumerate(rows):
+        where = f"{path}: rates[{i}]"
+        if not isinstance(row, dict):
+            raise LearningRateFileError(f"{where} is {row!r}, not an object")
+        missing = [key for key in REQUIRED if row.get(key) is None]
+        if missing:
+            raise LearningRateFileError(f"{where} has no {', '.join(missing)}")
+        family = row["family"]
+        if not isinstance(family, str) or not family:
+            raise LearningRateFileError(f"{where}: family is {family!r}, not a family's name")
+        tokens = row.get("tokens")
+        by_family[family].append(
+            _Rate(
+                n=_positive(row["N"], where, "N"),
+                learning_rate=_positive(row["learning_rate"], where, "learning_rate"),
+                tokens=None if tokens is None else _positive(tokens, where, "tokens"),
+                index=i,
+            )
+        )
+    return LearningRates(path, {f: _one_per_size(path, f, r) for f, r in by_family.items()})
+
+
+def _positive(value, where, key) -> float:
+    if isinstance(value, bool) or not isinstance(value, int | float):
+        raise LearningRateFileError(f"{where}: {key} is {value!r}, not a number")
+    if not (math.isfinite(value) and value > 0):
+        raise LearningRateFileError(f"{where}: {key} must be a positive number, got {value!r}")
+    return float(value)
+
+
+def _one_per_size(path, family, rates) -> tuple[_Rate, ...]:
+    """Of each size's rows, the one with the largest token budget."""
+    chosen = []
+    for group in _size_groups([r.n for r in rates]):
+        rows = [rates[i] for i in group]
+        budget = max(-1.0 if r.tokens is None else r.tokens for r in rows)
+        top = [r for r in rows if (-1.0 if r.tokens is None else r.tokens) == budget]
+        if len({r.learning_rate for r in top}) > 1:
+            which = " and ".join(f"rates[{r.index}]" for r in top)
+            raise LearningRateFileError(
+                f"{path}: {which} give {family} at N={top[0].n:.4g} with the same token budget "
+                f"different learning rates ({', '.join(f'{r.learning_rate:.4g}' for r in top)}); "
+                "keep one"
+            )
+        chosen.append(top[0])
+    return tuple(sorted(chosen, key=lambda r: r.n))
