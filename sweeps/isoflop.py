@@ -45,7 +45,7 @@ def learning_rate():
         return None
     from lmuscale.analysis.learning_rate import read_learning_rates
 
-    return read_learning_rates(LEARNING_RATES).lookup
+    return read_learning_rates(LEARNING_RATES).interpolate
 
 
 def get_trials():

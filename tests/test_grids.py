@@ -148,7 +148,7 @@ def test_any_n_gets_a_grid_point_and_table_rows_are_unchanged():
 @pytest.mark.parametrize(
     ("sweep", "count", "budgets"),
     [
-        ("isoflop_demo.py", 30, (3e10, 1e11, 3e11)),
+        ("isoflop_demo.py", 30, (8e10, 1.6e11, 3.2e11)),
         ("isoflop.py", 105, tuple(10 ** (15 + 0.75 * k) for k in range(5))),
     ],
 )

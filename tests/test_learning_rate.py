@@ -272,3 +272,21 @@ def test_malformed_files_are_named(tmp_path, content, expected):
         read_learning_rates(path)
     assert str(e.value).startswith(str(path))
     assert expected in str(e.value)
+
+
+def test_interpolate_between_and_beyond_the_sizes_swept(tmp_path):
+    path = write(
+        tmp_path / "lr.json",
+        [
+            {"family": "lmu", "N": 1e7, "learning_rate": 1e-3},  # rows in any order
+            {"family": "lmu", "N": 1e5, "learning_rate": 1e-2},
+        ],
+    )
+    rates = read_learning_rates(path)
+    # halfway in log N is halfway in log rate: 1e6 -> sqrt(1e-2 * 1e-3)
+    assert rates.interpolate("lmu", 1e6) == pytest.approx(math.sqrt(1e-5), rel=1e-12)
+    assert rates.interpolate("lmu", 1e5) == pytest.approx(1e-2, rel=1e-12)
+    assert rates.interpolate("lmu", 1e3) == pytest.approx(1e-2, rel=1e-12)  # held beyond
+    assert rates.interpolate("lmu", 1e9) == pytest.approx(1e-3, rel=1e-12)
+    with pytest.raises(LearningRateFileError, match="no learning rate for family 'lmu_g'"):
+        rates.interpolate("lmu_g", 1e6)

@@ -1,7 +1,10 @@
 """Figures and tables from a sweep's results (``python -m lmuscale.analysis RESULTS --out DIR``).
 
 ``analyse`` reads a results table, fits every family (``lmuscale.scaling``) and writes
-``fig3``, ``fig4`` and ``fig5`` (PNG and PDF), ``fits.csv`` and ``fits.md``.
+``fig3``, ``fig4`` and ``fig5`` (PNG and PDF), ``fits.csv`` and ``fits.md``; then the
+compute-optimal analyses the table supports (``optimal``): ``isoflop`` and ``optimal``
+(N_opt and D_opt against compute), ``tokens_A_B`` (data efficiency) and ``learning_rate``
+with ``learning_rates.json``. fits.md says which analyses were left out and why.
 """
 
 from __future__ import annotations
@@ -9,8 +12,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 from pathlib import Path
 
-from lmuscale.analysis import figures, tables
+from lmuscale.analysis import figures, optimal, tables
 from lmuscale.analysis.fitting import GroupFit, find, fit_all
+from lmuscale.analysis.optimal import OptimalReport
 from lmuscale.analysis.results import Results, ResultsError, Run, load_results
 from lmuscale.files import atomic_write_bytes
 
@@ -24,6 +28,7 @@ class Report:
     results: Results
     fits: list[GroupFit]
     files: list[Path]
+    optimal: OptimalReport | None = None
 
 
 def analyse(
@@ -52,19 +57,22 @@ def analyse(
     except OSError as e:
         raise OutputError(f"{out}: cannot make the folder ({e.strerror})") from None
     fits = fit_all(loaded, n_boot=n_boot, ci=ci, seed=seed, progress=progress)
+    best = optimal.compute_optimal(loaded, n_boot=n_boot, ci=ci, seed=seed)
     files = []
     try:
         files += figures.save(figures.figure3(loaded, fits), out / "fig3")
         files += figures.save(figures.figure4(loaded, size), out / "fig4")
         files += figures.save(figures.figure5(loaded, fits), out / "fig5")
-        tables.write_csv(out / "fits.csv", fits)
+        files += optimal.write(best, loaded, out)
+        tables.write_csv(out / "fits.csv", fits, extra=best.csv_rows(ci))
         files.append(out / "fits.csv")
-        atomic_write_bytes(out / "fits.md", tables.markdown(loaded, fits).encode())
+        text = tables.markdown(loaded, fits) + "\n".join(best.markdown(ci)) + "\n"
+        atomic_write_bytes(out / "fits.md", text.encode())
         files.append(out / "fits.md")
     except OSError as e:
         path = e.filename2 or e.filename or out  # a rename names its target second
         raise OutputError(f"{path}: cannot be written ({e.strerror or e})") from None
-    return Report(loaded, fits, files)
+    return Report(loaded, fits, files, best)
 
 
 __all__ = [

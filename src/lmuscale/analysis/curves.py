@@ -1,10 +1,9 @@
 """Evaluation curves: each run's validation loss against the tokens (and FLOPs) trained on.
 
-A sweep's results table names each trial's folder (column ``folder``, beside the table); its
-``eval.jsonl`` holds one line per evaluation (``step``, ``val_loss``). The compute-optimal
-analyses read them here: tokens = step x the run's tokens per step, FLOPs = tokens x the
-run's training FLOPs per token.
-"""
+A sweep's results table names each trial's folder (column ``folder``: beside the table, or in
+the ``trials/`` folder beside it, as a sweep writes them); its ``eval.jsonl`` holds one line
+per evaluation (``step``, ``val_loss``). The compute-optimal analyses read them here: tokens =
+step x the run's tokens per step, FLOPs = tokens x the run's training FLOPs per token."""
 
 from __future__ import annotations
 
@@ -45,7 +44,11 @@ def load_curves(results: Results) -> tuple[dict[str, Curve], list[str]]:
         if run.folder is None:
             missing.append(f"{run.trial}: the results table names no folder")
             continue
-        path = results.path.parent / run.folder / EVAL
+        # a sweep's table sits beside trials/, and names each trial's folder in it
+        folder = results.path.parent / run.folder
+        if not folder.is_dir() and (results.path.parent / "trials" / run.folder).is_dir():
+            folder = results.path.parent / "trials" / run.folder
+        path = folder / EVAL
         try:
             text = path.read_text()
         except FileNotFoundError:

@@ -229,6 +229,16 @@ class LearningRates:
             )
         return nearest.learning_rate
 
+    def interpolate(self, family: str, n: float) -> float:
+        """The rate of ``family`` at ``n``, interpolated linearly in (log N, log rate) between
+        the sizes the file has, and the end sizes' rates beyond them: for a grid whose sizes
+        lie between those of its learning-rate sweep (sweeps/isoflop.py)."""
+        self.lookup(family, n, rtol=math.inf)  # the same errors for a bad n or family
+        rates = self._rates[family]
+        log_n = np.log([r.n for r in rates])
+        log_lr = np.log([r.learning_rate for r in rates])
+        return float(np.exp(np.interp(math.log(n), log_n, log_lr)))
+
 
 def read_learning_rates(path) -> LearningRates:
     """Read a file ``write_learning_rates`` wrote. Raises ``LearningRateFileError`` naming the

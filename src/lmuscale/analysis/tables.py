@@ -77,11 +77,13 @@ def fit_rows(fits) -> list[dict]:
     return rows
 
 
-def write_csv(path: Path, fits) -> None:
+def write_csv(path: Path, fits, extra: list[dict] = ()) -> None:
+    """fits.csv: the rows of ``fits``, then ``extra`` rows in the same columns (the
+    compute-optimal estimates)."""
     buffer = io.StringIO()
     writer = csv.DictWriter(buffer, fieldnames=CSV_FIELDS, lineterminator="\n")
     writer.writeheader()
-    for row in fit_rows(fits):
+    for row in [*fit_rows(fits), *extra]:
         writer.writerow({k: _cell(row.get(k)) for k in CSV_FIELDS})
     atomic_write_bytes(path, buffer.getvalue().encode())
 
