@@ -16,9 +16,11 @@ C, X, Y = 50.0, 0.1, 0.3
 GRID = 1e6 * 2.0 ** (np.arange(21) / 2)  # evaluations: 1e6 to 1.024e9 tokens, 2 per octave
 
 
-def make_curve(trial, family, n, tokens, loss, seed=None) -> Curve:
+def make_curve(trial, family, n, tokens, loss, seed=None, budget=None) -> Curve:
+    """A run trained on ``budget`` tokens (default: its last evaluation's)."""
     tokens, loss = np.asarray(tokens, float), np.asarray(loss, float)
-    run = Run(trial, family, n, steps=100, tokens=tokens[-1], loss=loss[-1], line=1, seed=seed)
+    budget = tokens[-1] if budget is None else budget
+    run = Run(trial, family, n, steps=100, tokens=budget, loss=loss[-1], line=1, seed=seed)
     return Curve(run, tokens, loss)
 
 
@@ -32,7 +34,13 @@ def family(name, sizes, k, stretch=1.0, seed=None):
     k * stretch, exactly, whatever the interpolation between evaluations."""
     return [
         make_curve(
-            f"{name}-{i}-{seed}", name, n, k * stretch * GRID, power_law(n, GRID, 1), seed=seed
+            f"{name}-{i}-{seed}",
+            name,
+            n,
+            k * stretch * GRID,
+            power_law(n, GRID, 1),
+            seed=seed,
+            budget=k * GRID[-1],  # seeds share their budget
         )
         for i, n in enumerate(sizes)
     ]
@@ -133,6 +141,25 @@ def test_sizes_that_do_not_reach_the_target_are_left_out_and_named():
     text = "\n".join(result.left_out)
     assert "short never reaches 1.1" in text
     assert "late is already at or below 1.1 at its first evaluation" in text
+
+
+def test_a_size_trained_at_several_budgets_takes_its_fewest_tokens():
+    """An IsoFLOP grid trains one N at several budgets: a budget too short to reach the target
+    does not drop the size, and of those that reach it the fewest tokens count."""
+    n, target = 1e6, 1.1
+    law = power_law(n, GRID, 1)
+    a = [
+        make_curve("a-short", "lmu", n, GRID[law > target], law[law > target]),  # never reaches
+        make_curve("a-slow", "lmu", n, 2 * GRID, law),  # reaches at 2x the tokens of a-fast
+        make_curve("a-fast", "lmu", n, GRID[:-1], law[:-1]),
+    ]
+    b = [make_curve("b", "transformer", n, 8 * GRID, law)]
+    result = data_efficiency(a + b, "lmu", "transformer", target)
+    assert result.error is None and result.left_out == ()
+    assert result.reached["a-short"] is None
+    assert result.reached["a-slow"] == pytest.approx(2 * result.reached["a-fast"], rel=1e-12)
+    np.testing.assert_allclose(result.tokens_a, [result.reached["a-fast"]], rtol=1e-12)
+    np.testing.assert_allclose(result.ratio, [8.0], rtol=1e-9)
 
 
 def test_nothing_reached_or_measurable_is_an_error():

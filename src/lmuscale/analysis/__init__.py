@@ -41,11 +41,13 @@ def analyse(
     ci: float = 0.95,
     seed: int = 0,
     progress: bool = False,
+    target_loss: float | None = None,
 ) -> Report:
     """Read ``results`` (a results.jsonl or .csv), fit, and write the figures and tables into
-    ``out``. Each file is replaced atomically. Raises ``ResultsError`` for an unusable table
-    and ``OutputError`` for an ``out`` that is not a folder or cannot be written, before the
-    (slow) fits when it can."""
+    ``out``. ``target_loss`` is the loss the data-efficiency ratio is measured at (default:
+    the lowest loss every run reaches). Each file is replaced atomically. Raises
+    ``ResultsError`` for an unusable table and ``OutputError`` for an ``out`` that is not a
+    folder or cannot be written, before the (slow) fits when it can."""
     loaded = load_results(results, split)
     out = Path(out)
     try:
@@ -57,7 +59,7 @@ def analyse(
     except OSError as e:
         raise OutputError(f"{out}: cannot make the folder ({e.strerror})") from None
     fits = fit_all(loaded, n_boot=n_boot, ci=ci, seed=seed, progress=progress)
-    best = optimal.compute_optimal(loaded, n_boot=n_boot, ci=ci, seed=seed)
+    best = optimal.compute_optimal(loaded, n_boot=n_boot, ci=ci, seed=seed, target=target_loss)
     files = []
     try:
         files += figures.save(figures.figure3(loaded, fits), out / "fig3")

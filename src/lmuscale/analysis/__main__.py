@@ -47,10 +47,19 @@ def main(argv=None) -> int:
     parser.add_argument("--n-boot", type=int, default=1000, help="bootstrap resamples per fit")
     parser.add_argument("--ci", type=float, default=0.95, help="confidence level of the CIs")
     parser.add_argument("--seed", type=int, default=0, help="seed of the bootstrap")
+    parser.add_argument(
+        "--target-loss",
+        type=float,
+        default=None,
+        help="the loss at which to compare the tokens families need (default: the lowest "
+        "loss every run reaches)",
+    )
     parser.add_argument("--quiet", action="store_true", help="no progress bar or summary")
     args = parser.parse_args(argv)
     if not 0 < args.ci < 1:
         parser.error(f"--ci must be between 0 and 1, got {args.ci}")
+    if args.target_loss is not None and not (0 < args.target_loss < float("inf")):
+        parser.error(f"--target-loss must be a positive loss, got {args.target_loss}")
     if args.n_boot < 0:
         parser.error(f"--n-boot must be >= 0, got {args.n_boot}")
     try:
@@ -63,6 +72,7 @@ def main(argv=None) -> int:
             ci=args.ci,
             seed=args.seed,
             progress=not args.quiet,
+            target_loss=args.target_loss,
         )
     except (ResultsError, OutputError) as e:
         print(f"error: {e}", file=sys.stderr)

@@ -84,11 +84,12 @@ def data_efficiency(
     reaches it only at its best evaluation, so a lower target would leave that run out.)
 
     Each run's tokens to the target come from ``tokens_to_target``. Runs of one family at the
-    same N (seeds) give that size the geometric mean of their tokens; a size where any run
-    does not reach the target, or reaches it before its first evaluation, is left out and
-    listed in ``left_out``. Family b's measured sizes are interpolated linearly in
-    (log10 N, log10 tokens) at each of a's measured sizes inside b's range; there is no
-    extrapolation.
+    same N and tokens (seeds) give that budget the geometric mean of their tokens (a budget
+    where any seed does not reach the target, or reaches it before its first evaluation,
+    gives none); a size trained at several budgets takes the fewest tokens among them; a size
+    no budget gives is left out and listed in ``left_out``. Family b's measured sizes are
+    interpolated linearly in (log10 N, log10 tokens) at each of a's measured sizes inside b's
+    range; there is no extrapolation.
 
     Problems with the data (a family without curves, no measured size, no overlap) come back
     as ``error``; a bad argument (``a == b``, a non-positive target, two curves of one trial)
@@ -171,19 +172,28 @@ def data_efficiency(
 
 
 def _sizes(curves, reached, target, left_out) -> dict[float, float]:
-    """N -> the geometric mean of its runs' tokens to target, for sizes where every run has
-    one; a line in ``left_out`` for each other size."""
-    by_n = defaultdict(list)
+    """N -> the tokens that size needs to reach ``target``: per training budget (runs of the
+    same N and tokens are seeds) the geometric mean of its runs' tokens, where every run has
+    one; then the fewest over the budgets (an IsoFLOP grid trains one N at several budgets,
+    and each schedule reaches the target at its own point). A line in ``left_out`` for each
+    size no budget gives."""
+    by_n = defaultdict(lambda: defaultdict(list))
     for c in curves:
-        by_n[c.run.n].append(c)
+        by_n[c.run.n][c.run.tokens].append(c)
     sizes = {}
-    for n, group in sorted(by_n.items()):
-        missing = [c for c in group if reached[c.run.trial] is None]
-        if missing:
-            why = "; ".join(f"{c.run.trial} {_why_not(c, target)}" for c in missing)
-            left_out.append(f"{label(group[0].run.family)} N={n:.4g}: {why}")
-            continue
-        sizes[n] = float(np.exp(np.mean([np.log(reached[c.run.trial]) for c in group])))
+    for n, budgets in sorted(by_n.items()):
+        measured, why = [], []
+        for group in budgets.values():
+            missing = [c for c in group if reached[c.run.trial] is None]
+            if missing:
+                why += [f"{c.run.trial} {_why_not(c, target)}" for c in missing]
+            else:
+                measured.append(np.exp(np.mean([np.log(reached[c.run.trial]) for c in group])))
+        if measured:
+            sizes[n] = float(min(measured))
+        else:
+            family = label(next(iter(budgets.values()))[0].run.family)
+            left_out.append(f"{family} N={n:.4g}: {'; '.join(why)}")
     return sizes
 
 

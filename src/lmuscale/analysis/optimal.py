@@ -161,8 +161,12 @@ class OptimalReport:
         return out
 
 
-def compute_optimal(results: Results, *, n_boot: int, ci: float, seed: int) -> OptimalReport:
-    """Every compute-optimal analysis ``results`` supports; the rest named in ``left_out``."""
+def compute_optimal(
+    results: Results, *, n_boot: int, ci: float, seed: int, target: float | None = None
+) -> OptimalReport:
+    """Every compute-optimal analysis ``results`` supports; the rest named in ``left_out``.
+    ``target``: the loss of the data-efficiency comparison (default: the lowest loss every
+    compared run reaches)."""
     report = OptimalReport()
     with_flops = [f for f in results.families if all(
         r.flops is not None for r in results.runs if r.family == f)]  # fmt: skip
@@ -202,7 +206,7 @@ def compute_optimal(results: Results, *, n_boot: int, ci: float, seed: int) -> O
             )
     for a, b in _pairs(list(by_family)):
         pair = [c for c in curves.values() if c.run.family in (a, b)]
-        report.efficiency.append(data_efficiency(pair, a, b))
+        report.efficiency.append(data_efficiency(pair, a, b, target))
     if len(by_family) < 2:
         report.left_out.append("data efficiency: needs evaluation curves of two families")
     report.rates, notes = select_learning_rates(results.runs)
