@@ -2,13 +2,15 @@
 
     python -m lmuscale.sweep sweeps/isoflop_demo.py      (about 15 minutes on two CPU cores)
 
-The byte-level models of sweeps/demo.py on the embedded plays, at 3 compute budgets a factor 2
-apart. Each budget trains the 5 sizes per family whose tokens per parameter lie nearest 100
-(where these tiny models' optima lie: a first run centred on 10 found every optimum at or
-below its smallest size), each for the steps the budget buys at its own FLOPs per token, with
-the warmup, cosine and evaluations scaled to its steps. ``after`` then runs the analysis: the
-IsoFLOP parabolas (Chinchilla's approach 2) and N_opt(C), the lower envelope of the evaluation
-curves (approach 1), and the tokens each family needs to reach a loss, into WORKDIR/analysis."""
+The byte-level models of sweeps/demo.py (widths 4 to 64) on the embedded plays, at 3 compute
+budgets a factor 2 apart. Each budget trains 5 sizes per family, each for the steps the
+budget buys at its own FLOPs per token, with the warmup, cosine and evaluations scaled to its
+steps. The window of sizes is centred on 300 tokens per parameter for the LMU and 1,000 for
+the transformer: where these tiny models' optima lie (runs centred on 10, then 100, found most
+optima at or below the smallest size tried). ``after`` then runs the analysis: the IsoFLOP
+parabolas (Chinchilla's approach 2) and N_opt(C), the lower envelope of the evaluation curves
+(approach 1), and the tokens each family needs to reach a loss, into WORKDIR/analysis.
+"""
 
 from pathlib import Path
 
@@ -18,8 +20,15 @@ from lmuscale.train.config import load_module
 demo = load_module(Path(__file__).parent / "demo.py")  # the models and training of the demo
 
 BUDGETS = (8e10, 1.6e11, 3.2e11)  # training FLOPs
-WIDTHS = (8, 12, 16, 24, 32, 48, 64, 96, 128)
+WIDTHS = (4, 6, 8, 12, 16, 24, 32, 48, 64)
 THROUGHPUT = demo.THROUGHPUT
+
+
+def config(model):
+    """The demo's training, with lighter evaluations: every run is evaluated 10 times."""
+    c = demo.config(model)
+    c.eval.update(batches=2, final_batches=8)
+    return c
 
 
 def get_trials():
@@ -28,7 +37,12 @@ def get_trials():
         "transformer": [demo.transformer(d) for d in WIDTHS],
     }
     return isoflop_grid(
-        models, BUDGETS, demo.config, per_budget=5, tokens_per_param=100.0, min_steps=40
+        models,
+        BUDGETS,
+        config,
+        per_budget=5,
+        tokens_per_param={"lmu": 300.0, "transformer": 1000.0},
+        min_steps=40,
     )
 
 

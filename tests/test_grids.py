@@ -158,3 +158,15 @@ def test_the_shipped_isoflop_sweeps_resolve_and_spend_their_budgets(sweep, count
     for trial in loaded.trials:
         spent = cost(trial.config)
         assert min(abs(spent / b - 1) for b in budgets) < 0.02, trial.name
+
+
+def test_each_family_may_centre_its_window_on_its_own_ratio():
+    common = isoflop_points(MODELS, BUDGETS, batch=8, seq_len=64, per_budget=4, min_steps=30)
+    apart = isoflop_points(
+        MODELS, BUDGETS, batch=8, seq_len=64, per_budget=4, min_steps=30,
+        tokens_per_param={"lmu": 20.0, "transformer": 2000.0},
+    )  # fmt: skip
+    for family, lower in (("lmu", False), ("transformer", True)):
+        before = sorted(p.n for p in common if p.family == family)
+        after = sorted(p.n for p in apart if p.family == family)
+        assert (after < before) if lower else (after == before)

@@ -50,16 +50,16 @@ def isoflop_points(
     batch: int,
     seq_len: int,
     per_budget: int = 5,
-    tokens_per_param: float = 20.0,
+    tokens_per_param: float | Mapping[str, float] = 20.0,
     min_steps: int = 50,
 ) -> list[GridPoint]:
     """The sizes each budget trains, per family.
 
     ``models`` maps a family's label to its candidate models (any order); for each budget the
     ``per_budget`` candidates with at least ``min_steps`` steps whose D / N lies nearest
-    ``tokens_per_param`` (in log) are kept, as a run of consecutive sizes. Raises ValueError
-    naming the family and budget when fewer than ``per_budget`` candidates afford
-    ``min_steps`` steps."""
+    ``tokens_per_param`` (in log; a number, or one per family) are kept, as a run of
+    consecutive sizes. Raises ValueError naming the family and budget when fewer than
+    ``per_budget`` candidates afford ``min_steps`` steps."""
     points = []
     tokens_per_step = batch * seq_len
     for budget in budgets:
@@ -79,7 +79,12 @@ def isoflop_points(
                     f"{len(sized)} sizes afford {min_steps} steps of {tokens_per_step:,} "
                     f"tokens; {per_budget} are needed (add smaller sizes or raise the budget)"
                 )
-            ratio = [abs(math.log(p.tokens / p.n / tokens_per_param)) for p in usable]
+            target = (
+                tokens_per_param[family]
+                if isinstance(tokens_per_param, Mapping)
+                else tokens_per_param
+            )
+            ratio = [abs(math.log(p.tokens / p.n / target)) for p in usable]
             centre = ratio.index(min(ratio))
             start = min(max(0, centre - per_budget // 2), len(usable) - per_budget)
             points += usable[start : start + per_budget]
@@ -92,7 +97,7 @@ def isoflop_grid(
     make_config: MakeConfig,
     *,
     per_budget: int = 5,
-    tokens_per_param: float = 20.0,
+    tokens_per_param: float | Mapping[str, float] = 20.0,
     min_steps: int = 50,
     evals: int = 10,
     seeds: Sequence[int] = (0,),
