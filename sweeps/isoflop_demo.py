@@ -9,18 +9,23 @@ steps. The window of sizes is centred on 300 tokens per parameter for the LMU an
 the transformer: where these tiny models' optima lie (runs centred on 10, then 100, found most
 optima at or below the smallest size tried). ``after`` then runs the analysis: the IsoFLOP
 parabolas (Chinchilla's approach 2) and N_opt(C), the lower envelope of the evaluation curves
-(approach 1), and the tokens each family needs to reach a loss, into WORKDIR/analysis.
+(approach 1), and the tokens each family needs to reach a loss, into WORKDIR/analysis. Two
+sizes per family also train at 3 learning rates for 150 steps, for the learning-rate figure.
 """
 
 from pathlib import Path
 
-from lmuscale.sweep.grids import isoflop_grid
+from lmuscale.sweep.grids import isoflop_grid, learning_rate_grid
 from lmuscale.train.config import load_module
 
 demo = load_module(Path(__file__).parent / "demo.py")  # the models and training of the demo
 
 BUDGETS = (8e10, 1.6e11, 3.2e11)  # training FLOPs
 WIDTHS = (4, 6, 8, 12, 16, 24, 32, 48, 64)
+# and a small learning-rate sweep, for the analysis's learning-rate figure and file
+LR_WIDTHS = (8, 16)
+LEARNING_RATES = (1e-3, 3e-3, 1e-2)
+LR_STEPS = 150
 THROUGHPUT = demo.THROUGHPUT
 
 
@@ -36,7 +41,7 @@ def get_trials():
         "lmu": [demo.lmu(d) for d in WIDTHS],
         "transformer": [demo.transformer(d) for d in WIDTHS],
     }
-    return isoflop_grid(
+    grid = isoflop_grid(
         models,
         BUDGETS,
         config,
@@ -44,6 +49,11 @@ def get_trials():
         tokens_per_param={"lmu": 300.0, "transformer": 1000.0},
         min_steps=40,
     )
+    small = {
+        "lmu": [demo.lmu(d) for d in LR_WIDTHS],
+        "transformer": [demo.transformer(d) for d in LR_WIDTHS],
+    }
+    return grid + learning_rate_grid(small, LEARNING_RATES, config, steps=LR_STEPS)
 
 
 def after(workdir):

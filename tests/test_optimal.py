@@ -113,6 +113,8 @@ def test_every_figure_and_table_is_written(analysed):
 def test_the_frontier_exponent_is_the_laws(analysed):
     _, report = analysed
     for frontier in report.optimal.frontiers:
+        # the learning-rate runs (one size at 3 rates, one budget) are no IsoFLOP curve
+        assert [len({r.n for r in fit.runs}) for fit in frontier.fits] == [7, 7, 7]
         p = LAW[frontier.family]
         a = p["beta"] / (p["alpha"] + p["beta"])
         assert frontier.a is not None, frontier.error

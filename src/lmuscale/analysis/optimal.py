@@ -179,7 +179,10 @@ def compute_optimal(
         runs = [r for r in results.runs if r.family == family]
         groups = [g for _, g in budgets(runs) if len({r.n for r in g}) >= 3]
         if len(groups) >= 2:
-            report.frontiers.append(fit_frontier(family, runs, n_boot=n_boot, ci=ci, seed=seed))
+            # only the budgets that train 3 or more sizes: a learning-rate sweep's runs (one
+            # size at several rates) are no IsoFLOP curve
+            grid = [r for g in groups for r in g]
+            report.frontiers.append(fit_frontier(family, grid, n_boot=n_boot, ci=ci, seed=seed))
         else:
             report.left_out.append(
                 f"{label(family)}: IsoFLOP (approach 2) needs 3 or more sizes at each of 2 or "
