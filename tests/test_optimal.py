@@ -156,3 +156,33 @@ def test_the_new_figures_have_no_overlapping_text(analysed):
         figures.learning_rate_figure(best.rates, unit),
     ):
         assert text_overlaps(fig) == []
+
+
+def test_curves_that_cannot_be_read_are_named(tmp_path):
+    from lmuscale.analysis.curves import load_curves
+
+    rows = []
+    for name, content in (
+        ("whole", '{"step": 10, "val_loss": 3.0}\n{"step": 20, "val_loss": 2.5}\n'),
+        ("torn", '{"step": 10, "val_loss": 3.0}\n{"step": 20, "val_loss": 2.5}\n{"st'),
+        ("one", '{"step": 10, "val_loss": 3.0}\n'),
+        ("absent", None),
+    ):
+        folder = tmp_path / "trials" / name
+        folder.mkdir(parents=True)
+        if content is not None:
+            (folder / "eval.jsonl").write_text(content)
+        rows.append(dict(trial=name, family="lmu", N=1000, steps=20, tokens=20 * 64,
+                         val_loss=2.5, folder=name))  # fmt: skip
+    table = tmp_path / "results.jsonl"
+    table.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    curves, notes = load_curves(load_results(table, "val"))
+    assert sorted(curves) == ["torn", "whole"]
+    np.testing.assert_array_equal(curves["torn"].tokens, [640, 1280])
+    np.testing.assert_array_equal(curves["whole"].loss, [3.0, 2.5])
+    trials = tmp_path / "trials"
+    assert notes == [
+        f"torn: {trials}/torn/eval.jsonl:3 is not an evaluation; left out",
+        f"one: {trials}/one/eval.jsonl has 1 finite evaluation(s)",
+        f"absent: no {trials}/absent/eval.jsonl",
+    ]

@@ -88,6 +88,23 @@ def main(argv=None) -> int:
             else:
                 params = ", ".join(f"{k} = {v:.4g}" for k, v in g.fit.params.items())
                 print(f"  {g.name}, {g.form}: {params} (RMS log residual {g.fit.rms_residual:.4f})")
+        best = report.optimal
+        for frontier in best.frontiers:
+            if frontier.a is not None:
+                print(
+                    f"  {frontier.family}: N_opt ∝ C^{frontier.a.estimate:.3f} "
+                    f"[{frontier.a.lo:.3f}, {frontier.a.hi:.3f}], D_opt ∝ "
+                    f"C^{frontier.b.estimate:.3f} [{frontier.b.lo:.3f}, {frontier.b.hi:.3f}]"
+                )
+        for eff in best.efficiency:
+            if eff.ratio_geomean is not None:
+                a, b = eff.families
+                print(
+                    f"  {b} needs {eff.ratio_geomean:.3g}x the tokens of {a} to reach "
+                    f"{eff.target:.4f} ({len(eff.n)} sizes)"
+                )
+        for line in best.left_out:
+            print(f"  left out: {line}")
         print("wrote " + ", ".join(str(p) for p in report.files))
     return 0
 
