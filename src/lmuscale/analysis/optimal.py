@@ -207,18 +207,24 @@ def compute_optimal(
                 f"{label(family)}: envelope (approach 1) needs evaluation curves of 2 or more "
                 f"sizes; found {len({c.run.n for c in mine})}"
             )
-    for a, b in _pairs(list(by_family)):
-        pair = [c for c in curves.values() if c.run.family in (a, b)]
-        report.efficiency.append(data_efficiency(pair, a, b, target))
-    if len(by_family) < 2:
-        report.left_out.append("data efficiency: needs evaluation curves of two families")
     report.rates, notes = select_learning_rates(results.runs)
-    if report.rates:  # an LR sweep: say which of its groups gave no choice
-        report.left_out += [f"learning rates: {note}" for note in notes]
+    if report.rates:  # an LR sweep: say which of its groups gave no choice, other than the
+        # runs at a single rate (every run of the rest of the table)
+        report.left_out += [
+            f"learning rates: {note}" for note in notes if "only one learning rate" not in note
+        ]
     else:
         report.left_out.append(
             "learning rates: no family and size was run at 2 or more learning rates"
         )
+    # the runs of a learning-rate sweep (one size at several rates) are not compared for
+    # data efficiency: a badly chosen rate is not the family's speed
+    swept = {trial for choice in report.rates for trial in choice.trials}
+    for a, b in _pairs(list(by_family)):
+        pair = [c for c in curves.values() if c.run.family in (a, b) and c.run.trial not in swept]
+        report.efficiency.append(data_efficiency(pair, a, b, target))
+    if len(by_family) < 2:
+        report.left_out.append("data efficiency: needs evaluation curves of two families")
     return report
 
 
