@@ -152,11 +152,9 @@ class OptimalReport:
             for c in self.rates:
                 grid = ", ".join(f"{x:g}" for x in c.learning_rates)
                 note = "" if c.bracketed else "at the edge of the grid: extend it"
-                tokens = getattr(c, "tokens", None)
-                tokens = "—" if tokens is None else f"{tokens:,.0f}"
                 out.append(
-                    f"| {label(c.family)} | {c.n:,.0f} | {tokens} | {grid} | {c.grid_best:g} | "
-                    f"{c.best:.3g} | {note} |"
+                    f"| {label(c.family)} | {c.n:,.0f} | {c.tokens:,.0f} | {grid} | "
+                    f"{c.grid_best:g} | {c.best:.3g} | {note} |"
                 )
         return out
 
