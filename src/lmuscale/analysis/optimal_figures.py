@@ -110,7 +110,8 @@ def optimal_figure(frontiers, envelopes=()):
             ax.set_xlabel("compute C (training FLOPs)")
             ax.set_ylabel(what)
             ax.yaxis.set_major_formatter(matplotlib.ticker.FuncFormatter(lambda x, _: human(x)))
-            ax.legend(loc="upper left", frameon=False, fontsize=6.5)
+            if ax.get_legend_handles_labels()[0]:  # D_opt is empty with envelopes alone
+                ax.legend(loc="upper left", frameon=False, fontsize=6.5)
         ax_n.set_title("Compute-optimal model size")
         ax_d.set_title("Compute-optimal training tokens")
         _notes(fig, notes)
