@@ -4,6 +4,7 @@ from the newest intact one with the same numbers as an uninterrupted run."""
 from __future__ import annotations
 
 import json
+import re
 import shutil
 from pathlib import Path
 
@@ -283,7 +284,11 @@ def test_a_filesystem_out_of_inodes_ends_the_process_with_one_line(byte_corpus, 
         lines = done.stderr.strip().splitlines()
         assert done.returncode == 1, done.stderr
         assert len(lines) == 1, done.stderr
-        assert lines[0].startswith("error: no room for checkpoint ")
-        assert "free inodes; the checkpoints before it are kept" in lines[0]
+        # named before the save by the inode check, or (when the newest checkpoint's file
+        # count underestimated the next one) by the failed background write
+        assert re.match(r"error: (no room for|writing) checkpoint \d+ ", lines[0]), lines[0]
+        assert lines[0].endswith("the checkpoints before it are kept. Free some space and run "
+                                 "again to resume") or lines[0].endswith(
+            "; the checkpoints before it are kept")  # fmt: skip
     finally:
         subprocess.run(["umount", str(mount)], check=True)
