@@ -257,8 +257,8 @@ def load_params(path: Path, model: LanguageModel):
 
 def _verify(path: Path, restored) -> None:
     """Check the parameters read from a training checkpoint's ``state`` folder against the
-    CRC-32s that training saved beside it (``N/meta``); checkpoints from before checksums,
-    or from a multi-process run, have none and are taken as they are."""
+    CRC-32s that training saved beside it (``N/meta``); checkpoints from before checksums
+    have none and are taken as they are (and arrays split over processes have none)."""
     from lmuscale.train.checkpoint import CHECKSUMS, checksums, mismatched
 
     try:

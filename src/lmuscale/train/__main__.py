@@ -3,13 +3,15 @@
 Runs (or resumes) one training run. Exit status: 0 when finished, 1 for a bad config or
 dataset (the message names the key, file or value) or a checkpoint that cannot be written, 2
 for bad arguments, 3 when the loss diverged, 4 when SIGTERM/SIGUSR1/SIGUSR2 stopped it after a
-checkpoint (run it again to resume), 130 for Ctrl-C (SIGINT): during training it also stops
+checkpoint (run it again to resume), 5 when a multi-process run lost another of its processes
+(start all of them again to resume), 130 for Ctrl-C (SIGINT): during training it also stops
 after a checkpoint.
 """
 
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 
 
@@ -51,6 +53,7 @@ def main(argv: list[str] | None = None) -> int:
         run,
     )
     from lmuscale.train.checkpoint import CheckpointWriteError
+    from lmuscale.train.loop import LostProcess
 
     try:
         config = override(load(args.config), overrides)
@@ -58,6 +61,11 @@ def main(argv: list[str] | None = None) -> int:
     except (ConfigError, CheckpointWriteError) as error:
         print(f"error: {error}", file=sys.stderr)
         return 1
+    except LostProcess as error:
+        print(f"error: {error}", file=sys.stderr, flush=True)
+        # Not a normal exit: jax.distributed's shutdown would wait for the lost process (until
+        # the heartbeat timeout, then abort with a stack trace), and so would orbax's threads.
+        os._exit(5)
     except TrainingDiverged as error:
         print(f"error: {error}", file=sys.stderr)
         return 3

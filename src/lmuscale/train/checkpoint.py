@@ -5,8 +5,9 @@ killed while saving leaves the previous checkpoints whole; the manager ignores (
 the unfinished folder on the next start. Saves are asynchronous: the arrays are copied off
 the device before ``save`` returns, then written while training goes on.
 
-Each checkpoint's JSON holds a CRC-32 of every array of the state (when this process holds
-all of them), checked on restore. A checkpoint that fails the check, or that orbax cannot read
+Each checkpoint's JSON holds a CRC-32 of every array of the state that process 0 holds whole
+(all of them, except in a multi-process run with parameters split over processes), checked on
+restore by every process. A checkpoint that fails the check, or that orbax cannot read
 (a truncated file, a missing ``state/`` folder or manifest), raises ``CorruptCheckpoint``;
 ``set_aside`` moves it to ``checkpoints.corrupt/`` beside the folder, never deleting it.
 
@@ -28,6 +29,7 @@ import jax
 import numpy as np
 import orbax.checkpoint as ocp
 
+tree_paths = jax.tree_util.tree_leaves_with_path
 CHECKSUMS = "checksums"  # in a checkpoint's JSON: {array path: CRC-32 of its bytes}
 FILES_GUESS = 64  # inodes a first checkpoint may need; later saves count the newest one's
 
@@ -54,13 +56,20 @@ class CorruptCheckpoint(RuntimeError):
     """A checkpoint that cannot be read, or whose arrays do not match their checksums."""
 
 
-def checksums(state) -> dict | None:
-    """CRC-32 of each array's bytes by its path in the tree; None when this process does not
-    hold every array whole (a multi-process run)."""
-    leaves = jax.tree_util.tree_leaves_with_path(state)
-    if not all(getattr(x, "is_fully_addressable", True) for _, x in leaves):
-        return None
-    values = jax.device_get([x for _, x in leaves])
+def _whole(x) -> bool:
+    """Whether this process holds all of array ``x``: every array in a single-process run,
+    the replicated ones in a multi-process run."""
+    return getattr(x, "is_fully_addressable", True) or x.sharding.is_fully_replicated
+
+
+def checksums(state) -> dict:
+    """CRC-32 of the bytes of each array this process holds whole, by its path in the tree
+    (in a multi-process run, arrays split across processes are left out)."""
+    leaves = [(path, x) for path, x in tree_paths(state) if _whole(x)]
+    local = [
+        x if getattr(x, "is_fully_addressable", True) else x.addressable_data(0) for _, x in leaves
+    ]
+    values = jax.device_get(local)
     return {
         jax.tree_util.keystr(path): zlib.crc32(np.ascontiguousarray(value).tobytes())
         for (path, _), value in zip(leaves, values, strict=True)
@@ -68,8 +77,8 @@ def checksums(state) -> dict | None:
 
 
 def mismatched(saved: dict, now: dict) -> list[str]:
-    """The paths of the arrays in ``now`` whose CRC-32 is not the one in ``saved``."""
-    return sorted(k for k in now if saved.get(k) != now[k])
+    """The paths of the arrays in both whose CRC-32s differ."""
+    return sorted(k for k in now if k in saved and saved[k] != now[k])
 
 
 class Checkpoints:
@@ -153,15 +162,14 @@ class Checkpoints:
             raise CorruptCheckpoint(f"{where} cannot be read ({_reason(error)})") from None
         saved = (restored.meta or {}).get(CHECKSUMS)
         if saved:  # checkpoints written before checksums existed are taken as they are
-            now = checksums(restored.state)
-            if now is not None:
-                bad = mismatched(saved, now)
-                if bad or set(now) != set(saved):
-                    what = bad[0] if bad else "the set of arrays"
-                    raise CorruptCheckpoint(
-                        f"{where} does not match the checksums saved with it ({len(bad)} "
-                        f"arrays differ, e.g. {what}): its files were damaged"
-                    )
+            paths = {jax.tree_util.keystr(p) for p, _ in tree_paths(restored.state)}
+            bad = mismatched(saved, checksums(restored.state))
+            if bad or not set(saved) <= paths:
+                what = bad[0] if bad else "the set of arrays"
+                raise CorruptCheckpoint(
+                    f"{where} does not match the checksums saved with it ({len(bad)} "
+                    f"arrays differ, e.g. {what}): its files were damaged"
+                )
         return restored.state, restored.meta
 
     def set_aside(self, step: int) -> Path:

@@ -34,7 +34,7 @@ RESUMABLE_CHANGES = (
 )
 # Keys added after runs were saved, with the value those runs had in effect: ``upgrade``
 # fills them into a saved config.
-ADDED_KEYS = {"train.memory_budget_gb": 0.0}
+ADDED_KEYS = {"train.memory_budget_gb": 0.0, "distributed.heartbeat_timeout": 100}
 POSITIVE = (
     "train.steps",
     "train.global_batch",
@@ -45,6 +45,7 @@ POSITIVE = (
     "checkpoint.keep",
     "log.every",
     "mesh.model",
+    "distributed.heartbeat_timeout",
 )
 NON_NEGATIVE = (
     "train.microbatches",
@@ -145,7 +146,14 @@ def base_config(model: ModelConfig) -> ConfigDict:
     c.log = ConfigDict({"every": 50, "progress": True, "tensorboard": True})
     c.mesh = ConfigDict({"model": 1})  # the data axis takes every other device
     c.distributed = ConfigDict(
-        {"initialize": False, "coordinator_address": "", "num_processes": 0, "process_id": -1}
+        {
+            "initialize": False,
+            "coordinator_address": "",
+            "num_processes": 0,
+            "process_id": -1,
+            # seconds without a heartbeat after which the coordinator ends the other processes
+            "heartbeat_timeout": 100,
+        }
     )
     c.peak_flops = 0.0  # per device, for MFU; 0 = from the table of known devices
     return c

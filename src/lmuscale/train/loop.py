@@ -19,10 +19,19 @@ Workdir:
   tensorboard/    the same scalars as event files
   summary.json    at the end: final val/test loss, per-position loss, bits per byte, sizes
 
-SIGTERM, SIGUSR1 or SIGUSR2 (a scheduler's notice of preemption or time limit) makes a
-single-process run write a checkpoint at the end of the current step and raise
-``TrainingInterrupted``, so a requeued run loses nothing. Schedulers often send more than one
-of them at once, so further signals change nothing; SIGKILL stops a run at once.
+SIGTERM, SIGUSR1 or SIGUSR2 (a scheduler's notice of preemption or time limit) makes a run
+write a checkpoint at the end of the current step and raise ``TrainingInterrupted``, so a
+requeued run loses nothing. Schedulers often send more than one of them at once, so further
+signals change nothing; SIGKILL stops a run at once.
+
+Several processes (``distributed.initialize``; one per host, or several on one machine): each
+reads only its rows of every batch, process 0 alone writes the workdir's files (orbax saves
+checkpoints from all of them), and a stop signal sent to any one process stops every process
+after the same step. Each step exchanges the processes' signal flags in a tiny all-reduce, read
+one step later so that the host never waits for the step it has just dispatched: a signal
+received during step s stops all processes after step s + 1 (or s + 2). When a collective
+fails because another process died, the run raises ``LostProcess``; the command line then exits
+at once instead of waiting for the coordinator's heartbeat timeout.
 """
 
 from __future__ import annotations
@@ -38,6 +47,7 @@ from pathlib import Path
 
 import jax
 import numpy as np
+from jax.sharding import NamedSharding, PartitionSpec
 from ml_collections import ConfigDict
 from tqdm import tqdm
 
@@ -72,23 +82,26 @@ class TrainingInterrupted(RuntimeError):
         self.signal_name = signal_name
 
 
+class LostProcess(RuntimeError):
+    """A multi-process run lost contact with another of its processes (it died, or its host
+    did): a collective or the coordinator failed. The checkpoints written are intact."""
+
+
 class _StopSignals:
     """Turns the first stop signal into a flag the loop reads between steps."""
 
     def __init__(self):
-        self.received = None
+        self.received = None  # the signal's number
         self.previous = {}
 
     def __enter__(self):
-        # Signals reach only the main thread, and in a multi-process run every process would
-        # have to agree on the step to stop at: there the default handling stays.
-        if threading.current_thread() is threading.main_thread() and jax.process_count() == 1:
+        if threading.current_thread() is threading.main_thread():  # signals reach only it
             for sig in STOP_SIGNALS:
                 self.previous[sig] = signal.signal(sig, self._handle)
         return self
 
     def _handle(self, signum, frame):
-        self.received = self.received or signal.Signals(signum).name
+        self.received = self.received or signum
 
     def __exit__(self, *exc):
         for sig, handler in self.previous.items():
@@ -96,12 +109,32 @@ class _StopSignals:
         self.previous = {}
 
 
+class _StopAgreement:
+    """Every process's stop flag (a signal's number, 0 for none), combined across processes
+    by a max all-reduce launched each step and read at the next one, so that all of them see
+    the same value after the same step without the host waiting on the step just dispatched."""
+
+    def __init__(self, mesh):
+        self.sharding = NamedSharding(mesh, PartitionSpec(step_lib.AXES))
+        self.local_devices = len(self.sharding.addressable_devices)
+        self.combine = jax.jit(lambda flags: flags.max(), out_shardings=step_lib.replicated(mesh))
+        self.launched = None
+
+    def __call__(self, local: int) -> int:
+        """Launch the exchange of ``local``; the value of the exchange launched last call."""
+        flags = np.full(self.local_devices, local, np.int32)
+        launched = self.combine(jax.make_array_from_process_local_data(self.sharding, flags))
+        previous, self.launched = self.launched, launched
+        return 0 if previous is None else int(jax.device_get(previous))
+
+
 def initialize_distributed(section) -> None:
     """``jax.distributed.initialize`` for multi-host runs (arguments left out are detected
-    from the cluster environment: SLURM, Open MPI, TPU pods)."""
+    from the cluster environment: SLURM, Open MPI, TPU pods). ``heartbeat_timeout``: seconds
+    after which the coordinator declares a silent process dead and ends the others."""
     if not section.initialize:
         return
-    kwargs = {}
+    kwargs = {"heartbeat_timeout_seconds": section.heartbeat_timeout}
     if section.coordinator_address:
         kwargs["coordinator_address"] = section.coordinator_address
     if section.num_processes > 0:
@@ -235,6 +268,16 @@ def _train(c, workdir: Path, model_config, dataset, mesh, primary: bool, show: b
         with _StopSignals() as stop:
             session.train(stop, show)
             return session.finish()
+    except jax.errors.JaxRuntimeError as error:
+        if jax.process_count() == 1:
+            raise
+        session.lost = True  # orbax's threads would wait for the lost process: leave them
+        raise LostProcess(
+            f"process {jax.process_index()} of {jax.process_count()} lost contact with the "
+            f"others ({str(error).splitlines()[0][:300]}): another process has died or hangs. "
+            f"The checkpoints in {workdir / workdir_lib.CHECKPOINTS} are kept: start all "
+            f"{jax.process_count()} processes again to resume"
+        ) from None
     finally:
         session.close()
 
@@ -327,6 +370,7 @@ class Session:
         self.pending = []  # (step, metrics on the device) not yet fetched
         self.losses = []  # training losses fetched since the last log line
         self.latest = None  # the last fetched step's metrics
+        self.lost = False  # another process died: close() must not wait for it
 
     def compile_train_step(self, train_step, abstract_state):
         """The micro-batch plan (``train.memory``) and the train step compiled for it."""
@@ -355,10 +399,16 @@ class Session:
             (every(c.eval.every), self.validate),
             (every(c.checkpoint.every), self.checkpoint),
             (
-                lambda step: stop.received is not None and step < last,
-                lambda done: self.stop(done, stop.received),
+                lambda step: step < last and stopping(),
+                lambda done: self.stop(done, stopping(), stop.received),
             ),
         ]
+        agree = _StopAgreement(self.mesh) if jax.process_count() > 1 else None
+        agreed = 0  # with several processes: the stop signal's number once all have seen it
+
+        def stopping() -> int:
+            return agreed if agree else stop.received or 0
+
         batches = TrainBatches(
             self.dataset, seq_len=self.seq_len, global_batch=c.train.global_batch, seed=c.train.seed
         )
@@ -370,6 +420,8 @@ class Session:
                 self.state, metrics = self.train_step(self.state, tokens)
                 self.pending.append((step + 1, metrics))
                 self.bar.update(1)
+                if agree:
+                    agreed = agree(stop.received or 0)
                 ran = False
                 for when, action in schedule:  # in order: a signal during one is seen after it
                     if when(step + 1):
@@ -433,13 +485,19 @@ class Session:
             self.checkpoints.save(done, self.state, {"elapsed": self.clock.elapsed()})
             self.last_checkpoint = done
 
-    def stop(self, done: int, signal_name: str) -> None:
+    def stop(self, done: int, signum: int, received: int | None) -> None:
+        """Checkpoint and raise ``TrainingInterrupted`` for signal ``signum`` (``received``:
+        the one this process received, if any; in a multi-process run, another's may stop it)."""
         self.checkpoint(done)
         self.checkpoints.wait()
+        name = signal.Signals(signum).name
+        by = ""
+        if jax.process_count() > 1:
+            by = " by this process" if received == signum else " by another process"
         raise TrainingInterrupted(
-            f"{signal_name} received: stopped after step {done} of {self.c.train.steps} with a "
+            f"{name} received{by}: stopped after step {done} of {self.c.train.steps} with a "
             f"checkpoint in {self.workdir / workdir_lib.CHECKPOINTS}; run again to resume",
-            signal_name,
+            name,
         )
 
     # -- evaluation and the end of the run ---------------------------------------------------
@@ -544,6 +602,7 @@ class Session:
 
     def close(self) -> None:
         try:
-            self.checkpoints.close()
+            if not self.lost:
+                self.checkpoints.close()
         finally:
             self.log.close()
