@@ -34,7 +34,15 @@ RESUMABLE_CHANGES = (
 )
 # Keys added after runs were saved, with the value those runs had in effect: ``upgrade``
 # fills them into a saved config.
-ADDED_KEYS = {"train.memory_budget_gb": 0.0, "distributed.heartbeat_timeout": 100}
+ADDED_KEYS = {
+    "train.memory_budget_gb": 0.0,
+    "distributed.heartbeat_timeout": 100,
+    "log.wandb": False,
+    "log.wandb_project": "",
+    "log.wandb_name": "",
+    "log.wandb_mode": "",
+    "log.wandb_group": "",
+}
 POSITIVE = (
     "train.steps",
     "train.global_batch",
@@ -79,6 +87,10 @@ RANGES = {
     # raise the learning rate at the first one.
     "optim.plateau_min_scale": (lambda v: 0 <= v <= 1, "in [0, 1]"),
     "distributed.process_id": (lambda v: v >= -1, ">= -1"),  # -1 = from the environment
+    "log.wandb_mode": (
+        lambda v: v in ("", "online", "offline", "disabled"),
+        "online, offline, disabled or empty (W&B's default, WANDB_MODE)",
+    ),
 }
 
 
@@ -143,7 +155,20 @@ def base_config(model: ModelConfig) -> ConfigDict:
         }
     )
     c.checkpoint = ConfigDict({"every": 1000, "keep": 3})
-    c.log = ConfigDict({"every": 50, "progress": True, "tensorboard": True})
+    c.log = ConfigDict(
+        {
+            "every": 50,
+            "progress": True,
+            "tensorboard": True,
+            # Weights & Biases (lmuscale.train.wandb_log): off unless asked; "" leaves W&B's
+            # default (WANDB_PROJECT, WANDB_MODE), the config's name, or no group.
+            "wandb": False,
+            "wandb_project": "",
+            "wandb_name": "",
+            "wandb_mode": "",  # online, offline or disabled
+            "wandb_group": "",  # a sweep's trials get the sweep's name
+        }
+    )
     c.mesh = ConfigDict({"model": 1})  # the data axis takes every other device
     c.distributed = ConfigDict(
         {

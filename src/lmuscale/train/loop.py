@@ -18,6 +18,8 @@ Workdir:
   eval.jsonl      one line per validation (val loss, plateau scale)
   tensorboard/    the same scalars as event files
   summary.json    at the end: final val/test loss, per-position loss, bits per byte, sizes
+  wandb.json      with log.wandb: the W&B run's id, so that a resumed run continues it
+  wandb/          with log.wandb: W&B's own files, offline runs included (unless WANDB_DIR is set)
 
 SIGTERM, SIGUSR1 or SIGUSR2 (a scheduler's notice of preemption or time limit) makes a run
 write a checkpoint at the end of the current step and raise ``TrainingInterrupted``, so a
@@ -63,7 +65,7 @@ from lmuscale.data.format import META
 from lmuscale.files import atomic_write_json
 from lmuscale.models import build, count_params, flops_per_token
 from lmuscale.train import config as config_lib
-from lmuscale.train import memory, optim
+from lmuscale.train import memory, optim, wandb_log
 from lmuscale.train import step as step_lib
 from lmuscale.train import workdir as workdir_lib
 from lmuscale.train.checkpoint import Checkpoints, CorruptCheckpoint
@@ -248,6 +250,8 @@ def run(
     summary = workdir_lib.finished(workdir)
     if summary is not None:
         return summary
+    if primary:
+        wandb_log.require(c)
     dataset = open_data(c, primary, show)
     check_dataset(c, model_config, dataset)
     mesh = step_lib.make_mesh(c.mesh.model)
@@ -359,7 +363,11 @@ class Session:
             )
             self.start = int(jax.device_get(self.state["step"]))
             self.log = MetricsLog(
-                workdir, self.start, enabled=primary, tensorboard=c.log.tensorboard and primary
+                workdir,
+                self.start,
+                enabled=primary,
+                tensorboard=c.log.tensorboard and primary,
+                wandb=c if c.log.wandb else None,
             )
         except BaseException:  # a damaged log, say: no orbax thread may outlive the error
             self.checkpoints.close()
@@ -529,6 +537,7 @@ class Session:
         if self.primary:
             summary = {**self.sizes(), "status": "diverged", "error": message, "step": step}
             atomic_write_json(self.workdir / workdir_lib.SUMMARY, summary)
+            self.log.summary(summary)
         raise TrainingDiverged(message)
 
     def evaluate(self, split: str, max_batches: int) -> Evaluation:
@@ -596,6 +605,7 @@ class Session:
             summary[f"{split}_per_position"] = result.per_position
         summary["lr_scale"] = float(jax.device_get(self.state["plateau"].scale))
         summary["wall_seconds"] = self.clock.elapsed()
+        self.log.summary(summary)  # before summary.json: a W&B failure leaves the run to resume
         if self.primary:
             atomic_write_json(self.workdir / workdir_lib.SUMMARY, summary)
         return summary

@@ -1,4 +1,4 @@
-"""What a run records: metrics.jsonl and eval.jsonl (data first), TensorBoard, MFU.
+"""What a run records: metrics.jsonl and eval.jsonl (data first), TensorBoard, W&B, MFU.
 
 Only process 0 writes. A resumed run first cuts both JSONL files back to the restored step
 (dropping lines a killed run wrote after its last checkpoint, and a torn last line), and
@@ -117,23 +117,39 @@ def _json_value(value):
 
 
 class MetricsLog:
-    """Append-only JSONL logs plus TensorBoard scalars, for process 0 (no-ops elsewhere)."""
+    """Append-only JSONL logs plus TensorBoard scalars and, with ``wandb`` (the run's config
+    when ``log.wandb`` is on), the same records in W&B (``wandb_log``); for process 0 (no-ops
+    elsewhere). W&B starts last, after the logs are cut: a damaged log stops the run first."""
 
-    def __init__(self, workdir: Path, resume_step: int, *, enabled: bool, tensorboard: bool):
+    def __init__(
+        self, workdir: Path, resume_step: int, *, enabled: bool, tensorboard: bool, wandb=None
+    ):
         self.enabled = enabled
         self.paths = {"train": workdir / "metrics.jsonl", "eval": workdir / "eval.jsonl"}
         self.files = {}
         self.writer = None
+        self.wandb = None
         if not enabled:
             return
-        for kind, path in self.paths.items():
+        for path in self.paths.values():
             _cut(path, resume_step)
-            self.files[kind] = path.open("a", encoding="utf-8")
-        if tensorboard:
-            from tensorboardX import SummaryWriter
+        try:
+            for kind, path in self.paths.items():
+                self.files[kind] = path.open("a", encoding="utf-8")
+            if tensorboard:
+                from tensorboardX import SummaryWriter
 
-            # Also at step 0: a run killed before its first checkpoint left events to hide.
-            self.writer = SummaryWriter(str(workdir / "tensorboard"), purge_step=resume_step + 1)
+                # Also at step 0: a run killed before its first checkpoint left events to hide.
+                self.writer = SummaryWriter(
+                    str(workdir / "tensorboard"), purge_step=resume_step + 1
+                )
+            if wandb is not None:
+                from lmuscale.train.wandb_log import WandbRun
+
+                self.wandb = WandbRun(wandb, workdir)
+        except BaseException:
+            self.close()
+            raise
 
     def write(self, kind: str, record: dict) -> None:
         if not self.enabled:
@@ -147,9 +163,21 @@ class MetricsLog:
                 if key != "step" and isinstance(value, int | float) and not isinstance(value, bool):
                     self.writer.add_scalar(f"{kind}/{key}", value, record["step"])
             self.writer.flush()
+        if self.wandb is not None:
+            self.wandb.log(kind, record)
+
+    def summary(self, summary: dict) -> None:
+        """The run's summary (summary.json's dict), for W&B; the caller writes the file."""
+        if self.wandb is not None:
+            self.wandb.summary(summary)
 
     def close(self) -> None:
         for file in self.files.values():
             file.close()
+        self.files = {}
         if self.writer is not None:
             self.writer.close()
+            self.writer = None
+        if self.wandb is not None:
+            self.wandb.finish()
+            self.wandb = None
