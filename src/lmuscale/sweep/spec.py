@@ -15,7 +15,9 @@ A sweep file defines
 
 Each trial is resolved to a checked config; its folder is ``NAME-HASH``, where HASH is a
 sha256 of every config key that changes the trained numbers (so not ``log.*`` or
-``data.path``): editing a trial's config gives it a new folder, and nothing else does.
+``data.path``): editing a trial's config gives it a new folder, and nothing else does. A trial
+that logs to Weights & Biases (``log.wandb``) is put in the W&B group named after the sweep
+(the file's stem, ``owt2``) unless it sets ``log.wandb_group`` itself.
 """
 
 from __future__ import annotations
@@ -133,7 +135,7 @@ def load_sweep(path: str | Path) -> Sweep:
                 f"{where}: the name is already used by the trial at {seen[trial.name]}"
             )
         seen[trial.name] = _short(trial.origin)
-        resolved.append(_resolve(trial, path.parent, where))
+        resolved.append(_resolve(trial, path.parent, where, group=path.stem))
     throughput = _throughput(path, getattr(module, "THROUGHPUT", None))
     slurm = getattr(module, "SLURM", {})
     if not isinstance(slurm, dict):
@@ -156,7 +158,9 @@ def _throughput(path: Path, value) -> Throughput:
     return Throughput(float(value), source=f"THROUGHPUT {value:g} FLOP/s in {path}")
 
 
-def _resolve(trial: Trial, folder: Path, where: str) -> ResolvedTrial:
+def _resolve(trial: Trial, folder: Path, where: str, group: str = "") -> ResolvedTrial:
+    """``trial``'s checked config (``group``: the W&B group of a trial that logs to W&B and
+    names none, the sweep's name) and its hash."""
     try:
         if isinstance(trial.config, str):
             file, sep, name = trial.config.partition(":")
@@ -175,6 +179,8 @@ def _resolve(trial: Trial, folder: Path, where: str) -> ResolvedTrial:
         with config.unlocked():
             if config.data.path:
                 config.data.path = str(Path(config.data.path).absolute())
+            if config.log.wandb and not config.log.wandb_group:
+                config.log.wandb_group = group  # a log.* key: the hash stays the same
         check(config, where="")
     except ConfigError as error:
         # override() speaks of the command line; here the keys come from the sweep file.
