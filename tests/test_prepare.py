@@ -14,6 +14,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from prepared import crash_at_first_record, peak_rss_mb, run, split_documents
 
 from lmuscale.data import prepare as prep
 from lmuscale.data import tokenizer as tok
@@ -23,29 +24,10 @@ from lmuscale.data.loader import open_dataset
 from lmuscale.data.sources import DataError
 
 
-def split_documents(folder: Path, tokenizer) -> dict[str, list[str]]:
-    """Decode each split's token file back into its documents (cut at the end-of-text ids)."""
-    meta = json.loads((folder / "meta.json").read_text())
-    out = {}
-    for split in SPLITS:
-        ids = np.fromfile(folder / f"{split}.bin", dtype=meta["dtype"]).astype(np.int64)
-        assert ids.size == 0 or ids[-1] == tokenizer.eot  # every document ends with one
-        cuts = np.flatnonzero(ids == tokenizer.eot)
-        out[split] = [tokenizer.decode(doc[:-1]) for doc in np.split(ids, cuts + 1)[:-1]]
-    return out
-
-
 def filler(datafiles) -> Path:
     """Enough documents for every split (a prepare with an empty one is refused), to go after
     a test's own few lines: 378 train, 17 val and 5 test documents."""
     return datafiles.jsonl("filler.jsonl", datafiles.texts(400, seed=99))
-
-
-def run(spec, inputs, out, **kw):
-    kw.setdefault("tokenizer", "bytes")
-    kw.setdefault("workers", 0)
-    kw.setdefault("progress", False)
-    return prep.prepare(spec, [str(p) for p in inputs], out=out, **kw)
 
 
 @pytest.mark.parametrize("tokenizer", ["bytes", "gpt2"])
@@ -174,20 +156,6 @@ def test_bad_lines_stop_the_run_by_default_and_are_counted_when_allowed(datafile
         where + "5",
     ]
     assert sum(s["documents"] for s in meta["splits"].values()) == 2 + 400
-
-
-def crash_at_first_record(monkeypatch):
-    """Commit after every shard, and stop the run (like Ctrl-C) right after the first record."""
-    real = prep.atomic_write_json
-
-    def crash(path, obj):
-        real(path, obj)
-        if Path(path).name == "progress.json":
-            raise KeyboardInterrupt
-
-    monkeypatch.setattr(prep, "COMMIT_SECONDS", 0.0)
-    monkeypatch.setattr(prep, "atomic_write_json", crash)
-    return lambda: monkeypatch.setattr(prep, "atomic_write_json", real)
 
 
 def test_skipped_lines_are_counted_once_across_a_resume(datafiles, tmp_path, monkeypatch):
@@ -522,35 +490,14 @@ def test_renamed_tar_members_of_the_same_size_are_noticed_on_resume(
 def test_memory_does_not_grow_with_the_archive(datafiles, tmp_path):
     """Peak RSS of a prepare of a 10x larger archive is within a few MB of the small one's."""
 
-    def peak_rss_mb(n_docs: int, name: str) -> float:
+    def archive(n_docs: int, name: str) -> Path:
         texts = datafiles.texts(n_docs, seed=7, words=300)
-        archive = datafiles.tar(
+        return datafiles.tar(
             f"{name}.tar", {f"{name}.jsonl.zst": datafiles.zst(datafiles.jsonl_bytes(texts))}
         )
-        # VmHWM, not ru_maxrss: Linux carries ru_maxrss over exec from the forking (pytest)
-        # process, so the child would report the parent's peak.
-        script = (
-            "import re, sys\n"
-            "from lmuscale.data.prepare import prepare\n"
-            "prepare('owt2', [sys.argv[1]], out=sys.argv[2], tokenizer='bytes', workers=0,\n"
-            "        progress=False)\n"
-            "status = open('/proc/self/status').read()\n"
-            "print(int(re.search(r'VmHWM:\\s+(\\d+) kB', status).group(1)) / 1024)\n"
-        )
-        done = subprocess.run(
-            [sys.executable, "-c", script, str(archive), str(tmp_path / name)],
-            capture_output=True,
-            text=True,
-            check=True,
-        )
-        size = sum(
-            json.loads((tmp_path / name / "meta.json").read_text())["splits"][s]["bytes"]
-            for s in SPLITS
-        )
-        return float(done.stdout.split()[-1]), size / 2**20
 
-    small, small_mb = peak_rss_mb(2000, "small")
-    large, large_mb = peak_rss_mb(20000, "large")
+    small, small_mb = peak_rss_mb("owt2", [archive(2000, "small")], tmp_path / "small")
+    large, large_mb = peak_rss_mb("owt2", [archive(20000, "large")], tmp_path / "large")
     assert large_mb > 9 * small_mb and large_mb > 15
     assert large - small < 10, (small, large, small_mb, large_mb)
     print(
