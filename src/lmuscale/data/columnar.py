@@ -1,0 +1,301 @@
+"""Parquet and Arrow tables: FineWeb-style parquet, and folders of Hugging Face ``save_to_disk``.
+
+``parquet PATH_OR_GLOB...`` reads, in the order given (globs, ``**`` included, sorted):
+- ``.parquet`` files, and folders of them (searched recursively, sorted by path);
+- a folder written by ``datasets.Dataset.save_to_disk``: the Arrow IPC stream files that its
+  ``state.json`` lists (``_data_files``), in that order; other ``.arrow`` files there (the
+  ``cache-*.arrow`` of a ``map``) are not the dataset and are not read;
+- a folder written by ``datasets.DatasetDict.save_to_disk``: every split that
+  ``dataset_dict.json`` names, in its order, each a folder as above (the splits are re-split by
+  the document hash, like any source);
+- ``.arrow`` files named directly (IPC stream, as ``datasets`` writes them, or IPC file).
+pyarrow reads all of them; the ``datasets`` package is not needed.
+
+Each row's ``text_column`` value is one document (an empty string is a document, as in JSON
+lines). A parquet file is one shard per row group, named ``FILE:row_group G``, so an
+interrupted prepare of a few large files loses at most a row group; an Arrow file is one shard.
+Rows are named ``FILE:row N``, N counting from 0 through the whole file, as pyarrow and pandas
+index them.
+
+Memory: parquet pages are streamed (BUFFER_BYTES at a time) and decoded BATCH_ROWS rows at a
+time; an Arrow stream is read one record batch at a time (``datasets`` writes 1,000 rows per
+batch), from a plain file rather than a memory map, whose pages would count as resident.
+Neither grows with the file.
+
+Errors: a missing column names the file and the columns it has; a file that is not parquet or
+Arrow, truncated or corrupt, names the file (``DataError``). A null, a value that is not a
+string (an int64 column) and bytes that are not UTF-8 are ``BadLine``s, under the bad-line
+policy of ``prepare``. A binary column is read as UTF-8 text (parquet writers that do not mark
+their strings as UTF-8 give one).
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterator
+from pathlib import Path
+
+import pyarrow as pa
+import pyarrow.ipc
+import pyarrow.parquet as pq
+
+from lmuscale.data.sources import (
+    TABLE_SUFFIXES,
+    BadLine,
+    DataError,
+    Document,
+    Shard,
+    Source,
+    existing_paths,
+    sized,
+    utf8_error,
+)
+
+BATCH_ROWS = 1024  # rows turned into Python strings at a time
+BUFFER_BYTES = 1 << 20  # parquet read buffer: pages stream through it, not whole column chunks
+ARROW_FILE_MAGIC = b"ARROW1"
+ARROW_END = b"\xff\xff\xff\xff\x00\x00\x00\x00"  # the end-of-stream marker pyarrow >= 0.15 writes
+STATE = "state.json"  # Dataset.save_to_disk
+DATASET_DICT = "dataset_dict.json"  # DatasetDict.save_to_disk
+_AS_BYTES = {  # the binary type with a string type's layout: a zero-copy view
+    pa.string(): pa.binary(),
+    pa.large_string(): pa.large_binary(),
+}
+if hasattr(pa, "string_view"):  # not in the oldest pyarrow this supports
+    _AS_BYTES[pa.string_view()] = pa.binary_view()
+
+
+# --- rows to documents ------------------------------------------------------------------------
+
+
+def _values(column: pa.Array) -> list:
+    """The column's values as Python objects; a string column whose bytes are not all UTF-8
+    gives bytes, so that each bad row can be named."""
+    try:
+        return column.to_pylist()
+    except UnicodeDecodeError:
+        if pa.types.is_dictionary(column.type):
+            column = column.dictionary_decode()
+        return column.view(_AS_BYTES[column.type]).to_pylist()
+
+
+def _rows(column: pa.Array, name: str, first: int, text_column: str) -> Iterator:
+    """Documents (or bad rows) of ``column``, whose first row is row ``first`` of file ``name``."""
+    for offset in range(0, len(column), BATCH_ROWS):
+        piece = column.slice(offset, BATCH_ROWS)
+        for row, value in enumerate(_values(piece), start=first + offset):
+            where = f"{name}:row {row}"
+            if type(value) is str:
+                yield Document(value, where)
+            elif value is None:
+                yield BadLine(where, f"column {json.dumps(text_column)} is null")
+            elif isinstance(value, bytes):
+                try:
+                    yield Document(value.decode("utf-8"), where)
+                except UnicodeDecodeError as e:
+                    yield BadLine(where, utf8_error(value, e))
+            else:
+                yield BadLine(
+                    where, f"column {json.dumps(text_column)} is {column.type}, not a string"
+                )
+
+
+def _release() -> None:
+    """Hand the batch just read back to the system: pyarrow's default allocator (mimalloc)
+    otherwise keeps freed pages, and its resident memory creeps up by 10-20 MB over the first
+    few dozen batches. About a microsecond when there is nothing to give back."""
+    pa.default_memory_pool().release_unused()
+
+
+def _column_index(schema: pa.Schema, path: Path, text_column: str) -> int:
+    index = schema.get_field_index(text_column)  # -1 when missing (or named twice)
+    if index < 0:
+        raise DataError(
+            f"{path}: no column {json.dumps(text_column)} (it has "
+            f"{', '.join(map(json.dumps, schema.names)) or 'no columns'}); choose one with "
+            "--text-column"
+        )
+    return index
+
+
+# --- parquet --------------------------------------------------------------------------------
+
+
+def _parquet_shards(path: Path, text_column: str) -> Iterator[Shard]:
+    """One shard per row group; the file stays open while its shards are drawn."""
+    try:
+        # Pre-buffering (pyarrow's default) would read a row group's whole column chunk at once.
+        table = pq.ParquetFile(path, buffer_size=BUFFER_BYTES, pre_buffer=False)
+    except (pa.ArrowException, OSError) as e:
+        raise DataError(f"{path}: not a parquet file, or truncated ({e})") from None
+    with table:
+        _column_index(table.schema_arrow, path, text_column)
+        first = 0
+        for group in range(table.metadata.num_row_groups):
+            yield Shard(
+                f"{path}:row_group {group}",
+                lambda group=group, first=first: _row_group(table, path, group, first, text_column),
+            )
+            first += table.metadata.row_group(group).num_rows
+
+
+def _row_group(
+    table: pq.ParquetFile, path: Path, group: int, first: int, text_column: str
+) -> Iterator[Document | BadLine]:
+    batches = table.iter_batches(
+        batch_size=BATCH_ROWS, row_groups=[group], columns=[text_column], use_threads=False
+    )
+    while True:
+        try:
+            batch = next(batches, None)
+        except (pa.ArrowException, OSError) as e:
+            raise DataError(f"{path}: row group {group} is corrupt or truncated ({e})") from None
+        if batch is None:
+            return
+        yield from _rows(batch.column(0), str(path), first, text_column)
+        first += batch.num_rows
+        _release()
+
+
+# --- Arrow IPC (save_to_disk) ---------------------------------------------------------------
+
+
+def _arrow_documents(path: Path, text_column: str) -> Iterator[Document | BadLine]:
+    """The rows of an Arrow IPC stream (or file), a record batch at a time."""
+    with pa.OSFile(str(path)) as raw:
+        schema, batches = _open_arrow(raw, path)
+        index, first = _column_index(schema, path, text_column), 0
+        for batch in batches:
+            yield from _rows(batch.column(index), str(path), first, text_column)
+            first += batch.num_rows
+            _release()
+
+
+def _open_arrow(raw: pa.OSFile, path: Path) -> tuple[pa.Schema, Iterator[pa.RecordBatch]]:
+    """The schema and record batches of an IPC stream or file (told apart by the file's magic)."""
+    size = raw.size()
+    if size == 0:
+        raise DataError(f"{path}: empty file, not an Arrow stream")
+    if raw.read(len(ARROW_FILE_MAGIC)) == ARROW_FILE_MAGIC:
+        raw.seek(0)
+        try:
+            reader = pa.ipc.open_file(raw)
+        except (pa.ArrowException, OSError) as e:
+            raise DataError(f"{path}: truncated or corrupt Arrow IPC file ({e})") from None
+        return reader.schema, _batches(reader.get_batch, reader.num_record_batches, path)
+    # A stream cut exactly between two batches reads as a shorter stream without complaint:
+    # the marker at its end is what tells them apart.
+    raw.seek(max(size - len(ARROW_END), 0))
+    if raw.read(len(ARROW_END)) != ARROW_END:
+        raise DataError(f"{path}: truncated Arrow stream (no end-of-stream marker), or not Arrow")
+    raw.seek(0)
+    try:
+        reader = pa.ipc.open_stream(raw)
+    except (pa.ArrowException, OSError) as e:
+        raise DataError(f"{path}: not an Arrow IPC stream ({e})") from None
+    return reader.schema, _batches(lambda _: reader.read_next_batch(), None, path)
+
+
+def _batches(read, count: int | None, path: Path) -> Iterator[pa.RecordBatch]:
+    """``read(i)`` for i < count (or until StopIteration), any read error naming the file."""
+    index = 0
+    while count is None or index < count:
+        try:
+            batch = read(index)
+        except StopIteration:
+            return
+        except (pa.ArrowException, OSError) as e:
+            raise DataError(f"{path}: truncated or corrupt Arrow data ({e})") from None
+        yield batch
+        index += 1
+
+
+def _read_json(path: Path) -> dict:
+    try:
+        record = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise DataError(f"{path}: cannot read it as JSON ({e})") from None
+    if not isinstance(record, dict):
+        raise DataError(f"{path}: not a JSON object")
+    return record
+
+
+def _saved_dataset(folder: Path) -> list[Path]:
+    """The data files of a ``Dataset.save_to_disk`` folder, in the order of ``state.json``."""
+    state_path = folder / STATE
+    state = _read_json(state_path)
+    listed = state.get("_data_files")
+    if (
+        not isinstance(listed, list)
+        or not listed
+        or not all(isinstance(f, dict) and isinstance(f.get("filename"), str) for f in listed)
+    ):
+        raise DataError(
+            f'{state_path}: no "_data_files" list of {{"filename": ...}}; not a folder written '
+            "by datasets' save_to_disk"
+        )
+    if state.get("_indices_data_files"):
+        raise DataError(
+            f"{state_path}: saved with an indices mapping (an older datasets), so its Arrow "
+            "files are not its rows in order; save it again after dataset.flatten_indices()"
+        )
+    files = [folder / f["filename"] for f in listed]
+    for path in files:
+        if not path.is_file():
+            raise DataError(f"{path}: listed in {state_path} but missing")
+    return [path.resolve() for path in files]
+
+
+def _saved_dataset_dict(folder: Path) -> list[Path]:
+    """The data files of every split of a ``DatasetDict.save_to_disk`` folder, in its order."""
+    splits = _read_json(folder / DATASET_DICT).get("splits")
+    if not isinstance(splits, list) or not all(isinstance(s, str) for s in splits):
+        raise DataError(f'{folder / DATASET_DICT}: no "splits" list of split names')
+    files = []
+    for split in splits:
+        if not (folder / split / STATE).is_file():
+            raise DataError(f"{folder / split / STATE}: missing (split {split!r} of {folder})")
+        files += _saved_dataset(folder / split)
+    return files
+
+
+def _table_files(path: Path) -> list[Path]:
+    if path.is_dir():
+        if (path / DATASET_DICT).is_file():
+            return _saved_dataset_dict(path)
+        if (path / STATE).is_file():
+            return _saved_dataset(path)
+        found = sorted(p for p in path.rglob("*.parquet") if p.is_file())
+        if not found:
+            raise DataError(
+                f"{path}: the folder holds no .parquet files, and is not a save_to_disk folder "
+                f"(it has no {STATE} or {DATASET_DICT})"
+            )
+        return [p.resolve() for p in found]
+    if path.name.endswith(TABLE_SUFFIXES):
+        return [path.resolve()]
+    raise DataError(
+        f"{path}: parquet reads .parquet and .arrow files and save_to_disk folders, not this"
+    )
+
+
+def parquet_source(inputs: list[str], text_column: str) -> Source:
+    """Parquet files, Arrow files and save_to_disk folders (see the module docstring)."""
+    if not inputs:
+        raise DataError(
+            "parquet needs at least one path or glob: .parquet files, folders of them, or a "
+            "folder written by datasets' save_to_disk"
+        )
+    files: dict[Path, None] = {}
+    for given in inputs:
+        for path in existing_paths(given):
+            files.update(dict.fromkeys(_table_files(path)))
+
+    def shards() -> Iterator[Shard]:
+        for path in files:
+            if path.name.endswith(".parquet"):
+                yield from _parquet_shards(path, text_column)
+            else:
+                yield Shard(str(path), lambda path=path: _arrow_documents(path, text_column))
+
+    return Source("parquet", sized(files), shards, text_column)
