@@ -124,6 +124,10 @@ def test_bad_rows_are_named_by_file_and_row(datafiles):
         match=re.escape(f'{path}: no column "body" (it has "text", "n", "raw", "latin")'),
     ):
         items([path], "body")
+    twice = pa.Table.from_arrays([pa.array(["a"]), pa.array(["b"])], names=["text", "text"])
+    pq.write_table(twice, datafiles.root / "twice.parquet")
+    with pytest.raises(DataError, match='2 columns are named "text"; cannot tell which'):
+        items([datafiles.root / "twice.parquet"])
     arrow = datafiles.arrow_stream("rows.arrow", {"n": [1, 2], "text": ["a", None]}).resolve()
     assert items([arrow])[1] == BadLine(f"{arrow}:row 1", 'column "text" is null')
     with pytest.raises(

@@ -108,7 +108,12 @@ def _release() -> None:
 
 
 def _column_index(schema: pa.Schema, path: Path, text_column: str) -> int:
-    index = schema.get_field_index(text_column)  # -1 when missing (or named twice)
+    index = schema.get_field_index(text_column)  # -1 when missing, or named twice
+    if schema.names.count(text_column) > 1:
+        raise DataError(
+            f"{path}: {schema.names.count(text_column)} columns are named "
+            f"{json.dumps(text_column)}; cannot tell which holds the text"
+        )
     if index < 0:
         raise DataError(
             f"{path}: no column {json.dumps(text_column)} (it has "
