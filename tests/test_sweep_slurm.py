@@ -120,3 +120,32 @@ def test_slurm_sweep_survives_preemption(slurm_conf, tmp_path, byte_corpus):
     for key in ("val_loss", "test_loss", "val_per_position", "test_per_position"):
         assert rows["a"][key] == reference["a"][key], key  # the preempted trial
     assert reference["b"]["status"] == "pending"  # --only a
+
+
+def test_a_trial_of_two_tasks_trains_as_two_processes(slurm_conf, tmp_path, byte_corpus):
+    """``tasks_per_node=2``: each task runs a worker; the two join through
+    ``jax.distributed.initialize()``, which reads the job's SLURM environment (without it,
+    or with the workers apart, the initialisation fails)."""
+    sweep = write_sweep(tmp_path, {"pair": {"train.global_batch": 8}})
+    work = tmp_path / "work"
+    env = environment(byte_corpus) | {"SLURM_CONF": str(slurm_conf)}
+    slurm = ["--slurm", "tasks_per_node=2", "--slurm", "cpus_per_task=1"]
+    done = subprocess.run(
+        sweep_command(sweep, work, "--executor", "slurm", *slurm, "--quiet"),
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    folder = next(work.glob("trials/pair-*"))
+    logs = {p.name: p.read_text() for p in folder.glob("train*.log")}
+    assert done.returncode == 0, done.stdout + done.stderr + json.dumps(logs, indent=1)
+    assert "task 0 of 2" in logs["train.log"] and "task 1 of 2" in logs["train.rank1.log"]
+    assert json.loads((folder / "config.json").read_text())["distributed"]["initialize"]
+    # each step logged once: by process 0 alone
+    steps = [json.loads(line)["step"] for line in (folder / "metrics.jsonl").open()]
+    assert steps == sorted(set(steps)) and steps[-1] == 12
+
+    [row] = [json.loads(line) for line in (work / "results.jsonl").open()]
+    assert row["status"] == "finished"
+    # The numbers of two processes against one: tests/test_train_multiprocess.py.

@@ -6,6 +6,11 @@ time limit SLURM signals the task (USR2); the task tells the worker to write a c
 stop, and submitit requeues the task, which resumes from that checkpoint. Jobs are recorded
 in ``WORKDIR/slurm/jobs.json``, so a second runner (or ``--detach`` and a later run) waits for
 trials that are already queued instead of submitting them again.
+
+A trial may span several processes (``SLURM = {"nodes": 2, "tasks_per_node": 8, ...}`` in
+the sweep file): each of its tasks runs a worker, which joins the others through
+``jax.distributed.initialize`` (it reads the job's SLURM environment); task 0 holds the
+trial's lock and writes its train.log, the others write ``train.rankN.log``.
 """
 
 from __future__ import annotations
@@ -21,7 +26,7 @@ from pathlib import Path
 from lmuscale.files import atomic_write_json
 from lmuscale.sweep.spec import Sweep, SweepError
 from lmuscale.sweep.trials import DONE, LOG, read_json, record_crash, status
-from lmuscale.sweep.worker import BUSY, PARENT
+from lmuscale.sweep.worker import BUSY, PARENT, TASK
 from lmuscale.train.workdir import is_locked
 
 try:
@@ -55,28 +60,32 @@ class TrialJob(Checkpointable):
     def __call__(self, folder: str) -> str:
         folder = Path(folder)
         job = submitit.JobEnvironment()
+        rank, tasks = job.global_rank, job.num_tasks
+        tag = f".rank{rank}" if tasks > 1 else ""
         for source, suffix in ((job.paths.stdout, "out"), (job.paths.stderr, "err")):
-            link = folder / f"slurm-{job.job_id}.{suffix}"
+            link = folder / f"slurm-{job.job_id}{tag}.{suffix}"
             if not link.is_symlink():
                 link.symlink_to(Path(str(source)).absolute())
+        log_path = folder / (LOG if rank == 0 else f"{Path(LOG).stem}.rank{rank}.log")
         while True:
-            with open(folder / LOG, "ab") as log:
+            with open(log_path, "ab") as log:
                 stamp = time.strftime("%Y-%m-%d %H:%M:%S")
-                log.write(f"\n=== {stamp} worker started by SLURM job {job.job_id}\n".encode())
+                started = f"worker started by SLURM job {job.job_id}, task {rank} of {tasks}"
+                log.write(f"\n=== {stamp} {started}\n".encode())
                 log.flush()
                 self.process = subprocess.Popen(
                     [sys.executable, "-m", "lmuscale.sweep.worker", str(folder)],
                     stdout=log,
                     stderr=subprocess.STDOUT,
                     stdin=subprocess.DEVNULL,
-                    env=os.environ | {PARENT: str(os.getpid())},
+                    env=os.environ | {PARENT: str(os.getpid()), TASK: f"{rank}/{tasks}"},
                 )
             code = self.process.wait()
             if code != BUSY:
                 break
             while is_locked(folder):  # another runner trains it: wait, then look again
                 time.sleep(POLL_SECONDS)
-        if code not in (0, 3, 4):
+        if code not in (0, 3, 4) and rank == 0:
             record_crash(folder, code)
         return status(folder)
 

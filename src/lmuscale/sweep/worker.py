@@ -28,6 +28,20 @@ FINISHED, FAILED, DIVERGED, INTERRUPTED, BUSY = 0, 1, 3, 4, 75
 
 
 PARENT = "LMUSCALE_SWEEP_PARENT"  # the pid of the runner (or SLURM task) that started us
+# "RANK/TASKS" when the trial spans several processes (SLURM tasks): each runs a worker
+TASK = "LMUSCALE_SWEEP_TASK"
+
+
+def task() -> tuple[int, int]:
+    """``(rank, tasks)`` of this worker within its trial: ``(0, 1)`` unless several."""
+    value = os.environ.get(TASK, "0/1")
+    try:
+        rank, tasks = (int(x) for x in value.split("/"))
+    except ValueError:
+        raise ValueError(f"{TASK}={value!r}: expected RANK/TASKS, e.g. 0/2") from None
+    if not 0 <= rank < tasks:
+        raise ValueError(f"{TASK}={value!r}: the rank must be in 0..TASKS-1")
+    return rank, tasks
 
 
 def _attempt(folder: Path, record: dict) -> None:
@@ -38,11 +52,11 @@ def _attempt(folder: Path, record: dict) -> None:
 
 
 def train(folder: Path) -> int:
-    from ml_collections import ConfigDict
-
     from lmuscale.train import TrainingDiverged, TrainingInterrupted, run
-    from lmuscale.train.config import check, upgrade
 
+    rank, tasks = task()
+    if rank > 0:
+        return train_part(folder, tasks)
     lock = Lock(folder)
     # A runner's status check holds the lock for an instant: try a few times before giving up.
     for _ in range(10):
@@ -59,10 +73,7 @@ def train(folder: Path) -> int:
         (folder / ERROR).unlink(missing_ok=True)
         _attempt(folder, {"event": "start"})
         try:
-            config = ConfigDict(upgrade(json.loads((folder / TRIAL).read_text())["config"]))
-            check(config, where=str(folder / TRIAL))
-            config.lock()
-            summary = run(config, folder, progress=False, locked=True)
+            summary = run(_config(folder, tasks), folder, progress=False, locked=True)
         except TrainingDiverged as error:
             _attempt(folder, {"event": "end", "outcome": "diverged"})
             print(f"diverged: {error}", flush=True)
@@ -95,6 +106,39 @@ def train(folder: Path) -> int:
         return FINISHED
     finally:
         lock.release()
+
+
+def _config(folder: Path, tasks: int):
+    from ml_collections import ConfigDict
+
+    from lmuscale.train.config import check, upgrade
+
+    config = ConfigDict(upgrade(json.loads((folder / TRIAL).read_text())["config"]))
+    check(config, where=str(folder / TRIAL))
+    if tasks > 1:  # the processes find each other through the cluster's environment
+        config.distributed.initialize = True
+    config.lock()
+    return config
+
+
+def train_part(folder: Path, tasks: int) -> int:
+    """A task other than 0 of a trial that spans ``tasks`` processes: it trains with the
+    others; task 0 holds the lock and keeps the trial's records (attempts, error.json)."""
+    from lmuscale.train import TrainingDiverged, TrainingInterrupted, run
+
+    summary = read_json(folder / SUMMARY)
+    if summary and summary.get("status") in DONE:
+        return FINISHED if summary["status"] == "finished" else DIVERGED
+    try:
+        run(_config(folder, tasks), folder, progress=False, locked=True)
+    except TrainingDiverged:
+        return DIVERGED
+    except (TrainingInterrupted, KeyboardInterrupt):
+        return INTERRUPTED
+    except Exception:
+        print(traceback.format_exc(), flush=True)
+        return FAILED
+    return FINISHED
 
 
 def main(argv: list[str] | None = None) -> int:
