@@ -3,6 +3,10 @@
 Both runs are real subprocesses of ``python -m lmuscale.train``. The killed run is stopped as
 soon as its first checkpoint is complete; the restarted run must then log the same losses, the
 same validation losses and plateau scales, and end with bit-identical parameters.
+
+Every run of the module uses the same config, so they share a persistent compilation cache
+(``compile_cache``): the first, uninterrupted run compiles and writes it, the others (killed
+ones included) only read it, and start in ~4 s instead of ~15 s.
 """
 
 from __future__ import annotations
@@ -18,6 +22,7 @@ from pathlib import Path
 import jax
 import numpy as np
 import pytest
+from compile_cache import env as cache_env
 
 from lmuscale.train.checkpoint import Checkpoints
 
@@ -40,14 +45,17 @@ def _command(workdir: Path) -> list[str]:
     return [sys.executable, "-m", "lmuscale.train", "--config", config, "--workdir", str(workdir)]
 
 
-def _env(data: Path) -> dict:
-    return {**os.environ, "LMUSCALE_TEST_DATA": str(data), "PYTHONPATH": str(HERE)}
+def _env(data: Path, cache: Path, write: bool = False) -> dict:
+    """A training subprocess's environment; only an uninterrupted run may ``write`` the
+    compilation cache (see ``compile_cache``)."""
+    extra = {"LMUSCALE_TEST_DATA": str(data), "PYTHONPATH": str(HERE)}
+    return {**os.environ, **extra, **cache_env(cache, write)}
 
 
-def _train(workdir: Path, data: Path) -> None:
+def _train(workdir: Path, data: Path, cache: Path, write: bool = False) -> None:
     result = subprocess.run(
         [*_command(workdir), *OVERRIDES, "--quiet"],
-        env=_env(data),
+        env=_env(data, cache, write),
         capture_output=True,
         text=True,
         timeout=600,
@@ -77,14 +85,19 @@ def _params(workdir: Path):
 
 
 @pytest.fixture(scope="module")
-def runs(byte_corpus, tmp_path_factory):
+def xla_cache(tmp_path_factory) -> Path:
+    return tmp_path_factory.mktemp("xla-cache")
+
+
+@pytest.fixture(scope="module")
+def runs(byte_corpus, tmp_path_factory, xla_cache):
     root = tmp_path_factory.mktemp("resume")
     whole, killed = root / "whole", root / "killed"
-    _train(whole, byte_corpus)
+    _train(whole, byte_corpus, xla_cache, write=True)
 
     process = subprocess.Popen(
         [*_command(killed), *OVERRIDES, "--quiet"],
-        env=_env(byte_corpus),
+        env=_env(byte_corpus, xla_cache),
         stdout=subprocess.DEVNULL,
         stderr=subprocess.PIPE,
     )
@@ -103,7 +116,7 @@ def runs(byte_corpus, tmp_path_factory):
         "stderr": stderr,
     }
     print(f"killed run: { ({k: v for k, v in interrupted.items() if k != 'stderr'}) }")
-    _train(killed, byte_corpus)
+    _train(killed, byte_corpus, xla_cache)
     return whole, killed, interrupted
 
 
@@ -142,11 +155,11 @@ def test_resumed_summary_equals_the_uninterrupted_one(runs):
         assert a[key] == b[key], key
 
 
-def _start_and_wait_for(stopped: Path, data: Path, lines: int) -> subprocess.Popen:
+def _start_and_wait_for(stopped: Path, data: Path, cache: Path, lines: int) -> subprocess.Popen:
     """A training subprocess in ``stopped``, once it has logged ``lines`` steps."""
     process = subprocess.Popen(
         [*_command(stopped), *OVERRIDES, "--quiet"],
-        env=_env(data),
+        env=_env(data, cache),
         stdout=subprocess.DEVNULL,
         stderr=subprocess.PIPE,
     )
@@ -158,12 +171,14 @@ def _start_and_wait_for(stopped: Path, data: Path, lines: int) -> subprocess.Pop
     return process
 
 
-def test_sigterm_writes_a_checkpoint_at_the_current_step_and_resumes_exactly(runs, tmp_path):
+def test_sigterm_writes_a_checkpoint_at_the_current_step_and_resumes_exactly(
+    runs, tmp_path, xla_cache
+):
     """What a scheduler's preemption notice does: stop after this step, with a checkpoint."""
     whole, _, _ = runs
     stopped = tmp_path / "stopped"
     data = Path(json.loads((whole / "config.json").read_text())["data"]["path"])
-    process = _start_and_wait_for(stopped, data, 13)
+    process = _start_and_wait_for(stopped, data, xla_cache, 13)
     metrics = stopped / "metrics.jsonl"
     process.send_signal(signal.SIGTERM)
     _, stderr = process.communicate(timeout=120)
@@ -171,18 +186,18 @@ def test_sigterm_writes_a_checkpoint_at_the_current_step_and_resumes_exactly(run
     logged = json.loads(metrics.read_text().splitlines()[-1])["step"]
     assert "stopped: SIGTERM received" in stderr.decode()
     assert max(_complete_checkpoints(stopped)) == logged < STEPS
-    _train(stopped, data)
+    _train(stopped, data, xla_cache)
     keys = ("step", "loss", "lr", "grad_norm", "param_norm", "tokens")
     assert _records(stopped / "metrics.jsonl", keys) == _records(whole / "metrics.jsonl", keys)
     keys = ("step", "val_loss", "lr_scale")
     assert _records(stopped / "eval.jsonl", keys) == _records(whole / "eval.jsonl", keys)
 
 
-def test_ctrl_c_stops_like_sigterm_with_one_line_and_status_130(runs, tmp_path):
+def test_ctrl_c_stops_like_sigterm_with_one_line_and_status_130(runs, tmp_path, xla_cache):
     whole, _, _ = runs
     stopped = tmp_path / "stopped"
     data = Path(json.loads((whole / "config.json").read_text())["data"]["path"])
-    process = _start_and_wait_for(stopped, data, 5)
+    process = _start_and_wait_for(stopped, data, xla_cache, 5)
     metrics = stopped / "metrics.jsonl"
     process.send_signal(signal.SIGINT)
     _, stderr = process.communicate(timeout=120)
@@ -195,9 +210,10 @@ def test_ctrl_c_stops_like_sigterm_with_one_line_and_status_130(runs, tmp_path):
     assert max(_complete_checkpoints(stopped)) == logged < STEPS
 
 
-def test_five_kills_at_random_moments_then_exact_equality(runs, tmp_path):
-    """SIGKILL at 5 seeded random moments: one while starting up, four a random number of
-    steps into training (so during a step, a save or an evaluation)."""
+def test_five_kills_at_random_moments_then_exact_equality(runs, tmp_path, xla_cache):
+    """SIGKILL at 5 seeded random moments: one while starting up (after the run has written
+    its config, before its first step), four a random number of steps into training (so
+    during a step, a save or an evaluation)."""
     import random
 
     whole, _, _ = runs
@@ -208,13 +224,17 @@ def test_five_kills_at_random_moments_then_exact_equality(runs, tmp_path):
     for _ in range(5):
         process = subprocess.Popen(
             [*_command(workdir), *OVERRIDES, "--quiet"],
-            env=_env(data),
+            env=_env(data, xla_cache),
             stdout=subprocess.DEVNULL,
             stderr=subprocess.DEVNULL,
         )
         metrics = workdir / "metrics.jsonl"
-        if not kills:  # the first while starting up
-            time.sleep(rng.uniform(1.0, 3.0))
+        if not kills:  # the first while starting up: imports done, not yet training
+            deadline = time.monotonic() + 300
+            while not (workdir / "config.json").exists() and process.poll() is None:
+                assert time.monotonic() < deadline, "no config.json within 300 s"
+                time.sleep(0.01)
+            time.sleep(rng.uniform(0.0, 0.5))
         else:  # the others a random number of logged steps into training, plus a moment
             logged = len(metrics.read_text().splitlines()) if metrics.exists() else 0
             target, deadline = logged + rng.randint(1, 20), time.monotonic() + 300
@@ -227,7 +247,7 @@ def test_five_kills_at_random_moments_then_exact_equality(runs, tmp_path):
         process.wait()
         kills.append(max(_complete_checkpoints(workdir), default=None))
     print(f"checkpoints after each kill: {kills}")
-    _train(workdir, data)
+    _train(workdir, data, xla_cache)
     keys = ("step", "loss", "lr", "grad_norm", "param_norm", "tokens")
     assert _records(workdir / "metrics.jsonl", keys) == _records(whole / "metrics.jsonl", keys)
     keys = ("step", "val_loss", "lr_scale")
