@@ -34,10 +34,19 @@ def sweep_command(sweep: Path, workdir: Path, *extra: str) -> list[str]:
     return [sys.executable, "-m", "lmuscale.sweep", str(sweep), "--workdir", str(workdir), *extra]
 
 
-def run_sweep(sweep: Path, workdir: Path, data: Path, *extra: str, timeout: float = 600):
+def run_sweep(
+    sweep: Path,
+    workdir: Path,
+    data: Path,
+    *extra: str,
+    timeout: float = 600,
+    extra_env: dict | None = None,
+):
+    """The runner, to its end, on the ``byte_corpus`` data (``extra_env``: more variables, such
+    as ``compile_cache.env``)."""
     return subprocess.run(
         sweep_command(sweep, workdir, "--quiet", *extra),
-        env=environment(data),
+        env=environment(data) | (extra_env or {}),
         capture_output=True,
         text=True,
         timeout=timeout,

@@ -1,9 +1,15 @@
 """Sweep files, trial folders and the dry-run table (in-process), and the local runner end to
 end (real subprocesses): a failing trial, a runner killed with SIGKILL and started again, and
-two runners on one workdir."""
+two runners on one workdir.
+
+The end-to-end tests' workers share a persistent compilation cache (``compile_cache``): their
+trials are the same small config with a few seeds and step counts, so most of them load the
+train step that an earlier worker compiled instead of spending ~10 s compiling it again.
+"""
 
 from __future__ import annotations
 
+import contextlib
 import csv
 import json
 import os
@@ -13,6 +19,7 @@ import sys
 from pathlib import Path
 
 import pytest
+from compile_cache import env as cache_env
 from sweep_files import SMALL, environment, run_sweep, sweep_command, wait_for, write_sweep
 
 from lmuscale.models import count_params
@@ -215,6 +222,11 @@ def test_slurm_parameters_from_the_command_line():
 # -- the runner, end to end ------------------------------------------------------------------
 
 
+@pytest.fixture(scope="module")
+def xla_cache(tmp_path_factory) -> Path:
+    return tmp_path_factory.mktemp("xla-cache")
+
+
 def _results(workdir: Path) -> dict[str, dict]:
     rows = [json.loads(line) for line in (workdir / "results.jsonl").read_text().splitlines()]
     with open(workdir / "results.csv") as f:
@@ -233,7 +245,7 @@ def _starts(workdir: Path, row: dict) -> list[dict]:
     return [json.loads(line) for line in path.read_text().splitlines()]
 
 
-def test_failing_trial_is_marked_and_the_others_finish(tmp_path, byte_corpus):
+def test_failing_trial_is_marked_and_the_others_finish(tmp_path, byte_corpus, xla_cache):
     sweep = write_sweep(
         tmp_path,
         {
@@ -243,7 +255,8 @@ def test_failing_trial_is_marked_and_the_others_finish(tmp_path, byte_corpus):
         },
     )
     work = tmp_path / "work"
-    out = run_sweep(sweep, work, byte_corpus, "--parallel", "2")  # two workers at a time
+    cache = cache_env(xla_cache)
+    out = run_sweep(sweep, work, byte_corpus, "--parallel", "2", extra_env=cache)  # two at once
     assert out.returncode == 1, out.stdout + out.stderr
     rows = _results(work)
     assert [rows[n]["status"] for n in ("good", "broken", "other")] == [
@@ -265,25 +278,25 @@ def test_failing_trial_is_marked_and_the_others_finish(tmp_path, byte_corpus):
     assert rows["good"]["val_loss"] != rows["other"]["val_loss"]  # another seed
 
     # Run again: the finished trials are not run again; the failed one is tried again.
-    again = run_sweep(sweep, work, byte_corpus)
+    again = run_sweep(sweep, work, byte_corpus, extra_env=cache)
     assert again.returncode == 1
     assert "1 to run" in again.stdout
     assert [e["event"] for e in _starts(work, rows["good"])] == ["start", "end"]
     assert [e.get("outcome") for e in _starts(work, rows["broken"])][1::2] == ["failed", "failed"]
 
 
-def test_runner_killed_and_restarted_completes_each_trial_once(tmp_path, byte_corpus):
+def test_runner_killed_and_restarted_completes_each_trial_once(tmp_path, byte_corpus, xla_cache):
     # One trial: the property is the killed trial's exact resume (other trials only add
     # worker start-ups, which the failing-trial and two-runner tests already cover).
     trials = {"first": {"train.steps": 40}}
     sweep = write_sweep(tmp_path, trials)
     reference = tmp_path / "reference"
-    assert run_sweep(sweep, reference, byte_corpus).returncode == 0
+    assert run_sweep(sweep, reference, byte_corpus, extra_env=cache_env(xla_cache)).returncode == 0
 
     work = tmp_path / "work"
-    runner = subprocess.Popen(
+    runner = subprocess.Popen(  # its worker dies with it: it only reads the cache
         sweep_command(sweep, work, "--quiet"),
-        env=environment(byte_corpus),
+        env=environment(byte_corpus) | cache_env(xla_cache, write=False),
         stdout=subprocess.DEVNULL,
         stderr=subprocess.DEVNULL,
     )
@@ -297,7 +310,7 @@ def test_runner_killed_and_restarted_completes_each_trial_once(tmp_path, byte_co
     wait_for(lambda: not is_locked(first), 20, "the worker to die with its runner")
     assert not (first / "summary.json").exists()
 
-    out = run_sweep(sweep, work, byte_corpus)
+    out = run_sweep(sweep, work, byte_corpus, extra_env=cache_env(xla_cache))
     assert out.returncode == 0, out.stdout + out.stderr
     assert "1 to run" in out.stdout
     rows, expected = _results(work), _results(reference)
@@ -318,7 +331,7 @@ def test_runner_killed_and_restarted_completes_each_trial_once(tmp_path, byte_co
     assert third.returncode == 0 and "0 to run" in third.stdout
 
 
-def test_two_runners_on_one_workdir_never_run_a_trial_twice(tmp_path, byte_corpus):
+def test_two_runners_on_one_workdir_never_run_a_trial_twice(tmp_path, byte_corpus, xla_cache):
     trials = {"a": {"train.steps": 40}, "b": {"train.seed": 1}, "c": {"train.seed": 2}}
     sweep = write_sweep(tmp_path, trials)
     work = tmp_path / "work"
@@ -326,19 +339,34 @@ def test_two_runners_on_one_workdir_never_run_a_trial_twice(tmp_path, byte_corpu
     def start():
         return subprocess.Popen(
             sweep_command(sweep, work, "--quiet"),
-            env=environment(byte_corpus),
+            env=environment(byte_corpus) | cache_env(xla_cache),
             stdout=subprocess.PIPE,
             stderr=subprocess.STDOUT,
             text=True,
         )
 
-    runners = [start()]
+    def started(name: str) -> list[dict]:
+        return [
+            json.loads(line)
+            for path in work.glob(f"trials/{name}-*/attempts.jsonl")
+            for line in path.read_text().splitlines()
+        ]
+
+    runners, paused = [start()], None
     try:
-        # The second runner starts while the first one's worker holds trial a.
-        wait_for(lambda: list(work.glob("trials/a-*/attempts.jsonl")), 120, "a to start")
+        # The second runner starts while the first one's worker holds trial a: that worker is
+        # paused (SIGSTOP, its lock held) until the second runner has started a trial of its
+        # own, so a cannot end first however fast it trains.
+        paused = wait_for(lambda: started("a"), 120, "a to start")[0]["pid"]
+        os.kill(paused, signal.SIGSTOP)
         runners.append(start())
+        wait_for(lambda: started("b") or started("c"), 120, "the second runner to start a trial")
+        os.kill(paused, signal.SIGCONT)
         outputs = [r.communicate(timeout=600)[0] for r in runners]
     finally:
+        if paused is not None:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(paused, signal.SIGCONT)
         for runner in runners:
             runner.kill()
     assert [r.returncode for r in runners] == [0, 0], outputs
