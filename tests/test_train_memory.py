@@ -7,6 +7,7 @@ import shutil
 
 import numpy as np
 import pytest
+from compile_cache import in_process
 from small_config import small
 
 from lmuscale.train import ConfigError, memory, run
@@ -197,6 +198,14 @@ def test_the_default_budget_on_cpu_is_a_fraction_of_the_machines_memory():
 
 
 # -- the plan in a real run ------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module", autouse=True)
+def xla_cache(tmp_path_factory):
+    """The runs below compile the same train steps (1 and 2 micro-batches) again and again,
+    each run building its own: they share a persistent compilation cache."""
+    with in_process(tmp_path_factory.mktemp("xla-cache")):
+        yield
 
 
 def _run(byte_corpus, workdir, **train):
