@@ -19,6 +19,7 @@ import sys
 import time
 from pathlib import Path
 
+import compile_cache
 import jax
 import numpy as np
 import orbax.checkpoint as ocp
@@ -54,13 +55,17 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _start(workdir: Path, data: Path, processes: int, devices: int, reads: str = "") -> list:
-    """``processes`` training processes of ``devices`` CPU devices each on ``workdir``."""
+def _start(
+    workdir: Path, data: Path, processes: int, devices: int, reads: str = "", cache: bool = True
+) -> list:
+    """``processes`` training processes of ``devices`` CPU devices each on ``workdir``; they
+    compile through the module's cache (``cache``: and write to it; not a run to be killed)."""
     port = _free_port()
     started = []
     for i in range(processes):
         env = {
             **os.environ,
+            **compile_cache.env(workdir.parent / "compile-cache", write=cache),
             "LMUSCALE_TEST_DATA": str(data),
             "PYTHONPATH": str(HERE),
             "XLA_FLAGS": f"--xla_force_host_platform_device_count={devices}",
@@ -173,6 +178,8 @@ def killed(byte_corpus, reference):
     """Two processes; process 1 is killed (SIGKILL) between the first and the second
     checkpoint, and both are started again."""
     workdir = reference.parent / "killed"
+    # It may write the compilation cache: by step 12 it has compiled all it ever will (the
+    # train and eval steps, the plateau update), so the kill cannot tear an entry.
     processes = _start(workdir, byte_corpus, 2, 1, reads="a")
     _wait_for(workdir, processes, 12, checkpoint=True)
     processes[1].kill()
