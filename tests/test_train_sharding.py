@@ -1,7 +1,12 @@
 """Data- and model-sharded train steps on 8 host CPU devices equal the 1-device step.
 
 The 8-device run is a subprocess: XLA_FLAGS must be set before jax is imported, and this
-process has imported it already.
+process has imported it already. The 1-device steps run here, in this one-device process,
+while the subprocess runs.
+
+Both processes compile through a persistent compilation cache (``compile_cache``): the whole
+runs use the steps' config, so each loads the train step and init its process compiled for
+the steps instead of compiling them again.
 """
 
 from __future__ import annotations
@@ -12,11 +17,15 @@ import subprocess
 import sys
 from pathlib import Path
 
+import jax
 import numpy as np
 import pytest
-from small_config import small
+from compile_cache import env as cache_env
+from compile_cache import in_process
+from sharded_steps import config, steps
 
 from lmuscale.train import run
+from lmuscale.train import step as step_lib
 
 HERE = Path(__file__).resolve().parent
 
@@ -28,19 +37,30 @@ PARAM_ATOL = 1e-6
 
 
 @pytest.fixture(scope="module")
-def sharded(byte_corpus, tmp_path_factory):
+def xla_cache(tmp_path_factory):
+    folder = tmp_path_factory.mktemp("xla-cache")
+    with in_process(folder):
+        yield folder
+
+
+@pytest.fixture(scope="module")
+def sharded(byte_corpus, tmp_path_factory, xla_cache):
     workdir = tmp_path_factory.mktemp("sharded-run")
-    env = {**os.environ, "PYTHONPATH": str(HERE)}
-    result = subprocess.run(
+    env = {**os.environ, "PYTHONPATH": str(HERE), **cache_env(xla_cache)}
+    process = subprocess.Popen(
         [sys.executable, str(HERE / "sharded_steps.py"), str(byte_corpus), str(workdir)],
-        capture_output=True,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
         text=True,
         env=env,
-        timeout=600,
-        check=False,
     )
-    assert result.returncode == 0, result.stderr[-3000:]
-    return json.loads(result.stdout.splitlines()[-1])
+    try:
+        one = steps(config(str(byte_corpus)), step_lib.make_mesh(1, jax.devices()[:1]), 5)
+        stdout, stderr = process.communicate(timeout=600)
+    finally:
+        process.kill()
+    assert process.returncode == 0, stderr[-3000:]
+    return {"1": one, **json.loads(stdout.splitlines()[-1])}
 
 
 @pytest.mark.parametrize("mesh", ["8", "4x2"])
@@ -57,7 +77,7 @@ def test_the_model_axis_really_splits_parameters(sharded):
 
 
 def test_a_whole_run_on_a_4x2_mesh_matches_one_device(sharded, byte_corpus, tmp_path):
-    here = run(small(str(byte_corpus)), tmp_path)
+    here = run(config(str(byte_corpus)), tmp_path)
     there = sharded["run"]
     for key in ("val_loss", "test_loss"):
         assert there[key] == pytest.approx(here[key], rel=1e-5)
