@@ -46,14 +46,19 @@ def test_plateau_halves_the_scale_after_patience_evaluations_without_improvement
     assert scales == [1.0, 1.0, 0.5, 0.5, 0.5, 0.25, 0.25, 0.125, 0.125]
 
 
-def _setup(config, microbatches, mesh=None):
+def _init_and_step(config, microbatches, mesh=None):
+    """``(init, mesh, train_step)`` of ``config``: the state's init function, not yet run."""
     config.train.microbatches = microbatches
     model = build(model_config(config.model))
     tx, lr = optim.optimizer(config.optim, config.train.steps)
     plateau = optim.plateau(config.optim)
     init = step_lib.init_fn(model, tx, plateau, 0, config.data.seq_len)
     mesh = mesh or step_lib.make_mesh(1)
-    train_step = step_lib.make_train_step(model, tx, lr, mesh, jax.eval_shape(init))
+    return init, mesh, step_lib.make_train_step(model, tx, lr, mesh, jax.eval_shape(init))
+
+
+def _setup(config, microbatches, mesh=None):
+    init, mesh, train_step = _init_and_step(config, microbatches, mesh)
     return step_lib.init_state(init, mesh), train_step
 
 
@@ -90,12 +95,23 @@ def test_a_bfloat16_paper_model_tracks_its_float32_run(byte_corpus):
     from lmuscale.train import base_config
 
     batches = TrainBatches(open_dataset(byte_corpus), seq_len=32, global_batch=4, seed=0)
-    losses = {}
-    for dtype in ("float32", "bfloat16"):
+    dtypes = ("float32", "bfloat16")
+    setups = {}
+    for dtype in dtypes:
         config = base_config(named_config("lmu-55k", dtype=dtype, batch_chunk=0))
         config.data.seq_len = 32
         config.optim.warmup_steps = 2
-        state, train_step = _setup(config, 1)
+        setups[dtype] = _init_and_step(config, 1)
+    # Both initial states in one compiled function: XLA draws the identical parameters once
+    # (the draws are most of the time to compile an init), and both runs start from them.
+    mesh = setups["float32"][1]
+    inits = [setups[dtype][0] for dtype in dtypes]
+    shardings = [step_lib.state_shardings(mesh, jax.eval_shape(init)) for init in inits]
+    states = jax.jit(lambda: [init() for init in inits], out_shardings=shardings)()
+    jax.tree.map(np.testing.assert_array_equal, *jax.device_get(states))
+    losses = {}
+    for dtype, state in zip(dtypes, states, strict=True):
+        train_step = setups[dtype][2]
         losses[dtype] = []
         for s in range(20):
             state, metrics = train_step(state, jnp.asarray(batches(s).reshape(1, 4, 33)))
