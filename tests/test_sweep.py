@@ -4,7 +4,7 @@ two runners on one workdir.
 
 The end-to-end tests' workers share a persistent compilation cache (``compile_cache``): their
 trials are the same small config with a few seeds and step counts, so most of them load the
-train step that an earlier worker compiled instead of spending ~10 s compiling it again.
+train step that an earlier run compiled instead of spending ~10 s compiling it again.
 """
 
 from __future__ import annotations
@@ -20,6 +20,8 @@ from pathlib import Path
 
 import pytest
 from compile_cache import env as cache_env
+from compile_cache import in_process
+from small_config import small
 from sweep_files import SMALL, environment, run_sweep, sweep_command, wait_for, write_sweep
 
 from lmuscale.models import count_params
@@ -29,7 +31,7 @@ from lmuscale.sweep.local import gpu_slots
 from lmuscale.sweep.plan import plan, table
 from lmuscale.sweep.runner import select
 from lmuscale.sweep.trials import RESULT_FIELDS
-from lmuscale.train import load, model_config
+from lmuscale.train import load, model_config, run
 from lmuscale.train.workdir import Lock as TrialLock
 from lmuscale.train.workdir import is_locked
 
@@ -223,8 +225,13 @@ def test_slurm_parameters_from_the_command_line():
 
 
 @pytest.fixture(scope="module")
-def xla_cache(tmp_path_factory) -> Path:
-    return tmp_path_factory.mktemp("xla-cache")
+def xla_cache(tmp_path_factory, byte_corpus) -> Path:
+    """The cache, filled here by a run of the trials' default config (seed 0, 12 steps): the
+    first test's two workers then load its train step instead of both compiling it at once."""
+    folder = tmp_path_factory.mktemp("xla-cache")
+    with in_process(folder):
+        run(small(str(byte_corpus)), tmp_path_factory.mktemp("warm-up"), progress=False)
+    return folder
 
 
 def _results(workdir: Path) -> dict[str, dict]:
@@ -332,7 +339,9 @@ def test_runner_killed_and_restarted_completes_each_trial_once(tmp_path, byte_co
 
 
 def test_two_runners_on_one_workdir_never_run_a_trial_twice(tmp_path, byte_corpus, xla_cache):
-    trials = {"a": {"train.steps": 40}, "b": {"train.seed": 1}, "c": {"train.seed": 2}}
+    # a needs no more steps than the others to be still running when the second runner comes:
+    # its worker is paused until then (below).
+    trials = {"a": {}, "b": {"train.seed": 1}, "c": {"train.seed": 2}}
     sweep = write_sweep(tmp_path, trials)
     work = tmp_path / "work"
 
