@@ -38,15 +38,15 @@ PARAM_ATOL = 1e-6
 
 @pytest.fixture(scope="module")
 def xla_cache(tmp_path_factory):
-    folder = tmp_path_factory.mktemp("xla-cache")
-    with in_process(folder):
-        yield folder
+    with in_process(tmp_path_factory.mktemp("xla-cache")):
+        yield
 
 
 @pytest.fixture(scope="module")
 def sharded(byte_corpus, tmp_path_factory, xla_cache):
     workdir = tmp_path_factory.mktemp("sharded-run")
-    env = {**os.environ, "PYTHONPATH": str(HERE), **cache_env(xla_cache)}
+    cache = tmp_path_factory.mktemp("xla-cache-8")  # its own: this process writes at once
+    env = {**os.environ, "PYTHONPATH": str(HERE), **cache_env(cache)}
     process = subprocess.Popen(
         [sys.executable, str(HERE / "sharded_steps.py"), str(byte_corpus), str(workdir)],
         stdout=subprocess.PIPE,
