@@ -234,6 +234,16 @@ def xla_cache(tmp_path_factory, byte_corpus) -> Path:
     return folder
 
 
+@pytest.fixture(scope="module")
+def first_reference(tmp_path_factory, byte_corpus, xla_cache) -> dict:
+    """The summary of an uninterrupted run of trial "first" (40 steps), run here (the killed
+    runner's worker then loads its 40-step train step from the cache)."""
+    config = small(str(byte_corpus))
+    config.train.steps = 40
+    with in_process(xla_cache):
+        return run(config, tmp_path_factory.mktemp("first-reference"), progress=False)
+
+
 def _results(workdir: Path) -> dict[str, dict]:
     rows = [json.loads(line) for line in (workdir / "results.jsonl").read_text().splitlines()]
     with open(workdir / "results.csv") as f:
@@ -292,13 +302,14 @@ def test_failing_trial_is_marked_and_the_others_finish(tmp_path, byte_corpus, xl
     assert [e.get("outcome") for e in _starts(work, rows["broken"])][1::2] == ["failed", "failed"]
 
 
-def test_runner_killed_and_restarted_completes_each_trial_once(tmp_path, byte_corpus, xla_cache):
+def test_runner_killed_and_restarted_completes_each_trial_once(
+    tmp_path, byte_corpus, xla_cache, first_reference
+):
     # One trial: the property is the killed trial's exact resume (other trials only add
-    # worker start-ups, which the failing-trial and two-runner tests already cover).
+    # worker start-ups, which the failing-trial and two-runner tests already cover). Its
+    # reference is an uninterrupted run of the same config (``first_reference``).
     trials = {"first": {"train.steps": 40}}
     sweep = write_sweep(tmp_path, trials)
-    reference = tmp_path / "reference"
-    assert run_sweep(sweep, reference, byte_corpus, extra_env=cache_env(xla_cache)).returncode == 0
 
     work = tmp_path / "work"
     runner = subprocess.Popen(  # its worker dies with it: it only reads the cache
@@ -320,7 +331,7 @@ def test_runner_killed_and_restarted_completes_each_trial_once(tmp_path, byte_co
     out = run_sweep(sweep, work, byte_corpus, extra_env=cache_env(xla_cache))
     assert out.returncode == 0, out.stdout + out.stderr
     assert "1 to run" in out.stdout
-    rows, expected = _results(work), _results(reference)
+    rows, expected = _results(work), {"first": first_reference}
     for name in trials:
         row = rows[name]
         assert row["status"] == "finished"
