@@ -9,7 +9,8 @@ import os
 import sys
 
 if __name__ == "__main__":  # before jax is imported; not when the test imports ``steps``
-    os.environ["XLA_FLAGS"] = "--xla_force_host_platform_device_count=8"
+    flags = os.environ.get("XLA_FLAGS", "")  # the suite's (conftest.py), and 8 devices
+    os.environ["XLA_FLAGS"] = f"{flags} --xla_force_host_platform_device_count=8".strip()
 
 import json
 

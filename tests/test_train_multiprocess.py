@@ -61,6 +61,7 @@ def _start(
     """``processes`` training processes of ``devices`` CPU devices each on ``workdir``; they
     compile through the module's cache (``cache``: and write to it; not a run to be killed)."""
     port = _free_port()
+    flags = os.environ.get("XLA_FLAGS", "")  # the suite's (conftest.py)
     started = []
     for i in range(processes):
         env = {
@@ -68,7 +69,7 @@ def _start(
             **compile_cache.env(workdir.parent / "compile-cache", write=cache),
             "LMUSCALE_TEST_DATA": str(data),
             "PYTHONPATH": str(HERE),
-            "XLA_FLAGS": f"--xla_force_host_platform_device_count={devices}",
+            "XLA_FLAGS": f"{flags} --xla_force_host_platform_device_count={devices}".strip(),
             "LMUSCALE_TEST_READS": f"{workdir}.{reads}{i}.reads" if reads else "",
         }
         command = [

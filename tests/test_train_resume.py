@@ -245,6 +245,7 @@ def test_five_kills_at_random_moments_then_exact_equality(runs, tmp_path, xla_ca
             time.sleep(rng.uniform(0.0, 0.3))
         process.send_signal(signal.SIGKILL)
         process.wait()
+        assert process.returncode == -signal.SIGKILL, f"kill {len(kills) + 1} found it ended"
         kills.append(max(_complete_checkpoints(workdir), default=None))
     print(f"checkpoints after each kill: {kills}")
     _train(workdir, data, xla_cache)
