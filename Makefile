@@ -12,12 +12,13 @@ demo: $(STAMP)
 # Two pytest workers, each taking whole test files (module fixtures are built once): many
 # tests wait on subprocesses or compile on one core, so two workers overlap them.
 # scripts/slurm/install.sh installs slurm-wlm and munge (as root, with apt-get) for the SLURM
-# test; where it cannot, it says so and that one test skips.
+# tests; where it cannot, it says so and those tests skip. The 15 slowest tests are listed
+# at the end, to keep the suite within CI's time budget.
 test: $(STAMP)
 	bash scripts/slurm/install.sh
 	$(BIN)/ruff check .
 	$(BIN)/ruff format --check .
-	$(BIN)/python -m pytest -n 2 --dist loadfile
+	$(BIN)/python -m pytest -n 2 --dist loadfile --durations=15
 
 $(STAMP): pyproject.toml
 	@$(PYTHON) -c 'import sys; sys.exit(0 if sys.version_info >= (3, 11) else "lmuscale needs Python >= 3.11: run with PYTHON=python3.11 (or newer)")'

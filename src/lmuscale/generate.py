@@ -29,7 +29,6 @@ import argparse
 import dataclasses
 import functools
 import json
-import logging
 import os
 import re
 import sys
@@ -221,11 +220,13 @@ def load_params(path: Path, model: LanguageModel):
     import orbax.checkpoint as ocp
     from etils import epath
 
+    from lmuscale.train.checkpoint import quiet_unretrieved_reads
+
     path = Path(path).absolute()
     if not path.is_dir():
         raise CheckpointError(f"{path}: no such checkpoint folder")
     _quiet_closed_loops()
-    _quiet_unretrieved_reads(path)
+    quiet_unretrieved_reads(path)
     handler = ocp.PyTreeCheckpointHandler()
     try:
         try:
@@ -293,33 +294,6 @@ def _quiet_closed_loops() -> None:
 
     hook._drops_closed_loops = True
     sys.unraisablehook = hook
-
-
-class _UnretrievedReads(logging.Filter):
-    """Drops asyncio's "Task exception was never retrieved" reports of failed reads of one
-    checkpoint folder: when one of orbax's concurrent reads fails, the restore raises that
-    error (reported as one line), and the other reads' errors are logged, tracebacks and
-    all, when their tasks are collected, at a moment that depends on the threads' timing."""
-
-    def __init__(self, path: Path):
-        super().__init__()
-        self.folder = str(path)
-
-    def filter(self, record: logging.LogRecord) -> bool:
-        error = record.exc_info[1] if record.exc_info else None
-        return not (
-            str(record.msg).startswith("Task exception was never retrieved")
-            and error is not None
-            and self.folder in str(error)
-        )
-
-
-def _quiet_unretrieved_reads(path: Path) -> None:
-    asyncio_log = logging.getLogger("asyncio")
-    if not any(
-        isinstance(f, _UnretrievedReads) and f.folder == str(path) for f in asyncio_log.filters
-    ):
-        asyncio_log.addFilter(_UnretrievedReads(path))
 
 
 def _check_shapes(path: Path, expected, saved) -> None:

@@ -44,6 +44,34 @@ def _orbax_traceback(record: logging.LogRecord) -> bool:
     )
 
 
+class UnretrievedReads(logging.Filter):
+    """Drops asyncio's "Task exception was never retrieved" reports of failed reads of one
+    checkpoint folder: when one of orbax's concurrent reads fails, the restore raises that
+    error (reported as one line), and the other reads' errors are logged, tracebacks and
+    all, when their tasks are collected, at a moment that depends on the threads' timing."""
+
+    def __init__(self, path: Path):
+        super().__init__()
+        self.folder = str(path)
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        error = record.exc_info[1] if record.exc_info else None
+        return not (
+            str(record.msg).startswith("Task exception was never retrieved")
+            and error is not None
+            and self.folder in str(error)
+        )
+
+
+def quiet_unretrieved_reads(path: Path) -> None:
+    """Install ``UnretrievedReads(path)`` on asyncio's logger, once."""
+    asyncio_log = logging.getLogger("asyncio")
+    if not any(
+        isinstance(f, UnretrievedReads) and f.folder == str(path) for f in asyncio_log.filters
+    ):
+        asyncio_log.addFilter(UnretrievedReads(path))
+
+
 class CheckpointWriteError(RuntimeError):
     """A checkpoint could not be written: the folder cannot be made, or the disk is full."""
 
@@ -156,6 +184,7 @@ class Checkpoints:
         args = ocp.args.Composite(
             state=ocp.args.StandardRestore(abstract_state), meta=ocp.args.JsonRestore()
         )
+        quiet_unretrieved_reads(where)
         try:
             restored = self.manager.restore(step, args=args)
         except Exception as error:
