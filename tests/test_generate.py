@@ -282,8 +282,9 @@ def test_the_other_failed_reads_of_a_damaged_checkpoint_are_not_reported(
     trained, tmp_path, capsys, caplog
 ):
     """One read's error is the command's one line; orbax's other reads of the folder fail too
-    and asyncio would report each when its task is collected (a fresh-clone run saw two such
-    tracebacks before the line). Errors about other files are still reported."""
+        and asyncio would report each when its task is collected (a fresh-clone run saw two such
+        tracebacks before the line). Errors about other files, even in a folder whose name begins
+    with the checkpoint's, are still reported."""
     _, workdir = trained
     copy = tmp_path / "run"
     shutil.copytree(workdir, copy)
@@ -293,10 +294,14 @@ def test_the_other_failed_reads_of_a_damaged_checkpoint_are_not_reported(
     with caplog.at_level(logging.ERROR, logger="asyncio"):
         _unretrieved(f'Error reading local file "{state}/d/0123abcd"')
         _unretrieved(f'Error reading local file "{tmp_path}/elsewhere/d/0123abcd"')
+        _unretrieved(f'Error reading local file "{state}-copy/d/0123abcd"')
     reported = [r for r in caplog.records if r.name == "asyncio"]
-    assert len(reported) == 1, [r.getMessage() for r in reported]
-    assert reported[0].getMessage().startswith("Task exception was never retrieved")
-    assert str(reported[0].exc_info[1]).startswith(f'Error reading local file "{tmp_path}/else')
+    assert len(reported) == 2, [r.getMessage() for r in reported]
+    assert all(r.getMessage().startswith("Task exception was never retrieved") for r in reported)
+    assert [str(r.exc_info[1]).split('"')[1] for r in reported] == [
+        f"{tmp_path}/elsewhere/d/0123abcd",
+        f"{state}-copy/d/0123abcd",
+    ]
 
 
 def test_paths_that_are_no_checkpoint_are_named(trained, tmp_path, capsys):

@@ -59,7 +59,7 @@ class UnretrievedReads(logging.Filter):
         return not (
             str(record.msg).startswith("Task exception was never retrieved")
             and error is not None
-            and self.folder in str(error)
+            and f"{self.folder}{os.sep}" in str(error)  # a file in it (not in .../12 for .../1)
         )
 
 
