@@ -220,13 +220,12 @@ def load_params(path: Path, model: LanguageModel):
     import orbax.checkpoint as ocp
     from etils import epath
 
-    from lmuscale.train.checkpoint import quiet_unretrieved_reads
+    from lmuscale.train.checkpoint import quiet_failed_reads
 
     path = Path(path).absolute()
     if not path.is_dir():
         raise CheckpointError(f"{path}: no such checkpoint folder")
-    _quiet_closed_loops()
-    quiet_unretrieved_reads(path)
+    quiet_failed_reads(path)
     handler = ocp.PyTreeCheckpointHandler()
     try:
         try:
@@ -277,23 +276,6 @@ def _verify(path: Path, restored) -> None:
             f"{path}: does not match the checksums saved with it ({len(bad)} arrays differ, "
             f"e.g. {bad[0]}): its files were damaged{_older(path.parent)}"
         )
-
-
-def _quiet_closed_loops() -> None:
-    """Drop the "Event loop is closed" errors that tensorstore's threads report (through
-    ``sys.unraisablehook``) when a failed restore has closed orbax's event loop under reads
-    still in flight: dozens of tracebacks after the one error that matters. Others pass on."""
-    previous = sys.unraisablehook
-    if getattr(previous, "_drops_closed_loops", False):
-        return
-
-    def hook(unraisable):
-        error = unraisable.exc_value
-        if not (isinstance(error, RuntimeError) and str(error) == "Event loop is closed"):
-            previous(unraisable)
-
-    hook._drops_closed_loops = True
-    sys.unraisablehook = hook
 
 
 def _check_shapes(path: Path, expected, saved) -> None:

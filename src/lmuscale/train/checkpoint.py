@@ -22,6 +22,7 @@ from __future__ import annotations
 import logging
 import os
 import shutil
+import sys
 import zlib
 from pathlib import Path
 
@@ -44,32 +45,55 @@ def _orbax_traceback(record: logging.LogRecord) -> bool:
     )
 
 
-class UnretrievedReads(logging.Filter):
-    """Drops asyncio's "Task exception was never retrieved" reports of failed reads of one
-    checkpoint folder: when one of orbax's concurrent reads fails, the restore raises that
-    error (reported as one line), and the other reads' errors are logged, tracebacks and
-    all, when their tasks are collected, at a moment that depends on the threads' timing."""
-
-    def __init__(self, path: Path):
-        super().__init__()
-        self.folder = str(path)
-
-    def filter(self, record: logging.LogRecord) -> bool:
-        error = record.exc_info[1] if record.exc_info else None
-        return not (
-            str(record.msg).startswith("Task exception was never retrieved")
-            and error is not None
-            and f"{self.folder}{os.sep}" in str(error)  # a file in it (not in .../12 for .../1)
-        )
+# The folders restores read (each ending in a separator): a restore raises the first failed
+# read itself, so the others' later reports are echoes.
+_FAILED_READS: set[str] = set()
 
 
-def quiet_unretrieved_reads(path: Path) -> None:
-    """Install ``UnretrievedReads(path)`` on asyncio's logger, once."""
+def _about_failed_read(error: BaseException | None) -> bool:
+    """Whether ``error`` (or one it came from) names a file in a folder of ``_FAILED_READS``."""
+    seen = 0
+    while error is not None and seen < 8:
+        text = str(error)
+        if any(folder in text for folder in _FAILED_READS):
+            return True
+        error, seen = error.__cause__ or error.__context__, seen + 1
+    return False
+
+
+def _unretrieved_read(record: logging.LogRecord) -> bool:
+    """False for asyncio's "Task exception was never retrieved" report of a failed read."""
+    return not (
+        str(record.msg).startswith("Task exception was never retrieved")
+        and record.exc_info is not None
+        and _about_failed_read(record.exc_info[1])
+    )
+
+
+def quiet_failed_reads(path: Path) -> None:
+    """Keep the echoes of a failed restore of ``path`` off the terminal. When one of orbax's
+    concurrent reads fails, the restore raises that error, which the caller reports in one
+    line; the other reads fail too and are reported later, tracebacks and all, at moments
+    that depend on the threads' timing: asyncio logs "Task exception was never retrieved"
+    when their tasks are collected, their coroutines raise again as they are closed
+    (``sys.unraisablehook``), and tensorstore's threads find orbax's event loop closed.
+    Errors that name other files, and all other errors, are reported as before."""
+    _FAILED_READS.add(f"{path}{os.sep}")  # a file in it: not .../12 for .../1
     asyncio_log = logging.getLogger("asyncio")
-    if not any(
-        isinstance(f, UnretrievedReads) and f.folder == str(path) for f in asyncio_log.filters
-    ):
-        asyncio_log.addFilter(UnretrievedReads(path))
+    if _unretrieved_read not in asyncio_log.filters:
+        asyncio_log.addFilter(_unretrieved_read)
+    previous = sys.unraisablehook
+    if getattr(previous, "_drops_failed_reads", False):
+        return
+
+    def hook(unraisable):
+        error = unraisable.exc_value
+        closed = isinstance(error, RuntimeError) and str(error) == "Event loop is closed"
+        if not (closed or _about_failed_read(error)):
+            previous(unraisable)
+
+    hook._drops_failed_reads = True
+    sys.unraisablehook = hook
 
 
 class CheckpointWriteError(RuntimeError):
@@ -184,7 +208,7 @@ class Checkpoints:
         args = ocp.args.Composite(
             state=ocp.args.StandardRestore(abstract_state), meta=ocp.args.JsonRestore()
         )
-        quiet_unretrieved_reads(where)
+        quiet_failed_reads(where)
         try:
             restored = self.manager.restore(step, args=args)
         except Exception as error:
