@@ -282,8 +282,8 @@ def test_the_other_failed_reads_of_a_damaged_checkpoint_are_not_reported(
     trained, tmp_path, capsys, caplog
 ):
     """One read's error is the command's one line; orbax's other reads of the folder fail too
-        and asyncio would report each when its task is collected (a fresh-clone run saw two such
-        tracebacks before the line). Errors about other files, even in a folder whose name begins
+    and asyncio would report each when its task is collected (a fresh-clone run saw two such
+    tracebacks before the line). Errors about other files, even in a folder whose name begins
     with the checkpoint's, are still reported."""
     _, workdir = trained
     copy = tmp_path / "run"

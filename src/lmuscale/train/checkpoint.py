@@ -47,15 +47,15 @@ def _orbax_traceback(record: logging.LogRecord) -> bool:
 
 # The folders restores read (each ending in a separator): a restore raises the first failed
 # read itself, so the others' later reports are echoes.
-_FAILED_READS: set[str] = set()
+_RESTORED_FOLDERS: set[str] = set()
 
 
 def _about_failed_read(error: BaseException | None) -> bool:
-    """Whether ``error`` (or one it came from) names a file in a folder of ``_FAILED_READS``."""
+    """Whether ``error`` (or one it came from) names a file in a folder of ``_RESTORED_FOLDERS``."""
     seen = 0
     while error is not None and seen < 8:
         text = str(error)
-        if any(folder in text for folder in _FAILED_READS):
+        if any(folder in text for folder in _RESTORED_FOLDERS):
             return True
         error, seen = error.__cause__ or error.__context__, seen + 1
     return False
@@ -78,7 +78,7 @@ def quiet_failed_reads(path: Path) -> None:
     when their tasks are collected, their coroutines raise again as they are closed
     (``sys.unraisablehook``), and tensorstore's threads find orbax's event loop closed.
     Errors that name other files, and all other errors, are reported as before."""
-    _FAILED_READS.add(f"{path}{os.sep}")  # a file in it: not .../12 for .../1
+    _RESTORED_FOLDERS.add(f"{path}{os.sep}")  # a file in it: not .../12 for .../1
     asyncio_log = logging.getLogger("asyncio")
     if _unretrieved_read not in asyncio_log.filters:
         asyncio_log.addFilter(_unretrieved_read)
