@@ -4,6 +4,7 @@ every mode, and the implicit self-attention's hand-written gradient (LMU paper e
 from __future__ import annotations
 
 import math
+import re
 
 import jax
 import jax.numpy as jnp
@@ -85,23 +86,31 @@ def test_unknown_mode_and_activation_are_named():
         )
 
 
-def reference_attention(q_xDxK, k_xDxK, v_xDxK, bias_3xK, p_K):
-    """Eqs 8-10 as printed, with M' formed: ``p softmax(Q K^T / sqrt(d)) V`` per position."""
+def reference_attention(q_xDxKxc, k_xDxKxc, v_xDxKxc, bias_3xK, p_K):
+    """Eqs 8-10 as printed, with M' formed: ``p softmax(Q K^T / sqrt(d)) V`` per position.
+
+    Positions on the last axis, as the memory's product writes them; the reference moves them
+    in front and computes each position's q' x d matrices with jax.nn.gelu.
+    """
     q, k, v = (
         jax.nn.gelu(x + jnp.broadcast_to(b, x.shape), approximate=False)
-        for x, b in zip((q_xDxK, k_xDxK, v_xDxK), bias_3xK, strict=True)
+        for x, b in zip(
+            (jnp.moveaxis(a, -1, -3) for a in (q_xDxKxc, k_xDxKxc, v_xDxKxc)), bias_3xK, strict=True
+        )
     )
     scores = jnp.einsum("...di,...dj->...ij", q, k) / math.sqrt(q.shape[-2])
     m_prime_xKxD = jnp.einsum("...ij,...dj->...id", jax.nn.softmax(scores, -1), v)
-    return jnp.einsum("i,...id->...d", p_K, m_prime_xKxD)
+    return jnp.moveaxis(jnp.einsum("i,...id->...d", p_K, m_prime_xKxD), -2, -1)
 
 
-def test_implicit_attention_and_its_gradient_equal_eqs_8_to_10_in_float64():
+@pytest.mark.parametrize("positions", [5, 1])
+def test_implicit_attention_and_its_gradient_equal_eqs_8_to_10_in_float64(positions):
+    # (2 sequences, 7 channels, q' = 3, positions): a chunk's steps, or one decoding step.
     rng = np.random.default_rng(0)
     with jax.enable_x64(True):
-        args = [jnp.asarray(rng.standard_normal((2, 5, 7, 3))) for _ in range(3)]
+        args = [jnp.asarray(rng.standard_normal((2, 7, 3, positions))) for _ in range(3)]
         args += [jnp.asarray(rng.standard_normal((3, 3))), jnp.asarray(rng.standard_normal(3))]
-        cotangent = jnp.asarray(rng.standard_normal((2, 5, 7)))
+        cotangent = jnp.asarray(rng.standard_normal((2, 7, positions)))
 
         def loss(attend):
             return lambda *a: jnp.sum(attend(*a) * cotangent)
@@ -133,6 +142,42 @@ def test_chunked_and_fft_memory_give_the_same_attention_and_gradients(chunk):
     np.testing.assert_allclose(chunked_loss, fft_loss, rtol=1e-5)
     for got, want in zip(jax.tree.leaves(chunked_grads), jax.tree.leaves(fft_grads), strict=True):
         np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-5)
+
+
+def _data_moves(hlo_text: str, min_elements: int) -> list[str]:
+    """Every transpose or copy in an optimised HLO module, fused or not, of at least
+    ``min_elements`` elements."""
+    moves = []
+    for line in hlo_text.splitlines():
+        found = re.match(r"\s*(?:ROOT )?%\S+ = \w+\[([\d,]*)\]\{[^}]*\} (transpose|copy)\(", line)
+        if found and math.prod(int(d) for d in found[1].split(",") if d) >= min_elements:
+            moves.append(line.strip()[:160])
+    return moves
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_the_chunked_attention_moves_nothing_the_size_of_its_q_k_or_v(dtype):
+    # The chunk products write Q, K and V with each channel's steps last, and the attention
+    # and its hand-written gradient read them there: the compiled forward+backward holds no
+    # transpose or copy of an array that large, fused or not. (The layout before held six
+    # per layer: Q, K, V into sequence order and their gradients back.) Only the output,
+    # q' times smaller, is put in sequence order.
+    batch, length, width, order, reduced, chunk = 2, 64, 16, 12, 4, 16
+    layer = ImplicitSelfAttention(
+        order, reduced, 20.0, dtype=jnp.dtype(dtype), memory_chunk=chunk, batch_chunk=0
+    )
+    x = jax.random.normal(jax.random.key(0), (batch, length, width))
+    params = layer.init(jax.random.key(1), x)
+
+    def loss(params, x):
+        return jnp.sum(jnp.sin(layer.apply(params, x).astype(jnp.float32)))
+
+    hlo = jax.jit(jax.value_and_grad(loss, argnums=(0, 1))).lower(params, x).compile().as_text()
+    q_size = batch * length * width * reduced
+    shapes = re.findall(r"(?:f32|bf16)\[([\d,]+)\]", hlo)
+    assert max(math.prod(int(d) for d in shape.split(",")) for shape in shapes) >= q_size
+    assert _data_moves(hlo, q_size // 4)  # the check sees the output's moves, a quarter of Q
+    assert not _data_moves(hlo, q_size)
 
 
 def test_unknown_memory_mode_is_named():

@@ -249,6 +249,13 @@ def test_contractions_ask_for_full_float32_precision():
         ),
         "decode": jax.jit(lambda m: lmu.decode(m, 10.0, [0.0, 5.0])).lower(jnp.ones((4, order))),
     }
+    # The chunk product's gradient is written by hand: its matmuls must keep the precision too.
+    programs["chunked gradient"] = jax.jit(
+        jax.grad(
+            lambda u, proj: jnp.sum(lmu.memory_chunked(u, order, 10.0, proj, chunk=4)[0]),
+            argnums=(0, 1),
+        )
+    ).lower(u, l_KxQ)
     for name, lowered in programs.items():
         dots = [line for line in lowered.as_text().splitlines() if "dot_general" in line]
         assert dots, f"{name}: no dot_general in the lowered program"
@@ -346,6 +353,29 @@ def test_fast_precision_leaves_the_carried_state_exact():
             jnp.asarray(u), order, theta, m0_BxCxQ=m0, precision=precision
         )
         np.testing.assert_allclose(state, exact_from_m0, rtol=0, atol=1e-5)
+
+
+def test_a_fast_product_takes_its_operand_in_bfloat16_with_the_state_exact():
+    # The operand is written in bf16 (half the bytes the product reads); rounding it there is
+    # the rounding a bf16 product applies anyway. The carried state is not rounded.
+    rng = np.random.default_rng(16)
+    u = jnp.asarray(random_u(rng, 2, 100, 3))
+    x32, state32 = lmu.chunk_operands(u, 30, 50.0, chunk=16)
+    x16, state16 = lmu.chunk_operands(u, 30, 50.0, chunk=16, dtype=jnp.bfloat16)
+    assert x16.dtype == jnp.bfloat16 and state16.dtype == jnp.float32
+    np.testing.assert_array_equal(x16, x32.astype(jnp.bfloat16))
+    np.testing.assert_array_equal(state16, state32)
+    # The fast memory is built on that operand: its program holds no float32 operand at all.
+    text = jax.jit(lambda u: lmu.memory_chunked(u, 30, 50.0, chunk=16, precision="fast")[0])
+    operand = "x".join(str(n) for n in x32.shape)
+    hlo = text.lower(u).as_text()
+    assert f"tensor<{operand}xbf16>" in hlo and f"tensor<{operand}xf32>" not in hlo
+
+
+def test_the_chunk_product_names_mismatched_shapes():
+    x = jnp.zeros((1, 2, 3, 10))
+    with pytest.raises(ValueError, match="the same Z"):
+        lmu.chunk_product(x, jnp.zeros((9, 2, 4)))
 
 
 def test_chunked_gradients_equal_the_fft_path_in_float64():

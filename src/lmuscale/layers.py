@@ -67,80 +67,124 @@ def gelu_grad(x):
 
 
 def _wide(dtype):
-    # Scores, softmax and w: float32 at least (float64 under x64, for reference checks).
+    # Scores, softmax, w and every sum: float32 at least (float64 under x64, for reference
+    # checks); a bf16 model reads and writes its big arrays in bf16.
     return jnp.promote_types(dtype, jnp.float32)
 
 
-def _attend(q_xDxK, k_xDxK, v_xDxK, bias_3xK, p_K, dtype):
-    """The forward pass of ``implicit_attention``: ``(m_xD, (weights_xKxK, w_xK))``."""
-    gq_xDxK, gk_xDxK, gv_xDxK = (
-        gelu(x.astype(dtype) + lax.broadcast_to_rank(b.astype(dtype), x.ndim))
-        for x, b in zip((q_xDxK, k_xDxK, v_xDxK), bias_3xK, strict=True)
+# Sums over the reduced order (q' terms) are written out term by term up to this many terms:
+# one elementwise pass that XLA fuses, where a reduction over a broadcast product had XLA's
+# CPU backend write the product (q' times the array) first.
+_UNROLL = 64
+
+
+def _sum_of_products(a, b, axis: int):
+    """``sum(a * b, axis)`` for operands of equal rank that broadcast; ``axis`` counts from the
+    end and is short (the reduced order)."""
+    if a.shape[axis] > _UNROLL:
+        return jnp.sum(a * b, axis=axis)
+    terms = (
+        lax.index_in_dim(a, i, axis, keepdims=False) * lax.index_in_dim(b, i, axis, keepdims=False)
+        for i in range(a.shape[axis])
     )
-    scores_xKxK = jnp.einsum(
-        "...di,...dj->...ij", gq_xDxK, gk_xDxK, preferred_element_type=_wide(dtype)
+    return functools.reduce(jnp.add, terms)
+
+
+def _pre_activations(inputs, bias_3xK, dtype):
+    """``L_i M + b_i`` for Q, K, V in ``dtype``; each bias broadcast over channels and steps."""
+    return [
+        x.astype(dtype) + lax.broadcast_to_rank(b.astype(dtype)[:, None], x.ndim)
+        for x, b in zip(inputs, bias_3xK, strict=True)
+    ]
+
+
+def _attend(q_xDxKxc, k_xDxKxc, v_xDxKxc, bias_3xK, p_K, dtype):
+    """The forward pass of ``implicit_attention``: ``(m_xDxc, (weights_xKxKxc, w_xKxc))``."""
+    wide = _wide(dtype)
+    gq, gk, gv = (
+        gelu(x) for x in _pre_activations((q_xDxKxc, k_xDxKxc, v_xDxKxc), bias_3xK, dtype)
     )
-    weights_xKxK = jax.nn.softmax(scores_xKxK / math.sqrt(q_xDxK.shape[-2]), axis=-1)
-    w_xK = jnp.einsum("...ij,i->...j", weights_xKxK, p_K.astype(_wide(dtype)))
-    return jnp.einsum("...dj,...j->...d", gv_xDxK, w_xK.astype(dtype)), (weights_xKxK, w_xK)
+    # scores[i, k] = sum over the d channels of gelu(Q)[d, i] gelu(K)[d, k], at every step.
+    scores_xKxKxc = jnp.sum(
+        gq.astype(wide)[..., :, :, None, :] * gk.astype(wide)[..., :, None, :, :], axis=-4
+    )
+    weights_xKxKxc = jax.nn.softmax(scores_xKxKxc / math.sqrt(q_xDxKxc.shape[-3]), axis=-2)
+    p_Kx1x1 = lax.broadcast_to_rank(p_K.astype(wide)[:, None, None], weights_xKxKxc.ndim)
+    w_xKxc = jnp.sum(weights_xKxKxc * p_Kx1x1, axis=-3)
+    m_xDxc = _sum_of_products(gv.astype(wide), w_xKxc[..., None, :, :], axis=-2)
+    return m_xDxc.astype(dtype), (weights_xKxKxc, w_xKxc)
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(5,))
-def implicit_attention(q_xDxK, k_xDxK, v_xDxK, bias_3xK, p_K, dtype):
+def implicit_attention(q_xDxKxc, k_xDxKxc, v_xDxKxc, bias_3xK, p_K, dtype):
     """Eqs 8-10 after the memory: ``m = p softmax(Q K^T / sqrt(d)) V`` for every position.
 
     ``Q = gelu(L1 M + b1)``, and K, V likewise. The read-out is collapsed:
     ``w = p softmax(Q K^T / sqrt(d))`` is a q'-vector and ``m = V^T w``, so the q' x d matrix
-    ``M' = softmax(...) V`` of eq 9 is never formed. The backward pass is written by hand: of
-    the (positions x d x q')-sized arrays it keeps only the inputs (the memory's outputs, which
-    exist anyway), with the (q' x q') softmax weights and w, and recomputes gelu(Q), gelu(K),
-    gelu(V) where their gradients are formed. (A custom VJP has no forward-mode derivative.)
+    ``M' = softmax(...) V`` of eq 9 is never formed.
+
+    The inputs are in the layout the chunked memory's matrix product writes them: channels,
+    then the reduced order, then a run of positions on the last axis (a chunk's c steps; all
+    T steps of a sequence from the FFT memory; one step when decoding). Every sum here runs
+    over the channel or the order axis and leaves that last axis in place, so nothing the
+    size of Q, K or V is moved: only the output, q' times smaller, is put back in sequence
+    order by the caller.
+
+    The backward pass is written by hand: of the (positions x d x q')-sized arrays it keeps
+    only the inputs (the memory's outputs, which exist anyway), with the (q' x q') softmax
+    weights and w, and recomputes gelu(Q), gelu(K), gelu(V) where their gradients are formed.
+    (A custom VJP has no forward-mode derivative.)
 
     Args:
-      q_xDxK, k_xDxK, v_xDxK: ``L_i M`` for each position (leading axes ...), the d channels
-        on the second-to-last axis and the reduced order on the last.
+      q_xDxKxc, k_xDxKxc, v_xDxKxc: ``L_i M`` (leading axes ...), the d channels, the reduced
+        order q', then positions.
       bias_3xK: one bias per row of each L_i.
       p_K: the readout p of eq 10.
-      dtype: the compute dtype of Q, K, V; scores, softmax and w are float32 (or wider).
+      dtype: the compute dtype of Q, K, V; scores, softmax, w and all sums are float32 (or
+        wider).
 
     Returns:
-      ``m_xD``, one d-vector per position, in ``dtype``.
+      ``m_xDxc``, one d-vector per position, in ``dtype``.
     """
-    return _attend(q_xDxK, k_xDxK, v_xDxK, bias_3xK, p_K, dtype)[0]
+    return _attend(q_xDxKxc, k_xDxKxc, v_xDxKxc, bias_3xK, p_K, dtype)[0]
 
 
-def _implicit_attention_fwd(q_xDxK, k_xDxK, v_xDxK, bias_3xK, p_K, dtype):
-    m_xD, (weights_xKxK, w_xK) = _attend(q_xDxK, k_xDxK, v_xDxK, bias_3xK, p_K, dtype)
-    return m_xD, (q_xDxK, k_xDxK, v_xDxK, bias_3xK, p_K, weights_xKxK, w_xK)
+def _implicit_attention_fwd(q_xDxKxc, k_xDxKxc, v_xDxKxc, bias_3xK, p_K, dtype):
+    m_xDxc, (weights_xKxKxc, w_xKxc) = _attend(q_xDxKxc, k_xDxKxc, v_xDxKxc, bias_3xK, p_K, dtype)
+    return m_xDxc, (q_xDxKxc, k_xDxKxc, v_xDxKxc, bias_3xK, p_K, weights_xKxKxc, w_xKxc)
 
 
-def _implicit_attention_bwd(dtype, residuals, dm_xD):
-    *inputs, bias_3xK, p_K, weights_xKxK, w_xK = residuals
-    pairs = zip(inputs, bias_3xK.astype(dtype), strict=True)
-    pre_3xxDxK = [x.astype(dtype) + lax.broadcast_to_rank(b, x.ndim) for x, b in pairs]
-    gq_xDxK, gk_xDxK, gv_xDxK = (gelu(pre) for pre in pre_3xxDxK)
-    dm_xD = dm_xD.astype(dtype)
+def _implicit_attention_bwd(dtype, residuals, dm_xDxc):
+    *inputs, bias_3xK, p_K, weights_xKxKxc, w_xKxc = residuals
+    wide = _wide(dtype)
+    pre_3xxDxKxc = _pre_activations(inputs, bias_3xK, dtype)
+    gq, gk, gv = (gelu(pre).astype(wide) for pre in pre_3xxDxKxc)
+    dm_xDxc = dm_xDxc.astype(dtype).astype(wide)
     # m = gelu(V)^T w, w = p softmax(scores), scores = gelu(Q)^T gelu(K) / sqrt(d).
-    dgv_xDxK = dm_xD[..., :, None] * w_xK.astype(dtype)[..., None, :]
-    dw_xK = jnp.einsum("...d,...dj->...j", dm_xD, gv_xDxK, preferred_element_type=_wide(dtype))
-    positions = tuple(range(weights_xKxK.ndim - 2))
-    dp_K = jnp.einsum("...ij,...j->...i", weights_xKxK, dw_xK).sum(positions)
-    p_xKx1 = lax.broadcast_to_rank(p_K.astype(_wide(dtype))[:, None], dw_xK.ndim + 1)
-    dweights_xKxK = p_xKx1 * dw_xK[..., None, :]
-    inner_xKx1 = jnp.sum(weights_xKxK * dweights_xKxK, axis=-1, keepdims=True)
-    scale = 1.0 / math.sqrt(gq_xDxK.shape[-2])
-    dscores_xKxK = (weights_xKxK * (dweights_xKxK - inner_xKx1) * scale).astype(dtype)
-    dgq_xDxK = jnp.einsum("...ij,...dj->...di", dscores_xKxK, gk_xDxK)
-    dgk_xDxK = jnp.einsum("...ij,...di->...dj", dscores_xKxK, gq_xDxK)
-    dpre_3xxDxK = [
-        g * gelu_grad(pre)
-        for g, pre in zip((dgq_xDxK, dgk_xDxK, dgv_xDxK), pre_3xxDxK, strict=True)
+    dgv_xDxKxc = dm_xDxc[..., :, None, :] * w_xKxc[..., None, :, :]
+    dw_xKxc = jnp.sum(dm_xDxc[..., :, None, :] * gv, axis=-3)
+    dw_x1xKxc = dw_xKxc[..., None, :, :]
+    positions = (*range(weights_xKxKxc.ndim - 3), weights_xKxKxc.ndim - 1)
+    dp_K = jnp.sum(weights_xKxKxc * dw_x1xKxc, axis=(*positions, -2))
+    p_Kx1x1 = lax.broadcast_to_rank(p_K.astype(wide)[:, None, None], weights_xKxKxc.ndim)
+    dweights_xKxKxc = p_Kx1x1 * dw_x1xKxc
+    inner_xKx1xc = jnp.sum(weights_xKxKxc * dweights_xKxKxc, axis=-2, keepdims=True)
+    scale = 1.0 / math.sqrt(gq.shape[-3])
+    dscores_xKxKxc = weights_xKxKxc * (dweights_xKxKxc - inner_xKx1xc) * scale
+    # dgelu(Q)[d, i] = sum_k dscores[i, k] gelu(K)[d, k], and dgelu(K) likewise over i.
+    dgq_xDxKxc = _sum_of_products(dscores_xKxKxc[..., None, :, :, :], gk[..., :, None, :, :], -2)
+    dgk_xDxKxc = _sum_of_products(dscores_xKxKxc[..., None, :, :, :], gq[..., :, :, None, :], -3)
+    # gelu goes through erfc and gelu_grad through erf: different operations, so XLA does not
+    # keep the forward's transcendental results alive for this pass (with both through erf,
+    # the lmu-1M step at (8, 1024) held 1.2 GB more temporaries and read 5 GB more on a CPU).
+    dpre_3xxDxKxc = [
+        (g * gelu_grad(pre.astype(wide))).astype(dtype)
+        for g, pre in zip((dgq_xDxKxc, dgk_xDxKxc, dgv_xDxKxc), pre_3xxDxKxc, strict=True)
     ]
-    dbias_3xK = jnp.stack(
-        [d.astype(_wide(dtype)).sum(tuple(range(d.ndim - 1))) for d in dpre_3xxDxK]
-    )
+    channels_and_positions = (*range(inputs[0].ndim - 2), inputs[0].ndim - 1)
+    dbias_3xK = jnp.stack([d.astype(wide).sum(channels_and_positions) for d in dpre_3xxDxKxc])
     return (
-        *(d.astype(x.dtype) for d, x in zip(dpre_3xxDxK, inputs, strict=True)),
+        *(d.astype(x.dtype) for d, x in zip(dpre_3xxDxKxc, inputs, strict=True)),
         dbias_3xK.astype(bias_3xK.dtype),
         dp_K.astype(p_K.dtype),
     )
@@ -158,10 +202,12 @@ class ImplicitSelfAttention(nn.Module):
     Each position's memory M_t (q x d) is reduced along the order axis by three learned
     ``L_i`` (q' x q) to Q, K, V (q' x d); then eqs 9-10 give one d-vector. In parallel mode the
     (batch, n, d, q) memory is never formed: only ``L M_t`` is computed, either in chunks of
-    matrix products (``lmu.memory_chunked``, the default) or by FFT with the L_i folded into
-    the impulse response (appendix A.1, ``lmu.memory_reduced``). In step mode the state is the
-    memory itself, ``m_BxDxQ`` in float32, whose size does not depend on how many tokens came
-    before.
+    matrix products (``lmu.chunk_product``, the default) or by FFT with the L_i folded into
+    the impulse response (appendix A.1, ``lmu.memory_reduced``). Either way Q, K and V stay in
+    the layout their computation writes, each channel's positions last, and
+    ``implicit_attention`` reads them there; only its output (q' times smaller) is put back in
+    sequence order. In step mode the state is the memory itself, ``m_BxDxQ`` in float32, whose
+    size does not depend on how many tokens came before.
 
     Attributes:
       q, q_prime, theta: the order q, the reduced order q' and the window θ in tokens.
@@ -196,30 +242,38 @@ class ImplicitSelfAttention(nn.Module):
 
     def _attend(self, x_BxTxD):
         """Q, K, V pre-activations of the whole sequence, then the attention."""
+        length = x_BxTxD.shape[1]
         if self.memory_mode == "fft":
-            h_TxQ = lmu.impulse_response(self.q, self.theta, x_BxTxD.shape[1], np.float32)
+            h_TxQ = lmu.impulse_response(self.q, self.theta, length, np.float32)
             l_3KxQ = self.l.reshape(3 * self.q_prime, self.q)
-            qkv_3xBxTxDxK = jnp.split(lmu.memory_reduced(x_BxTxD, h_TxQ, l_3KxQ), 3, axis=-1)
-        else:
-            # One chunk operand for the three projections; one product each, so Q, K and V
-            # are separate arrays rather than slices of one.
-            precision = "fast" if jnp.dtype(self.dtype) == jnp.bfloat16 else "exact"
-            x_BxJxDxZ, _ = lmu.chunk_operands(
-                x_BxTxD.astype(jnp.float32), self.q, self.theta, chunk=self.memory_chunk
+            y_BxDx3KxT = lmu.memory_reduced(x_BxTxD, h_TxQ, l_3KxQ, time_last=True)
+            qkv_3xBxDxKxT = jnp.split(y_BxDx3KxT, 3, axis=2)
+            m_BxDxT = implicit_attention(*qkv_3xBxDxKxT, self.bias, self.p, self.dtype)
+            return jnp.swapaxes(m_BxDxT, 1, 2)
+        # One chunk operand, built once (in bf16 for a bf16 model, whose products are one
+        # bf16 pass), and one product per projection: Q, K and V each come out whole and in
+        # the layout the attention reads. (A single product for all three, sliced after,
+        # had XLA's CPU backend copy each slice and read the whole output for each.)
+        fast = jnp.dtype(self.dtype) == jnp.bfloat16
+        x_BxJxDxZ, _ = lmu.chunk_operands(
+            x_BxTxD.astype(jnp.float32),
+            self.q,
+            self.theta,
+            chunk=self.memory_chunk,
+            dtype=jnp.bfloat16 if fast else None,
+        )
+        c = x_BxJxDxZ.shape[-1] - self.q
+        qkv_3xBxJxDxKxc = [
+            lmu.chunk_product(
+                x_BxJxDxZ,
+                lmu.chunk_weights(self.q, self.theta, c, l_KxQ),
+                "fast" if fast else "exact",
+                out_dtype=self.dtype,
             )
-            c = x_BxJxDxZ.shape[-1] - self.q
-            # The attention computes in self.dtype, so a bf16 model takes bf16 outputs.
-            qkv_3xBxTxDxK = [
-                lmu.chunk_product(
-                    x_BxJxDxZ,
-                    lmu.chunk_weights(self.q, self.theta, c, l_KxQ),
-                    x_BxTxD.shape[1],
-                    precision,
-                    out_dtype=self.dtype,
-                )
-                for l_KxQ in self.l
-            ]
-        return implicit_attention(*qkv_3xBxTxDxK, self.bias, self.p, self.dtype)
+            for l_KxQ in self.l
+        ]
+        m_BxJxDxc = implicit_attention(*qkv_3xBxJxDxKxc, self.bias, self.p, self.dtype)
+        return lmu.sequence_from_chunks(m_BxJxDxc, length)
 
     def __call__(self, x_BxTxD):
         chunk = self.batch_chunk
@@ -233,9 +287,11 @@ class ImplicitSelfAttention(nn.Module):
         abar, bbar = lmu.discretize(self.q, self.theta, dtype=np.float32)
         m_BxDxQ = lmu.memory_step(m_BxDxQ, x_BxD, abar, bbar)
         l_3xKxQ = self.l.astype(jnp.float32)
-        qkv = jnp.einsum("bdq,hkq->hbdk", m_BxDxQ, l_3xKxQ, precision=lax.Precision.HIGHEST)
-        y = implicit_attention(*qkv, self.bias, self.p, self.dtype)
-        return y, m_BxDxQ
+        qkv_3xBxDxKx1 = jnp.einsum(
+            "bdq,hkq->hbdk", m_BxDxQ, l_3xKxQ, precision=lax.Precision.HIGHEST
+        )[..., None]
+        y_BxDx1 = implicit_attention(*qkv_3xBxDxKx1, self.bias, self.p, self.dtype)
+        return y_BxDx1[..., 0], m_BxDxQ
 
 
 def kv_cache(batch_size: int, max_len: int, width: int, n_heads: int, dtype):

@@ -24,6 +24,8 @@ Modes (all agree to float32 rounding; tests/test_lmu.py checks them against
   materialising the q-channel one.
 - ``memory_chunked``: the same outputs (``L m_t``, or ``m_t`` itself) in chunks of c steps:
   matrix products instead of FFTs, with a state carried in and out (the default for training).
+  Its parts (``chunk_operands``, ``chunk_weights``, ``chunk_product``) leave the outputs in the
+  layout the product writes, ``y_BxJxCxKxc``; the implicit attention reads them there.
 """
 
 from __future__ import annotations
@@ -258,7 +260,7 @@ def fft_length(n: int) -> int:
     return best
 
 
-def causal_conv(u_BxTxC, kernel_TxK):
+def causal_conv(u_BxTxC, kernel_TxK, *, time_last: bool = False):
     """Causal convolution of every input channel with every kernel column, by FFT.
 
     ``y[b, t, c, k] = sum_{j<=t} kernel[t-j, k] u[b, j, c]``. Both signals are zero-padded to
@@ -267,9 +269,12 @@ def causal_conv(u_BxTxC, kernel_TxK):
     Args:
       u_BxTxC: input.
       kernel_TxK: kernel with at least T rows; rows past T are ignored.
+      time_last: return ``y_BxCxKxT``, the layout the inverse FFT writes, instead of moving
+        time back to the second axis.
 
     Returns:
-      ``y_BxTxCxK`` in the compute dtype: the input's float dtype promoted to at least float32.
+      ``y_BxTxCxK`` (or ``y_BxCxKxT``) in the compute dtype: the input's float dtype promoted to
+      at least float32.
     """
     _check_input(u_BxTxC)
     n = u_BxTxC.shape[1]
@@ -281,7 +286,7 @@ def causal_conv(u_BxTxC, kernel_TxK):
     kernel_KxF = jnp.fft.rfft(kernel_TxK.T, n=nfft, axis=-1)
     y_BxCxKxF = u_BxCxF[:, :, None, :] * kernel_KxF[None, None, :, :]
     y_BxCxKxT = jnp.fft.irfft(y_BxCxKxF, n=nfft, axis=-1)[..., :n]
-    return jnp.transpose(y_BxCxKxT, (0, 3, 1, 2))
+    return y_BxCxKxT if time_last else jnp.transpose(y_BxCxKxT, (0, 3, 1, 2))
 
 
 def memory_fft(u_BxTxC, h_TxQ):
@@ -297,7 +302,7 @@ def memory_fft(u_BxTxC, h_TxQ):
     return causal_conv(u_BxTxC, h_TxQ)
 
 
-def memory_reduced(u_BxTxC, h_TxQ, l_KxQ):
+def memory_reduced(u_BxTxC, h_TxQ, l_KxQ, *, time_last: bool = False):
     """The reduced-order memory ``u * (L H)`` of appendix A.1: ``L m_t`` without ``m_t``.
 
     The q-channel memory is never formed: L is folded into the kernel (T x K) before the
@@ -308,9 +313,10 @@ def memory_reduced(u_BxTxC, h_TxQ, l_KxQ):
       u_BxTxC: input.
       h_TxQ: impulse response with at least T rows.
       l_KxQ: the projection L acting on the order axis.
+      time_last: return ``y_BxCxKxT`` (see ``causal_conv``).
 
     Returns:
-      ``y_BxTxCxK`` with ``y[b, t, c] = L m[b, t, c]``.
+      ``y_BxTxCxK`` with ``y[b, t, c] = L m[b, t, c]`` (or ``y_BxCxKxT``).
     """
     _check_input(u_BxTxC)
     h_TxQ = _kernel_for(u_BxTxC, h_TxQ, name="h_TxQ")
@@ -320,7 +326,7 @@ def memory_reduced(u_BxTxC, h_TxQ, l_KxQ):
             f"L must have shape (reduced order, order={h_TxQ.shape[1]}), got {l_KxQ.shape}"
         )
     kernel_TxK = jnp.matmul(h_TxQ, l_KxQ.astype(h_TxQ.dtype).T, precision=_PRECISION)
-    return causal_conv(u_BxTxC, kernel_TxK)
+    return causal_conv(u_BxTxC, kernel_TxK, time_last=time_last)
 
 
 def memory_step(m_BxCxQ, u_BxC, abar_QxQ, bbar_Q):
@@ -477,7 +483,15 @@ def _exact(spec: str, a, b):
     return _contract(spec, a, b, "exact")
 
 
-def chunk_operands(u_BxTxC, order: int, theta: float, m0_BxCxQ=None, *, chunk: int = DEFAULT_CHUNK):
+def chunk_operands(
+    u_BxTxC,
+    order: int,
+    theta: float,
+    m0_BxCxQ=None,
+    *,
+    chunk: int = DEFAULT_CHUNK,
+    dtype=None,
+):
     """The per-chunk operand of ``memory_chunked``: each chunk's inputs and carried state.
 
     Cuts T into J chunks of c = min(chunk, T) steps (the last one zero-padded), computes each
@@ -488,9 +502,14 @@ def chunk_operands(u_BxTxC, order: int, theta: float, m0_BxCxQ=None, *, chunk: i
     contraction here runs at float32 accuracy whatever the product's precision: the state is
     carried across the whole sequence.
 
+    Args:
+      dtype: the dtype the operand is written in (default: the compute dtype). A product that
+        runs as one bf16 pass ("fast") takes a bfloat16 operand: it is half the bytes, and
+        the rounding is the one the product would apply anyway. The state stays float32.
+
     Returns:
       ``(x_BxJxCxZ, m_BxCxQ)``: the operand (Z = c + Q: ``[u_{j,0..c-1}; m_j]``) and the state
-      after the last input, both in the compute dtype (float32; float64 for float64 input).
+      after the last input, in the compute dtype (float32; float64 for float64 input).
     """
     _check_input(u_BxTxC)
     order, theta = _check_order(order), _check_theta(theta)
@@ -500,33 +519,40 @@ def chunk_operands(u_BxTxC, order: int, theta: float, m0_BxCxQ=None, *, chunk: i
             f"the memory input must have at least one time step, got shape {u_BxTxC.shape}"
         )
     c = min(_check_count("chunk", chunk), n)
-    dtype = _compute_dtype(u_BxTxC.dtype)
-    m0_BxCxQ = _initial_state(m0_BxCxQ, (batch, channels, order), dtype)
+    state_dtype = _compute_dtype(u_BxTxC.dtype)
+    operand_dtype = state_dtype if dtype is None else jnp.dtype(dtype)
+    m0_BxCxQ = _initial_state(m0_BxCxQ, (batch, channels, order), state_dtype)
     h_cxQ = impulse_response(order, theta, c)  # float64, H[0..c-1]
     chunks = -(-n // c)
     last = n - (chunks - 1) * c  # steps in the last chunk, 1..c
-    u_BxJxcxC = jnp.pad(u_BxTxC.astype(dtype), ((0, 0), (0, chunks * c - n), (0, 0)))
+    u_BxJxcxC = jnp.pad(u_BxTxC.astype(state_dtype), ((0, 0), (0, chunks * c - n), (0, 0)))
     u_BxJxcxC = u_BxJxcxC.reshape(batch, chunks, c, channels)
 
     # The state passing is sequential, but only J = T / c steps long.
-    hrev_cxQ = jnp.asarray(h_cxQ[::-1].copy(), dtype)
+    hrev_cxQ = jnp.asarray(h_cxQ[::-1].copy(), state_dtype)
     # End states of every chunk but the last (which only the final state needs).
     ends_JxBxCxQ = jnp.swapaxes(_exact("bjsc,sq->bjcq", u_BxJxcxC[:, :-1], hrev_cxQ), 0, 1)
-    abar_c_QxQ = jnp.asarray(_abar_power(order, theta, c), dtype)
+    abar_c_QxQ = jnp.asarray(_abar_power(order, theta, c), state_dtype)
 
     def pass_state(m_BxCxQ, end_BxCxQ):
         return _exact("bcq,pq->bcp", m_BxCxQ, abar_c_QxQ) + end_BxCxQ, m_BxCxQ
 
     m_last_BxCxQ, carried_JxBxCxQ = lax.scan(pass_state, m0_BxCxQ, ends_JxBxCxQ)
     carried_BxJxCxQ = jnp.swapaxes(jnp.concatenate([carried_JxBxCxQ, m_last_BxCxQ[None]]), 0, 1)
-    x_BxJxCxZ = jnp.concatenate([jnp.swapaxes(u_BxJxcxC, 2, 3), carried_BxJxCxQ], axis=-1)
+    x_BxJxCxZ = jnp.concatenate(
+        [
+            jnp.swapaxes(u_BxJxcxC, 2, 3).astype(operand_dtype),
+            carried_BxJxCxQ.astype(operand_dtype),
+        ],
+        axis=-1,
+    )
 
     # The state after the last input, from the last chunk's `last` real steps.
     hlast_cxQ = np.zeros_like(h_cxQ)
     hlast_cxQ[:last] = h_cxQ[:last][::-1]
-    abar_last_QxQ = jnp.asarray(_abar_power(order, theta, last), dtype)
+    abar_last_QxQ = jnp.asarray(_abar_power(order, theta, last), state_dtype)
     final_BxCxQ = _exact("bcq,pq->bcp", m_last_BxCxQ, abar_last_QxQ) + _exact(
-        "bsc,sq->bcq", u_BxJxcxC[:, -1], jnp.asarray(hlast_cxQ, dtype)
+        "bsc,sq->bcq", u_BxJxcxC[:, -1], jnp.asarray(hlast_cxQ, state_dtype)
     )
     return x_BxJxCxZ, final_BxCxQ
 
@@ -534,10 +560,12 @@ def chunk_operands(u_BxTxC, order: int, theta: float, m0_BxCxQ=None, *, chunk: i
 def chunk_weights(order: int, theta: float, chunk: int, l_KxQ=None, dtype=jnp.float32):
     """The chunk product's matrix for a projection L: ``[T; R]`` with Z = c + Q rows.
 
-    ``T[s, t] = G[t - s]`` for s <= t (zero above), the Toeplitz matrix of the reduced kernel
-    ``G[k] = L H[k]``, k < c; ``R[:, t] = (L Abar^{t+1})^T``, the read-out of the carried state.
-    H and the powers of Abar are float64 constants, cast; R is built from ``L Abar`` by
-    log2(c) doublings ``R[k:2k] = R[:k] Abar^k`` at float32 accuracy, so gradients reach L.
+    ``T[s, :, t] = G[t - s]`` for s <= t (zero above), the Toeplitz matrix of the reduced kernel
+    ``G[k] = L H[k]``, k < c; ``R[:, :, t] = (L Abar^{t+1})^T``, the read-out of the carried
+    state. Its columns are (K, c) with the chunk's step last, so the product writes every
+    output channel's c steps next to each other (``chunk_product``). H and the powers of Abar
+    are float64 constants, cast; R is built from ``L Abar`` by log2(c) doublings
+    ``R[k:2k] = R[:k] Abar^k`` at float32 accuracy, so gradients reach L.
 
     Args:
       chunk: c, the chunk length of the operand (``x.shape[-1] - order``).
@@ -545,7 +573,7 @@ def chunk_weights(order: int, theta: float, chunk: int, l_KxQ=None, dtype=jnp.fl
       dtype: the operand's dtype (float32, or float64 under x64).
 
     Returns:
-      ``w_ZxcxK`` in ``dtype``.
+      ``w_ZxKxc`` in ``dtype``.
     """
     order, theta, c = _check_order(order), _check_theta(theta), _check_count("chunk", chunk)
     h_cxQ = jnp.asarray(impulse_response(order, theta, c), dtype)
@@ -566,30 +594,102 @@ def chunk_weights(order: int, theta: float, chunk: int, l_KxQ=None, dtype=jnp.fl
     toeplitz_cxcxK = jnp.where(
         jnp.asarray(lag_cxc >= 0)[..., None], g_cxK[np.clip(lag_cxc, 0, None)], 0.0
     )
-    return jnp.concatenate([toeplitz_cxcxK, jnp.transpose(r_cxKxQ, (2, 0, 1))])
+    return jnp.concatenate(
+        [jnp.transpose(toeplitz_cxcxK, (0, 2, 1)), jnp.transpose(r_cxKxQ, (2, 1, 0))]
+    )
 
 
-def chunk_product(x_BxJxCxZ, w_ZxcxK, length: int, precision: str = "exact", out_dtype=None):
+def _product_dots(precision: str, dtype):
+    """How the chunk product's three matmuls run: ``(operand dtype, dot options)``."""
+    if precision == "fast":
+        return jnp.bfloat16, {}
+    return None, {"precision": _exact_precision(dtype)}
+
+
+# The contractions of the chunk product, on (B, J, C, Z) operands and (B, J, C, K, c) outputs:
+# y = x w over Z; dx = dy w over (K, c); dw = x dy over (B, J, C).
+_ROWS, _Z, _OUT = (0, 1, 2), 3, (1, 2)
+_FORWARD = (((_Z,), (0,)), ((), ()))
+_INPUT_GRAD = (((3, 4), _OUT), ((), ()))
+_WEIGHT_GRAD = ((_ROWS, _ROWS), ((), ()))
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(2, 3))
+def _chunk_matmul(x_BxJxCxZ, w_ZxKxc, precision: str, out_dtype):
+    operands, options = _product_dots(precision, _compute_dtype(x_BxJxCxZ.dtype, w_ZxKxc.dtype))
+    if operands is not None:
+        x_BxJxCxZ, w_ZxKxc = x_BxJxCxZ.astype(operands), w_ZxKxc.astype(operands)
+    return lax.dot_general(
+        x_BxJxCxZ, w_ZxKxc, _FORWARD, preferred_element_type=out_dtype, **options
+    )
+
+
+def _chunk_matmul_fwd(x_BxJxCxZ, w_ZxKxc, precision, out_dtype):
+    return _chunk_matmul(x_BxJxCxZ, w_ZxKxc, precision, out_dtype), (x_BxJxCxZ, w_ZxKxc)
+
+
+def _chunk_matmul_bwd(precision, out_dtype, residuals, dy_BxJxCxKxc):
+    # Written out so that both products read dy in the layout the forward product wrote it:
+    # dx = dy w^T contracts its minor axes, dw = x^T dy its major ones (a transposed operand
+    # of a matmul, not a copy of dy), each accumulated in float32.
+    del out_dtype
+    x_BxJxCxZ, w_ZxKxc = residuals
+    wide = _compute_dtype(x_BxJxCxZ.dtype, w_ZxKxc.dtype)
+    operands, options = _product_dots(precision, wide)
+    xo, wo = x_BxJxCxZ, w_ZxKxc
+    if operands is not None:
+        xo, wo = xo.astype(operands), wo.astype(operands)
+    dy_BxJxCxKxc = dy_BxJxCxKxc.astype(wo.dtype)
+    dx_BxJxCxZ = lax.dot_general(
+        dy_BxJxCxKxc, wo, _INPUT_GRAD, preferred_element_type=wide, **options
+    )
+    dw_ZxKxc = lax.dot_general(
+        xo, dy_BxJxCxKxc, _WEIGHT_GRAD, preferred_element_type=wide, **options
+    )
+    return dx_BxJxCxZ.astype(x_BxJxCxZ.dtype), dw_ZxKxc.astype(w_ZxKxc.dtype)
+
+
+_chunk_matmul.defvjp(_chunk_matmul_fwd, _chunk_matmul_bwd)
+
+
+def chunk_product(x_BxJxCxZ, w_ZxKxc, precision: str = "exact", out_dtype=None):
     """The outputs of every chunk in one matrix product: ``y = [u_j; m_j]^T [T; R]``.
 
+    The result stays in the layout the matrix product writes, one row per (sequence, chunk,
+    channel) and the chunk's c steps last; ``sequence_from_chunks`` orders it by position.
+    The product's gradient is written by hand (both of its matmuls read the output's
+    cotangent as it lies; JAX's own transpose had XLA copy it into another layout first).
+
     Args:
-      x_BxJxCxZ: from ``chunk_operands``. w_ZxcxK: from ``chunk_weights``.
-      length: T, the number of real steps (the padding of the last chunk is cut off).
+      x_BxJxCxZ: from ``chunk_operands``. w_ZxKxc: from ``chunk_weights``.
       precision: as in ``memory_chunked``.
-      out_dtype: the dtype the sums are rounded to (default: the operand's): bfloat16 halves
-        the bytes written and read downstream where the consumer computes in bfloat16 anyway.
+      out_dtype: the dtype the sums are rounded to (default: the operand's, at least
+        float32): bfloat16 halves the bytes written and read downstream where the consumer
+        computes in bfloat16 anyway.
 
     Returns:
-      ``y_BxTxCxK`` in ``out_dtype``.
+      ``y_BxJxCxKxc`` in ``out_dtype``.
     """
-    out_dtype = x_BxJxCxZ.dtype if out_dtype is None else out_dtype
     if precision not in PRECISIONS:
         raise ValueError(f"precision must be one of {PRECISIONS}, got {precision!r}")
-    batch, chunks, channels, _ = x_BxJxCxZ.shape
-    _, c, width = w_ZxcxK.shape
-    y_BxJxCxcxK = _contract("bjcz,ztk->bjctk", x_BxJxCxZ, w_ZxcxK, precision, out_dtype)
-    y_BxJxcxCxK = jnp.swapaxes(y_BxJxCxcxK, 2, 3)
-    return y_BxJxcxCxK.reshape(batch, chunks * c, channels, width)[:, :length]
+    if x_BxJxCxZ.ndim != 4 or w_ZxKxc.ndim != 3 or x_BxJxCxZ.shape[-1] != w_ZxKxc.shape[0]:
+        raise ValueError(
+            f"the chunk product takes an operand (batch, chunks, channels, Z) and weights "
+            f"(Z, K, c) with the same Z, got {x_BxJxCxZ.shape} and {w_ZxKxc.shape}"
+        )
+    out_dtype = _compute_dtype(x_BxJxCxZ.dtype) if out_dtype is None else jnp.dtype(out_dtype)
+    return _chunk_matmul(x_BxJxCxZ, w_ZxKxc, precision, out_dtype)
+
+
+def sequence_from_chunks(y_BxJx___xc, length: int):
+    """Positions back in order: the chunk axis J and the trailing step axis c become T.
+
+    ``y_BxJx...xc`` (any axes between J and c) -> ``y_BxTx...``, the padding of the last chunk
+    cut off (T = ``length``).
+    """
+    batch, chunks, *middle, c = y_BxJx___xc.shape
+    y_BxJxcx___ = jnp.moveaxis(y_BxJx___xc, -1, 2)
+    return y_BxJxcx___.reshape(batch, chunks * c, *middle)[:, :length]
 
 
 def memory_chunked(
@@ -619,7 +719,6 @@ def memory_chunked(
     The constants (H, powers of Abar) are computed in float64 once per (order, theta, chunk)
     and cast. The carried state is float32 (float64 for float64 input) and is computed at
     float32 accuracy in either precision; "fast" applies to the output products only.
-    Gradients are JAX's own: each contraction's transpose, the state scan run backwards.
 
     Args:
       u_BxTxC: input.
@@ -636,10 +735,17 @@ def memory_chunked(
       ``(y_BxTxCxK, m_BxCxQ)``: the outputs (K = Q without L) and the state after the last
       input, from which a later call continues; float32 (float64 for float64 input).
     """
-    x_BxJxCxZ, final_BxCxQ = chunk_operands(u_BxTxC, order, theta, m0_BxCxQ, chunk=chunk)
+    if precision not in PRECISIONS:
+        raise ValueError(f"precision must be one of {PRECISIONS}, got {precision!r}")
+    operand = jnp.bfloat16 if precision == "fast" else None
+    x_BxJxCxZ, final_BxCxQ = chunk_operands(
+        u_BxTxC, order, theta, m0_BxCxQ, chunk=chunk, dtype=operand
+    )
     c = x_BxJxCxZ.shape[-1] - order
-    w_ZxcxK = chunk_weights(order, theta, c, l_KxQ, dtype=x_BxJxCxZ.dtype)
-    return chunk_product(x_BxJxCxZ, w_ZxcxK, u_BxTxC.shape[1], precision), final_BxCxQ
+    dtype = final_BxCxQ.dtype
+    w_ZxKxc = chunk_weights(order, theta, c, l_KxQ, dtype=dtype)
+    y_BxJxCxKxc = chunk_product(x_BxJxCxZ, w_ZxKxc, precision, out_dtype=dtype)
+    return sequence_from_chunks(y_BxJxCxKxc, u_BxTxC.shape[1]), final_BxCxQ
 
 
 __all__ = [
@@ -660,4 +766,5 @@ __all__ = [
     "memory_reference",
     "memory_scan",
     "memory_step",
+    "sequence_from_chunks",
 ]
