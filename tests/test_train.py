@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import gzip
 import json
 import math
 import re
@@ -19,6 +20,7 @@ from lmuscale.models import build, count_params
 from lmuscale.train import ConfigError, TrainingDiverged, model_config, optim, run
 from lmuscale.train import step as step_lib
 from lmuscale.train.checkpoint import Checkpoints
+from lmuscale.train.config import check
 from lmuscale.train.metrics import DamagedLog
 
 
@@ -131,6 +133,7 @@ def finished(byte_corpus, tmp_path_factory):
     workdir = tmp_path_factory.mktemp("run")
     config = small(str(byte_corpus))
     config.optim.update(plateau_rtol=0.5, plateau_patience=1)  # the plateau scale will move
+    config.log.update(profile_start=6, profile_steps=3)  # a trace of steps 6-8
     summary = run(config, workdir)
     return config, workdir, summary
 
@@ -209,6 +212,29 @@ def test_tensorboard_holds_the_same_scalars(finished):
     records = [json.loads(line) for line in (workdir / "metrics.jsonl").read_text().splitlines()]
     assert scalars["train/loss"] == pytest.approx({r["step"]: r["loss"] for r in records})
     assert sorted(scalars["eval/val_loss"]) == [4, 8, 12]
+
+
+def test_the_profile_traces_exactly_the_chosen_steps(finished):
+    _, workdir, _ = finished
+    traces = list((workdir / "profile").glob("plugins/profile/*/perfetto_trace.json.gz"))
+    assert len(traces) == 1, traces
+    assert list(traces[0].parent.glob("*.xplane.pb"))  # TensorBoard's profile plugin reads it
+    events = json.loads(gzip.decompress(traces[0].read_bytes()))["traceEvents"]
+    steps = sorted(
+        int(e["args"]["step_num"])
+        for e in events
+        if e.get("name") == "train" and "step_num" in e.get("args", {})
+    )
+    assert steps == [6, 7, 8]
+    # The devices' side is there too: the compiled step's kernels (XLA's fusions) ran.
+    assert any("fusion" in e.get("name", "") for e in events if e.get("ph") == "X")
+
+
+def test_a_profile_after_the_last_step_is_refused(byte_corpus):
+    config = small(str(byte_corpus))
+    config.log.update(profile_start=13, profile_steps=2)
+    with pytest.raises(ConfigError, match=r"log.profile_start \(13\) is after the last step"):
+        check(config)
 
 
 def test_a_finished_run_is_not_run_again(finished):

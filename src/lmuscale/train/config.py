@@ -42,6 +42,8 @@ ADDED_KEYS = {
     "log.wandb_name": "",
     "log.wandb_mode": "",
     "log.wandb_group": "",
+    "log.profile_steps": 0,
+    "log.profile_start": 10,
 }
 POSITIVE = (
     "train.steps",
@@ -52,12 +54,14 @@ POSITIVE = (
     "checkpoint.every",
     "checkpoint.keep",
     "log.every",
+    "log.profile_start",
     "mesh.model",
     "distributed.heartbeat_timeout",
 )
 NON_NEGATIVE = (
     "train.microbatches",
     "train.memory_budget_gb",
+    "log.profile_steps",
     "optim.warmup_steps",
     "optim.grad_clip",
     "eval.batches",
@@ -167,6 +171,11 @@ def base_config(model: ModelConfig) -> ConfigDict:
             "wandb_name": "",
             "wandb_mode": "",  # online, offline or disabled
             "wandb_group": "",  # a sweep's trials get the sweep's name
+            # A jax.profiler trace of profile_steps train steps from step profile_start (the
+            # step count after it, as in metrics.jsonl), into WORKDIR/profile: TensorBoard's
+            # profile tab, or perfetto_trace.json.gz in ui.perfetto.dev. 0 = no trace.
+            "profile_steps": 0,
+            "profile_start": 10,
         }
     )
     c.mesh = ConfigDict({"model": 1})  # the data axis takes every other device
@@ -284,6 +293,11 @@ def _check_values(c: ConfigDict, where: str) -> None:
         raise ConfigError(
             f"{where}: optim.warmup_steps ({c.optim.warmup_steps}) must be below train.steps "
             f"({c.train.steps})"
+        )
+    if c.log.profile_steps and c.log.profile_start > c.train.steps:
+        raise ConfigError(
+            f"{where}: log.profile_start ({c.log.profile_start}) is after the last step "
+            f"(train.steps = {c.train.steps}): nothing would be traced"
         )
     model = model_config(c.model)
     max_len = getattr(model, "max_len", None)

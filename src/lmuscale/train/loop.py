@@ -70,6 +70,7 @@ from lmuscale.train import step as step_lib
 from lmuscale.train import workdir as workdir_lib
 from lmuscale.train.checkpoint import Checkpoints, CorruptCheckpoint
 from lmuscale.train.metrics import MetricsLog, device_peak, mfu
+from lmuscale.train.profile import StepTrace
 from lmuscale.train.workdir import TrainingDiverged
 
 # A scheduler's notices of preemption or time limit, and Ctrl-C.
@@ -421,11 +422,17 @@ class Session:
             self.dataset, seq_len=self.seq_len, global_batch=c.train.global_batch, seed=c.train.seed
         )
         sharding = step_lib.batch_sharding(self.mesh, 3, axis=1)
-        with self.bar:
+        trace = StepTrace(
+            self.workdir, c.log.profile_start, c.log.profile_steps, self.start, last, self.primary
+        )
+        with self.bar, contextlib.closing(trace):
             for step in range(self.start, last):
                 rows = batches(step).reshape(self.plan.microbatches, -1, self.seq_len + 1)
                 tokens = step_lib.to_global(rows, sharding)
-                self.state, metrics = self.train_step(self.state, tokens)
+                trace.before(step + 1, self.state)
+                with trace.annotate(step + 1):
+                    self.state, metrics = self.train_step(self.state, tokens)
+                trace.after(step + 1, metrics)
                 self.pending.append((step + 1, metrics))
                 self.bar.update(1)
                 if agree:

@@ -31,6 +31,7 @@ CONFIG = "config.json"
 SUMMARY = "summary.json"
 CHECKPOINTS = "checkpoints"  # language-model training's (and so a sweep trial's)
 LOCK = "lock"
+PROFILE = "profile"  # jax.profiler traces (log.profile_steps)
 
 
 class WorkdirBusy(ConfigError):

@@ -1,0 +1,83 @@
+"""A jax.profiler trace of chosen train steps (``log.profile_steps``), into the workdir.
+
+The trace holds what the host dispatched and what the devices ran for steps
+``profile_start .. profile_start + profile_steps - 1`` (step numbers as in metrics.jsonl: the
+count of steps done after it), each step marked by a ``StepTraceAnnotation`` named "train".
+The folder holds TensorBoard's profile-plugin files (``plugins/profile/<time>/*.xplane.pb``)
+and ``perfetto_trace.json.gz``, which ui.perfetto.dev opens with no install.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from pathlib import Path
+
+import jax
+
+from lmuscale.train import workdir as workdir_lib
+
+STEP_NAME = "train"  # the annotation of each traced step (TensorBoard's step-time view)
+
+
+class StepTrace:
+    """Starts the trace before the first chosen step and stops it once the last has run.
+
+    Args:
+      workdir: the run's folder; the trace goes to ``workdir/profile`` (``process_<i>`` below
+        it when several processes each trace their own devices).
+      start, count: the first step traced and how many (0: none).
+      resumed_at: the step this session starts after; steps already done are not traced.
+      last: the run's last step.
+      primary: whether this process says where the trace went.
+    """
+
+    def __init__(self, workdir: Path, start: int, count: int, resumed_at: int, last: int, primary):
+        self.folder = workdir / workdir_lib.PROFILE
+        if jax.process_count() > 1:
+            self.folder = self.folder / f"process_{jax.process_index()}"
+        self.first = max(start, resumed_at + 1)
+        self.last = min(start + count - 1, last)
+        self.primary = primary
+        self.running = False
+        if count and self.first > self.last and primary:
+            print(
+                f"log.profile_steps: steps {start}-{start + count - 1} were done before this "
+                f"session (it starts after step {resumed_at}); nothing is traced",
+                flush=True,
+            )
+
+    def wanted(self, step: int) -> bool:
+        return self.first <= step <= self.last
+
+    def before(self, step: int, state) -> None:
+        """Called before step ``step`` runs; ``state`` is what the previous step left."""
+        if step == self.first and self.wanted(step):
+            # The devices finish the earlier steps first, so none of them lands in the trace.
+            jax.block_until_ready(state)
+            self.folder.mkdir(parents=True, exist_ok=True)
+            jax.profiler.start_trace(str(self.folder), create_perfetto_trace=True)
+            self.running = True
+
+    def annotate(self, step: int):
+        """The context a traced step runs in."""
+        if not self.running:
+            return contextlib.nullcontext()
+        return jax.profiler.StepTraceAnnotation(STEP_NAME, step_num=step)
+
+    def after(self, step: int, outputs) -> None:
+        """Called once step ``step`` is dispatched: the trace stops when its outputs exist."""
+        if self.running and step == self.last:
+            jax.block_until_ready(outputs)
+            self.close()
+            if self.primary:
+                print(
+                    f"profile of steps {self.first}-{self.last}: {self.folder} (TensorBoard's "
+                    f"profile tab, or perfetto_trace.json.gz in ui.perfetto.dev)",
+                    flush=True,
+                )
+
+    def close(self) -> None:
+        """Stop a running trace (also when the run ends early: what was traced is written)."""
+        if self.running:
+            self.running = False
+            jax.profiler.stop_trace()
