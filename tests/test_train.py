@@ -230,6 +230,19 @@ def test_the_profile_traces_exactly_the_chosen_steps(finished):
     assert any("fusion" in e.get("name", "") for e in events if e.get("ph") == "X")
 
 
+def test_a_session_resumed_past_the_profiled_steps_traces_nothing_and_says_so(tmp_path, capsys):
+    from lmuscale.train.profile import StepTrace
+
+    trace = StepTrace(tmp_path, start=3, count=2, resumed_at=6, last=12, primary=True)
+    assert "steps 3-4 were done before this session" in capsys.readouterr().out
+    for step in range(7, 13):
+        trace.before(step, None)
+        assert not trace.running
+    assert not (tmp_path / "profile").exists()
+    # A session resumed inside the range traces the steps left.
+    assert [s for s in range(1, 13) if StepTrace(tmp_path, 3, 4, 4, 12, False).wanted(s)] == [5, 6]
+
+
 def test_a_profile_after_the_last_step_is_refused(byte_corpus):
     config = small(str(byte_corpus))
     config.log.update(profile_start=13, profile_steps=2)
