@@ -27,6 +27,13 @@ Parts (``--only`` takes shell patterns of these names):
 - ``precision``: lmu-55k trained by ``lmuscale.train.run`` for --loss-steps steps in float32
   and in bfloat16 on the embedded Shakespeare plays (GPT-2 tokens, prepared into --loss-data
   on first use), and the two loss curves compared.
+- ``profile``: lmu-1M's and transformer-1M's paper train steps compiled for one micro-batch
+  of --profile-batch sequences, --profile-steps of them traced by ``jax.profiler``; the
+  --profile-top operations by time per step (the devices' kernels where the trace has them,
+  else the host's), with the trace's folder under ``results/profile-<device>/``.
+- ``xla_options``: the same micro-batch steps compiled with each of ``XLA_OPTIONS`` (command
+  buffers, the tiling search, the autotuning level) and timed; only on a GPU (not a default
+  part).
 
 The JSON (``results/gpu-<device>.json``, or --out) keeps the parts of earlier runs on the same
 device, so parts can be run one at a time: a ``train/``, ``plan/`` or ``long`` part run again
@@ -42,6 +49,7 @@ import fnmatch
 import gc
 import json
 import re
+import shutil
 import statistics
 import sys
 import tempfile
@@ -300,6 +308,137 @@ def part_attention(args) -> dict:
     return {"rows": rows}
 
 
+PROFILE_MODELS = ("lmu-1M", "transformer-1M")
+# XLA's GPU options to try on the micro-batch steps, each against the default. Command buffers
+# (CUDA graphs) by default cover fusions and library calls; the chunk-state scan and the loss
+# are while loops, which the WHILE and CONDITIONAL types add. A flag this XLA does not know is
+# an error in its row.
+XLA_OPTIONS = {
+    "default": {},
+    "command buffers with loops": {
+        "xla_gpu_enable_command_buffer": ",".join(
+            ("FUSION", "CUBLAS", "CUBLASLT", "CUSTOM_CALL", "CUDNN", "WHILE", "CONDITIONAL")
+        )
+    },
+    "no command buffers": {"xla_gpu_enable_command_buffer": ""},
+    "exhaustive tiling search": {"xla_gpu_exhaustive_tiling_search": True},
+    "autotune level 4": {"xla_gpu_autotune_level": 4},
+}
+
+
+def micro_batch_step(name: str, args, options: dict | None = None):
+    """``name``'s paper train step for one micro-batch of --profile-batch sequences, compiled
+    with XLA ``options``: ``(compiled, state, tokens)``."""
+    import jax.numpy as jnp
+
+    config = paper_config(name, args.seq_len, args.profile_batch, args.budget_gb)
+    model = config_lib.model_config(config.model)
+    train_step, init, mesh, abstract = train_step_for(model, args.seq_len)
+    sharding = step_lib.batch_sharding(mesh, 3, axis=1)
+    shape = (1, args.profile_batch, args.seq_len + 1)
+    abstract_tokens = jax.ShapeDtypeStruct(shape, jnp.int32, sharding=sharding)
+    compiled = train_step.lower(abstract, abstract_tokens).compile(options or None)
+    tokens = np.random.default_rng(0).integers(0, model.vocab_size, shape, dtype=np.int32)
+    return compiled, step_lib.init_state(init, mesh), step_lib.to_global(tokens, sharding)
+
+
+def hlo_sources(hlo_text: str) -> dict:
+    """Instruction name -> the JAX operation it came from (its ``op_name`` metadata)."""
+    found = re.findall(r'^\s*(?:ROOT )?%(\S+) = .*?op_name="([^"]*)"', hlo_text, re.MULTILINE)
+    return dict(found)
+
+
+def top_operations(folder: Path, steps: int, sources: dict) -> list[dict]:
+    """Operations by total time per step in a jax.profiler trace: ``{"op", "ms", "count",
+    "source"}``, the source from ``hlo_sources`` of the compiled step.
+
+    The devices' events where the trace has a device process (a GPU's kernels); otherwise the
+    host's, less the Python tracer's calls and the runtime's wrappers around them."""
+    import gzip
+
+    (path,) = folder.glob("plugins/profile/*/perfetto_trace.json.gz")
+    events = json.loads(gzip.decompress(path.read_bytes()))["traceEvents"]
+    names = {e["pid"]: e["args"]["name"] for e in events if e.get("name") == "process_name"}
+    devices = {pid for pid, name in names.items() if name.startswith("/device:")}
+    totals, counts, ops = {}, {}, {}
+    for e in events:
+        if e.get("ph") != "X" or "dur" not in e:
+            continue
+        name = e["name"]
+        ops.setdefault(name, e.get("args", {}).get("hlo_op", name))
+        if devices and e["pid"] not in devices:
+            continue
+        if not devices and (name.startswith(("$", "end: ", "PjitFunction")) or "::" in name):
+            continue
+        totals[name] = totals.get(name, 0.0) + e["dur"]
+        counts[name] = counts.get(name, 0) + 1
+    ranked = sorted(totals, key=totals.get, reverse=True)
+    return [
+        {
+            "op": n,
+            "ms": totals[n] / 1e3 / steps,
+            "count": counts[n] / steps,
+            "source": sources.get(ops[n], "")[-120:],
+        }
+        for n in ranked
+    ]
+
+
+def part_profile(args) -> dict:
+    folder_root = ROOT / "benchmarks" / "results" / f"profile-{slug(machine()['device_kind'])}"
+    rows = []
+    for name in PROFILE_MODELS:
+        try:
+            compiled, state, tokens = micro_batch_step(name, args)
+            state, _ = timed_steps(compiled, state, tokens, 2)  # after compiling, warm
+            folder = folder_root / name
+            if folder.exists():
+                shutil.rmtree(folder)
+            jax.profiler.start_trace(str(folder), create_perfetto_trace=True)
+            try:
+                state, times = timed_steps(compiled, state, tokens, args.profile_steps)
+            finally:
+                jax.profiler.stop_trace()
+            ops = top_operations(folder, args.profile_steps, hlo_sources(compiled.as_text()))
+            row = {
+                "model": name,
+                "batch": args.profile_batch,
+                "seq_len": args.seq_len,
+                "step_seconds": statistics.median(times),
+                "traced_ms_per_step": sum(op["ms"] for op in ops),
+                "top_ops": ops[: args.profile_top],
+                "trace": str(folder.relative_to(ROOT)),
+            }
+        except Exception as error:
+            row = {"model": name, "error": f"{type(error).__name__}: {error}"[:500]}
+        gc.collect()
+        print(f"  profile {name}: {row.get('step_seconds', row.get('error'))}", file=sys.stderr)
+        rows.append(row)
+    return {"rows": rows}
+
+
+def part_xla_options(args) -> dict:
+    if jax.default_backend() != "gpu":
+        return {"rows": [], "skipped": f"XLA's GPU options need a GPU, not {jax.default_backend()}"}
+    rows = []
+    for name in PROFILE_MODELS:
+        for label, options in XLA_OPTIONS.items():
+            row = {"model": name, "options": label, "flags": options, "batch": args.profile_batch}
+            try:
+                start = time.perf_counter()
+                compiled, state, tokens = micro_batch_step(name, args, options)
+                row["compile_seconds"] = time.perf_counter() - start
+                state, _ = timed_steps(compiled, state, tokens, 1)
+                state, times = timed_steps(compiled, state, tokens, args.steps)
+                row.update(step_seconds=statistics.median(times), step_seconds_all=times)
+            except Exception as error:
+                row["error"] = f"{type(error).__name__}: {error}"[:500]
+            gc.collect()
+            print(f"  {name} {label}: {row.get('step_seconds', row.get('error'))}", file=sys.stderr)
+            rows.append(row)
+    return {"rows": rows}
+
+
 def parts(args) -> dict:
     """Every part's name and a function computing it."""
     table = {}
@@ -311,6 +450,8 @@ def parts(args) -> dict:
     table["block"] = lambda: part_block(args)
     table["attention"] = lambda: part_attention(args)
     table["precision"] = lambda: part_precision(args)
+    table["profile"] = lambda: part_profile(args)
+    table["xla_options"] = lambda: part_xla_options(args)
     return table
 
 
@@ -322,7 +463,7 @@ def chosen(names, patterns) -> list[str]:
     return picked
 
 
-DEFAULT_PARTS = ["train/*", "long", "block", "attention", "precision"]
+DEFAULT_PARTS = ["train/*", "long", "block", "attention", "precision", "profile"]
 MERGED_BY_MODEL = ("train/", "plan/", "long")
 
 
@@ -374,6 +515,33 @@ def summary_tables(record: dict) -> None:
                 for r in block["rows"]
             ],
         )
+    for r in record["parts"].get("profile", {}).get("rows", []):
+        if "error" in r:
+            continue
+        print_table(
+            f"{r['model']}, one micro-batch of {r['batch']} x {r['seq_len']}: "
+            f"{r['step_seconds'] * 1e3:.1f} ms, the top operations per step",
+            ("operation", "ms", "count", "from"),
+            [
+                (op["op"][:40], f"{op['ms']:.2f}", f"{op['count']:g}", op["source"][-70:])
+                for op in r["top_ops"]
+            ],
+        )
+    options = [r for r in record["parts"].get("xla_options", {}).get("rows", [])]
+    if options:
+        print_table(
+            "XLA's GPU options, one micro-batch",
+            ("model", "options", "ms/step"),
+            [
+                (
+                    r["model"],
+                    r["options"],
+                    f"{r['step_seconds'] * 1e3:.1f}" if "step_seconds" in r else r["error"][:40],
+                )
+                for r in options
+            ],
+            left=2,
+        )
     precision = record["parts"].get("precision")
     if precision:
         print(
@@ -416,6 +584,9 @@ def main(argv=None) -> None:
     parser.add_argument("--loss-batch", type=int, default=32)
     parser.add_argument("--loss-seq-len", type=int, default=1024)
     parser.add_argument("--loss-data", type=Path, default=ROOT / "data" / "shakespeare-gpt2")
+    parser.add_argument("--profile-batch", type=int, default=64, help="sequences, one micro-batch")
+    parser.add_argument("--profile-steps", type=int, default=3)
+    parser.add_argument("--profile-top", type=int, default=10)
     parser.add_argument("--out", type=Path)
     args = parser.parse_args(argv)
     table = parts(args)

@@ -85,3 +85,34 @@ def test_an_unknown_part_is_named():
     done = subprocess.run(command, capture_output=True, text=True, timeout=300)
     assert done.returncode != 0
     assert "'trian/*' matches no part" in done.stderr
+
+
+def test_the_profile_part_ranks_a_traced_programs_operations_and_names_their_source(tmp_path):
+    # The parsing half of gpu.py's profile part, on a small program traced here: a big matmul
+    # and a small one run three times, so the big one leads and counts once a step.
+    import jax
+    import jax.numpy as jnp
+
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    try:
+        import gpu
+    finally:
+        sys.path.remove(str(ROOT / "benchmarks"))
+
+    def program(a, b):
+        return a @ a, jnp.tanh(b @ b)
+
+    a, b = jnp.ones((768, 768)), jnp.ones((8, 8))
+    compiled = jax.jit(program).lower(a, b).compile()
+    jax.block_until_ready(compiled(a, b))
+    jax.profiler.start_trace(str(tmp_path), create_perfetto_trace=True)
+    for _ in range(3):
+        jax.block_until_ready(compiled(a, b))
+    jax.profiler.stop_trace()
+    ops = gpu.top_operations(tmp_path, 3, gpu.hlo_sources(compiled.as_text()))
+    assert ops and all(op["ms"] > 0 for op in ops)
+    assert [op["ms"] for op in ops] == sorted((op["ms"] for op in ops), reverse=True)
+    # Not the Python tracer's calls, nor the runtime's wrappers around the program.
+    assert not any(op["op"].startswith(("$", "Pjit")) or "::" in op["op"] for op in ops)
+    top = ops[0]
+    assert top["count"] == 1 and "dot_general" in top["source"], ops[:3]
