@@ -636,15 +636,16 @@ def _chunk_matmul_bwd(precision, out_dtype, residuals, dy_BxJxCxKxc):
     x_BxJxCxZ, w_ZxKxc = residuals
     wide = _compute_dtype(x_BxJxCxZ.dtype, w_ZxKxc.dtype)
     operands, options = _product_dots(precision, wide)
-    xo, wo = x_BxJxCxZ, w_ZxKxc
+    # The operands as the forward product took them (bf16 for "fast").
+    in_x_BxJxCxZ, in_w_ZxKxc = x_BxJxCxZ, w_ZxKxc
     if operands is not None:
-        xo, wo = xo.astype(operands), wo.astype(operands)
-    dy_BxJxCxKxc = dy_BxJxCxKxc.astype(wo.dtype)
+        in_x_BxJxCxZ, in_w_ZxKxc = x_BxJxCxZ.astype(operands), w_ZxKxc.astype(operands)
+    dy_BxJxCxKxc = dy_BxJxCxKxc.astype(in_w_ZxKxc.dtype)
     dx_BxJxCxZ = lax.dot_general(
-        dy_BxJxCxKxc, wo, _INPUT_GRAD, preferred_element_type=wide, **options
+        dy_BxJxCxKxc, in_w_ZxKxc, _INPUT_GRAD, preferred_element_type=wide, **options
     )
     dw_ZxKxc = lax.dot_general(
-        xo, dy_BxJxCxKxc, _WEIGHT_GRAD, preferred_element_type=wide, **options
+        in_x_BxJxCxZ, dy_BxJxCxKxc, _WEIGHT_GRAD, preferred_element_type=wide, **options
     )
     return dx_BxJxCxZ.astype(x_BxJxCxZ.dtype), dw_ZxKxc.astype(w_ZxKxc.dtype)
 
