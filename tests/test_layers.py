@@ -239,3 +239,16 @@ def test_causal_attention_padded_for_cudnn_equals_the_float64_softmax(width, mon
     assert seen == [("cudnn", width + (-width % 8))]
     assert padded.shape == q.shape
     np.testing.assert_allclose(padded, want, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("order", [3, 70])
+def test_sums_over_the_reduced_order_equal_numpy_written_out_or_not(order):
+    # q' up to 64 is summed term by term (one fused pass), beyond that by a reduction.
+    from lmuscale.layers import _UNROLL, _sum_of_products
+
+    rng = np.random.default_rng(order)
+    a = rng.standard_normal((2, 5, order, 4))
+    b = rng.standard_normal((2, 1, order, 4))
+    got = _sum_of_products(jnp.asarray(a), jnp.asarray(b), axis=-2)
+    np.testing.assert_allclose(got, (a * b).sum(-2), rtol=1e-5, atol=1e-5)
+    assert (order > _UNROLL) == (order == 70)
