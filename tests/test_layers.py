@@ -159,9 +159,9 @@ def _data_moves(hlo_text: str, min_elements: int) -> list[str]:
 def test_the_chunked_attention_moves_nothing_the_size_of_its_q_k_or_v(dtype):
     # The chunk products write Q, K and V with each channel's steps last, and the attention
     # and its hand-written gradient read them there: the compiled forward+backward holds no
-    # transpose or copy of an array that large, fused or not. (The layout before held six
-    # per layer: Q, K, V into sequence order and their gradients back.) Only the output,
-    # q' times smaller, is put in sequence order.
+    # transpose or copy of an array that large, fused or not (the layout before this one,
+    # Q, K, V in sequence order, held six per layer). Only the output, q' times smaller, is
+    # put in sequence order.
     batch, length, width, order, reduced, chunk = 2, 64, 16, 12, 4, 16
     layer = ImplicitSelfAttention(
         order, reduced, 20.0, dtype=jnp.dtype(dtype), memory_chunk=chunk, batch_chunk=0
