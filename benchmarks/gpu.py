@@ -168,14 +168,15 @@ def measure_plan(name: str, config) -> dict:
     return row
 
 
-def _guarded(label: str, measure, *args) -> dict:
-    """``measure(*args)``, or a row naming the failure (an out-of-memory, say)."""
+def _guarded(label: str, measure, *args, show=None) -> dict:
+    """``measure(*args)``, or a row naming the failure (an out-of-memory, say); ``show`` (default
+    ``_print_row``) prints it."""
     try:
         row = measure(*args)
     except Exception as error:
         row = {"model": label, "error": f"{type(error).__name__}: {error}"[:500]}
     gc.collect()  # the state and executables of one model are gone before the next
-    _print_row(row)
+    (show or _print_row)(row)
     return row
 
 
@@ -384,37 +385,58 @@ def top_operations(folder: Path, steps: int, sources: dict) -> list[dict]:
     ]
 
 
+def _show(row: dict, result: str = "step_seconds") -> None:
+    print(
+        f"  {row['model']} {row.get('options', '')}: {row.get(result, row.get('error'))}",
+        file=sys.stderr,
+        flush=True,
+    )
+
+
+def profile_one(name: str, args, folder: Path) -> dict:
+    compiled, state, tokens = micro_batch_step(name, args)
+    state, _ = timed_steps(compiled, state, tokens, 2)  # after compiling, warm
+    if folder.exists():
+        shutil.rmtree(folder)
+    jax.profiler.start_trace(str(folder), create_perfetto_trace=True)
+    try:
+        state, times = timed_steps(compiled, state, tokens, args.profile_steps)
+    finally:
+        jax.profiler.stop_trace()
+    ops = top_operations(folder, args.profile_steps, hlo_sources(compiled.as_text()))
+    return {
+        "model": name,
+        "batch": args.profile_batch,
+        "seq_len": args.seq_len,
+        "step_seconds": statistics.median(times),
+        "traced_ms_per_step": sum(op["ms"] for op in ops),
+        "top_ops": ops[: args.profile_top],
+        "trace": str(folder.relative_to(ROOT)),
+    }
+
+
 def part_profile(args) -> dict:
-    folder_root = ROOT / "benchmarks" / "results" / f"profile-{slug(machine()['device_kind'])}"
-    rows = []
-    for name in PROFILE_MODELS:
-        try:
-            compiled, state, tokens = micro_batch_step(name, args)
-            state, _ = timed_steps(compiled, state, tokens, 2)  # after compiling, warm
-            folder = folder_root / name
-            if folder.exists():
-                shutil.rmtree(folder)
-            jax.profiler.start_trace(str(folder), create_perfetto_trace=True)
-            try:
-                state, times = timed_steps(compiled, state, tokens, args.profile_steps)
-            finally:
-                jax.profiler.stop_trace()
-            ops = top_operations(folder, args.profile_steps, hlo_sources(compiled.as_text()))
-            row = {
-                "model": name,
-                "batch": args.profile_batch,
-                "seq_len": args.seq_len,
-                "step_seconds": statistics.median(times),
-                "traced_ms_per_step": sum(op["ms"] for op in ops),
-                "top_ops": ops[: args.profile_top],
-                "trace": str(folder.relative_to(ROOT)),
-            }
-        except Exception as error:
-            row = {"model": name, "error": f"{type(error).__name__}: {error}"[:500]}
-        gc.collect()
-        print(f"  profile {name}: {row.get('step_seconds', row.get('error'))}", file=sys.stderr)
-        rows.append(row)
+    root = ROOT / "benchmarks" / "results" / f"profile-{slug(machine()['device_kind'])}"
+    rows = [_guarded(n, profile_one, n, args, root / n, show=_show) for n in PROFILE_MODELS]
     return {"rows": rows}
+
+
+def time_options(name: str, label: str, args) -> dict:
+    options = XLA_OPTIONS[label]
+    start = time.perf_counter()
+    compiled, state, tokens = micro_batch_step(name, args, options)
+    compile_seconds = time.perf_counter() - start
+    state, _ = timed_steps(compiled, state, tokens, 1)
+    state, times = timed_steps(compiled, state, tokens, args.steps)
+    return {
+        "model": name,
+        "options": label,
+        "flags": options,
+        "batch": args.profile_batch,
+        "compile_seconds": compile_seconds,
+        "step_seconds": statistics.median(times),
+        "step_seconds_all": times,
+    }
 
 
 def part_xla_options(args) -> dict:
@@ -422,20 +444,9 @@ def part_xla_options(args) -> dict:
         return {"rows": [], "skipped": f"XLA's GPU options need a GPU, not {jax.default_backend()}"}
     rows = []
     for name in PROFILE_MODELS:
-        for label, options in XLA_OPTIONS.items():
-            row = {"model": name, "options": label, "flags": options, "batch": args.profile_batch}
-            try:
-                start = time.perf_counter()
-                compiled, state, tokens = micro_batch_step(name, args, options)
-                row["compile_seconds"] = time.perf_counter() - start
-                state, _ = timed_steps(compiled, state, tokens, 1)
-                state, times = timed_steps(compiled, state, tokens, args.steps)
-                row.update(step_seconds=statistics.median(times), step_seconds_all=times)
-            except Exception as error:
-                row["error"] = f"{type(error).__name__}: {error}"[:500]
-            gc.collect()
-            print(f"  {name} {label}: {row.get('step_seconds', row.get('error'))}", file=sys.stderr)
-            rows.append(row)
+        for label in XLA_OPTIONS:
+            row = _guarded(name, time_options, name, label, args, show=_show)
+            rows.append({"options": label, **row})
     return {"rows": rows}
 
 
@@ -527,7 +538,7 @@ def summary_tables(record: dict) -> None:
                 for op in r["top_ops"]
             ],
         )
-    options = [r for r in record["parts"].get("xla_options", {}).get("rows", [])]
+    options = record["parts"].get("xla_options", {}).get("rows", [])
     if options:
         print_table(
             "XLA's GPU options, one micro-batch",

@@ -462,25 +462,11 @@ def _exact_precision(dtype=jnp.float32):
     return lax.DotAlgorithmPreset.BF16_BF16_F32_X3
 
 
-def _contract(spec: str, a, b, precision: str, out_dtype=None):
-    """An einsum accumulated in float32: "exact" keeps float32 accuracy, "fast" is one bf16 pass.
-
-    The sums run in float32 at least; ``out_dtype`` is what the result is rounded to (default:
-    the operands' dtype, at least float32).
-    """
-    dtype = _compute_dtype(a.dtype, b.dtype)
-    out_dtype = dtype if out_dtype is None else out_dtype
-    if precision == "fast":
-        return jnp.einsum(
-            spec, a.astype(jnp.bfloat16), b.astype(jnp.bfloat16), preferred_element_type=out_dtype
-        )
-    return jnp.einsum(
-        spec, a, b, precision=_exact_precision(dtype), preferred_element_type=out_dtype
-    )
-
-
 def _exact(spec: str, a, b):
-    return _contract(spec, a, b, "exact")
+    """An einsum at float32 accuracy (``_exact_precision``), accumulated and returned in the
+    operands' dtype, at least float32."""
+    dtype = _compute_dtype(a.dtype, b.dtype)
+    return jnp.einsum(spec, a, b, precision=_exact_precision(dtype), preferred_element_type=dtype)
 
 
 def chunk_operands(
@@ -736,9 +722,7 @@ def memory_chunked(
       ``(y_BxTxCxK, m_BxCxQ)``: the outputs (K = Q without L) and the state after the last
       input, from which a later call continues; float32 (float64 for float64 input).
     """
-    if precision not in PRECISIONS:
-        raise ValueError(f"precision must be one of {PRECISIONS}, got {precision!r}")
-    operand = jnp.bfloat16 if precision == "fast" else None
+    operand = jnp.bfloat16 if precision == "fast" else None  # chunk_product checks the name
     x_BxJxCxZ, final_BxCxQ = chunk_operands(
         u_BxTxC, order, theta, m0_BxCxQ, chunk=chunk, dtype=operand
     )
