@@ -120,6 +120,7 @@ def test_a_family_registered_in_a_test_file_builds_counts_sizes_and_trains(
     summary = json.loads((workdir / "summary.json").read_text())
     trained = ToyConfig(d=8, n_layers=2, vocab_size=256)
     assert summary["status"] == "finished" and summary["family"] == "toy"
+    assert summary["loss_impl"] == "xla"  # "auto", resolved on this CPU
     assert summary["params"]["non_embedding"] == count_params(trained).non_embedding
     losses = [json.loads(line)["loss"] for line in (workdir / "metrics.jsonl").open()]
     assert len(losses) == 2 and all(math.isfinite(loss) for loss in losses)

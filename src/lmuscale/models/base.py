@@ -22,6 +22,7 @@ import jax.numpy as jnp
 from jax import lax
 
 from lmuscale.data.tokenizer import GPT2_VOCAB
+from lmuscale.models import fused_loss
 from lmuscale.models.family import Registered
 
 DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16}
@@ -41,6 +42,25 @@ def compute_dtype(name: str):
         raise ValueError(f"dtype must be one of {sorted(DTYPES)}, got {name!r}") from None
 
 
+def check_config(config, positive: tuple[str, ...]) -> None:
+    """The checks every family's config shares: positive ints, the dtype, the loss's
+    implementation (resolved only when a model traces its loss: a config may be made on a
+    machine without the devices it will run on)."""
+    for name in positive:
+        check_positive(config, name)
+    compute_dtype(config.dtype)
+    if config.loss_impl not in fused_loss.LOSS_IMPLS:
+        raise ValueError(
+            f"{type(config).__name__}.loss_impl must be one of {fused_loss.LOSS_IMPLS}, "
+            f"got {config.loss_impl!r}"
+        )
+
+
+def loss_impl_of(config) -> str:
+    """A model config's ``loss_impl``: "auto" for a family whose config has no such field."""
+    return getattr(config, "loss_impl", "auto")
+
+
 def check_positive(config, name: str) -> None:
     value = getattr(config, name)
     if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
@@ -56,6 +76,8 @@ class RecurrentConfig(Registered):
       vocab_size: tokens (GPT-2: 50257).
       dtype: compute dtype, "float32" or "bfloat16"; parameters and the state are float32.
       remat: rematerialise each layer in the backward pass.
+      loss_impl: the cross-entropy's implementation, "auto", "xla" or "pallas"
+        (``fused_loss.resolve``).
     """
 
     d: int
@@ -63,11 +85,10 @@ class RecurrentConfig(Registered):
     vocab_size: int = GPT2_VOCAB
     dtype: str = "float32"
     remat: bool = False
+    loss_impl: str = "auto"
 
     def __post_init__(self):
-        for name in ("d", "n_layers", "vocab_size"):
-            check_positive(self, name)
-        compute_dtype(self.dtype)
+        check_config(self, ("d", "n_layers", "vocab_size"))
 
 
 def default_heads(width: int, head_dim: int = 32) -> int:
@@ -87,8 +108,12 @@ def logits_from_hidden(h_xD, w_VxD):
     )
 
 
-def cross_entropy(h_BxTxD, w_VxD, targets_BxT, chunk: int = LOSS_CHUNK):
+def cross_entropy(h_BxTxD, w_VxD, targets_BxT, chunk: int = LOSS_CHUNK, impl: str = "xla"):
     """Next-token cross-entropy in nats at every position, without the full logits.
+
+    ``impl`` is a config's ``loss_impl``: "xla" (this function's own path, below), "pallas"
+    (``fused_loss``: the logits never leave the chip; any cotangent has exact gradients) or
+    "auto" (``fused_loss.resolve``). ``chunk`` concerns the XLA path only.
 
     The (B*T) positions are cut into J chunks of c = ``chunk`` tokens, and one pass over them
     computes each chunk's logits (c x V, in h's dtype accumulating in float32), the loss, and
@@ -102,6 +127,8 @@ def cross_entropy(h_BxTxD, w_VxD, targets_BxT, chunk: int = LOSS_CHUNK):
     Returns:
       ``loss_BxT`` in float32: ``logsumexp(logits) - logits[target]``.
     """
+    if fused_loss.resolve(impl) == "pallas":
+        return fused_loss.cross_entropy(h_BxTxD, w_VxD, targets_BxT)
     return _cross_entropy(h_BxTxD, w_VxD, targets_BxT, chunk)
 
 
@@ -220,7 +247,11 @@ class LanguageModel(nn.Module):
                 f"inputs {inputs_BxT.shape} and targets {targets_BxT.shape} differ in shape"
             )
         per_position = cross_entropy(
-            self.hidden(inputs_BxT), self.output_embedding(), targets_BxT, chunk
+            self.hidden(inputs_BxT),
+            self.output_embedding(),
+            targets_BxT,
+            chunk,
+            loss_impl_of(self.config),
         )
         return per_position.mean(), per_position
 

@@ -30,6 +30,7 @@ from lmuscale.layers import (
 from lmuscale.models import sizes
 from lmuscale.models.base import (
     LanguageModel,
+    check_config,
     check_positive,
     compute_dtype,
     default_heads,
@@ -64,6 +65,8 @@ class LMUConfig(Registered):
         for a (16, 1024) Adam step of lmu-1M on CPU are 2.1 GB with chunks of 2 and 7.7 GB
         without. On an accelerator, 0 with micro-batches is faster: the chunks run one after
         another.
+      loss_impl: the cross-entropy's implementation, "auto", "xla" or "pallas"
+        (``fused_loss.resolve``).
     """
 
     d: int
@@ -81,10 +84,12 @@ class LMUConfig(Registered):
     memory_chunk: int = lmu.DEFAULT_CHUNK
     remat: bool = False
     batch_chunk: int = 2
+    loss_impl: str = "auto"
 
     def __post_init__(self):
-        for name in ("d", "q", "q_prime", "post_ffn_dim", "n_layers", "n_heads", "vocab_size"):
-            check_positive(self, name)
+        check_config(
+            self, ("d", "q", "q_prime", "post_ffn_dim", "n_layers", "n_heads", "vocab_size")
+        )
         if not self.global_attention:
             check_positive(self, "pre_ffn_dim")
         if not self.theta > 0:
@@ -98,7 +103,6 @@ class LMUConfig(Registered):
             raise ValueError(f"LMUConfig.batch_chunk must be >= 0, got {self.batch_chunk!r}")
         if self.global_attention and self.d % self.n_heads:
             raise ValueError(f"LMUConfig.n_heads={self.n_heads} does not divide d={self.d}")
-        compute_dtype(self.dtype)
 
 
 class LMUBlock(nn.Module):

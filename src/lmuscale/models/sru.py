@@ -47,7 +47,7 @@ from lmuscale.models import sizes
 from lmuscale.models.base import (
     LanguageModel,
     RecurrentConfig,
-    check_positive,
+    check_config,
     compute_dtype,
     embedding_init,
 )
@@ -78,7 +78,7 @@ class SRUPPConfig(Registered):
       d: embedding and state width. d_prime: the attention width d'.
       n_layers: layers. attention_every: k; layer i (from 0) has attention iff (i + 1) % k == 0,
         so k = n_layers puts attention in the last layer only, k = 1 in every layer.
-      vocab_size, dtype, remat: as in ``SRUConfig``.
+      vocab_size, dtype, remat, loss_impl: as in ``SRUConfig``.
     """
 
     d: int
@@ -88,16 +88,15 @@ class SRUPPConfig(Registered):
     vocab_size: int = GPT2_VOCAB
     dtype: str = "float32"
     remat: bool = False
+    loss_impl: str = "auto"
 
     def __post_init__(self):
-        for name in ("d", "d_prime", "n_layers", "attention_every", "vocab_size"):
-            check_positive(self, name)
+        check_config(self, ("d", "d_prime", "n_layers", "attention_every", "vocab_size"))
         if self.attention_every > self.n_layers:
             raise ValueError(
                 f"SRUPPConfig.attention_every={self.attention_every} exceeds "
                 f"n_layers={self.n_layers}: no layer would have attention (use an SRUConfig)"
             )
-        compute_dtype(self.dtype)
 
     def has_attention(self, layer: int) -> bool:
         return (layer + 1) % self.attention_every == 0

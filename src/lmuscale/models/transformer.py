@@ -24,7 +24,7 @@ from lmuscale.layers import FFN, GlobalSelfAttention, kv_cache, layer_norm
 from lmuscale.models import sizes
 from lmuscale.models.base import (
     LanguageModel,
-    check_positive,
+    check_config,
     compute_dtype,
     default_heads,
     embedding_init,
@@ -48,13 +48,12 @@ class TransformerConfig(Registered):
     vocab_size: int = GPT2_VOCAB
     dtype: str = "float32"
     remat: bool = False
+    loss_impl: str = "auto"  # "auto", "xla" or "pallas" (``fused_loss.resolve``)
 
     def __post_init__(self):
-        for name in ("d", "n_heads", "n_layers", "mlp_ratio", "max_len", "vocab_size"):
-            check_positive(self, name)
+        check_config(self, ("d", "n_heads", "n_layers", "mlp_ratio", "max_len", "vocab_size"))
         if self.d % self.n_heads:
             raise ValueError(f"TransformerConfig.n_heads={self.n_heads} does not divide d={self.d}")
-        compute_dtype(self.dtype)
 
     @property
     def mlp_dim(self) -> int:

@@ -19,8 +19,9 @@ from pathlib import Path
 
 from ml_collections import ConfigDict
 
-from lmuscale.models import ModelConfig
+from lmuscale.models import ModelConfig, fused_loss
 from lmuscale.models import family as families
+from lmuscale.models.base import loss_impl_of
 
 # Keys that may differ when a run resumes: none of them changes the trained numbers. (The
 # memory budget decides a micro-batch plan, which the workdir records: see train.memory.)
@@ -31,6 +32,7 @@ RESUMABLE_CHANGES = (
     "data.path",
     "peak_flops",
     "train.memory_budget_gb",
+    "model.loss_impl",  # the same loss to rounding (models.fused_loss)
 )
 # Keys added after runs were saved, with the value those runs had in effect: ``upgrade``
 # fills them into a saved config.
@@ -44,6 +46,7 @@ ADDED_KEYS = {
     "log.wandb_group": "",
     "log.profile_steps": 0,
     "log.profile_start": 10,
+    "model.loss_impl": "xla",
 }
 POSITIVE = (
     "train.steps",
@@ -216,6 +219,15 @@ def model_config(section) -> ModelConfig:
         return record.config(**fields, **record.fixed)
     except (TypeError, ValueError) as error:
         raise ConfigError(f"model: {error}") from None
+
+
+def loss_implementation(model: ModelConfig) -> str:
+    """The cross-entropy this process runs for ``model.loss_impl``: "xla" or "pallas". A
+    ``ConfigError`` where "pallas" cannot run here."""
+    try:
+        return fused_loss.resolve(loss_impl_of(model))
+    except ValueError as error:
+        raise ConfigError(f"model.{error}") from None
 
 
 def flatten(config, prefix: str = "") -> dict:

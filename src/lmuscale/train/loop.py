@@ -247,6 +247,7 @@ def run(
     primary = jax.process_index() == 0
     show = (c.log.progress if progress is None else progress) and primary
     model_config = config_lib.model_config(c.model)
+    config_lib.loss_implementation(model_config)  # "pallas" where it cannot run: refused now
     check_workdir(c, workdir)
     summary = workdir_lib.finished(workdir)
     if summary is not None:
@@ -343,6 +344,7 @@ class Session:
     def __init__(self, c, workdir, model_config, dataset, mesh, primary):
         self.c, self.workdir, self.dataset, self.mesh = c, workdir, dataset, mesh
         self.primary, self.model_config = primary, model_config
+        self.loss_impl = config_lib.loss_implementation(model_config)
         model = build(model_config)
         self.seq_len = c.data.seq_len
         self.tokens_per_step = c.train.global_batch * self.seq_len
@@ -388,7 +390,10 @@ class Session:
         )
         if self.primary:
             memory.write(self.workdir, plan)
-            print(f"train step: {memory.describe(plan)}", flush=True)
+            print(
+                f"train step: {memory.describe(plan)}; cross-entropy: {self.loss_impl}",
+                flush=True,
+            )
         return plan, compiled
 
     def train(self, stop: _StopSignals, show: bool) -> None:
@@ -587,6 +592,7 @@ class Session:
         return {
             "name": self.c.name,
             "family": self.model_config.family,
+            "loss_impl": self.loss_impl,
             "params": {
                 "non_embedding": params.non_embedding,
                 "embedding": params.embedding,

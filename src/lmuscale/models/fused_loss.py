@@ -1,0 +1,333 @@
+"""The cross-entropy as fused Pallas kernels: the logits live only in on-chip tiles.
+
+``base.cross_entropy`` is the XLA path: a custom VJP over token chunks that writes each
+chunk's float32 logits to memory. Here three kernels never do:
+
+- forward, one program per tile of tokens: walks the vocabulary in tiles, keeping a running
+  max and sum of exps (an online log-sum-exp) and the target's logit. It writes two floats per
+  token.
+- dh, one program per tile of tokens: recomputes each logits tile from h and w, forms
+  ``g * (softmax - onehot)`` on chip and accumulates ``dh += dlogits w``.
+- dw, one program per tile of the vocabulary: the same tiles, walking the tokens, and
+  ``dw += dlogitsᵀ h``.
+
+The backward recomputes the logits twice (5 logits-sized matrix products in all, against 3 for
+the XLA path) to write nothing V-sized but dw; the per-token cotangent ``g`` enters exactly, so
+any weighting of the losses has exact gradients (the XLA path's dw needs one weight for all).
+
+The kernels are written for Pallas's Triton lowering (NVIDIA GPUs): tiles have power-of-two
+shapes, d is zero-padded to a power of two (zero columns change no logit) and the vocabulary
+to a whole number of tiles (the padded logits are masked out of the log-sum-exp; their rows of
+w are zero, so they add nothing to dh, and their dw rows are cut off). Tokens are padded to a
+whole number of tiles with a zero cotangent. ``interpret=True`` runs the same kernels on any
+backend (the tests, on CPU).
+
+Which path a model takes is its config's ``loss_impl`` (``resolve``): "xla", "pallas", or
+"auto", which takes the kernel only on a device where a committed benchmark measured it faster
+(``FASTER_THAN_XLA``).
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import triton as pl_triton
+
+LOSS_IMPLS = ("auto", "xla", "pallas")
+
+# Device kinds (``jax.devices()[0].device_kind``) where benchmarks/cross_entropy.py, committed
+# under benchmarks/results/, measured the fused kernel's forward+backward faster than the XLA
+# path at the paper's micro-batch. "auto" takes the kernel there only. None has been measured
+# on a GPU yet.
+FASTER_THAN_XLA: frozenset[str] = frozenset()
+
+# Tiles on a GPU: tokens x vocabulary entries per program step (d is whole, padded). Not yet
+# tuned on a device (the tests pass small ones). Chosen so that at d = 204 (padded to 256)
+# each float32 accumulator, dh's (64, 256) and dw's (64, 256), is 64 KB: 64 registers a
+# thread over 8 warps, as flash-attention kernels take for head widths of 256.
+TOKEN_TILE = 64
+VOCAB_TILE = 64
+MIN_TILE = 16  # Triton's matrix products need every dimension >= 16
+MIN_CAPABILITY = (8, 0)  # bf16 tensor-core products in Triton: Ampere and newer
+# Triton's launch: warps per program and the software-pipelining depth of the tile loops.
+TRITON = pl_triton.CompilerParams(num_warps=8, num_stages=2)
+
+
+def unsupported_reason(devices=None) -> str | None:
+    """Why the kernels cannot run on ``devices`` (default: all of this run's), or None.
+
+    One NVIDIA GPU of compute capability >= 8.0. Several devices are refused: the kernels are
+    not partitioned, so under a sharded ``jit`` XLA would gather every device's tokens onto
+    each device and run the whole loss there.
+    """
+    devices = jax.devices() if devices is None else list(devices)
+    device = devices[0]
+    if device.platform != "gpu":
+        return f"this run's devices are {device.platform} ({device.device_kind})"
+    capability = getattr(device, "compute_capability", None)
+    if capability is None:  # a ROCm GPU has none: the kernels are not tested there
+        return f"the GPU is not an NVIDIA one ({device.device_kind})"
+    major, minor = (int(part) for part in str(capability).split(".")[:2])
+    if (major, minor) < MIN_CAPABILITY:
+        return f"the GPU {device.device_kind} has compute capability {capability}, below 8.0"
+    if len(devices) > 1:
+        return f"this run has {len(devices)} devices, and the kernels are not partitioned yet"
+    return None
+
+
+def resolve(impl: str, devices=None) -> str:
+    """The implementation a config's ``loss_impl`` runs on ``devices`` (default: this run's):
+    "xla" or "pallas".
+
+    "pallas" where the kernels cannot run is a ``ValueError`` naming why, never a fallback.
+    """
+    if impl not in LOSS_IMPLS:
+        raise ValueError(f"loss_impl must be one of {LOSS_IMPLS}, got {impl!r}")
+    if impl == "xla":
+        return "xla"
+    devices = jax.devices() if devices is None else list(devices)
+    reason = unsupported_reason(devices)
+    if impl == "pallas":
+        if reason is not None:
+            raise ValueError(
+                f'loss_impl="pallas": the fused cross-entropy kernels need one NVIDIA GPU of '
+                f'compute capability >= 8.0, but {reason}; use "auto" or "xla"'
+            )
+        return "pallas"
+    if reason is None and devices[0].device_kind in FASTER_THAN_XLA:
+        return "pallas"
+    return "xla"
+
+
+def _tile_logits(h_txD, w_vxD):
+    """One tile of logits, ``h wᵀ``, accumulated in float32."""
+    return lax.dot_general(
+        h_txD, w_vxD, (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32
+    )
+
+
+def _dlogits(logits_txv, lse_t, targets_t, g_t, first_column, dtype):
+    """``g * (softmax - onehot)`` of one tile, in the operands' dtype for the next product."""
+    columns_txv = first_column + lax.broadcasted_iota(jnp.int32, logits_txv.shape, 1)
+    p_txv = jnp.exp(logits_txv - lse_t[:, None])
+    p_txv = jnp.where(columns_txv == targets_t[:, None], p_txv - 1.0, p_txv)
+    return (p_txv * g_t[:, None]).astype(dtype)
+
+
+def _forward_kernel(h_ref, w_ref, targets_ref, lse_ref, target_logit_ref, *, vocab, tile):
+    h_txD = h_ref[...]
+    targets_t = targets_ref[...]
+    rows = h_txD.shape[0]
+
+    def one_tile(j, carry):
+        max_t, sum_t, target_t = carry
+        first = j * tile
+        logits_txv = _tile_logits(h_txD, w_ref[pl.ds(first, tile), :])
+        columns_txv = first + lax.broadcasted_iota(jnp.int32, logits_txv.shape, 1)
+        logits_txv = jnp.where(columns_txv < vocab, logits_txv, -jnp.inf)
+        new_max_t = jnp.maximum(max_t, jnp.max(logits_txv, axis=1))
+        sum_t = sum_t * jnp.exp(max_t - new_max_t) + jnp.sum(
+            jnp.exp(logits_txv - new_max_t[:, None]), axis=1
+        )
+        hit_txv = columns_txv == targets_t[:, None]
+        target_t += jnp.sum(jnp.where(hit_txv, logits_txv, 0.0), axis=1)
+        return new_max_t, sum_t, target_t
+
+    start = (
+        jnp.full((rows,), -jnp.inf, jnp.float32),
+        jnp.zeros((rows,), jnp.float32),
+        jnp.zeros((rows,), jnp.float32),
+    )
+    # Every tile holds at least one real column, so the max is finite after the first.
+    max_t, sum_t, target_t = lax.fori_loop(0, w_ref.shape[0] // tile, one_tile, start)
+    lse_ref[...] = max_t + jnp.log(sum_t)
+    target_logit_ref[...] = target_t
+
+
+def _dh_kernel(h_ref, w_ref, targets_ref, lse_ref, g_ref, dh_ref, *, tile):
+    h_txD = h_ref[...]
+    targets_t, lse_t, g_t = targets_ref[...], lse_ref[...], g_ref[...]
+
+    def one_tile(j, dh_txD):
+        first = j * tile
+        w_vxD = w_ref[pl.ds(first, tile), :]
+        dlogits_txv = _dlogits(
+            _tile_logits(h_txD, w_vxD), lse_t, targets_t, g_t, first, h_txD.dtype
+        )
+        return dh_txD + jnp.dot(dlogits_txv, w_vxD, preferred_element_type=jnp.float32)
+
+    dh_txD = lax.fori_loop(0, w_ref.shape[0] // tile, one_tile, jnp.zeros(h_txD.shape, jnp.float32))
+    dh_ref[...] = dh_txD.astype(dh_ref.dtype)
+
+
+def _dw_kernel(h_ref, w_ref, targets_ref, lse_ref, g_ref, dw_ref, *, tile):
+    w_vxD = w_ref[...]
+    first = pl.program_id(0) * w_vxD.shape[0]
+
+    def one_tile(i, dw_vxD):
+        rows = pl.ds(i * tile, tile)
+        h_txD = h_ref[rows, :]
+        dlogits_txv = _dlogits(
+            _tile_logits(h_txD, w_vxD),
+            lse_ref[rows],
+            targets_ref[rows],
+            g_ref[rows],
+            first,
+            h_txD.dtype,
+        )
+        return dw_vxD + lax.dot_general(
+            dlogits_txv, h_txD, (((0,), (0,)), ((), ())), preferred_element_type=jnp.float32
+        )
+
+    dw_ref[...] = lax.fori_loop(
+        0, h_ref.shape[0] // tile, one_tile, jnp.zeros(w_vxD.shape, jnp.float32)
+    )
+
+
+def _round_up(n: int, multiple: int) -> int:
+    return -(-n // multiple) * multiple
+
+
+def _padded_width(width: int) -> int:
+    return max(MIN_TILE, pl.next_power_of_2(width))
+
+
+def _call(kernel, grid, in_specs, out_specs, out_shape, interpret):
+    return pl.pallas_call(
+        kernel,
+        out_shape=out_shape,
+        grid=grid,
+        in_specs=in_specs,
+        out_specs=out_specs,
+        interpret=interpret,
+        # Naming Triton's parameters picks the Triton lowering on a GPU (the default may be
+        # Mosaic GPU, which lowers no transposed product).
+        compiler_params=TRITON,
+    )
+
+
+def _whole(shape):
+    return pl.BlockSpec(shape, lambda i: (0,) * len(shape))
+
+
+def _rows(tile, width=None):
+    if width is None:
+        return pl.BlockSpec((tile,), lambda i: (i,))
+    return pl.BlockSpec((tile, width), lambda i: (i, 0))
+
+
+def _operands(h_BxTxD, w_VxD, targets_BxT, token_tile, vocab_tile):
+    """h as (N', D') and w as (V', D') in h's dtype, zero-padded; targets as (N',) int32."""
+    count, width = targets_BxT.size, h_BxTxD.shape[-1]
+    wide = _padded_width(width)
+    h_NxD = jnp.pad(
+        h_BxTxD.reshape(count, width),
+        ((0, _round_up(count, token_tile) - count), (0, wide - width)),
+    )
+    vocab = w_VxD.shape[0]
+    w_VxD = jnp.pad(
+        w_VxD.astype(h_BxTxD.dtype),
+        ((0, _round_up(vocab, vocab_tile) - vocab), (0, wide - width)),
+    )
+    targets_N = jnp.pad(targets_BxT.reshape(count).astype(jnp.int32), (0, h_NxD.shape[0] - count))
+    return h_NxD, w_VxD, targets_N
+
+
+def _forward(h_NxD, w_VxD, targets_N, vocab, token_tile, vocab_tile, interpret):
+    n, wide = h_NxD.shape
+    per_token = jax.ShapeDtypeStruct((n,), jnp.float32)
+    return _call(
+        functools.partial(_forward_kernel, vocab=vocab, tile=vocab_tile),
+        (n // token_tile,),
+        [_rows(token_tile, wide), _whole(w_VxD.shape), _rows(token_tile)],
+        [_rows(token_tile), _rows(token_tile)],
+        [per_token, per_token],
+        interpret,
+    )(h_NxD, w_VxD, targets_N)
+
+
+def _backward(h_NxD, w_VxD, targets_N, lse_N, g_N, token_tile, vocab_tile, interpret):
+    n, wide = h_NxD.shape
+    per_token = [_rows(token_tile), _rows(token_tile), _rows(token_tile)]
+    dh_NxD = _call(
+        functools.partial(_dh_kernel, tile=vocab_tile),
+        (n // token_tile,),
+        [_rows(token_tile, wide), _whole(w_VxD.shape), *per_token],
+        _rows(token_tile, wide),
+        jax.ShapeDtypeStruct(h_NxD.shape, h_NxD.dtype),
+        interpret,
+    )(h_NxD, w_VxD, targets_N, lse_N, g_N)
+    everything = [_whole((n,)), _whole((n,)), _whole((n,))]
+    dw_VxD = _call(
+        functools.partial(_dw_kernel, tile=token_tile),
+        (w_VxD.shape[0] // vocab_tile,),
+        [_whole(h_NxD.shape), _rows(vocab_tile, wide), *everything],
+        _rows(vocab_tile, wide),
+        jax.ShapeDtypeStruct(w_VxD.shape, jnp.float32),
+        interpret,
+    )(h_NxD, w_VxD, targets_N, lse_N, g_N)
+    return dh_NxD, dw_VxD
+
+
+def cross_entropy(
+    h_BxTxD,
+    w_VxD,
+    targets_BxT,
+    *,
+    token_tile: int = TOKEN_TILE,
+    vocab_tile: int = VOCAB_TILE,
+    interpret: bool = False,
+):
+    """``base.cross_entropy`` by the fused kernels: ``loss_BxT`` in float32 nats.
+
+    Differentiable in h and w for any cotangent of the losses. Tiles are powers of two, at least
+    16 on a GPU (any size in interpret mode).
+    """
+    for name, tile in (("token_tile", token_tile), ("vocab_tile", vocab_tile)):
+        if tile < 1 or tile & (tile - 1):
+            raise ValueError(f"{name} must be a power of two, got {tile!r}")
+    if h_BxTxD.shape[:-1] != targets_BxT.shape or h_BxTxD.shape[-1] != w_VxD.shape[-1]:
+        raise ValueError(
+            f"h {h_BxTxD.shape}, w {w_VxD.shape} and targets {targets_BxT.shape} do not fit: "
+            "h is (B, T, D), w (V, D), targets (B, T)"
+        )
+    return _fused(h_BxTxD, w_VxD, targets_BxT, token_tile, vocab_tile, interpret)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4, 5))
+def _fused(h_BxTxD, w_VxD, targets_BxT, token_tile, vocab_tile, interpret):
+    return _fused_fwd(h_BxTxD, w_VxD, targets_BxT, token_tile, vocab_tile, interpret)[0]
+
+
+def _fused_fwd(h_BxTxD, w_VxD, targets_BxT, token_tile, vocab_tile, interpret):
+    count = targets_BxT.size
+    if count == 0:
+        return jnp.zeros(targets_BxT.shape, jnp.float32), (h_BxTxD, w_VxD, targets_BxT, None)
+    h_NxD, w_pad, targets_N = _operands(h_BxTxD, w_VxD, targets_BxT, token_tile, vocab_tile)
+    lse_N, target_N = _forward(
+        h_NxD, w_pad, targets_N, w_VxD.shape[0], token_tile, vocab_tile, interpret
+    )
+    loss_BxT = (lse_N - target_N)[:count].reshape(targets_BxT.shape)
+    return loss_BxT, (h_BxTxD, w_VxD, targets_BxT, lse_N)
+
+
+def _fused_bwd(token_tile, vocab_tile, interpret, residuals, g_BxT):
+    h_BxTxD, w_VxD, targets_BxT, lse_N = residuals
+    if lse_N is None:
+        return jnp.zeros_like(h_BxTxD), jnp.zeros_like(w_VxD), None
+    count, (vocab, width) = targets_BxT.size, w_VxD.shape
+    h_NxD, w_pad, targets_N = _operands(h_BxTxD, w_VxD, targets_BxT, token_tile, vocab_tile)
+    # The padded tokens get a zero cotangent: they add nothing to dw.
+    g_N = jnp.pad(g_BxT.reshape(count).astype(jnp.float32), (0, lse_N.shape[0] - count))
+    dh_NxD, dw_VxD = _backward(
+        h_NxD, w_pad, targets_N, lse_N, g_N, token_tile, vocab_tile, interpret
+    )
+    dh_BxTxD = dh_NxD[:count, :width].reshape(h_BxTxD.shape)
+    return dh_BxTxD, dw_VxD[:vocab, :width].astype(w_VxD.dtype), None
+
+
+_fused.defvjp(_fused_fwd, _fused_bwd)

@@ -1,0 +1,172 @@
+"""The fused cross-entropy kernels (models.fused_loss), run in Pallas's interpret mode on CPU
+at small shapes, and the switch that chooses them."""
+
+from __future__ import annotations
+
+import types
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from test_models import reference_cross_entropy, reference_gradients
+
+from lmuscale.models import base, fused_loss, named_config
+from lmuscale.models.sizes import FAMILIES
+from lmuscale.train import config as config_lib
+
+TILES = {"token_tile": 8, "vocab_tile": 16, "interpret": True}
+
+
+def fused(h, w, targets, **tiles):
+    return fused_loss.cross_entropy(h, w, targets, **{**TILES, **tiles})
+
+
+def inputs(batch, length, width, vocab, seed=0, dtype=jnp.float32):
+    rng = np.random.default_rng(seed)
+    h = jnp.asarray(rng.standard_normal((batch, length, width)), dtype)
+    w = jnp.asarray(0.5 * rng.standard_normal((vocab, width)), jnp.float32)
+    targets = jnp.asarray(rng.integers(0, vocab, (batch, length)), jnp.int32)
+    return h, w, targets
+
+
+# 33 tokens: four whole tiles of 8 and one of 1. V = 53: three whole vocabulary tiles of 16
+# and one with 5 real columns and 11 masked. d = 12 is padded to 16, d = 20 to 32.
+@pytest.mark.parametrize(
+    "shape",
+    [(3, 11, 12, 53), (1, 5, 20, 16), (2, 8, 16, 17)],
+    ids=["ragged", "one-short-token-tile", "whole-token-tiles"],
+)
+def test_losses_and_weighted_gradients_equal_a_float64_softmax(shape):
+    batch, length = shape[:2]
+    h, w, targets = inputs(*shape)
+    weights = np.random.default_rng(9).uniform(-1.0, 2.0, (batch, length)).astype(np.float32)
+    losses, pullback = jax.vjp(lambda h, w: fused(h, w, targets), h, w)
+    assert losses.shape == (batch, length) and losses.dtype == jnp.float32
+    np.testing.assert_allclose(losses, reference_cross_entropy(h, w, targets), rtol=2e-6)
+    # Per-position weights of either sign: exact for dw too (the XLA path's dw is NaN here).
+    dh, dw = pullback(jnp.asarray(weights))
+    want_dh, want_dw = reference_gradients(h, w, targets, weights)
+    for got, want in ((dh, want_dh), (dw, want_dw)):
+        assert got.dtype == jnp.float32 and got.shape == want.shape
+        np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6 * np.abs(want).max())
+
+
+def test_the_kernels_equal_the_xla_path_for_a_mean_loss():
+    h, w, targets = inputs(2, 13, 24, 70, seed=3)
+
+    def mean(loss_fn):
+        return jax.value_and_grad(lambda h, w: loss_fn(h, w, targets).mean(), (0, 1))(h, w)
+
+    got = mean(lambda h, w, t: fused(h, w, t, vocab_tile=32))
+    want = mean(lambda h, w, t: base.cross_entropy(h, w, t, chunk=5, impl="xla"))
+    np.testing.assert_allclose(got[0], want[0], rtol=1e-6)
+    for g, x in zip(got[1], want[1], strict=True):
+        np.testing.assert_allclose(g, x, rtol=1e-5, atol=1e-6 * np.abs(x).max())
+
+
+def test_bfloat16_activations_match_the_xla_path_to_bfloat16_rounding():
+    # As in a bf16 model: h in bfloat16, the embedding a float32 parameter that both paths
+    # cast to bfloat16; products accumulate in float32, dlogits are rounded to bfloat16.
+    h, w, targets = inputs(2, 9, 40, 45, seed=4, dtype=jnp.bfloat16)
+
+    def mean(loss_fn):
+        return jax.value_and_grad(lambda h, w: loss_fn(h, w, targets).mean(), (0, 1))(h, w)
+
+    (loss, (dh, dw)) = mean(fused)
+    (xla_loss, (xla_dh, xla_dw)) = mean(lambda h, w, t: base.cross_entropy(h, w, t, impl="xla"))
+    assert dh.dtype == jnp.bfloat16 and dw.dtype == jnp.float32
+    # The losses see the same bf16 operands and float32 sums: equal but for summation order.
+    w_bf16 = np.asarray(w.astype(jnp.bfloat16), np.float64)
+    exact = reference_cross_entropy(np.asarray(h, np.float64), w_bf16, targets).mean()
+    assert float(loss) == pytest.approx(exact, rel=1e-6)
+    assert float(loss) == pytest.approx(float(xla_loss), rel=1e-6)
+    # Gradients: within a few bf16 roundings (2^-8 relative) of each other and of float64.
+    want_dh, want_dw = reference_gradients(h, w_bf16, targets, np.full(targets.shape, 1 / 18))
+    for got, xla, want in ((dh, xla_dh, want_dh), (dw, xla_dw, want_dw)):
+        scale = np.abs(want).max()
+        got, xla = np.asarray(got, np.float64), np.asarray(xla, np.float64)
+        assert np.abs(got - want).max() <= 2e-2 * scale
+        assert np.abs(got - xla).max() <= 2e-2 * scale
+
+
+def test_no_tokens_give_no_losses_and_zero_gradients():
+    h, w, targets = inputs(0, 4, 8, 20)
+    value, (dh, dw) = jax.value_and_grad(lambda h, w: fused(h, w, targets).sum(), (0, 1))(h, w)
+    assert float(value) == 0.0 and dh.shape == h.shape and not np.any(dw)
+
+
+def test_bad_tiles_and_shapes_are_named():
+    h, w, targets = inputs(1, 4, 8, 20)
+    with pytest.raises(ValueError, match="vocab_tile must be a power of two, got 24"):
+        fused(h, w, targets, vocab_tile=24)
+    with pytest.raises(ValueError, match=r"h \(1, 4, 8\), w \(20, 6\) and targets"):
+        fused(h, w[:, :6], targets)
+
+
+def test_the_kernels_lower_to_triton_for_an_nvidia_gpu():
+    # Lowering for CUDA runs here without a GPU: every primitive in the three kernels must
+    # have a Triton lowering rule and every tile a shape Triton takes (powers of two). PTX
+    # compilation and the run itself need the GPU (benchmarks/cross_entropy.py --part loss).
+    h = jax.ShapeDtypeStruct((2, 300, 204), jnp.bfloat16)
+    w = jax.ShapeDtypeStruct((50257, 204), jnp.float32)
+    targets = jax.ShapeDtypeStruct((2, 300), jnp.int32)
+
+    def loss_and_grads(h, w, targets):
+        return jax.value_and_grad(
+            lambda h, w: fused_loss.cross_entropy(h, w, targets).mean(), (0, 1)
+        )(h, w)
+
+    lowered = jax.jit(loss_and_grads).trace(h, w, targets).lower(lowering_platforms=("cuda",))
+    text = lowered.as_text()
+    assert text.count("xla.gpu.triton") == 3  # forward, dh, dw
+
+
+# ---------------------------------------------------------------- the switch
+
+
+def gpu(kind="NVIDIA H100 80GB HBM3", capability="9.0"):
+    return types.SimpleNamespace(platform="gpu", device_kind=kind, compute_capability=capability)
+
+
+def test_auto_takes_xla_on_this_cpu_and_pallas_is_refused_by_name():
+    assert jax.default_backend() == "cpu"
+    assert fused_loss.resolve("auto") == "xla" and fused_loss.resolve("xla") == "xla"
+    with pytest.raises(ValueError, match=r'loss_impl="pallas".*devices are cpu.*"xla"'):
+        fused_loss.resolve("pallas")
+    with pytest.raises(ValueError, match=r"loss_impl must be one of .* got 'triton'"):
+        fused_loss.resolve("triton")
+    h, w, targets = inputs(1, 3, 4, 9)
+    with pytest.raises(ValueError, match='loss_impl="pallas"'):
+        base.cross_entropy(h, w, targets, impl="pallas")
+
+
+def test_auto_takes_the_kernels_only_on_a_gpu_measured_faster(monkeypatch):
+    h100 = gpu()
+    assert fused_loss.resolve("pallas", [h100]) == "pallas"
+    assert fused_loss.resolve("auto", [h100]) == "xla"  # FASTER_THAN_XLA is empty today
+    monkeypatch.setattr(fused_loss, "FASTER_THAN_XLA", frozenset({h100.device_kind}))
+    assert fused_loss.resolve("auto", [h100]) == "pallas"
+    # Where the kernels cannot run, "auto" stays on XLA whatever the table says.
+    for devices, reason in (
+        ([gpu(capability="7.5")], "compute capability 7.5, below 8.0"),
+        ([h100, h100], "2 devices, and the kernels are not partitioned"),
+        ([types.SimpleNamespace(platform="gpu", device_kind=h100.device_kind)], "not an NVIDIA"),
+    ):
+        assert fused_loss.resolve("auto", devices) == "xla"
+        with pytest.raises(ValueError, match=reason):
+            fused_loss.resolve("pallas", devices)
+
+
+def test_the_model_configs_take_the_switch_and_training_refuses_pallas_here():
+    for family in FAMILIES:
+        name = f"{family}-55k"
+        assert named_config(name).loss_impl == "auto"
+        with pytest.raises(ValueError, match=r"loss_impl must be one of .* got 'fused'"):
+            named_config(name, loss_impl="fused")
+    assert config_lib.loss_implementation(named_config("lmu-55k")) == "xla"
+    with pytest.raises(config_lib.ConfigError, match=r'model\.loss_impl="pallas".*cpu'):
+        config_lib.loss_implementation(named_config("lmu-55k", loss_impl="pallas"))
+    # A run saved before the key existed resumes as it ran: with the XLA path.
+    upgraded = config_lib.upgrade({"model": {"family": "lmu", "d": 8}})
+    assert upgraded["model"]["loss_impl"] == "xla"
