@@ -5,6 +5,7 @@ from __future__ import annotations
 import importlib.metadata
 import os
 import platform
+import re
 import resource
 import time
 from pathlib import Path
@@ -36,6 +37,11 @@ def machine() -> dict:
         "cpu_count": os.cpu_count(),
         "system": platform.platform(),
     }
+
+
+def slug(device_kind: str) -> str:
+    """A device's name for a file name: "NVIDIA H100 80GB HBM3" -> "nvidia-h100-80gb-hbm3"."""
+    return re.sub(r"[^a-z0-9]+", "-", device_kind.lower()).strip("-")
 
 
 def versions() -> dict:

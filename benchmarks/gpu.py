@@ -11,8 +11,9 @@ Parts (``--only`` takes shell patterns of these names):
   micro-batch plan) at --batch x --seq-len tokens (512 x 1024): the planned micro-batches,
   XLA's memory estimate, the device's peak bytes in use so far in the process (it only grows,
   so it bounds each model's peak from above), the median step time of --steps steps after
-  a warm-up step, tokens/s and MFU by Table 2's FLOP count. An out-of-memory or other failure
-  is recorded in the model's row, and the rest go on.
+  a warm-up step, tokens/s and MFU by Table 2's FLOP count, and the cross-entropy that ran
+  (``loss_impl``: --loss-impl, "auto" by default, resolved). An out-of-memory or other failure
+  is recorded in the model's row, and the rest go on. Rows of another loss_impl are kept.
 - ``plan/FAMILY``: the same configs compiled and planned only, no step run (not a default
   part). On a CPU it checks that every paper config compiles and fits a budget such as
   --budget-gb 80, by XLA:CPU's estimate: a CPU has no flash attention and lays buffers out
@@ -21,6 +22,10 @@ Parts (``--only`` takes shell patterns of these names):
   --batch x --seq-len / n sequences per step and the plan.
 - ``block``: one LMU block of lmu-1M (FFN, implicit attention, FFN), forward+backward, with
   the FFT memory and the chunked one (``lmu_memory.bench_block``), in bfloat16.
+- ``loss``: the cross-entropy's forward+backward alone at d = 48 and 204, --xent-batch x
+  --seq-len tokens (64 x 1024), bfloat16 and float32, by the XLA path and by the fused Pallas
+  kernels (skipped where they cannot run), with the kernels' largest differences from the
+  XLA path (``cross_entropy.py --part loss``).
 - ``attention``: cuDNN's flash attention (``layers.causal_attention``) against XLA's in
   bfloat16 at n = 1024 for Table 3's head widths, outputs and gradients; recorded as skipped
   where cuDNN's is not used (a CPU, float32, older GPUs).
@@ -58,9 +63,10 @@ from pathlib import Path
 
 import jax
 import numpy as np
-from common import machine, print_table, timed_steps, train_step_for, versions, write_json
+from common import machine, print_table, slug, timed_steps, train_step_for, versions, write_json
 
 from lmuscale.models import count_params, flops_per_token
+from lmuscale.models.fused_loss import LOSS_IMPLS
 from lmuscale.models.sizes import FAMILIES, SIZES
 from lmuscale.train import config as config_lib
 from lmuscale.train import memory, run
@@ -73,17 +79,21 @@ LONG_MODELS = ("lmu-55k", "transformer-55k", "lmu_g-55k")
 GB = 1e9
 
 
-def slug(device_kind: str) -> str:
-    return re.sub(r"[^a-z0-9]+", "-", device_kind.lower()).strip("-")
-
-
-def paper_config(name: str, seq_len: int, batch: int, budget_gb: float, dtype: str | None = None):
+def paper_config(
+    name: str,
+    seq_len: int,
+    batch: int,
+    budget_gb: float,
+    dtype: str | None = None,
+    loss_impl: str = "auto",
+):
     """experiments/owt2.py's config ``name`` at ``batch`` x ``seq_len`` tokens per step."""
     config = config_lib.load(f"{EXPERIMENT}:{name}")
     items = [
         f"data.seq_len={seq_len}",
         f"train.global_batch={batch}",
         f"train.memory_budget_gb={budget_gb}",
+        f"model.loss_impl={loss_impl}",
     ]
     if "max_len" in config.model and config.model.max_len < seq_len:
         items.append(f"model.max_len={seq_len}")  # the transformer's learned positions
@@ -118,6 +128,7 @@ def _model_row(name: str, config) -> dict:
         "seq_len": config.data.seq_len,
         "batch": config.train.global_batch,
         "dtype": model.dtype,
+        "loss_impl": config_lib.loss_implementation(model),  # the one that runs, never "auto"
         "train_flops_per_token": flops_per_token(model, config.data.seq_len).train,
     }
 
@@ -202,7 +213,9 @@ def part_train(family: str, args, plan_only: bool) -> dict:
         extra = () if plan_only else (args.steps,)
 
         def one(name=name, measure=measure, extra=extra):
-            config = paper_config(name, args.seq_len, args.batch, args.budget_gb)
+            config = paper_config(
+                name, args.seq_len, args.batch, args.budget_gb, loss_impl=args.loss_impl
+            )
             return measure(name, config, *extra)
 
         rows.append(_guarded(name, one))
@@ -215,7 +228,9 @@ def part_long(args) -> dict:
     for name in LONG_MODELS:
 
         def one(name=name):
-            config = paper_config(name, args.long_seq_len, batch, args.budget_gb)
+            config = paper_config(
+                name, args.long_seq_len, batch, args.budget_gb, loss_impl=args.loss_impl
+            )
             return measure_train(name, config, args.steps)
 
         rows.append(_guarded(name, one))
@@ -227,6 +242,17 @@ def part_block(args) -> dict:
 
     shape = {**SHAPES["paper"], "n": args.block_seq_len}
     rows = bench_block(shape, args.block_batch, args.steps, args.block_chunks, "bfloat16")
+    return {"rows": rows}
+
+
+def part_loss(args) -> dict:
+    """The cross-entropy alone, each implementation (``cross_entropy.measure_losses``)."""
+    from cross_entropy import measure_losses, print_loss_rows
+
+    rows = measure_losses(
+        (48, 204), ("bfloat16", "float32"), args.xent_batch, args.seq_len, args.xent_repeats
+    )
+    print_loss_rows(rows, f"cross-entropy, {args.xent_batch} x {args.seq_len} tokens")
     return {"rows": rows}
 
 
@@ -459,6 +485,7 @@ def parts(args) -> dict:
         table[f"plan/{family}"] = lambda family=family: part_train(family, args, True)
     table["long"] = lambda: part_long(args)
     table["block"] = lambda: part_block(args)
+    table["loss"] = lambda: part_loss(args)
     table["attention"] = lambda: part_attention(args)
     table["precision"] = lambda: part_precision(args)
     table["profile"] = lambda: part_profile(args)
@@ -474,7 +501,7 @@ def chosen(names, patterns) -> list[str]:
     return picked
 
 
-DEFAULT_PARTS = ["train/*", "long", "block", "attention", "precision", "profile"]
+DEFAULT_PARTS = ["train/*", "long", "block", "loss", "attention", "precision", "profile"]
 MERGED_BY_MODEL = ("train/", "plan/", "long")
 
 
@@ -494,7 +521,7 @@ def summary_tables(record: dict) -> None:
             rows.append(
                 (
                     name,
-                    f"{r['model']} n={r['seq_len']}",
+                    f"{r['model']} n={r['seq_len']}, {r.get('loss_impl', 'xla')} loss",
                     r["microbatches"],
                     f"{r['estimate_gb']:.2f}",
                     peak,
@@ -526,6 +553,12 @@ def summary_tables(record: dict) -> None:
                 for r in block["rows"]
             ],
         )
+    loss = record["parts"].get("loss")
+    if loss:
+        from cross_entropy import print_loss_rows
+
+        args = loss["args"]
+        print_loss_rows(loss["rows"], f"cross-entropy, {args['xent_batch']} x {args['seq_len']}")
     for r in record["parts"].get("profile", {}).get("rows", []):
         if "error" in r:
             continue
@@ -567,8 +600,8 @@ def summary_tables(record: dict) -> None:
 def merged(old_rows: list[dict], new_rows: list[dict]) -> list[dict]:
     """``new_rows`` and the ``old_rows`` of other models or shapes (e.g. sizes not run now)."""
 
-    def key(row):
-        return row.get("model"), row.get("seq_len"), row.get("batch")
+    def key(row):  # rows from before loss_impl was recorded ran the XLA path
+        return row.get("model"), row.get("seq_len"), row.get("batch"), row.get("loss_impl", "xla")
 
     replaced = {key(row) for row in new_rows}
     return [row for row in old_rows if key(row) not in replaced] + new_rows
@@ -596,6 +629,11 @@ def main(argv=None) -> None:
     parser.add_argument("--loss-seq-len", type=int, default=1024)
     parser.add_argument("--loss-data", type=Path, default=ROOT / "data" / "shakespeare-gpt2")
     parser.add_argument("--profile-batch", type=int, default=64, help="sequences, one micro-batch")
+    parser.add_argument(
+        "--loss-impl", choices=LOSS_IMPLS, default="auto", help="model.loss_impl of train/, long"
+    )
+    parser.add_argument("--xent-batch", type=int, default=64, help="loss: sequences")
+    parser.add_argument("--xent-repeats", type=int, default=10, help="loss: timed calls")
     parser.add_argument("--profile-steps", type=int, default=3)
     parser.add_argument("--profile-top", type=int, default=10)
     parser.add_argument("--out", type=Path)

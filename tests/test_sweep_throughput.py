@@ -13,6 +13,7 @@ from pathlib import Path
 import pytest
 from sweep_files import sweep_command
 
+from lmuscale.models import fused_loss
 from lmuscale.sweep import BenchmarkError, SweepError, Throughput, from_benchmarks, load_sweep
 from lmuscale.sweep.plan import plan, table
 from lmuscale.sweep.throughput import load_benchmarks
@@ -84,6 +85,20 @@ def test_a_trial_takes_its_model_then_its_family_then_the_default(tmp_path):
     assert path.name == "gpu-nvidia-h100-80gb-hbm3.json"
     assert f"{path.name} ({H100}, written 2026-11-23T10:00:00+00:00)" in throughput.source
     assert from_benchmarks(tmp_path).lookup("lstm", 100) == (None, None)
+
+
+def test_rows_of_the_cross_entropy_auto_would_not_take_are_left_out(tmp_path, monkeypatch):
+    rows = [
+        row("lmu", 100, 2e13, loss_impl="xla"),
+        row("lmu", 100, 6e13, loss_impl="pallas"),
+        row("lmu", 300, 4e13),  # written before loss_impl was recorded: the XLA path
+    ]
+    write_benchmark(tmp_path, H100, "2026-11-23T10:00:00+00:00", {"train/lmu": rows})
+    measured = from_benchmarks(tmp_path, default=1e14).measured
+    assert measured == {("lmu", 100): 2e13, ("lmu", 300): 4e13}
+    # Once a benchmark has put the kernels in FASTER_THAN_XLA for this GPU, "auto" takes them.
+    monkeypatch.setattr(fused_loss, "FASTER_THAN_XLA", frozenset({H100}))
+    assert from_benchmarks(tmp_path, default=1e14).measured == {("lmu", 100): 6e13}
 
 
 def test_without_a_benchmark_the_default_is_a_guess(tmp_path):

@@ -21,6 +21,8 @@ from collections.abc import Mapping
 from datetime import UTC, datetime
 from pathlib import Path
 
+from lmuscale.models import fused_loss
+
 ENV = "LMUSCALE_GPU_BENCHMARK"
 
 
@@ -142,14 +144,19 @@ def _read(path: Path, seq_len: int, batch: int) -> _Benchmark:
         machine.get("device_count", 1),
         data["written"],
         when if when.tzinfo else when.replace(tzinfo=UTC),
-        _speeds(path, data["parts"], seq_len, batch),
+        _speeds(path, data["parts"], seq_len, batch, machine["device_kind"]),
     )
 
 
-def _speeds(path: Path, parts: dict, seq_len: int, batch: int) -> dict[tuple[str, int], float]:
+def _speeds(
+    path: Path, parts: dict, seq_len: int, batch: int, device_kind: str
+) -> dict[tuple[str, int], float]:
     """Model FLOP/s by (family, N) from the ``train/*`` parts' rows at ``batch`` x
-    ``seq_len``; failed rows (with ``error``), rows without a speed and rows of another
-    shape are left out, and a model benchmarked twice takes the median."""
+    ``seq_len``; failed rows (with ``error``), rows without a speed, rows of another shape
+    and rows of the cross-entropy that ``loss_impl="auto"`` would not take on that device
+    (rows from before it was recorded ran "xla") are left out, and a model benchmarked twice
+    takes the median."""
+    auto = "pallas" if device_kind in fused_loss.FASTER_THAN_XLA else "xla"
     speeds: dict[tuple[str, int], list[float]] = {}
     for name, part in parts.items():
         if not name.startswith("train/"):
@@ -173,7 +180,8 @@ def _speeds(path: Path, parts: dict, seq_len: int, batch: int) -> dict[tuple[str
                     '"family" name, an integer "non_embedding_params" and a positive '
                     f'"model_flops_per_second"; got {family!r}, {n!r}, {speed!r}'
                 )
-            if (row.get("seq_len"), row.get("batch")) == (seq_len, batch):
+            shape = (row.get("seq_len"), row.get("batch"), row.get("loss_impl", "xla"))
+            if shape == (seq_len, batch, auto):
                 speeds.setdefault((family, n), []).append(float(speed))
     return {key: statistics.median(values) for key, values in speeds.items()}
 
