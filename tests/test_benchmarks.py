@@ -33,6 +33,7 @@ def test_gpu_benchmark_parts_write_one_json(tmp_path):
         "55k",
         "bfloat16",
     )
+    assert row["loss_impl"] == "xla"  # "auto", resolved on this CPU
     assert row["microbatches"] == 1 and 0 < row["estimate_gb"] <= row["budget_gb"] == 50
     assert row["model_flops_per_second"] == row["tokens_per_second"] * row["train_flops_per_token"]
     assert row["tokens_per_second"] == 4 * 16 / row["step_seconds"]
@@ -47,7 +48,12 @@ def test_gpu_benchmark_parts_write_one_json(tmp_path):
         "--only",
         "precision",
         "attention",
+        "loss",
         "plan/transformer",
+        "--xent-batch",
+        "1",
+        "--xent-repeats",
+        "1",
         "--sizes",
         "100k",
         "--seq-len",
@@ -71,6 +77,20 @@ def test_gpu_benchmark_parts_write_one_json(tmp_path):
     assert [r["model"] for r in rows] == ["transformer-55k", "transformer-100k"]
     assert rows[0] == planned
     assert second["parts"]["attention"]["skipped"].startswith("cuDNN attention is not used")
+    # The cross-entropy alone: XLA's path timed at both widths and dtypes, the kernels not run
+    # here and saying why.
+    loss_rows = second["parts"]["loss"]["rows"]
+    assert [(r["impl"], r["d"], r["dtype"]) for r in loss_rows] == [
+        (impl, d, dtype)
+        for d in (48, 204)
+        for dtype in ("bfloat16", "float32")
+        for impl in ("xla", "pallas")
+    ]
+    for r in loss_rows:
+        if r["impl"] == "xla":
+            assert r["median_ms"] > 0 and r["useful_tflop"] == 6 * 16 * 50257 * r["d"] / 1e12
+        else:
+            assert r["skipped"].startswith("this run's devices are cpu")
     precision = second["parts"]["precision"]
     f32, bf16 = precision["loss_float32"], precision["loss_bfloat16"]
     assert len(f32) == len(bf16) == 3 and f32 != bf16
