@@ -33,6 +33,8 @@ def machine() -> dict:
         "platform": device.platform,
         "device_kind": device.device_kind,
         "device_count": jax.device_count(),
+        # NVIDIA's "major.minor" (None on a CPU): what models.fused_loss.resolve reads.
+        "compute_capability": getattr(device, "compute_capability", None),
         "cpu": cpu,
         "cpu_count": os.cpu_count(),
         "system": platform.platform(),

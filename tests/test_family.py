@@ -17,6 +17,7 @@ from lmuscale.layers import layer_norm
 from lmuscale.models import build, count_params, flops_per_token, named_config, sizes
 from lmuscale.models import family as families
 from lmuscale.models.base import LanguageModel, RecurrentConfig, embedding_init
+from lmuscale.models.family import Registered
 from lmuscale.train import base_config
 from lmuscale.train import config as config_lib
 from lmuscale.train.__main__ import main as train_main
@@ -125,6 +126,25 @@ def test_a_family_registered_in_a_test_file_builds_counts_sizes_and_trains(
     losses = [json.loads(line)["loss"] for line in (workdir / "metrics.jsonl").open()]
     assert len(losses) == 2 and all(math.isfinite(loss) for loss in losses)
     assert math.isfinite(summary["val_loss"]) and summary["val_loss"] < math.log(256) + 0.5
+
+
+@dataclasses.dataclass(frozen=True)
+class PlainConfig(Registered):
+    """A family's config written from ``Registered`` alone, as models/ documents: it predates
+    (or leaves out) fields that the built-in families share, such as loss_impl."""
+
+    d: int
+
+
+def test_a_saved_run_of_a_family_without_loss_impl_upgrades_without_it(monkeypatch):
+    monkeypatch.setitem(
+        families.REGISTRY, "plain", dataclasses.replace(TOY, name="plain", config=PlainConfig)
+    )
+    saved = {"model": {"family": "plain", "d": 8}}
+    assert config_lib.upgrade(saved)["model"] == {"family": "plain", "d": 8}
+    # A built-in family's saved run predates the key: it ran the XLA path.
+    saved = {"model": {"family": "transformer", "d": 8, "n_heads": 2}}
+    assert config_lib.upgrade(saved)["model"]["loss_impl"] == "xla"
 
 
 def test_an_unregistered_family_is_named():

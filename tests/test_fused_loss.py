@@ -9,11 +9,13 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from small_config import small
 from test_models import reference_cross_entropy, reference_gradients
 
-from lmuscale.models import base, fused_loss, named_config
+from lmuscale.models import base, build, fused_loss, named_config
 from lmuscale.models.sizes import FAMILIES
 from lmuscale.train import config as config_lib
+from lmuscale.train import run
 
 TILES = {"token_tile": 8, "vocab_tile": 16, "interpret": True}
 
@@ -32,16 +34,23 @@ def inputs(batch, length, width, vocab, seed=0, dtype=jnp.float32):
 
 # 33 tokens: four whole tiles of 8 and one of 1. V = 53: three whole vocabulary tiles of 16
 # and one with 5 real columns and 11 masked. d = 12 is padded to 16, d = 20 to 32.
+# The last case takes the GPU's default tiles (64 x 64 at d = 40 in float32): one short tile of
+# tokens, and 100 real columns of 128.
 @pytest.mark.parametrize(
-    "shape",
-    [(3, 11, 12, 53), (1, 5, 20, 16), (2, 8, 16, 17)],
-    ids=["ragged", "one-short-token-tile", "whole-token-tiles"],
+    ("shape", "tiles"),
+    [
+        ((3, 11, 12, 53), TILES),
+        ((1, 5, 20, 16), TILES),
+        ((2, 8, 16, 17), TILES),
+        ((2, 7, 40, 100), {"interpret": True}),
+    ],
+    ids=["ragged", "one-short-token-tile", "whole-token-tiles", "default-tiles"],
 )
-def test_losses_and_weighted_gradients_equal_a_float64_softmax(shape):
+def test_losses_and_weighted_gradients_equal_a_float64_softmax(shape, tiles):
     batch, length = shape[:2]
     h, w, targets = inputs(*shape)
     weights = np.random.default_rng(9).uniform(-1.0, 2.0, (batch, length)).astype(np.float32)
-    losses, pullback = jax.vjp(lambda h, w: fused(h, w, targets), h, w)
+    losses, pullback = jax.vjp(lambda h, w: fused_loss.cross_entropy(h, w, targets, **tiles), h, w)
     assert losses.shape == (batch, length) and losses.dtype == jnp.float32
     np.testing.assert_allclose(losses, reference_cross_entropy(h, w, targets), rtol=2e-6)
     # Per-position weights of either sign: exact for dw too (the XLA path's dw is NaN here).
@@ -67,8 +76,9 @@ def test_the_kernels_equal_the_xla_path_for_a_mean_loss():
 
 def test_bfloat16_activations_match_the_xla_path_to_bfloat16_rounding():
     # As in a bf16 model: h in bfloat16, the embedding a float32 parameter that both paths
-    # cast to bfloat16; products accumulate in float32, dlogits are rounded to bfloat16.
-    h, w, targets = inputs(2, 9, 40, 45, seed=4, dtype=jnp.bfloat16)
+    # cast to bfloat16; products accumulate in float32, dlogits are rounded to bfloat16. 125
+    # tiles of the vocabulary, so that dh summed in bfloat16 instead of float32 would show.
+    h, w, targets = inputs(2, 9, 40, 2000, seed=4, dtype=jnp.bfloat16)
 
     def mean(loss_fn):
         return jax.value_and_grad(lambda h, w: loss_fn(h, w, targets).mean(), (0, 1))(h, w)
@@ -84,11 +94,25 @@ def test_bfloat16_activations_match_the_xla_path_to_bfloat16_rounding():
     # Gradients: within a few bf16 roundings of each other and of float64 (measured: 3.8e-3
     # and 5.2e-3 of the largest for dh, 1.6e-3 and 2.8e-3 for dw; XLA alone 3.6e-3, 1.3e-3).
     want_dh, want_dw = reference_gradients(h, w_bf16, targets, np.full(targets.shape, 1 / 18))
+    assert targets.size == 18
     for got, xla, want in ((dh, xla_dh, want_dh), (dw, xla_dw, want_dw)):
         scale = np.abs(want).max()
         got, xla = np.asarray(got, np.float64), np.asarray(xla, np.float64)
         assert np.abs(got - want).max() <= 1e-2 * scale
         assert np.abs(got - xla).max() <= 1e-2 * scale
+
+
+def test_very_low_logits_give_finite_gradients():
+    # Every logit near -100, so lse is too: exp(0 - lse) in a padded column (logit 0) would
+    # overflow to inf, and inf times w's zero padded row is NaN. The padded columns are masked.
+    h, w, targets = inputs(1, 6, 8, 20, seed=5)
+    w = jnp.abs(w) + 1.0
+    h = -100.0 * jnp.ones_like(h) / (w.sum(-1).min())
+    losses, (dh, dw) = jax.value_and_grad(lambda h, w: fused(h, w, targets).sum(), (0, 1))(h, w)
+    want_dh, want_dw = reference_gradients(h, w, targets, np.ones(targets.shape))
+    assert np.isfinite(losses) and np.all(np.isfinite(dh)) and np.all(np.isfinite(dw))
+    np.testing.assert_allclose(dh, want_dh, rtol=1e-4, atol=1e-5 * np.abs(want_dh).max())
+    np.testing.assert_allclose(dw, want_dw, rtol=1e-4, atol=1e-5 * np.abs(want_dw).max())
 
 
 def test_no_tokens_give_no_losses_and_zero_gradients():
@@ -99,18 +123,23 @@ def test_no_tokens_give_no_losses_and_zero_gradients():
 
 def test_bad_tiles_and_shapes_are_named():
     h, w, targets = inputs(1, 4, 8, 20)
-    with pytest.raises(ValueError, match="vocab_tile must be a power of two, got 24"):
+    with pytest.raises(ValueError, match="vocab_tile must be a power of two >= 1, got 24"):
         fused(h, w, targets, vocab_tile=24)
+    # On a GPU, Triton's products need tiles of at least 16.
+    with pytest.raises(ValueError, match="token_tile must be a power of two >= 16, got 8"):
+        fused_loss.cross_entropy(h, w, targets, token_tile=8)
     with pytest.raises(ValueError, match=r"h \(1, 4, 8\), w \(20, 6\) and targets"):
         fused(h, w[:, :6], targets)
 
 
-def test_the_kernels_lower_to_triton_for_an_nvidia_gpu():
-    # Lowering for CUDA runs here without a GPU: every primitive in the three kernels must
-    # have a Triton lowering rule and every tile a shape Triton takes (powers of two). PTX
-    # compilation and the run itself need the GPU (benchmarks/cross_entropy.py --part loss).
-    h = jax.ShapeDtypeStruct((2, 300, 204), jnp.bfloat16)
-    w = jax.ShapeDtypeStruct((50257, 204), jnp.float32)
+@pytest.mark.parametrize(("width", "dtype"), [(204, jnp.bfloat16), (48, jnp.float32)])
+def test_the_kernels_lower_to_triton_for_an_nvidia_gpu(width, dtype):
+    # Lowering for CUDA runs here without a GPU, at the default tiles: every primitive in the
+    # three kernels must have a Triton lowering rule and every loaded tile a shape Triton
+    # takes (powers of two). Triton's own compilation (layouts, shared memory, registers),
+    # the run and its numerics need the GPU (benchmarks/cross_entropy.py --part loss).
+    h = jax.ShapeDtypeStruct((2, 300, width), dtype)
+    w = jax.ShapeDtypeStruct((50257, width), jnp.float32)
     targets = jax.ShapeDtypeStruct((2, 300), jnp.int32)
 
     def loss_and_grads(h, w, targets):
@@ -153,6 +182,7 @@ def test_auto_takes_the_kernels_only_on_a_gpu_measured_faster(monkeypatch):
         ([gpu(capability="7.5")], "compute capability 7.5, below 8.0"),
         ([h100, h100], "2 devices, and the kernels are not partitioned"),
         ([types.SimpleNamespace(platform="gpu", device_kind=h100.device_kind)], "not an NVIDIA"),
+        ([gpu("AMD Instinct MI250X", capability="gfx90a")], "not an NVIDIA"),  # ROCm's name
     ):
         assert fused_loss.resolve("auto", devices) == "xla"
         with pytest.raises(ValueError, match=reason):
@@ -171,3 +201,41 @@ def test_the_model_configs_take_the_switch_and_training_refuses_pallas_here():
     # A run saved before the key existed resumes as it ran: with the XLA path.
     upgraded = config_lib.upgrade({"model": {"family": "lmu", "d": 8}})
     assert upgraded["model"]["loss_impl"] == "xla"
+
+
+def test_a_model_with_loss_impl_pallas_runs_the_kernels(monkeypatch):
+    # The model's loss reaches the kernels through its config (here in interpret mode, as if
+    # this CPU could run them) and equals the XLA path's.
+    calls, kernels = [], fused_loss.cross_entropy
+
+    def interpreted(h, w, targets):
+        calls.append(h.shape)
+        return kernels(h, w, targets, **TILES)
+
+    monkeypatch.setattr(fused_loss, "resolve", lambda impl, devices=None: impl)
+    monkeypatch.setattr(fused_loss, "cross_entropy", interpreted)
+    tokens = jax.random.randint(jax.random.key(0), (2, 9), 0, 256)
+    given, targets = tokens[:, :-1], tokens[:, 1:]
+    losses = {}
+    for impl in ("pallas", "xla"):
+        model = build(named_config("lmu-55k", vocab_size=256, loss_impl=impl))
+        params = model.init(jax.random.key(1), given)
+        losses[impl] = jax.value_and_grad(
+            lambda p, model=model: model.apply(p, given, targets, method=model.loss)[0]
+        )(params)
+    assert calls == [(2, 8, 48)]  # traced once, by the "pallas" model only
+    np.testing.assert_allclose(losses["pallas"][0], losses["xla"][0], rtol=1e-6)
+    got, want = (
+        np.concatenate([np.ravel(leaf) for leaf in jax.tree.leaves(losses[impl][1])])
+        for impl in ("pallas", "xla")
+    )
+    # Float32 rounding of the two paths' sums, against the largest gradient of any parameter.
+    assert np.abs(got - want).max() <= 1e-5 * np.abs(want).max()
+
+
+def test_training_refuses_pallas_here_before_it_writes_anything(byte_corpus, tmp_path):
+    config = small(str(byte_corpus))
+    config.model.loss_impl = "pallas"
+    with pytest.raises(config_lib.ConfigError, match=r'model\.loss_impl="pallas".*cpu'):
+        run(config, tmp_path / "run")
+    assert not (tmp_path / "run").exists()

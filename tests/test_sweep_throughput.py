@@ -37,7 +37,12 @@ def row(family: str, n: int, speed: float | None = None, **extra) -> dict:
 
 
 def write_benchmark(
-    folder: Path, device: str, written: str, parts: dict[str, list], platform: str = "gpu"
+    folder: Path,
+    device: str,
+    written: str,
+    parts: dict[str, list],
+    platform: str = "gpu",
+    **machine,
 ) -> Path:
     """``folder/gpu-<slug>.json`` for ``device`` with ``parts`` (name -> rows)."""
     folder.mkdir(parents=True, exist_ok=True)
@@ -45,7 +50,7 @@ def write_benchmark(
     data = {
         "benchmark": "gpu",
         "written": written,
-        "machine": {"platform": platform, "device_kind": device, "device_count": 1},
+        "machine": {"platform": platform, "device_kind": device, "device_count": 1, **machine},
         "parts": {name: {"rows": rows} for name, rows in parts.items()},
     }
     path.write_text(json.dumps(data))
@@ -93,12 +98,18 @@ def test_rows_of_the_cross_entropy_auto_would_not_take_are_left_out(tmp_path, mo
         row("lmu", 100, 6e13, loss_impl="pallas"),
         row("lmu", 300, 4e13),  # written before loss_impl was recorded: the XLA path
     ]
-    write_benchmark(tmp_path, H100, "2026-11-23T10:00:00+00:00", {"train/lmu": rows})
+    when = "2026-11-23T10:00:00+00:00"
+    write_benchmark(tmp_path, H100, when, {"train/lmu": rows}, compute_capability="9.0")
     measured = from_benchmarks(tmp_path, default=1e14).measured
     assert measured == {("lmu", 100): 2e13, ("lmu", 300): 4e13}
-    # Once a benchmark has put the kernels in FASTER_THAN_XLA for this GPU, "auto" takes them.
+    # Once a benchmark has put the kernels in FASTER_THAN_XLA for this GPU, "auto" takes them,
+    # on one device; on several it does not.
     monkeypatch.setattr(fused_loss, "FASTER_THAN_XLA", frozenset({H100}))
     assert from_benchmarks(tmp_path, default=1e14).measured == {("lmu", 100): 6e13}
+    write_benchmark(
+        tmp_path, H100, when, {"train/lmu": rows}, compute_capability="9.0", device_count=8
+    )
+    assert from_benchmarks(tmp_path, default=1e14).measured == measured
 
 
 def test_without_a_benchmark_the_default_is_a_guess(tmp_path):

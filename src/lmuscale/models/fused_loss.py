@@ -30,6 +30,7 @@ Which path a model takes is its config's ``loss_impl`` (``resolve``): "xla", "pa
 from __future__ import annotations
 
 import functools
+import re
 
 import jax
 import jax.numpy as jnp
@@ -45,12 +46,14 @@ LOSS_IMPLS = ("auto", "xla", "pallas")
 # on a GPU yet.
 FASTER_THAN_XLA: frozenset[str] = frozenset()
 
-# Tiles on a GPU: tokens x vocabulary entries per program step (d is whole, padded). Not yet
-# tuned on a device (the tests pass small ones). Chosen so that at d = 204 (padded to 256)
-# each float32 accumulator, dh's (64, 256) and dw's (64, 256), is 64 KB: 64 registers a
-# thread over 8 warps, as flash-attention kernels take for head widths of 256.
-TOKEN_TILE = 64
-VOCAB_TILE = 64
+# Tiles on a GPU (``tiles``): tokens x vocabulary entries per program step, d whole and padded.
+# Not yet tuned on a device. One tile of an operand is at most TILE_BYTES: at d = 204 (padded
+# to 256) in bf16 that is 64 x 256, whose float32 accumulators (dh's and dw's) are 64 KB, 64
+# registers a thread over 8 warps, as flash-attention kernels take for head widths of 256;
+# in float32 the tiles halve, so two pipelined stages of them stay within the 99 KB of shared
+# memory of the smallest Ampere/Ada parts.
+TILE_BYTES = 32 * 1024
+MAX_TILE = 64
 MIN_TILE = 16  # Triton's matrix products need every dimension >= 16
 MIN_CAPABILITY = (8, 0)  # bf16 tensor-core products in Triton: Ampere and newer
 # Triton's launch: warps per program and the software-pipelining depth of the tile loops.
@@ -68,10 +71,14 @@ def unsupported_reason(devices=None) -> str | None:
     device = devices[0]
     if device.platform != "gpu":
         return f"this run's devices are {device.platform} ({device.device_kind})"
-    capability = getattr(device, "compute_capability", None)
-    if capability is None:  # a ROCm GPU has none: the kernels are not tested there
-        return f"the GPU is not an NVIDIA one ({device.device_kind})"
-    major, minor = (int(part) for part in str(capability).split(".")[:2])
+    # NVIDIA's "major.minor"; a ROCm GPU has its gfx name here, and the kernels are not
+    # tested there.
+    capability = str(getattr(device, "compute_capability", ""))
+    if not re.fullmatch(r"\d+\.\d+", capability):
+        return (
+            f"the GPU is not an NVIDIA one ({device.device_kind}, {capability or 'no'} capability)"
+        )
+    major, minor = (int(part) for part in capability.split("."))
     if (major, minor) < MIN_CAPABILITY:
         return f"the GPU {device.device_kind} has compute capability {capability}, below 8.0"
     if len(devices) > 1:
@@ -110,10 +117,11 @@ def _tile_logits(h_txD, w_vxD):
     )
 
 
-def _dlogits(logits_txv, lse_t, targets_t, g_t, first_column, dtype):
-    """``g * (softmax - onehot)`` of one tile, in the operands' dtype for the next product."""
+def _dlogits(logits_txv, lse_t, targets_t, g_t, first_column, vocab, dtype):
+    """``g * (softmax - onehot)`` of one tile, in the operands' dtype for the next product;
+    zero in the padded columns (whose exp(0 - lse) could overflow where lse is very low)."""
     columns_txv = first_column + lax.broadcasted_iota(jnp.int32, logits_txv.shape, 1)
-    p_txv = jnp.exp(logits_txv - lse_t[:, None])
+    p_txv = jnp.where(columns_txv < vocab, jnp.exp(logits_txv - lse_t[:, None]), 0.0)
     p_txv = jnp.where(columns_txv == targets_t[:, None], p_txv - 1.0, p_txv)
     return (p_txv * g_t[:, None]).astype(dtype)
 
@@ -128,13 +136,15 @@ def _forward_kernel(h_ref, w_ref, targets_ref, lse_ref, target_logit_ref, *, voc
         first = j * tile
         logits_txv = _tile_logits(h_txD, w_ref[pl.ds(first, tile), :])
         columns_txv = first + lax.broadcasted_iota(jnp.int32, logits_txv.shape, 1)
+        # The target's logit before masking: a target outside the vocabulary picks 0, as in
+        # the XLA path.
+        hit_txv = columns_txv == targets_t[:, None]
+        target_t += jnp.sum(jnp.where(hit_txv, logits_txv, 0.0), axis=1)
         logits_txv = jnp.where(columns_txv < vocab, logits_txv, -jnp.inf)
         new_max_t = jnp.maximum(max_t, jnp.max(logits_txv, axis=1))
         sum_t = sum_t * jnp.exp(max_t - new_max_t) + jnp.sum(
             jnp.exp(logits_txv - new_max_t[:, None]), axis=1
         )
-        hit_txv = columns_txv == targets_t[:, None]
-        target_t += jnp.sum(jnp.where(hit_txv, logits_txv, 0.0), axis=1)
         return new_max_t, sum_t, target_t
 
     start = (
@@ -148,7 +158,7 @@ def _forward_kernel(h_ref, w_ref, targets_ref, lse_ref, target_logit_ref, *, voc
     target_logit_ref[...] = target_t
 
 
-def _dh_kernel(h_ref, w_ref, targets_ref, lse_ref, g_ref, dh_ref, *, tile):
+def _dh_kernel(h_ref, w_ref, targets_ref, lse_ref, g_ref, dh_ref, *, vocab, tile):
     h_txD = h_ref[...]
     targets_t, lse_t, g_t = targets_ref[...], lse_ref[...], g_ref[...]
 
@@ -156,7 +166,7 @@ def _dh_kernel(h_ref, w_ref, targets_ref, lse_ref, g_ref, dh_ref, *, tile):
         first = j * tile
         w_vxD = w_ref[pl.ds(first, tile), :]
         dlogits_txv = _dlogits(
-            _tile_logits(h_txD, w_vxD), lse_t, targets_t, g_t, first, h_txD.dtype
+            _tile_logits(h_txD, w_vxD), lse_t, targets_t, g_t, first, vocab, h_txD.dtype
         )
         return dh_txD + jnp.dot(dlogits_txv, w_vxD, preferred_element_type=jnp.float32)
 
@@ -164,7 +174,7 @@ def _dh_kernel(h_ref, w_ref, targets_ref, lse_ref, g_ref, dh_ref, *, tile):
     dh_ref[...] = dh_txD.astype(dh_ref.dtype)
 
 
-def _dw_kernel(h_ref, w_ref, targets_ref, lse_ref, g_ref, dw_ref, *, tile):
+def _dw_kernel(h_ref, w_ref, targets_ref, lse_ref, g_ref, dw_ref, *, vocab, tile):
     w_vxD = w_ref[...]
     first = pl.program_id(0) * w_vxD.shape[0]
 
@@ -177,6 +187,7 @@ def _dw_kernel(h_ref, w_ref, targets_ref, lse_ref, g_ref, dw_ref, *, tile):
             targets_ref[rows],
             g_ref[rows],
             first,
+            vocab,
             h_txD.dtype,
         )
         return dw_vxD + lax.dot_general(
@@ -192,7 +203,8 @@ def _round_up(n: int, multiple: int) -> int:
     return -(-n // multiple) * multiple
 
 
-def _padded_width(width: int) -> int:
+def padded_width(width: int) -> int:
+    """d as the kernels hold it: the next power of two, at least MIN_TILE."""
     return max(MIN_TILE, pl.next_power_of_2(width))
 
 
@@ -223,7 +235,7 @@ def _rows(tile, width=None):
 def _operands(h_BxTxD, w_VxD, targets_BxT, token_tile, vocab_tile):
     """h as (N', D') and w as (V', D') in h's dtype, zero-padded; targets as (N',) int32."""
     count, width = targets_BxT.size, h_BxTxD.shape[-1]
-    wide = _padded_width(width)
+    wide = padded_width(width)
     h_NxD = jnp.pad(
         h_BxTxD.reshape(count, width),
         ((0, _round_up(count, token_tile) - count), (0, wide - width)),
@@ -250,11 +262,11 @@ def _forward(h_NxD, w_VxD, targets_N, vocab, token_tile, vocab_tile, interpret):
     )(h_NxD, w_VxD, targets_N)
 
 
-def _backward(h_NxD, w_VxD, targets_N, lse_N, g_N, token_tile, vocab_tile, interpret):
+def _backward(h_NxD, w_VxD, targets_N, lse_N, g_N, vocab, token_tile, vocab_tile, interpret):
     n, wide = h_NxD.shape
     per_token = [_rows(token_tile), _rows(token_tile), _rows(token_tile)]
     dh_NxD = _call(
-        functools.partial(_dh_kernel, tile=vocab_tile),
+        functools.partial(_dh_kernel, vocab=vocab, tile=vocab_tile),
         (n // token_tile,),
         [_rows(token_tile, wide), _whole(w_VxD.shape), *per_token],
         _rows(token_tile, wide),
@@ -263,7 +275,7 @@ def _backward(h_NxD, w_VxD, targets_N, lse_N, g_N, token_tile, vocab_tile, inter
     )(h_NxD, w_VxD, targets_N, lse_N, g_N)
     everything = [_whole((n,)), _whole((n,)), _whole((n,))]
     dw_VxD = _call(
-        functools.partial(_dw_kernel, tile=token_tile),
+        functools.partial(_dw_kernel, vocab=vocab, tile=token_tile),
         (w_VxD.shape[0] // vocab_tile,),
         [_whole(h_NxD.shape), _rows(vocab_tile, wide), *everything],
         _rows(vocab_tile, wide),
@@ -273,28 +285,41 @@ def _backward(h_NxD, w_VxD, targets_N, lse_N, g_N, token_tile, vocab_tile, inter
     return dh_NxD, dw_VxD
 
 
+def tiles(width: int, dtype) -> tuple[int, int]:
+    """The default ``(token_tile, vocab_tile)`` on a GPU for d = ``width`` in ``dtype``: the
+    largest power of two up to MAX_TILE whose tile of an operand, at the padded width, fits in
+    TILE_BYTES (and at least MIN_TILE)."""
+    row_bytes = padded_width(width) * jnp.dtype(dtype).itemsize
+    tile = max(MIN_TILE, min(MAX_TILE, pl.next_power_of_2(TILE_BYTES // row_bytes + 1) // 2))
+    return tile, tile
+
+
 def cross_entropy(
     h_BxTxD,
     w_VxD,
     targets_BxT,
     *,
-    token_tile: int = TOKEN_TILE,
-    vocab_tile: int = VOCAB_TILE,
+    token_tile: int | None = None,
+    vocab_tile: int | None = None,
     interpret: bool = False,
 ):
     """``base.cross_entropy`` by the fused kernels: ``loss_BxT`` in float32 nats.
 
-    Differentiable in h and w for any cotangent of the losses. Tiles are powers of two, at least
-    16 on a GPU (any size in interpret mode).
+    Differentiable in h and w for any cotangent of the losses. Tiles are powers of two, at
+    least MIN_TILE on a GPU (any size in interpret mode); None takes ``tiles``.
     """
-    for name, tile in (("token_tile", token_tile), ("vocab_tile", vocab_tile)):
-        if tile < 1 or tile & (tile - 1):
-            raise ValueError(f"{name} must be a power of two, got {tile!r}")
     if h_BxTxD.shape[:-1] != targets_BxT.shape or h_BxTxD.shape[-1] != w_VxD.shape[-1]:
         raise ValueError(
             f"h {h_BxTxD.shape}, w {w_VxD.shape} and targets {targets_BxT.shape} do not fit: "
             "h is (B, T, D), w (V, D), targets (B, T)"
         )
+    default_token, default_vocab = tiles(h_BxTxD.shape[-1], h_BxTxD.dtype)
+    token_tile = default_token if token_tile is None else token_tile
+    vocab_tile = default_vocab if vocab_tile is None else vocab_tile
+    smallest = 1 if interpret else MIN_TILE
+    for name, tile in (("token_tile", token_tile), ("vocab_tile", vocab_tile)):
+        if tile < smallest or tile & (tile - 1):
+            raise ValueError(f"{name} must be a power of two >= {smallest}, got {tile!r}")
     return _fused(h_BxTxD, w_VxD, targets_BxT, token_tile, vocab_tile, interpret)
 
 
@@ -324,7 +349,7 @@ def _fused_bwd(token_tile, vocab_tile, interpret, residuals, g_BxT):
     # The padded tokens get a zero cotangent: they add nothing to dw.
     g_N = jnp.pad(g_BxT.reshape(count).astype(jnp.float32), (0, lse_N.shape[0] - count))
     dh_NxD, dw_VxD = _backward(
-        h_NxD, w_pad, targets_N, lse_N, g_N, token_tile, vocab_tile, interpret
+        h_NxD, w_pad, targets_N, lse_N, g_N, vocab, token_tile, vocab_tile, interpret
     )
     dh_BxTxD = dh_NxD[:count, :width].reshape(h_BxTxD.shape)
     return dh_BxTxD, dw_VxD[:vocab, :width].astype(w_VxD.dtype), None

@@ -20,6 +20,7 @@ import statistics
 from collections.abc import Mapping
 from datetime import UTC, datetime
 from pathlib import Path
+from types import SimpleNamespace
 
 from lmuscale.models import fused_loss
 
@@ -144,19 +145,30 @@ def _read(path: Path, seq_len: int, batch: int) -> _Benchmark:
         machine.get("device_count", 1),
         data["written"],
         when if when.tzinfo else when.replace(tzinfo=UTC),
-        _speeds(path, data["parts"], seq_len, batch, machine["device_kind"]),
+        _speeds(path, data["parts"], seq_len, batch, _auto_loss(machine)),
     )
 
 
+def _auto_loss(machine: dict) -> str:
+    """The cross-entropy ``loss_impl="auto"`` took on a benchmark's machine."""
+    devices = [
+        SimpleNamespace(
+            platform=machine.get("platform", "gpu"),
+            device_kind=machine["device_kind"],
+            compute_capability=machine.get("compute_capability", ""),
+        )
+    ] * int(machine.get("device_count", 1))
+    return fused_loss.resolve("auto", devices)
+
+
 def _speeds(
-    path: Path, parts: dict, seq_len: int, batch: int, device_kind: str
+    path: Path, parts: dict, seq_len: int, batch: int, auto: str
 ) -> dict[tuple[str, int], float]:
     """Model FLOP/s by (family, N) from the ``train/*`` parts' rows at ``batch`` x
     ``seq_len``; failed rows (with ``error``), rows without a speed, rows of another shape
     and rows of the cross-entropy that ``loss_impl="auto"`` would not take on that device
     (rows from before it was recorded ran "xla") are left out, and a model benchmarked twice
     takes the median."""
-    auto = "pallas" if device_kind in fused_loss.FASTER_THAN_XLA else "xla"
     speeds: dict[tuple[str, int], list[float]] = {}
     for name, part in parts.items():
         if not name.startswith("train/"):

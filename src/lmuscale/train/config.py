@@ -46,8 +46,11 @@ ADDED_KEYS = {
     "log.wandb_group": "",
     "log.profile_steps": 0,
     "log.profile_start": 10,
-    "model.loss_impl": "xla",
 }
+# Model config fields added after runs were saved, with the value those runs had in effect:
+# filled in only for a family whose config has the field (a family registered elsewhere may
+# not).
+ADDED_MODEL_FIELDS = {"loss_impl": "xla"}
 POSITIVE = (
     "train.steps",
     "train.global_batch",
@@ -408,14 +411,16 @@ def to_json(config: ConfigDict) -> str:
 
 def upgrade(saved: dict) -> dict:
     """A saved config (a config.json or a sweep trial's) with the keys it predates filled in
-    as it ran (``ADDED_KEYS``, and its model family's ``legacy`` values), so that it resumes
-    the same run."""
+    as it ran (``ADDED_KEYS``; ``ADDED_MODEL_FIELDS`` and its model family's ``legacy``
+    values), so that it resumes the same run."""
     saved = _with_added_keys(saved)
     model = saved.get("model", {})
     record = families.REGISTRY.get(model.get("family"))
-    if record is None or not record.legacy:
+    if record is None:
         return saved
-    return {**saved, "model": {**record.legacy, **model}}
+    fields = {f.name for f in dataclasses.fields(record.config)}
+    added = {k: v for k, v in ADDED_MODEL_FIELDS.items() if k in fields}
+    return {**saved, "model": {**added, **record.legacy, **model}}
 
 
 def _with_added_keys(saved: dict) -> dict:

@@ -247,11 +247,11 @@ def run(
     primary = jax.process_index() == 0
     show = (c.log.progress if progress is None else progress) and primary
     model_config = config_lib.model_config(c.model)
-    config_lib.loss_implementation(model_config)  # "pallas" where it cannot run: refused now
     check_workdir(c, workdir)
     summary = workdir_lib.finished(workdir)
     if summary is not None:
         return summary
+    config_lib.loss_implementation(model_config)  # "pallas" where it cannot run: refused now
     if primary:
         wandb_log.require(c)
     dataset = open_data(c, primary, show)
