@@ -2,10 +2,7 @@
 
 from __future__ import annotations
 
-import asyncio
-import gc
 import json
-import logging
 import os
 import shutil
 import subprocess
@@ -25,7 +22,7 @@ from lmuscale.data.tokenizer import byte_tokenizer
 from lmuscale.models import build, named_config
 from lmuscale.train import model_config, optim, run
 from lmuscale.train import step as step_lib
-from lmuscale.train.checkpoint import Checkpoints
+from lmuscale.train.checkpoint import Checkpoints, Found, locate, read_variables
 
 
 @pytest.mark.parametrize("family", ["lmu", "lmu_g", "transformer"])
@@ -128,9 +125,9 @@ def test_workdir_samples_from_its_newest_checkpoint_with_its_config(trained, cap
     assert sorted(p.name for p in (workdir / "checkpoints").iterdir()) == ["2", "4"]
     model, params = _trained_params(config, workdir, 4)
     _, older = _trained_params(config, workdir, 2)
-    found = generate.find_checkpoint(workdir)
-    assert found == generate.Checkpoint(workdir / "checkpoints" / "4" / "state", workdir)
-    loaded = generate.load_params(found.state, model)
+    found = locate(workdir)
+    assert found == Found(workdir / "checkpoints" / "4" / "state", workdir)
+    loaded = read_variables(found.state, model)
     for ours, theirs in zip(jax.tree.leaves(loaded), jax.tree.leaves(params), strict=True):
         np.testing.assert_array_equal(ours, theirs)
     # step 4's parameters, not step 2's: training moved the embedding
@@ -171,11 +168,11 @@ def test_every_form_of_a_checkpoint_gives_the_same_text(trained, capsys, monkeyp
     assert len(set(texts.values())) == 1, texts
     assert next(iter(texts.values())).startswith("the")
     # the checkpoints folder and an older step are checkpoints too, and so is a relative path
-    assert generate.find_checkpoint(workdir / "checkpoints") == generate.find_checkpoint(workdir)
-    assert generate.find_checkpoint(workdir / "checkpoints" / "2").state.parent.name == "2"
+    assert locate(workdir / "checkpoints") == locate(workdir)
+    assert locate(workdir / "checkpoints" / "2").state.parent.name == "2"
     monkeypatch.chdir(step)
-    assert generate.find_checkpoint(".") == generate.find_checkpoint(step / "state")
-    assert generate.find_checkpoint("../..") == generate.find_checkpoint(workdir)
+    assert locate(".") == locate(step / "state")
+    assert locate("../..") == locate(workdir)
 
 
 def _damage(workdir: Path, how: str) -> Path:
@@ -191,14 +188,14 @@ def _damage(workdir: Path, how: str) -> Path:
     assert paths
     for path in paths:
         os.truncate(path, path.stat().st_size // 2)
-    return state
+    return state.parent  # the files are checked, and named, before orbax reads any
 
 
 DAMAGES = {
     "no state": "no state/ folder (an incomplete or damaged checkpoint)",
-    "data files": "cannot be read (truncated or corrupt?): OUT_OF_RANGE: ",
-    "manifest.ocdbt": "cannot be read (truncated or corrupt?): DATA_LOSS",
-    "_METADATA": "cannot be read (truncated or corrupt?): ",
+    "data files": "cannot be read: state/d/",
+    "manifest.ocdbt": "cannot be read: state/manifest.ocdbt has ",
+    "_METADATA": "cannot be read: state/_METADATA has ",
 }
 
 
@@ -220,6 +217,47 @@ def test_a_damaged_checkpoint_is_one_named_error(trained, tmp_path, capsys, how)
     assert generate.main(["--checkpoint", str(copy / "checkpoints" / "2"), "--tokens", "4"]) == 0
 
 
+def test_a_checkpoint_with_flipped_bits_is_refused_by_the_command(trained, tmp_path):
+    """One bit flipped in each data file: the command names the checkpoint and samples nothing
+    (it sampled different text before its files were checked)."""
+    _, workdir = trained
+    copy = tmp_path / "run"
+    shutil.copytree(workdir, copy)
+    state = copy / "checkpoints" / "4" / "state"
+    for path in (p for p in state.rglob("*") if p.is_file() and p.parent.name == "d"):
+        data = bytearray(path.read_bytes())
+        data[len(data) // 2] ^= 0x01
+        path.write_bytes(bytes(data))
+    command = [sys.executable, "-m", "lmuscale.generate", "--workdir", str(copy), "--tokens", "4"]
+    result = subprocess.run(command, capture_output=True, text=True, timeout=300, check=False)
+    assert result.returncode == 1, result.stdout
+    assert result.stdout == ""
+    lines = result.stderr.splitlines()
+    assert len(lines) == 1, result.stderr
+    assert lines[0].startswith(f"error: {state.parent}: cannot be read: state/d/"), lines[0]
+    assert "differs from its CRC-32 when saved: its files were damaged" in lines[0]
+
+
+def test_a_checkpoint_from_before_file_checksums_is_read_on_its_arrays(trained, tmp_path, capsys):
+    """Without files.json orbax reads the files: a truncated one is still one line, with
+    tensorstore's reason and none of its internal details."""
+    _, workdir = trained
+    copy = tmp_path / "run"
+    shutil.copytree(workdir, copy)
+    for step in ("2", "4"):
+        (copy / "checkpoints" / step / "files.json").unlink()
+    assert generate.main(["--workdir", str(copy), "--tokens", "4", "--seed", "1"]) == 0
+    capsys.readouterr()
+    state = _damage(copy, "data files") / "state"
+    assert generate.main(["--workdir", str(copy), "--tokens", "4"]) == 1
+    _, err = capsys.readouterr()
+    lines = err.splitlines()
+    assert len(lines) == 1, err
+    assert lines[0].startswith(f"error: {state}: cannot be read ("), lines[0]
+    assert "TensorStore details" not in lines[0] and "pybind11" not in lines[0], lines[0]
+    assert lines[0].endswith(f"; try the one before: --checkpoint {copy}/checkpoints/2")
+
+
 def test_parameters_that_differ_from_their_checksums_are_refused(trained, tmp_path, capsys):
     """Step 2's state in step 4's folder: every file reads, but the parameters are not the ones
     whose CRC-32s training saved beside them."""
@@ -229,6 +267,7 @@ def test_parameters_that_differ_from_their_checksums_are_refused(trained, tmp_pa
     state = copy / "checkpoints" / "4" / "state"
     shutil.rmtree(state)
     shutil.copytree(copy / "checkpoints" / "2" / "state", state)
+    (state.parent / "files.json").unlink()  # else its files are refused before they are read
     assert generate.main(["--workdir", str(copy), "--tokens", "4"]) == 1
     out, err = capsys.readouterr()
     assert out == "" and len(err.splitlines()) == 1, err
@@ -259,49 +298,6 @@ def test_a_truncated_checkpoint_stops_the_command_with_one_line(trained, tmp_pat
         line for line in result.stderr.splitlines() if line.startswith(f"error: {state}: ")
     ], result.stderr
     assert len(result.stderr.splitlines()) == 1
-
-
-def _unretrieved(message: str) -> None:
-    """A task that fails with ``ValueError(message)`` and is collected unretrieved: asyncio
-    reports it on its logger, as it does orbax's other reads after one has failed."""
-
-    async def read():
-        raise ValueError(message)
-
-    loop = asyncio.new_event_loop()
-    try:
-        task = loop.create_task(read())
-        loop.run_until_complete(asyncio.wait([task]))
-        del task
-        gc.collect()
-    finally:
-        loop.close()
-
-
-def test_the_other_failed_reads_of_a_damaged_checkpoint_are_not_reported(
-    trained, tmp_path, capsys, caplog
-):
-    """One read's error is the command's one line; orbax's other reads of the folder fail too
-    and asyncio would report each when its task is collected (a fresh-clone run saw two such
-    tracebacks before the line). Errors about other files, even in a folder whose name begins
-    with the checkpoint's, are still reported."""
-    _, workdir = trained
-    copy = tmp_path / "run"
-    shutil.copytree(workdir, copy)
-    state = _damage(copy, "data files")
-    assert generate.main(["--checkpoint", str(state), "--tokens", "4"]) == 1
-    capsys.readouterr()
-    with caplog.at_level(logging.ERROR, logger="asyncio"):
-        _unretrieved(f'Error reading local file "{state}/d/0123abcd"')
-        _unretrieved(f'Error reading local file "{tmp_path}/elsewhere/d/0123abcd"')
-        _unretrieved(f'Error reading local file "{state}-copy/d/0123abcd"')
-    reported = [r for r in caplog.records if r.name == "asyncio"]
-    assert len(reported) == 2, [r.getMessage() for r in reported]
-    assert all(r.getMessage().startswith("Task exception was never retrieved") for r in reported)
-    assert [str(r.exc_info[1]).split('"')[1] for r in reported] == [
-        f"{tmp_path}/elsewhere/d/0123abcd",
-        f"{state}-copy/d/0123abcd",
-    ]
 
 
 def test_paths_that_are_no_checkpoint_are_named(trained, tmp_path, capsys):

@@ -8,8 +8,10 @@ import re
 
 import pytest
 
+from lmuscale.outcomes import DamagedFile
 from lmuscale.train import ConfigError
-from lmuscale.train.metrics import DamagedLog, MetricsLog, _cut
+from lmuscale.train.metrics import MetricsLog
+from lmuscale.workdir import cut_log as _cut
 
 
 def _lines(*steps: int) -> bytes:
@@ -67,9 +69,9 @@ def test_a_whole_last_line_without_its_newline_is_kept_and_ended(tmp_path):
 
 def _refused(path, step: int, message: str) -> None:
     before = path.read_bytes()
-    with pytest.raises(DamagedLog, match=message) as info:
+    with pytest.raises(DamagedFile, match=message) as info:
         _cut(path, step)
-    assert isinstance(info.value, ConfigError)  # the command line's exit 1 and one message
+    assert not isinstance(info.value, ConfigError)  # damage to a file, not a bad config
     assert path.read_bytes() == before  # the damage is left for the user to see
 
 
@@ -117,7 +119,7 @@ def test_a_resumed_log_cuts_both_files_and_appends_after_the_step(tmp_path):
 
 def test_a_damaged_log_stops_the_resume_before_anything_is_written(tmp_path):
     (tmp_path / "metrics.jsonl").write_bytes(_lines(1, 3, 2))
-    with pytest.raises(DamagedLog, match=r"metrics\.jsonl:3: step 2 after step 3"):
+    with pytest.raises(DamagedFile, match=r"metrics\.jsonl:3: step 2 after step 3"):
         MetricsLog(tmp_path, 3, enabled=True, tensorboard=False)
     assert (tmp_path / "metrics.jsonl").read_bytes() == _lines(1, 3, 2)
 

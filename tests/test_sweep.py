@@ -32,8 +32,8 @@ from lmuscale.sweep.plan import plan, table
 from lmuscale.sweep.runner import select
 from lmuscale.sweep.trials import RESULT_FIELDS
 from lmuscale.train import load, model_config, run
-from lmuscale.train.workdir import Lock as TrialLock
-from lmuscale.train.workdir import is_locked
+from lmuscale.workdir import Lock as TrialLock
+from lmuscale.workdir import is_locked
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -174,7 +174,7 @@ def test_trial_lock_is_exclusive_and_dies_with_its_holder(tmp_path):
         [
             sys.executable,
             "-c",
-            "import time; from lmuscale.train.workdir import Lock as TrialLock; "
+            "import time; from lmuscale.workdir import Lock as TrialLock; "
             f"assert TrialLock({str(tmp_path)!r}).acquire(); print('held', flush=True); "
             "time.sleep(60)",
         ],

@@ -6,21 +6,27 @@ from __future__ import annotations
 
 import gzip
 import json
+import shutil
+import signal
+import subprocess
 import sys
 import types
 from pathlib import Path
 
+import jax
 import numpy as np
 import pytest
 from scipy.integrate import solve_ivp
 
-from lmuscale.files import atomic_write_bytes
+from lmuscale.outcomes import WorkdirBusy
 from lmuscale.tasks import imdb, mackey_glass, psmnist, run_task
 from lmuscale.tasks import train as task_train
 from lmuscale.tasks.__main__ import main
 from lmuscale.tasks.base import TaskDataError
 from lmuscale.tasks.config import base_config
+from lmuscale.train.checkpoint import CheckpointError, Checkpoints
 from lmuscale.train.config import ConfigError, override
+from lmuscale.workdir import Lock, has_checkpoint
 
 # ---------------------------------------------------------------- Mackey-Glass
 
@@ -251,15 +257,16 @@ def test_a_resumed_run_equals_an_uninterrupted_one(tmp_path):
 
 def test_a_kill_between_the_metrics_and_the_checkpoint_loses_nothing(tmp_path, monkeypatch):
     whole = run_task(tiny_mackey_glass(3), tmp_path / "whole", progress=False)
-    writes = []
+    saves = []
+    save = task_train.Checkpoints.save
 
-    def dies_at_the_second_checkpoint(path, data):
-        writes.append(Path(path).name)
-        if writes.count("checkpoint.msgpack") == 2:
+    def dies_at_the_second_checkpoint(self, step, state, meta):
+        saves.append(step)
+        if len(saves) == 2:
             raise KeyboardInterrupt  # killed after epoch 2's metrics, before its checkpoint
-        atomic_write_bytes(path, data)
+        save(self, step, state, meta)
 
-    monkeypatch.setattr(task_train, "atomic_write_bytes", dies_at_the_second_checkpoint)
+    monkeypatch.setattr(task_train.Checkpoints, "save", dies_at_the_second_checkpoint)
     with pytest.raises(KeyboardInterrupt):
         run_task(tiny_mackey_glass(3), tmp_path / "killed", progress=False)
     monkeypatch.undo()
@@ -418,7 +425,7 @@ def test_bad_data_files_and_values_are_named_without_a_traceback(tmp_path, capsy
     # A bad value fails before any training, and the corrected run may use the same workdir.
     assert main(["experiments/mackey_glass.py:lmu", *args[1:], "--config.data.horizon=0"]) == 1
     assert "data: horizon must be in 1.." in capsys.readouterr().err
-    assert not (tmp_path / "w" / "lmu" / "checkpoint.msgpack").exists()
+    assert not has_checkpoint(tmp_path / "w" / "lmu")
 
 
 @pytest.mark.parametrize("experiment", ["psmnist", "imdb"])
@@ -437,6 +444,58 @@ def test_a_finished_run_is_returned_without_training_even_from_an_older_summary(
     # Task summaries written before they had a status are finished runs too.
     del summary["status"]
     (tmp_path / "summary.json").write_text(json.dumps(summary))
-    (tmp_path / "checkpoint.msgpack").unlink()
+    shutil.rmtree(tmp_path / "checkpoints")
     assert run_task(tiny_mackey_glass(1), tmp_path, progress=False) == summary
-    assert not (tmp_path / "checkpoint.msgpack").exists()
+    assert not (tmp_path / "checkpoints").exists()
+
+
+KILLED_TASK = """
+import os, signal, sys
+sys.path.insert(0, {tests!r})
+from test_tasks import tiny_mackey_glass
+from lmuscale.tasks import train
+save = train.Checkpoints.save
+def save_then_die(self, step, state, meta):
+    save(self, step, state, meta)
+    if step == 2:
+        self.wait()
+        os.kill(os.getpid(), signal.SIGKILL)  # as a scheduler or the OOM killer would
+train.Checkpoints.save = save_then_die
+train.run_task(tiny_mackey_glass(3), {workdir!r}, progress=False)
+"""
+
+
+def test_a_killed_task_run_resumes_bit_identically(tmp_path):
+    whole = run_task(tiny_mackey_glass(3), tmp_path / "whole", progress=False)
+    script = KILLED_TASK.format(tests=str(Path(__file__).parent), workdir=str(tmp_path / "k"))
+    killed = subprocess.run([sys.executable, "-c", script], capture_output=True, timeout=300)
+    assert killed.returncode == -signal.SIGKILL, killed.stderr.decode()[-2000:]
+    assert sorted(p.name for p in (tmp_path / "k" / "checkpoints").iterdir()) == ["1", "2"]
+    assert not (tmp_path / "k" / "summary.json").exists()
+    resumed = run_task(tiny_mackey_glass(3), tmp_path / "k", progress=False)
+    assert resumed == {**whole, "train_seconds": resumed["train_seconds"]}
+    for name in ("whole", "k"):  # the parameters of the last epoch, bit for bit
+        assert (tmp_path / name / "checkpoints" / "3" / "meta").is_dir()
+    restored = [
+        Checkpoints(tmp_path / name / "checkpoints", keep=2).restore_latest(None)
+        for name in ("whole", "k")
+    ]
+    leaves = [jax.tree.leaves(state) for _, state, _ in restored]
+    assert len(leaves[0]) == len(leaves[1]) > 0
+    for a, b in zip(*leaves, strict=True):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+
+
+def test_a_second_task_run_on_a_live_workdir_is_refused(tmp_path):
+    (tmp_path / "w").mkdir()
+    busy = rf"workdir {tmp_path / 'w'} is in use by pid "
+    with Lock(tmp_path / "w"), pytest.raises(WorkdirBusy, match=busy):
+        run_task(tiny_mackey_glass(1), tmp_path / "w", progress=False)
+    assert not has_checkpoint(tmp_path / "w")
+
+
+def test_a_task_checkpoint_from_before_orbax_is_refused_by_name(tmp_path):
+    (tmp_path / "w").mkdir()
+    (tmp_path / "w" / "checkpoint.msgpack").write_bytes(b"\x85")
+    with pytest.raises(CheckpointError, match=r"checkpoint.msgpack: a task checkpoint of lm"):
+        run_task(tiny_mackey_glass(1), tmp_path / "w", progress=False)

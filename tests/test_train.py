@@ -17,11 +17,11 @@ from small_config import small
 
 from lmuscale.data import open_dataset
 from lmuscale.models import build, count_params
+from lmuscale.outcomes import DamagedFile
 from lmuscale.train import ConfigError, TrainingDiverged, model_config, optim, run
 from lmuscale.train import step as step_lib
 from lmuscale.train.checkpoint import Checkpoints
 from lmuscale.train.config import check
-from lmuscale.train.metrics import DamagedLog
 
 
 def test_schedule_is_linear_warmup_then_cosine_to_zero():
@@ -268,7 +268,7 @@ def test_a_resume_names_a_torn_middle_line_and_drops_a_torn_last_one(finished, t
     lines = whole.splitlines(keepends=True)
     metrics.write_bytes(b"".join(lines[:2]) + lines[2][:15] + b"".join(lines[3:]))
     damaged = metrics.read_bytes()
-    with pytest.raises(DamagedLog, match=rf"{re.escape(str(metrics))}:3: not a JSON log line"):
+    with pytest.raises(DamagedFile, match=rf"{re.escape(str(metrics))}:3: not a JSON log line"):
         run(config, workdir)
     assert metrics.read_bytes() == damaged
 

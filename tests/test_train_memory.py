@@ -11,6 +11,7 @@ from compile_cache import in_process
 from small_config import small
 
 from lmuscale.train import ConfigError, memory, run
+from lmuscale.workdir import PLAN
 
 
 class _Stats:
@@ -119,7 +120,7 @@ def test_a_resume_on_the_same_device_reuses_the_plan_and_another_device_plans_ag
     plan, _ = _plan(tmp_path, lambda count: 6400 // count, budget_gb=1000e-9)
     assert plan.microbatches == 8  # 800 + 110 bytes fits in 1000, 1600 + 110 does not
     memory.write(tmp_path, plan)
-    record = json.loads((tmp_path / memory.PLAN).read_text())
+    record = json.loads((tmp_path / PLAN).read_text())
     assert record["microbatches"] == 8 and record["planned"] and record["budget_bytes"] == 1000
 
     # The same device and budget: the count is reused, compiled once, even if the estimates
@@ -249,7 +250,7 @@ def test_a_small_budget_plans_more_micro_batches_and_equals_the_fixed_run(
     np.testing.assert_allclose(tight_losses, fixed[2][1], rtol=1e-6)
     # Accumulating two halves is the same step as one whole, to float rounding.
     np.testing.assert_allclose(tight_losses, fixed[1][1], rtol=1e-5)
-    plan = json.loads((tight_workdir / memory.PLAN).read_text())
+    plan = json.loads((tight_workdir / PLAN).read_text())
     assert plan["microbatches"] == 2 and plan["device"]["platform"] == "cpu"
 
 
@@ -287,9 +288,9 @@ def test_a_resumed_planned_run_reuses_the_plan_and_ends_bit_identical(
     assert resumed["val_loss"] == whole["val_loss"]
 
     # The plan was made on another device: planned again, and the log says so.
-    record = json.loads((workdir / memory.PLAN).read_text())
+    record = json.loads((workdir / PLAN).read_text())
     record["device"]["kind"] = "another cpu"
-    (workdir / memory.PLAN).write_text(json.dumps(record))
+    (workdir / PLAN).write_text(json.dumps(record))
     _resume_from_step_3(workdir)
     capsys.readouterr()
     replanned, replanned_losses = _run(

@@ -12,8 +12,9 @@ from pathlib import Path
 import pytest
 from small_config import small
 
+from lmuscale.outcomes import DamagedFile, WorkdirBusy
 from lmuscale.train import ConfigError, run
-from lmuscale.train.workdir import Lock, WorkdirBusy, is_locked
+from lmuscale.workdir import Lock, is_locked
 
 HERE = Path(__file__).resolve().parent
 
@@ -72,7 +73,7 @@ def test_run_refuses_a_locked_workdir_in_process(byte_corpus, tmp_path):
         [
             sys.executable,
             "-c",
-            "import sys, time; from lmuscale.train.workdir import Lock; "
+            "import sys, time; from lmuscale.workdir import Lock; "
             f"assert Lock({str(workdir)!r}).acquire(); print('held', flush=True); time.sleep(60)",
         ],
         stdout=subprocess.PIPE,
@@ -107,7 +108,7 @@ def test_a_workdir_that_cannot_be_one_is_named(byte_corpus, tmp_path, where):
 def test_unwritable_workdirs_are_named(tmp_path, monkeypatch):
     import errno
 
-    from lmuscale.train import workdir as workdir_lib
+    from lmuscale import workdir as workdir_lib
 
     for code, reason in (
         (errno.EROFS, "the filesystem is read-only"),
@@ -133,10 +134,10 @@ def test_unwritable_workdirs_are_named(tmp_path, monkeypatch):
     [
         (b'{"status": "finis', "not JSON"),
         (b"\xff\xfe\x00binary", "not JSON"),
-        (b"[1, 2]", "a JSON list, not a summary"),
+        (b"[1, 2]", "a JSON list, not an object"),
     ],
 )
 def test_a_corrupt_summary_is_named(byte_corpus, tmp_path, content, message):
     (tmp_path / "summary.json").write_bytes(content)
-    with pytest.raises(ConfigError, match=f"{tmp_path / 'summary.json'}: {message}"):
+    with pytest.raises(DamagedFile, match=f"{tmp_path / 'summary.json'}: {message}"):
         run(small(str(byte_corpus)), tmp_path)

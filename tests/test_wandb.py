@@ -26,7 +26,8 @@ from lmuscale.sweep import config_hash, load_sweep
 from lmuscale.train import ConfigError, TrainingInterrupted, base_config, loop, run
 from lmuscale.train.config import check, flatten, upgrade
 from lmuscale.train.metrics import MetricsLog
-from lmuscale.train.wandb_log import MISSING, RUN_FILE, WandbError
+from lmuscale.train.wandb_log import MISSING, WandbError
+from lmuscale.workdir import WANDB as RUN_FILE
 
 # -- W&B's run file: a LevelDB-style log of Record protos ------------------------------------
 

@@ -26,11 +26,7 @@ path); 2 for bad arguments.
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import functools
-import json
-import os
-import re
 import sys
 from pathlib import Path
 
@@ -40,16 +36,11 @@ import numpy as np
 
 from lmuscale.data.tokenizer import TOKENIZERS, Tokenizer, get_tokenizer
 from lmuscale.models import NAMES, LanguageModel, ModelConfig, build, decode, named_config
+from lmuscale.train.checkpoint import CheckpointError, locate, newest, read_variables
 from lmuscale.train.config import model_config, upgrade
-from lmuscale.train.workdir import CHECKPOINTS, CONFIG
+from lmuscale.workdir import CONFIG, read_json
 
-STATE = "state"  # the train state's item in each checkpoint (train.checkpoint)
 DEFAULT_MODEL = "lmu-1M"
-
-
-class CheckpointError(ValueError):
-    """A workdir, checkpoint or config.json that cannot be sampled from; the message names the
-    path and what is wrong with it."""
 
 
 @functools.partial(jax.jit, static_argnums=(0, 4))
@@ -95,106 +86,17 @@ def sample(
     return np.asarray(new[0])
 
 
-EXPECTED = (
-    "expected a training workdir, its checkpoints/N folder, checkpoints/N/state, or an orbax "
-    "checkpoint of the variables"
-)
-
-
-@dataclasses.dataclass(frozen=True)
-class Checkpoint:
-    """The orbax folder to read parameters from, and the training workdir it belongs to (whose
-    config.json describes the model), or None for a folder saved outside one."""
-
-    state: Path
-    workdir: Path | None
-
-
-def find_checkpoint(path) -> Checkpoint:
-    """``--checkpoint``: a training workdir (its newest checkpoint), ``W/checkpoints/N``,
-    ``W/checkpoints/N/state``, or an orbax checkpoint of the variables alone."""
-    path = Path(os.path.abspath(path))  # "." and ".." resolved, so the folder names can be read
-    if path.name == STATE and path.parent.name.isdigit() and path.parent.is_dir():
-        return _step(path.parent)
-    if not path.exists():
-        raise CheckpointError(f"{path}: no such checkpoint folder")
-    if not path.is_dir():
-        raise CheckpointError(f"{path}: a file, not a checkpoint folder ({EXPECTED})")
-    if (path / CHECKPOINTS).is_dir() or (path / CONFIG).is_file():
-        return newest_checkpoint(path)
-    if path.name == CHECKPOINTS and (path.parent / CONFIG).is_file():
-        return newest_checkpoint(path.parent)
-    if path.name.isdigit() and (path.parent.name == CHECKPOINTS or (path / STATE).is_dir()):
-        return _step(path)
-    if (path / "_METADATA").is_file():
-        return Checkpoint(path, None)
-    raise CheckpointError(f"{path}: not a checkpoint ({EXPECTED})")
-
-
-def newest_checkpoint(workdir) -> Checkpoint:
-    """The newest checkpoint of a training workdir (``--workdir``)."""
-    workdir = Path(os.path.abspath(workdir))
-    if not workdir.is_dir():
-        what = "not a folder" if workdir.exists() else "no such folder"
-        raise CheckpointError(f"{workdir}: {what} (expected a training workdir)")
-    folder = workdir / CHECKPOINTS
-    steps = _steps(folder)
-    if not steps:
-        raise CheckpointError(
-            f"{folder}: no checkpoint yet (training saves one every checkpoint.every steps)"
-        )
-    return _step(folder / str(steps[-1]))
-
-
-def _steps(folder: Path) -> list[int]:
-    """The steps of the complete checkpoints in ``folder``, oldest first: orbax writes each
-    under a temporary name and renames it to its step when complete."""
-    try:
-        return sorted(int(p.name) for p in folder.iterdir() if p.name.isdigit() and p.is_dir())
-    except (FileNotFoundError, NotADirectoryError):
-        return []
-    except OSError as error:
-        raise CheckpointError(f"{folder}: cannot be listed ({error.strerror})") from None
-
-
-def _step(folder: Path) -> Checkpoint:
-    state = folder / STATE
-    if not state.is_dir():
-        raise CheckpointError(
-            f"{folder}: no {STATE}/ folder (an incomplete or damaged checkpoint){_older(folder)}"
-        )
-    return Checkpoint(state, folder.parent.parent if folder.parent.name == CHECKPOINTS else None)
-
-
-def _older(step_folder: Path) -> str:
-    """A hint for a damaged checkpoint: the one saved before it, when there is one."""
-    if not step_folder.name.isdigit():
-        return ""
-    earlier = [s for s in _steps(step_folder.parent) if s < int(step_folder.name)]
-    return (
-        f"; try the one before: --checkpoint {step_folder.parent / str(earlier[-1])}"
-        if earlier
-        else ""
-    )
-
-
 def run_config(workdir: Path) -> tuple[ModelConfig, Tokenizer]:
     """The model config and tokenizer of the run a workdir's config.json describes (upgraded
     as a resumed run would be, so an older run's config still loads)."""
     path = Path(workdir) / CONFIG
-    try:
-        saved = json.loads(path.read_text())
-    except FileNotFoundError:
+    saved = read_json(path)  # DamagedFile when it is not a JSON object
+    if saved is None:
         raise CheckpointError(
             f"{path}: not found; give --model (and --tokenizer) to sample from a checkpoint "
             "without its workdir's config"
-        ) from None
-    except OSError as error:
-        raise CheckpointError(f"{path}: cannot be read ({error.strerror})") from None
-    except ValueError as error:  # not UTF-8, or not JSON
-        raise CheckpointError(f"{path}: not JSON ({error})") from None
-    sections = saved if isinstance(saved, dict) else {}
-    model, data = sections.get("model"), sections.get("data")
+        )
+    model, data = saved.get("model"), saved.get("data")
     if not isinstance(model, dict) or "family" not in model:
         raise CheckpointError(f"{path}: no model section with a family")
     if not isinstance(data, dict) or not isinstance(data.get("tokenizer"), str):
@@ -210,105 +112,6 @@ def run_config(workdir: Path) -> tuple[ModelConfig, Tokenizer]:
             f"tokenizer has {tokenizer.vocab_size} ids"
         )
     return config, tokenizer
-
-
-def load_params(path: Path, model: LanguageModel):
-    """The variables (``{"params": ...}``) from an orbax checkpoint of them, or of a training
-    state that holds them under ``"params"`` (only they are read, not the optimiser state),
-    each array on the default device. Raises ``CheckpointError`` naming the folder when it
-    cannot be read or does not fit the model's shapes."""
-    import orbax.checkpoint as ocp
-    from etils import epath
-
-    from lmuscale.train.checkpoint import quiet_failed_reads
-
-    path = Path(path).absolute()
-    if not path.is_dir():
-        raise CheckpointError(f"{path}: no such checkpoint folder")
-    quiet_failed_reads(path)
-    handler = ocp.PyTreeCheckpointHandler()
-    try:
-        try:
-            saved = handler.metadata(epath.Path(path)).tree
-        except Exception as error:  # orbax and tensorstore raise many kinds
-            raise CheckpointError(_unreadable(path, error)) from None
-        in_state = isinstance(saved.get("params"), dict) and "params" in saved["params"]
-        expected = jax.eval_shape(model.init, jax.random.key(0), jnp.zeros((1, 1), jnp.int32))
-        _check_shapes(path, expected, saved["params"] if in_state else saved)
-        device = jax.sharding.SingleDeviceSharding(jax.local_devices()[0])
-        target = jax.tree.map(
-            lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=device), expected
-        )
-        item = {"params": target} if in_state else target
-        args = ocp.args.PyTreeRestore(
-            item=item,
-            restore_args=ocp.checkpoint_utils.construct_restore_args(item),
-            partial_restore=True,
-        )
-        try:
-            restored = handler.restore(epath.Path(path), args=args)
-        except Exception as error:
-            raise CheckpointError(_unreadable(path, error)) from None
-    finally:
-        handler.close()
-    if not in_state:
-        return restored
-    _verify(path, restored)
-    return restored["params"]
-
-
-def _verify(path: Path, restored) -> None:
-    """Check the parameters read from a training checkpoint's ``state`` folder against the
-    CRC-32s that training saved beside it (``N/meta``); checkpoints from before checksums
-    have none and are taken as they are (and arrays split over processes have none)."""
-    from lmuscale.train.checkpoint import CHECKSUMS, checksums, mismatched
-
-    try:
-        meta = json.loads((path.parent / "meta" / "metadata").read_text())
-    except (OSError, ValueError):
-        return  # no JSON beside the state: not written by our training loop
-    saved = meta.get(CHECKSUMS) if isinstance(meta, dict) else None
-    if not saved:
-        return
-    bad = mismatched(saved, checksums(restored))
-    if bad:
-        raise CheckpointError(
-            f"{path}: does not match the checksums saved with it ({len(bad)} arrays differ, "
-            f"e.g. {bad[0]}): its files were damaged{_older(path.parent)}"
-        )
-
-
-def _check_shapes(path: Path, expected, saved) -> None:
-    def shapes(tree):
-        leaves = jax.tree.leaves_with_path(tree)
-        return {jax.tree_util.keystr(k): tuple(getattr(v, "shape", ())) for k, v in leaves}
-
-    want, got = shapes(expected), shapes(saved)
-    for key in sorted(want.keys() | got.keys()):
-        if want.get(key) != got.get(key):
-            raise CheckpointError(
-                f"{path} does not fit the model: {key} has shape {got.get(key)} in the "
-                f"checkpoint but {want.get(key)} in the model (a checkpoint of another model?)"
-            )
-
-
-def _unreadable(path: Path, error: BaseException) -> str:
-    """One line for a checkpoint that orbax could not read: the first line of the innermost
-    error, which says what tensorstore found (the outer ones only say where it was reading)."""
-    seen = set()
-    while (error.__cause__ or error.__context__) is not None and id(error) not in seen:
-        seen.add(id(error))
-        error = error.__cause__ or error.__context__
-    lines = str(error).strip().splitlines()
-    reason = lines[0] if lines else type(error).__name__
-    # tensorstore names the folder in every clause: once, at the start, is enough
-    reason = re.sub(r' in OCDBT database at local file "[^"]*"', "", reason)
-    reason = reason.replace(f"{path}/", "")
-    reason = re.sub(r" \[(tensorstore_spec|source locations)=.*", "", reason)
-    if len(reason) > 400:
-        reason = reason[:397] + "..."
-    hint = _older(path.parent) if path.name == STATE else ""
-    return f"{path}: cannot be read (truncated or corrupt?): {reason}{hint}"
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -343,9 +146,9 @@ def main(argv: list[str] | None = None) -> int:
 
     try:
         if args.workdir is not None:
-            checkpoint = newest_checkpoint(args.workdir)
+            checkpoint = newest(args.workdir)
         elif args.checkpoint is not None:
-            checkpoint = find_checkpoint(args.checkpoint)
+            checkpoint = locate(args.checkpoint)
         else:
             checkpoint = None
         if args.model is None and checkpoint is not None and checkpoint.workdir is not None:
@@ -373,7 +176,7 @@ def main(argv: list[str] | None = None) -> int:
             print(f"{what}: random init (seed {args.seed}), no --checkpoint", file=sys.stderr)
             params = model.init(jax.random.key(args.seed), jnp.zeros((1, 1), jnp.int32))
         else:
-            params = load_params(checkpoint.state, model)
+            params = read_variables(checkpoint.state, model)
             print(f"{what}, parameters from {checkpoint.state}", file=sys.stderr)
     except CheckpointError as error:
         print(f"error: {error}", file=sys.stderr)

@@ -14,8 +14,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from lmuscale.analysis.results import Results, Run
-
-EVAL = "eval.jsonl"
+from lmuscale.workdir import EVAL
 
 
 @dataclass(frozen=True)

@@ -16,9 +16,9 @@ from collections.abc import Callable
 from pathlib import Path
 
 from lmuscale.sweep.spec import SweepError
-from lmuscale.sweep.trials import DONE, LOG, record_crash, status
+from lmuscale.sweep.trials import record_crash
 from lmuscale.sweep.worker import BUSY, PARENT
-from lmuscale.train.workdir import is_locked
+from lmuscale.workdir import DONE, LOG, is_locked, status
 
 POLL_SECONDS = 0.5
 STOP_GRACE_SECONDS = 120  # how long stopped workers get to write their checkpoint

@@ -21,13 +21,14 @@ from pathlib import Path
 from lmuscale.sweep.runner import _duration
 from lmuscale.sweep.throughput import Throughput
 from lmuscale.sweep.trials import result_row
+from lmuscale.workdir import METRICS
 
 
 def measured_flops(folder: Path, flops_per_token: float) -> float | None:
     """Median model FLOP/s of a trial's logged steps, or None before it has logged any."""
     speeds = []
     try:
-        with open(folder / "metrics.jsonl") as f:
+        with open(folder / METRICS) as f:
             for line in f:
                 try:
                     speed = json.loads(line).get("tokens_per_second")

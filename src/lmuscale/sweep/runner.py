@@ -17,15 +17,8 @@ from tqdm import tqdm
 
 from lmuscale.files import atomic_write_json
 from lmuscale.sweep.spec import ResolvedTrial, Sweep, SweepError
-from lmuscale.sweep.trials import (
-    DONE,
-    last_record,
-    prepare_folder,
-    read_json,
-    result_row,
-    status,
-    write_results,
-)
+from lmuscale.sweep.trials import prepare_folder, result_row, write_results
+from lmuscale.workdir import DONE, METRICS, last_record, read_json, status
 
 
 def select(sweep: Sweep, only: str | None) -> list[ResolvedTrial]:
@@ -93,7 +86,7 @@ class Progress:
     def step_of(self, name: str) -> int:
         if status(self.paths[name]) in DONE:
             return self.steps[name]
-        record = last_record(self.paths[name] / "metrics.jsonl")
+        record = last_record(self.paths[name] / METRICS)
         return min(int(record["step"]), self.steps[name]) if record else 0
 
     def update(self, active: dict[Path, str], force: bool = False) -> None:

@@ -25,9 +25,9 @@ from pathlib import Path
 
 from lmuscale.files import atomic_write_json
 from lmuscale.sweep.spec import Sweep, SweepError
-from lmuscale.sweep.trials import DONE, LOG, read_json, record_crash, status
+from lmuscale.sweep.trials import record_crash
 from lmuscale.sweep.worker import BUSY, PARENT, TASK
-from lmuscale.train.workdir import is_locked
+from lmuscale.workdir import DONE, LOG, is_locked, read_json, status
 
 try:
     import submitit

@@ -1,13 +1,7 @@
 """Trial folders: what a trial's folder says about it, its lock, and the sweep's results table.
 
-A trial folder is the training workdir (config.json, checkpoints/, metrics.jsonl, eval.jsonl,
-summary.json) plus
-
-    trial.json      the resolved config, written by the runner
-    lock            held (flock) by the process that trains the trial (``train.workdir.Lock``)
-    train.log       the worker's output, every attempt appended
-    attempts.jsonl  one line per attempt: start and end time, host, pid, outcome
-    error.json      the exception and traceback of a failed attempt (removed by the next one)
+A trial folder is a training workdir plus the sweep's records of the trial (its files are
+named, and its status read, in ``lmuscale.workdir``).
 """
 
 from __future__ import annotations
@@ -16,7 +10,6 @@ import csv
 import io
 import json
 import math
-import os
 import signal
 from pathlib import Path
 
@@ -24,15 +17,9 @@ from lmuscale.files import atomic_write_bytes, atomic_write_json
 from lmuscale.models import count_params, flops_per_token
 from lmuscale.sweep.spec import ResolvedTrial
 from lmuscale.train.config import model_config
-from lmuscale.train.workdir import SUMMARY, Lock, has_checkpoint, is_locked
+from lmuscale.workdir import DONE, ERROR, LOG, METRICS, TRIAL, Lock, last_record, read_json, status
+from lmuscale.workdir import summary as read_summary
 
-TRIAL, LOG, ATTEMPTS, ERROR = (
-    "trial.json",
-    "train.log",
-    "attempts.jsonl",
-    "error.json",
-)
-DONE = ("finished", "diverged")  # final results: never run again
 RESULT_FIELDS = (
     "trial",
     "family",
@@ -61,50 +48,12 @@ RESULT_FIELDS = (
 )
 
 
-def read_json(path: Path) -> dict | None:
-    try:
-        return json.loads(path.read_text())
-    except (FileNotFoundError, json.JSONDecodeError):
-        return None
-
-
 def prepare_folder(folder: Path, trial: ResolvedTrial) -> None:
     """Create the folder and its trial.json (the same bytes on every run of the runner)."""
     folder.mkdir(parents=True, exist_ok=True)
     record = {"name": trial.name, "key": trial.key, "config": trial.config.to_dict()}
     if read_json(folder / TRIAL) != record:
         atomic_write_json(folder / TRIAL, record)
-
-
-def status(folder: Path) -> str:
-    """finished | diverged | failed | running | interrupted | pending."""
-    summary = read_json(folder / SUMMARY)
-    if summary and summary.get("status") in DONE:
-        return summary["status"]
-    if is_locked(folder):
-        return "running"
-    if (folder / ERROR).exists():
-        return "failed"
-    if has_checkpoint(folder):
-        return "interrupted"
-    return "pending"
-
-
-def last_record(path: Path) -> dict | None:
-    """The last complete JSON line of a JSONL file (a torn last line is skipped)."""
-    try:
-        with open(path, "rb") as f:
-            f.seek(0, os.SEEK_END)
-            f.seek(max(0, f.tell() - 65536))
-            lines = f.read().splitlines()
-    except FileNotFoundError:
-        return None
-    for line in reversed(lines):
-        try:
-            return json.loads(line)
-        except json.JSONDecodeError:
-            continue
-    return None
 
 
 def result_row(trial: ResolvedTrial, folder: Path) -> dict:
@@ -132,7 +81,7 @@ def result_row(trial: ResolvedTrial, folder: Path) -> dict:
         status=status(folder),
         folder=folder.name,
     )
-    summary = read_json(folder / SUMMARY) or {}
+    summary = read_summary(folder) or {}
     if row["status"] == "finished":
         for key in (
             "val_loss",
@@ -146,7 +95,7 @@ def result_row(trial: ResolvedTrial, folder: Path) -> dict:
             row[key] = summary.get(key)
         row["step"] = c.train.steps
     else:
-        last = last_record(folder / "metrics.jsonl")
+        last = last_record(folder / METRICS)
         if last:
             row["step"], row["wall_seconds"] = last.get("step"), last.get("elapsed")
         if row["status"] == "diverged":
@@ -193,8 +142,7 @@ def record_crash(folder: Path, returncode: int) -> None:
     if not lock.acquire():  # someone else has started the trial again: not ours to mark
         return
     try:
-        summary = read_json(folder / SUMMARY)
-        if (folder / ERROR).exists() or (summary and summary.get("status") in DONE):
+        if (folder / ERROR).exists() or status(folder) in DONE:
             return
         how = f"exit status {returncode}"
         if returncode < 0:

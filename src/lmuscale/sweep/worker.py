@@ -21,8 +21,7 @@ from pathlib import Path
 
 from lmuscale.files import atomic_write_json
 from lmuscale.processes import die_with_parent
-from lmuscale.sweep.trials import ATTEMPTS, DONE, ERROR, SUMMARY, TRIAL, read_json
-from lmuscale.train.workdir import Lock
+from lmuscale.workdir import ATTEMPTS, ERROR, TRIAL, Lock, outcome
 
 FINISHED, FAILED, DIVERGED, INTERRUPTED, BUSY = 0, 1, 3, 4, 75
 
@@ -67,9 +66,9 @@ def train(folder: Path) -> int:
         print(f"{folder.name}: locked by another process; not started", flush=True)
         return BUSY
     try:
-        summary = read_json(folder / SUMMARY)
-        if summary and summary.get("status") in DONE:
-            return FINISHED if summary["status"] == "finished" else DIVERGED
+        final = outcome(folder)
+        if final is not None:
+            return FINISHED if final == "finished" else DIVERGED
         (folder / ERROR).unlink(missing_ok=True)
         _attempt(folder, {"event": "start"})
         try:
@@ -126,9 +125,9 @@ def train_part(folder: Path, tasks: int) -> int:
     others; task 0 holds the lock and keeps the trial's records (attempts, error.json)."""
     from lmuscale.train import TrainingDiverged, TrainingInterrupted, run
 
-    summary = read_json(folder / SUMMARY)
-    if summary and summary.get("status") in DONE:
-        return FINISHED if summary["status"] == "finished" else DIVERGED
+    final = outcome(folder)
+    if final is not None:
+        return FINISHED if final == "finished" else DIVERGED
     try:
         run(_config(folder, tasks), folder, progress=False, locked=True)
     except TrainingDiverged:

@@ -54,11 +54,11 @@ def table(results: list[dict]) -> str:
 
 def main(argv: list[str] | None = None) -> int:
     args, overrides = parse(sys.argv[1:] if argv is None else argv)
+    from lmuscale.outcomes import TrainingDiverged
     from lmuscale.tasks.base import TaskDataError
     from lmuscale.tasks.config import check
     from lmuscale.tasks.train import run_task
     from lmuscale.train.config import ConfigError, load, load_module, override
-    from lmuscale.train.workdir import TrainingDiverged
 
     path, _, only = args.experiment.partition(":")
     workdir = Path(args.workdir)

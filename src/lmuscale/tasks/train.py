@@ -1,10 +1,9 @@
 """One task run: load the data, train epoch by epoch, keep the best epoch, test it.
 
-Workdir:
-  config.json        the resolved config
-  checkpoint.msgpack after every epoch: parameters, Adam state, the best parameters so far
-  metrics.jsonl      one line per epoch: train loss, validation metric, seconds
-  summary.json       at the end: the test metric of the best-validation epoch, the paper's
+The workdir (``lmuscale.workdir``) holds the config, an orbax checkpoint after every epoch
+(parameters, Adam state, the best parameters so far: ``train.checkpoint``, verified on
+restore), one metrics line per epoch (train loss, validation metric, seconds) and at the end
+the summary (the test metric of the best-validation epoch, the paper's).
 
 Batches are a function of (seed, epoch) and the checkpoint holds everything else, so a run
 stopped at any point and started again with the same workdir computes the same numbers as one
@@ -23,20 +22,16 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
-from flax import serialization
 from ml_collections import ConfigDict
 from tqdm import tqdm
 
-from lmuscale.files import atomic_write_bytes, atomic_write_json
+from lmuscale import workdir as workdir_lib
+from lmuscale.files import atomic_write_bytes
+from lmuscale.outcomes import TrainingDiverged
 from lmuscale.tasks.base import Split, Task
 from lmuscale.tasks.config import model_config, task_of
 from lmuscale.tasks.models import TaskModel, tree_params
-from lmuscale.train import workdir as workdir_lib
-from lmuscale.train.metrics import DamagedLog
-from lmuscale.train.workdir import SUMMARY, TrainingDiverged
-
-CHECKPOINT = "checkpoint.msgpack"
-METRICS = "metrics.jsonl"
+from lmuscale.train.checkpoint import CheckpointError, Checkpoints
 
 
 def loss_of(kind: str):
@@ -92,16 +87,15 @@ class Trainer:
     def init(self, seed: int, example):
         params = self.model.init(jax.random.key(seed), jnp.asarray(example[:1]))
         return {
-            "epoch": 0,
             "params": params,
             "opt_state": self.optimizer.init(params),
             "best_params": params,
         }
 
-    def epoch(self, state, split: Split, seed: int, bar=None) -> float:
-        """One pass over ``split`` in a (seed, epoch)-shuffled order; the last partial batch
-        is dropped so every step has one shape. Returns the mean training loss."""
-        order = np.random.default_rng([seed, state["epoch"]]).permutation(len(split))
+    def epoch(self, state, split: Split, seed: int, epoch: int, bar=None) -> float:
+        """Epoch ``epoch``'s pass over ``split``, in a (seed, epoch)-shuffled order; the last
+        partial batch is dropped so every step has one shape. Returns the mean training loss."""
+        order = np.random.default_rng([seed, epoch]).permutation(len(split))
         batches = max(1, len(split) // self.batch_size)
         params, opt_state, total = state["params"], state["opt_state"], 0.0
         for i in range(batches):
@@ -127,93 +121,89 @@ class Trainer:
         return metric(self.task, self.predict(params, split.inputs), split.targets)
 
 
-def _read_metrics(path: Path, upto: int) -> list[dict]:
-    """The rows of the epochs up to ``upto``. The file is only ever replaced whole (one row
-    per epoch, so rewriting it costs little), so a row that does not parse was damaged by
-    something else: it is named, never dropped."""
-    if not path.exists():
-        return []
-    rows = []
-    for number, line in enumerate(path.read_bytes().splitlines(), 1):
-        if not line.strip():
-            continue
-        try:
-            row = json.loads(line)
-            epoch = row["epoch"]
-        except (ValueError, TypeError, KeyError):
-            raise DamagedLog(
-                f"{path}, line {number}: not a metrics row (the file is damaged; move it "
-                "aside to resume without its history)"
-            ) from None
-        if epoch <= upto:
-            rows.append(row)
-    return rows
-
-
 def run_task(config: ConfigDict, workdir, progress: bool | None = None) -> dict:
-    """Train (or resume, or just read back) one task run; returns its summary."""
+    """Train (or resume, or just read back) one task run; returns its summary. The workdir
+    is locked for the run, as a training run's is."""
     workdir = Path(workdir)
-    workdir_lib.check(config, workdir, (workdir / CHECKPOINT).exists())
+    workdir_lib.check(config, workdir, workdir_lib.has_checkpoint(workdir))
     summary = workdir_lib.finished(workdir)
     if summary is not None:
         return summary
-    workdir_lib.write_config(config, workdir)
+    with workdir_lib.Lock(workdir_lib.usable(workdir)):
+        workdir_lib.check(config, workdir, workdir_lib.has_checkpoint(workdir))
+        old = workdir / workdir_lib.OLD_TASK_CHECKPOINT
+        if old.exists():
+            raise CheckpointError(
+                f"{old}: a task checkpoint of lmuscale before orbax checkpoints, which this "
+                "version does not read; move it away to train from the start"
+            )
+        workdir_lib.write_config(config, workdir)
+        checkpoints = Checkpoints(workdir / workdir_lib.CHECKPOINTS, keep=2)
+        try:
+            summary = _train(config, workdir, checkpoints, progress)
+        finally:
+            checkpoints.close()
+    workdir_lib.write_summary(workdir, summary)
+    return summary
+
+
+def _train(config: ConfigDict, workdir: Path, checkpoints: Checkpoints, progress) -> dict:
     task = task_of(config)
     splits = task.load(config.data)  # TaskDataError names the path and what to give
     trainer = Trainer(config)
     state = trainer.init(config.train.seed, splits.train.inputs)
-    checkpoint = workdir / CHECKPOINT
+    epoch = 0
     best, best_epoch = math.nan, 0  # NaN: no epoch has a finite validation metric yet
-    if checkpoint.exists():
-        saved = serialization.msgpack_restore(checkpoint.read_bytes())
-        best, best_epoch = float(saved.pop("best_value")), int(saved.pop("best_epoch"))
-        state = serialization.from_state_dict(state, saved)
-    history = _read_metrics(workdir / METRICS, state["epoch"])
+    device = jax.sharding.SingleDeviceSharding(jax.local_devices()[0])
+    target = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=device), state)
+    restored = checkpoints.restore_latest(target)
+    if restored is not None:
+        epoch, state, meta = restored
+        best, best_epoch = float(meta["best_value"]), int(meta["best_epoch"])
+    # A kill between the two writes of an epoch leaves a metrics row ahead of the checkpoint:
+    # dropped here, and computed again.
+    history = [
+        r for r in workdir_lib.read_log(workdir / workdir_lib.METRICS) if r["epoch"] <= epoch
+    ]
 
     batches = max(1, len(splits.train) // config.train.batch_size)
     with tqdm(
         total=config.train.epochs * batches,
-        initial=state["epoch"] * batches,
-        desc=f"{config.name or task.name} epoch {state['epoch']}/{config.train.epochs}",
+        initial=epoch * batches,
+        desc=f"{config.name or task.name} epoch {epoch}/{config.train.epochs}",
         unit="batch",
         disable=progress is False or (progress is None and not sys.stderr.isatty()),
         leave=False,
     ) as bar:
-        while state["epoch"] < config.train.epochs:
+        while epoch < config.train.epochs:
             started = time.perf_counter()
-            train_loss = trainer.epoch(state, splits.train, config.train.seed, bar)
+            train_loss = trainer.epoch(state, splits.train, config.train.seed, epoch, bar)
             value = trainer.evaluate(state["params"], splits.val)
             if not math.isfinite(train_loss):
                 raise TrainingDiverged(
                     f"{config.name}: the training loss is {train_loss} at epoch "
-                    f"{state['epoch'] + 1}; lower train.learning_rate"
+                    f"{epoch + 1}; lower train.learning_rate"
                 )
-            state["epoch"] += 1
+            epoch += 1
             if better(task, value, best):
-                best, best_epoch, state["best_params"] = value, state["epoch"], state["params"]
+                best, best_epoch, state["best_params"] = value, epoch, state["params"]
             history.append(
                 {
-                    "epoch": state["epoch"],
+                    "epoch": epoch,
                     "train_loss": train_loss,
                     f"val_{task.metric}": value,
                     "seconds": time.perf_counter() - started,
                 }
             )
-            # Metrics first: a kill between the two writes leaves a metrics row ahead of the
-            # checkpoint, which the resumed run drops (``_read_metrics``) and computes again.
+            # Metrics first: see above.
             lines = "".join(json.dumps(row) + "\n" for row in history)
-            atomic_write_bytes(workdir / METRICS, lines.encode())
-            blob = serialization.to_state_dict(state) | {
-                "best_value": best,
-                "best_epoch": best_epoch,
-            }
-            atomic_write_bytes(checkpoint, serialization.msgpack_serialize(blob))
-            bar.set_description(
-                f"{config.name or task.name} epoch {state['epoch']}/{config.train.epochs}"
-            )
+            atomic_write_bytes(workdir / workdir_lib.METRICS, lines.encode())
+            checkpoints.save(epoch, state, {"best_value": best, "best_epoch": best_epoch})
+            checkpoints.wait()
+            bar.set_description(f"{config.name or task.name} epoch {epoch}/{config.train.epochs}")
             bar.set_postfix(loss=f"{train_loss:.4g}", **{f"val_{task.metric}": f"{value:.4g}"})
 
-    summary = {
+    return {
         "name": config.name,
         "status": "finished",
         "task": task.name,
@@ -229,5 +219,3 @@ def run_task(config: ConfigDict, workdir, progress: bool | None = None) -> dict:
         "data": splits.source,
         "paper": task.paper,
     }
-    atomic_write_json(workdir / SUMMARY, summary)
-    return summary

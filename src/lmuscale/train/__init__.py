@@ -6,9 +6,9 @@ Python, ``run(load("experiments/owt2.py:tiny"), "runs/tiny")``.
 
 from __future__ import annotations
 
+from lmuscale.outcomes import TrainingDiverged
 from lmuscale.train.config import ConfigError, base_config, load, model_config, override
 from lmuscale.train.loop import TrainingInterrupted, run
-from lmuscale.train.workdir import TrainingDiverged
 
 __all__ = [
     "ConfigError",

@@ -52,13 +52,13 @@ def main(argv: list[str] | None = None) -> int:
         override,
         run,
     )
-    from lmuscale.train.checkpoint import CheckpointWriteError
+    from lmuscale.train.checkpoint import CheckpointError
     from lmuscale.train.loop import LostProcess
 
     try:
         config = override(load(args.config), overrides)
         summary = run(config, args.workdir, progress=False if args.quiet else None)
-    except (ConfigError, CheckpointWriteError) as error:
+    except (ConfigError, CheckpointError) as error:
         print(f"error: {error}", file=sys.stderr)
         return 1
     except LostProcess as error:

@@ -1,111 +1,85 @@
-"""Checkpoints through orbax's CheckpointManager: the train state plus a little JSON.
+"""Every checkpoint lmuscale writes or reads, through orbax: training's, the task runs' and
+the parameters ``generate`` samples from. ``CheckpointError`` is its one error.
 
-Orbax writes each checkpoint into a temporary folder and renames it when complete, so a run
-killed while saving leaves the previous checkpoints whole; the manager ignores (and cleans up)
-the unfinished folder on the next start. Saves are asynchronous: the arrays are copied off
-the device before ``save`` returns, then written while training goes on.
+A checkpoint is a folder ``checkpoints/STEP`` holding ``state/`` (the arrays), ``meta/`` (a
+little JSON, with a CRC-32 of every array that process 0 holds whole) and ``files.json`` (the
+size and CRC-32 of every file, written once the save is complete). Orbax writes each
+checkpoint under a temporary name and renames it when complete, so a run killed while saving
+leaves the previous checkpoints whole. Saves are asynchronous: the arrays are copied off the
+device before ``save`` returns and written while training goes on.
 
-Each checkpoint's JSON holds a CRC-32 of every array of the state that process 0 holds whole
-(all of them, except in a multi-process run with parameters split over processes), checked on
-restore by every process. A checkpoint that fails the check, or that orbax cannot read
-(a truncated file, a missing ``state/`` folder or manifest), raises ``CorruptCheckpoint``;
-``set_aside`` moves it to ``checkpoints.corrupt/`` beside the folder, never deleting it.
-
-A save that cannot be written (the folder cannot be made, no bytes or inodes left) raises
-``CheckpointWriteError`` naming the checkpoint and the folder: before the save where the free
-space is known to be short, otherwise from ``check`` once the background write has failed.
-Orbax's own tracebacks of such failures are kept off the terminal: the error says it once.
+Reading checks the files against ``files.json`` before orbax opens any of them, so a
+truncated or damaged file is named without orbax's failed reads (which report themselves
+from its threads), then checks the arrays against their CRC-32s. A checkpoint without
+``files.json`` (written before it existed, or killed between the rename and it) is read on
+its array checksums alone. A damaged checkpoint raises ``CheckpointError`` with ``damaged``
+set; training moves it to ``checkpoints.corrupt/`` and resumes from the one before.
 """
 
 from __future__ import annotations
 
+import dataclasses
+import json
 import logging
 import os
+import re
 import shutil
 import sys
+import tempfile
 import zlib
 from pathlib import Path
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 import orbax.checkpoint as ocp
 
-tree_paths = jax.tree_util.tree_leaves_with_path
-CHECKSUMS = "checksums"  # in a checkpoint's JSON: {array path: CRC-32 of its bytes}
+from lmuscale.files import atomic_write_json
+from lmuscale.workdir import CHECKPOINTS, CONFIG
+
+STATE = "state"  # the arrays' item in each checkpoint
+META = "meta"  # the JSON item
+FILES = "files.json"  # {path in the step folder: [bytes, CRC-32]}
+CHECKSUMS = "checksums"  # in the JSON item: {array path: CRC-32 of its bytes}
 FILES_GUESS = 64  # inodes a first checkpoint may need; later saves count the newest one's
+EXPECTED = (
+    "expected a training workdir, its checkpoints/N folder, checkpoints/N/state, or an orbax "
+    "checkpoint of the variables"
+)
+
+
+class CheckpointError(RuntimeError):
+    """A checkpoint that cannot be written, found or read. ``damaged``: it exists but its files
+    or arrays are not those that were saved (training sets it aside and resumes earlier)."""
+
+    def __init__(self, message: str, *, damaged: bool = False):
+        super().__init__(message)
+        self.damaged = damaged
+
+
+def _reason(error: BaseException) -> str:
+    """One line for an error from orbax or tensorstore: the innermost error's first line
+    (the outer ones only say where it was reading), without tensorstore's internal details."""
+    seen = set()
+    while (error.__cause__ or error.__context__) is not None and id(error) not in seen:
+        seen.add(id(error))
+        error = error.__cause__ or error.__context__
+    lines = str(error).strip().splitlines()
+    reason = f"{type(error).__name__}: {lines[0]}" if lines else type(error).__name__
+    reason = re.sub(r' in OCDBT database at local file "[^"]*"', "", reason)
+    reason = re.sub(r" \[(tensorstore_spec|source locations)=.*", "", reason)
+    reason = re.sub(r"\s*See full TensorStore details.*", "", reason)
+    return reason if len(reason) <= 300 else reason[:297] + "..."
 
 
 def _orbax_traceback(record: logging.LogRecord) -> bool:
-    """False for the traceback orbax logs when a background save fails: ``Checkpoints``
-    raises that failure as one named error, and the traceback would bury it."""
+    """False for the traceback orbax logs when a background save fails: ``wait`` raises that
+    failure as one named error, and the traceback would bury it."""
     return not (
         record.exc_info
         and record.levelno >= logging.ERROR
         and f"{os.sep}orbax{os.sep}" in record.pathname
     )
-
-
-# The folders restores read (each ending in a separator): a restore raises the first failed
-# read itself, so the others' later reports are echoes.
-_RESTORED_FOLDERS: set[str] = set()
-
-
-def _about_failed_read(error: BaseException | None) -> bool:
-    """Whether ``error`` (or one it came from) names a file in a folder of ``_RESTORED_FOLDERS``."""
-    seen = 0
-    while error is not None and seen < 8:
-        text = str(error)
-        if any(folder in text for folder in _RESTORED_FOLDERS):
-            return True
-        error, seen = error.__cause__ or error.__context__, seen + 1
-    return False
-
-
-def _unretrieved_read(record: logging.LogRecord) -> bool:
-    """False for asyncio's "Task exception was never retrieved" report of a failed read."""
-    return not (
-        str(record.msg).startswith("Task exception was never retrieved")
-        and record.exc_info is not None
-        and _about_failed_read(record.exc_info[1])
-    )
-
-
-def quiet_failed_reads(path: Path) -> None:
-    """Keep the echoes of a failed restore of ``path`` off the terminal. When one of orbax's
-    concurrent reads fails, the restore raises that error, which the caller reports in one
-    line; the other reads fail too and are reported later, tracebacks and all, at moments
-    that depend on the threads' timing: asyncio logs "Task exception was never retrieved"
-    when their tasks are collected, their coroutines raise again as they are closed
-    (``sys.unraisablehook``), and tensorstore's threads find orbax's event loop closed.
-    Errors that name other files, and all other errors, are reported as before."""
-    _RESTORED_FOLDERS.add(f"{path}{os.sep}")  # a file in it: not .../12 for .../1
-    asyncio_log = logging.getLogger("asyncio")
-    if _unretrieved_read not in asyncio_log.filters:
-        asyncio_log.addFilter(_unretrieved_read)
-    previous = sys.unraisablehook
-    if getattr(previous, "_drops_failed_reads", False):
-        return
-
-    def hook(unraisable):
-        error = unraisable.exc_value
-        closed = isinstance(error, RuntimeError) and str(error) == "Event loop is closed"
-        if not (closed or _about_failed_read(error)):
-            previous(unraisable)
-
-    hook._drops_failed_reads = True
-    sys.unraisablehook = hook
-
-
-class CheckpointWriteError(RuntimeError):
-    """A checkpoint could not be written: the folder cannot be made, or the disk is full."""
-
-
-def _reason(error: BaseException) -> str:
-    return f"{type(error).__name__}: {error}".splitlines()[0][:300]
-
-
-class CorruptCheckpoint(RuntimeError):
-    """A checkpoint that cannot be read, or whose arrays do not match their checksums."""
 
 
 def _whole(x) -> bool:
@@ -117,7 +91,7 @@ def _whole(x) -> bool:
 def checksums(state) -> dict:
     """CRC-32 of the bytes of each array this process holds whole, by its path in the tree
     (in a multi-process run, arrays split across processes are left out)."""
-    leaves = [(path, x) for path, x in tree_paths(state) if _whole(x)]
+    leaves = [(path, x) for path, x in jax.tree_util.tree_leaves_with_path(state) if _whole(x)]
     local = [
         x if getattr(x, "is_fully_addressable", True) else x.addressable_data(0) for _, x in leaves
     ]
@@ -128,49 +102,112 @@ def checksums(state) -> dict:
     }
 
 
-def mismatched(saved: dict, now: dict) -> list[str]:
-    """The paths of the arrays in both whose CRC-32s differ."""
-    return sorted(k for k in now if k in saved and saved[k] != now[k])
+def _check_arrays(where: Path, saved: dict | None, restored, hint: str = "") -> None:
+    """``CheckpointError`` when an array of ``restored`` differs from its saved CRC-32 (none
+    saved: a checkpoint from before checksums, taken as it is)."""
+    if not saved:
+        return
+    now = checksums(restored)
+    bad = sorted(k for k in now if k in saved and saved[k] != now[k])
+    if bad or not now.keys() & saved.keys():
+        what = bad[0] if bad else "the set of arrays"
+        raise CheckpointError(
+            f"{where}: does not match the checksums saved with it ({len(bad)} arrays differ, "
+            f"e.g. {what}): its files were damaged{hint}",
+            damaged=True,
+        )
+
+
+def _file_sums(folder: Path) -> dict:
+    sums = {}
+    for path in sorted(folder.rglob("*")):
+        if path.is_file() and path.name != FILES:
+            data = path.read_bytes()
+            sums[str(path.relative_to(folder))] = [len(data), zlib.crc32(data)]
+    return sums
+
+
+def verify_files(folder: Path, hint: str = "") -> bool:
+    """Check checkpoint ``folder``'s files against its ``files.json`` before anything reads
+    them: ``CheckpointError`` naming the first that is missing, of another size or damaged.
+    False when the folder has no ``files.json``."""
+    try:
+        saved = json.loads((folder / FILES).read_text())
+    except FileNotFoundError:
+        return False
+    except (OSError, ValueError) as error:
+        raise CheckpointError(f"{folder / FILES}: cannot be read ({error})", damaged=True) from None
+    for name, (size, crc) in saved.items():
+        path = folder / name
+        try:
+            data = path.read_bytes()
+        except FileNotFoundError:
+            problem = "is missing"
+        except OSError as error:
+            problem = f"cannot be read ({error.strerror})"
+        else:
+            if len(data) != size:
+                problem = f"has {len(data):,} bytes, {size:,} when saved (truncated?)"
+            elif zlib.crc32(data) != crc:
+                problem = "differs from its CRC-32 when saved"
+            else:
+                continue
+        raise CheckpointError(
+            f"{folder}: cannot be read: {name} {problem}: its files were damaged{hint}",
+            damaged=True,
+        )
+    return True
+
+
+def steps(folder: Path) -> list[int]:
+    """The steps of the complete checkpoints in ``folder``, oldest first (orbax writes each
+    under a temporary name and renames it to its step when complete)."""
+    try:
+        return sorted(int(p.name) for p in folder.iterdir() if p.name.isdigit() and p.is_dir())
+    except (FileNotFoundError, NotADirectoryError):
+        return []
+    except OSError as error:
+        raise CheckpointError(f"{folder}: cannot be listed ({error.strerror})") from None
 
 
 class Checkpoints:
-    """``workdir/checkpoints``: the last ``keep`` states, by step."""
+    """A run's ``checkpoints`` folder: the last ``keep`` states, by step."""
 
     def __init__(self, directory: Path, keep: int):
         self.directory = Path(directory).absolute()
         try:
             self.directory.mkdir(parents=True, exist_ok=True)
         except OSError as error:
-            raise CheckpointWriteError(
+            raise CheckpointError(
                 f"checkpoint folder {self.directory} cannot be created ({_reason(error)})"
             ) from None
         options = ocp.CheckpointManagerOptions(
             max_to_keep=keep, create=True, cleanup_tmp_directories=True
         )
-        self.manager = ocp.CheckpointManager(Path(directory).absolute(), options=options)
+        self.manager = ocp.CheckpointManager(self.directory, options=options)
         self.writing: int | None = None  # the step of the last save, until it is checked
-        absl = logging.getLogger("absl")
-        if _orbax_traceback not in absl.filters:
-            absl.addFilter(_orbax_traceback)
-
-    def latest_step(self) -> int | None:
-        return self.manager.latest_step()
+        # Orbax logs a failed background save's traceback on the absl logger; ``wait`` names
+        # the failure in one line. The filter lives as long as this manager (``close``).
+        logging.getLogger("absl").addFilter(_orbax_traceback)
 
     def all_steps(self) -> list[int]:
         return sorted(self.manager.all_steps())
 
     def save(self, step: int, state, meta: dict) -> None:
         """Save ``state`` at ``step``, first checking that the previous save was written and
-        that there is room for this one (a full disk is named here, at the save that needs
-        the space, and the older checkpoints stay)."""
+        that there is room for this one (a full disk or a read-only folder is named here, at
+        the save that needs it, before orbax starts threads that would wait for it forever;
+        the older checkpoints stay)."""
         meta = {**meta, CHECKSUMS: checksums(state)}  # while the previous save is written
         self.wait()  # orbax would wait for it too; this names the step that failed
         self._check_room(step, sum(x.nbytes for x in jax.tree.leaves(state)))
-        args = ocp.args.Composite(state=ocp.args.StandardSave(state), meta=ocp.args.JsonSave(meta))
+        args = ocp.args.Composite(
+            **{STATE: ocp.args.StandardSave(state), META: ocp.args.JsonSave(meta)}
+        )
         try:
             self.manager.save(step, args=args, force=True)
         except Exception as error:
-            raise CheckpointWriteError(
+            raise CheckpointError(
                 f"saving checkpoint {step} in {self.directory} failed ({_reason(error)}); the "
                 "checkpoints before it are kept"
             ) from None
@@ -179,51 +216,85 @@ class Checkpoints:
     def _check_room(self, step: int, needed: int) -> None:
         no_room = f"no room for checkpoint {step} in {self.directory}: it needs about"
         keep = "the checkpoints before it are kept. Free some space and run again to resume"
+        try:
+            fd, probe = tempfile.mkstemp(dir=self.directory, prefix=".probe-")
+        except OSError as error:
+            raise CheckpointError(
+                f"writing checkpoint {step} in {self.directory} failed ({_reason(error)}); "
+                "the checkpoints before it are kept"
+            ) from None
+        os.close(fd)
+        os.unlink(probe)
         free = shutil.disk_usage(self.directory).free
         if free < needed:
-            raise CheckpointWriteError(f"{no_room} {needed:,} bytes and {free:,} are free; {keep}")
+            raise CheckpointError(f"{no_room} {needed:,} bytes and {free:,} are free; {keep}")
         stats = os.statvfs(self.directory)
         if stats.f_files:  # 0: a filesystem that does not count inodes
-            newest = self.latest_step()
+            newest = self.manager.latest_step()
             files = FILES_GUESS
             if newest is not None:
                 files = 1 + sum(1 for _ in (self.directory / str(newest)).rglob("*"))
             if stats.f_favail < files:
-                raise CheckpointWriteError(
+                raise CheckpointError(
                     f"{no_room} {files} files and the filesystem has {stats.f_favail} free "
                     f"inodes; {keep}"
                 )
 
     def check(self) -> None:
-        """Raise ``CheckpointWriteError`` if the last save has failed in the background (the
-        loop calls this at every logged step, so a failure is named soon after it happens)."""
+        """``CheckpointError`` if the last save has failed in the background (the loop calls
+        this at every logged step, so a failure is named soon after it happens)."""
         if self.writing is not None and not self.manager.is_saving_in_progress():
             self.wait()
 
+    def wait(self) -> None:
+        """Wait for the last save to be written and record its files' sizes and CRC-32s;
+        ``CheckpointError`` if it failed."""
+        try:
+            self.manager.wait_until_finished()
+        except Exception as error:
+            raise CheckpointError(
+                f"writing checkpoint {self.writing} in {self.directory} failed "
+                f"({_reason(error)}); the checkpoints before it are kept"
+            ) from None
+        folder = self.directory / str(self.writing)
+        if self.writing is not None and jax.process_index() == 0 and folder.is_dir():
+            atomic_write_json(folder / FILES, _file_sums(folder))
+        self.writing = None
+
     def restore(self, step: int, abstract_state) -> tuple[dict, dict]:
         """The state at ``step``, each array placed with the sharding in ``abstract_state``
-        (a tree of ``jax.ShapeDtypeStruct`` with shardings), and its JSON, checked against the
-        checksums saved with it (``CorruptCheckpoint`` if it cannot be read or differs)."""
+        (a tree of ``jax.ShapeDtypeStruct`` with shardings), and its JSON; a damaged
+        checkpoint is a ``CheckpointError`` with ``damaged`` set."""
         where = self.directory / str(step)
+        verify_files(where)
         args = ocp.args.Composite(
-            state=ocp.args.StandardRestore(abstract_state), meta=ocp.args.JsonRestore()
+            **{STATE: ocp.args.StandardRestore(abstract_state), META: ocp.args.JsonRestore()}
         )
-        quiet_failed_reads(where)
         try:
             restored = self.manager.restore(step, args=args)
         except Exception as error:
-            raise CorruptCheckpoint(f"{where} cannot be read ({_reason(error)})") from None
-        saved = (restored.meta or {}).get(CHECKSUMS)
-        if saved:  # checkpoints written before checksums existed are taken as they are
-            paths = {jax.tree_util.keystr(p) for p, _ in tree_paths(restored.state)}
-            bad = mismatched(saved, checksums(restored.state))
-            if bad or not set(saved) <= paths:
-                what = bad[0] if bad else "the set of arrays"
-                raise CorruptCheckpoint(
-                    f"{where} does not match the checksums saved with it ({len(bad)} "
-                    f"arrays differ, e.g. {what}): its files were damaged"
-                )
-        return restored.state, restored.meta
+            raise CheckpointError(
+                f"{where}: cannot be read ({_reason(error)})", damaged=True
+            ) from None
+        meta = restored[META] or {}
+        _check_arrays(where, meta.get(CHECKSUMS), restored[STATE])
+        return restored[STATE], meta
+
+    def restore_latest(self, abstract_state) -> tuple[int, dict, dict] | None:
+        """``(step, state, JSON)`` of the newest intact checkpoint, or None when there is none.
+        A damaged one is set aside (by process 0), and said so, and the one before it tried."""
+        for step in reversed(self.all_steps()):
+            try:
+                state, meta = self.restore(step, abstract_state)
+            except CheckpointError as error:
+                if not error.damaged:
+                    raise
+                if jax.process_index() == 0:
+                    aside = self.set_aside(step)
+                    print(f"checkpoint: {error}; moved to {aside}", file=sys.stderr, flush=True)
+                continue
+            return step, state, meta
+        return None
 
     def set_aside(self, step: int) -> Path:
         """Move checkpoint ``step`` to ``checkpoints.corrupt/STEP[-k]``; returns the new path."""
@@ -236,17 +307,6 @@ class Checkpoints:
         self.manager.reload()
         return target
 
-    def wait(self) -> None:
-        """Wait for the last save to be written; ``CheckpointWriteError`` if it failed."""
-        try:
-            self.manager.wait_until_finished()
-        except Exception as error:
-            raise CheckpointWriteError(
-                f"writing checkpoint {self.writing} in {self.directory} failed "
-                f"({_reason(error)}); the checkpoints before it are kept"
-            ) from None
-        self.writing = None
-
     def close(self) -> None:
         """Stop the manager's threads (whatever a save left behind: nothing may keep the
         process from exiting)."""
@@ -256,3 +316,131 @@ class Checkpoints:
             pass  # already reported by wait() or save()
         finally:
             self.manager.close()
+            logging.getLogger("absl").removeFilter(_orbax_traceback)
+
+
+@dataclasses.dataclass(frozen=True)
+class Found:
+    """The orbax folder to read parameters from, and the training workdir it belongs to (whose
+    config describes the model), or None for a folder saved outside one."""
+
+    state: Path
+    workdir: Path | None
+
+
+def locate(path) -> Found:
+    """A training workdir (its newest checkpoint), its checkpoints folder, ``N``, ``N/state``,
+    or an orbax checkpoint of the variables alone."""
+    path = Path(os.path.abspath(path))  # "." and ".." resolved, so the folder names can be read
+    if path.name == STATE and path.parent.name.isdigit() and path.parent.is_dir():
+        return _step(path.parent)
+    if not path.exists():
+        raise CheckpointError(f"{path}: no such checkpoint folder")
+    if not path.is_dir():
+        raise CheckpointError(f"{path}: a file, not a checkpoint folder ({EXPECTED})")
+    if (path / CHECKPOINTS).is_dir() or (path / CONFIG).is_file():
+        return newest(path)
+    if path.name == CHECKPOINTS and (path.parent / CONFIG).is_file():
+        return newest(path.parent)
+    if path.name.isdigit() and (path.parent.name == CHECKPOINTS or (path / STATE).is_dir()):
+        return _step(path)
+    if (path / "_METADATA").is_file():
+        return Found(path, None)
+    raise CheckpointError(f"{path}: not a checkpoint ({EXPECTED})")
+
+
+def newest(workdir) -> Found:
+    """The newest checkpoint of a training workdir."""
+    workdir = Path(os.path.abspath(workdir))
+    if not workdir.is_dir():
+        what = "not a folder" if workdir.exists() else "no such folder"
+        raise CheckpointError(f"{workdir}: {what} (expected a training workdir)")
+    folder = workdir / CHECKPOINTS
+    found = steps(folder)
+    if not found:
+        raise CheckpointError(
+            f"{folder}: no checkpoint yet (training saves one every checkpoint.every steps)"
+        )
+    return _step(folder / str(found[-1]))
+
+
+def _step(folder: Path) -> Found:
+    if not (folder / STATE).is_dir():
+        raise CheckpointError(
+            f"{folder}: no {STATE}/ folder (an incomplete or damaged checkpoint){_older(folder)}"
+        )
+    workdir = folder.parent.parent if folder.parent.name == CHECKPOINTS else None
+    return Found(folder / STATE, workdir)
+
+
+def _older(step_folder: Path) -> str:
+    """A hint for a damaged checkpoint: the one saved before it, when there is one."""
+    if not step_folder.name.isdigit():
+        return ""
+    earlier = [s for s in steps(step_folder.parent) if s < int(step_folder.name)]
+    if not earlier:
+        return ""
+    return f"; try the one before: --checkpoint {step_folder.parent / str(earlier[-1])}"
+
+
+def read_variables(path: Path, model):
+    """The variables (``{"params": ...}``) of ``model`` from an orbax checkpoint of them, or of
+    a training state that holds them under ``"params"`` (only they are read, not the optimiser
+    state), each array on the default device, verified as ``Checkpoints.restore`` does."""
+    from etils import epath
+
+    path = Path(path).absolute()
+    if not path.is_dir():
+        raise CheckpointError(f"{path}: no such checkpoint folder")
+    step = path.parent if path.name == STATE else None
+    hint = _older(step) if step is not None else ""
+    if step is not None:
+        verify_files(step, hint)
+    handler = ocp.PyTreeCheckpointHandler()
+    try:
+        try:
+            saved = handler.metadata(epath.Path(path)).tree
+        except Exception as error:  # orbax and tensorstore raise many kinds
+            raise CheckpointError(f"{path}: cannot be read ({_reason(error)}){hint}") from None
+        in_state = isinstance(saved.get("params"), dict) and "params" in saved["params"]
+        expected = jax.eval_shape(model.init, jax.random.key(0), jnp.zeros((1, 1), jnp.int32))
+        _check_shapes(path, expected, saved["params"] if in_state else saved)
+        device = jax.sharding.SingleDeviceSharding(jax.local_devices()[0])
+        target = jax.tree.map(
+            lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=device), expected
+        )
+        item = {"params": target} if in_state else target
+        args = ocp.args.PyTreeRestore(
+            item=item,
+            restore_args=ocp.checkpoint_utils.construct_restore_args(item),
+            partial_restore=True,
+        )
+        try:
+            restored = handler.restore(epath.Path(path), args=args)
+        except Exception as error:
+            raise CheckpointError(f"{path}: cannot be read ({_reason(error)}){hint}") from None
+    finally:
+        handler.close()
+    if not in_state:
+        return restored
+    try:
+        meta = json.loads((step / META / "metadata").read_text())
+    except (OSError, ValueError):
+        meta = None  # no JSON beside the state: not written by our training loop
+    saved_sums = meta.get(CHECKSUMS) if isinstance(meta, dict) else None
+    _check_arrays(path, saved_sums, restored, hint)
+    return restored["params"]
+
+
+def _check_shapes(path: Path, expected, saved) -> None:
+    def shapes(tree):
+        leaves = jax.tree.leaves_with_path(tree)
+        return {jax.tree_util.keystr(k): tuple(getattr(v, "shape", ())) for k, v in leaves}
+
+    want, got = shapes(expected), shapes(saved)
+    for key in sorted(want.keys() | got.keys()):
+        if want.get(key) != got.get(key):
+            raise CheckpointError(
+                f"{path} does not fit the model: {key} has shape {got.get(key)} in the "
+                f"checkpoint but {want.get(key)} in the model (a checkpoint of another model?)"
+            )

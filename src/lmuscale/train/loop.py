@@ -1,7 +1,7 @@
 """A training run: check everything, restore or initialise, train on a schedule, summarise.
 
 ``run(config, workdir)`` is the whole job. Before anything is compiled it checks the config,
-checks the workdir (``train.workdir``: the same config, or a finished run whose summary it
+checks the workdir (``lmuscale.workdir``: the same config, or a finished run whose summary it
 returns), finds (or, for an embedded corpus, prepares) the dataset, and checks the dataset
 against the model and the batch sizes against the mesh. Then ``restore_or_init`` gives the
 state, the step loop runs its schedule of (when, action) pairs: log, evaluate, checkpoint,
@@ -42,7 +42,6 @@ import contextlib
 import dataclasses
 import math
 import signal
-import sys
 import threading
 import time
 from pathlib import Path
@@ -53,6 +52,7 @@ from jax.sharding import NamedSharding, PartitionSpec
 from ml_collections import ConfigDict
 from tqdm import tqdm
 
+from lmuscale import workdir as workdir_lib
 from lmuscale.data import (
     EMBEDDED_SOURCES,
     DataError,
@@ -62,16 +62,14 @@ from lmuscale.data import (
     prepare_embedded,
 )
 from lmuscale.data.format import META
-from lmuscale.files import atomic_write_json
 from lmuscale.models import build, count_params, flops_per_token
+from lmuscale.outcomes import TrainingDiverged
 from lmuscale.train import config as config_lib
 from lmuscale.train import memory, optim, wandb_log
 from lmuscale.train import step as step_lib
-from lmuscale.train import workdir as workdir_lib
-from lmuscale.train.checkpoint import Checkpoints, CorruptCheckpoint
+from lmuscale.train.checkpoint import Checkpoints
 from lmuscale.train.metrics import MetricsLog, device_peak, mfu
 from lmuscale.train.profile import StepTrace
-from lmuscale.train.workdir import TrainingDiverged
 
 # A scheduler's notices of preemption or time limit, and Ctrl-C.
 STOP_SIGNALS = (signal.SIGTERM, signal.SIGUSR1, signal.SIGUSR2, signal.SIGINT)
@@ -234,11 +232,10 @@ def run(
     already), so a second process on it stops at once with ``workdir.WorkdirBusy``.
 
     Raises ``ConfigError`` before compiling anything when the config, the dataset or the
-    workdir is wrong; ``memory.OutOfMemoryBudget`` (a ``ConfigError``) when, compiled, no
-    micro-batch count fits the memory budget, before any step; ``metrics.DamagedLog`` (a
-    ``ConfigError``) when a resumed run's metrics.jsonl or eval.jsonl has a bad line before its
-    last or steps out of order, before any step; and ``TrainingDiverged`` when the loss becomes
-    NaN or infinite.
+    workdir is wrong; ``memory.OutOfMemoryBudget`` when, compiled, no micro-batch count fits
+    the memory budget, before any step; ``DamagedFile`` when a resumed run's metrics.jsonl or
+    eval.jsonl has a bad line before its last or steps out of order, before any step; and
+    ``TrainingDiverged`` when the loss becomes NaN or infinite.
     """
     c = config
     config_lib.check(c)
@@ -299,16 +296,11 @@ def restore_or_init(
         jax.eval_shape(init),
         shardings,
     )
-    for step in reversed(checkpoints.all_steps()):
-        try:
-            state, meta = checkpoints.restore(step, target)
-        except CorruptCheckpoint as error:
-            if jax.process_index() == 0:
-                aside = checkpoints.set_aside(step)
-                print(f"checkpoint: {error}; moved to {aside}", file=sys.stderr, flush=True)
-            continue
-        return state, meta["elapsed"], step
-    return step_lib.init_state(init, mesh, shardings), 0.0, None
+    restored = checkpoints.restore_latest(target)
+    if restored is None:
+        return step_lib.init_state(init, mesh, shardings), 0.0, None
+    step, state, meta = restored
+    return state, meta["elapsed"], step
 
 
 class Clock:
@@ -548,7 +540,7 @@ class Session:
         )
         if self.primary:
             summary = {**self.sizes(), "status": "diverged", "error": message, "step": step}
-            atomic_write_json(self.workdir / workdir_lib.SUMMARY, summary)
+            workdir_lib.write_summary(self.workdir, summary)
             self.log.summary(summary)
         raise TrainingDiverged(message)
 
@@ -620,7 +612,7 @@ class Session:
         summary["wall_seconds"] = self.clock.elapsed()
         self.log.summary(summary)  # before summary.json: a W&B failure leaves the run to resume
         if self.primary:
-            atomic_write_json(self.workdir / workdir_lib.SUMMARY, summary)
+            workdir_lib.write_summary(self.workdir, summary)
         return summary
 
     def close(self) -> None:

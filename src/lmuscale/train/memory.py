@@ -39,8 +39,8 @@ import jax.numpy as jnp
 from lmuscale.files import atomic_write_json
 from lmuscale.train import step as step_lib
 from lmuscale.train.config import ConfigError
+from lmuscale.workdir import PLAN
 
-PLAN = "plan.json"
 DEVICE_FRACTION = 0.9
 HOST_FRACTION = 0.5
 GB = 1e9

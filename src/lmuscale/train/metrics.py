@@ -11,12 +11,11 @@ from __future__ import annotations
 
 import json
 import math
-import os
 from pathlib import Path
 
 import jax
 
-from lmuscale.train.config import ConfigError
+from lmuscale.workdir import EVAL, METRICS, TENSORBOARD, cut_log
 
 # Dense peak FLOP/s per device by device kind (first match wins) and compute dtype. On GPUs,
 # float32 matmuls run as TF32 under JAX's default precision, so float32 uses the TF32 peak.
@@ -54,62 +53,6 @@ def mfu(tokens_per_second: float, train_flops_per_token: float, devices: int, pe
     return tokens_per_second * train_flops_per_token / (devices * peak)
 
 
-class DamagedLog(ConfigError):
-    """A metrics.jsonl or eval.jsonl that a resumed run cannot continue: a line other than the
-    last is not a log line, or the steps go back. The message names the file and line."""
-
-
-def _step(line: bytes) -> int | None:
-    """The step of a log line, or None."""
-    try:
-        record = json.loads(line.decode())  # json.loads decodes bytes a third slower
-    except ValueError:  # UnicodeDecodeError included
-        return None
-    step = record.get("step") if isinstance(record, dict) else None
-    return step if isinstance(step, int) and not isinstance(step, bool) else None
-
-
-def _cut(path: Path, step: int) -> None:
-    """Truncate ``path`` after its last line whose step is <= ``step``, in place.
-
-    A kill can tear only the last line, which is dropped; an unreadable line anywhere else,
-    or a step below an earlier one, is damage that a cut would hide or spread: DamagedLog.
-    """
-    if not path.exists():
-        return
-    remedy = f"mend it, or move it away and the run starts a new one after step {step}"
-    with path.open("r+b") as f:
-        offset = keep = 0  # bytes read; bytes of the lines kept
-        bad, previous = None, None  # an unreadable line's number; the last step seen
-        ended = True  # whether the kept lines end with a newline
-        for number, line in enumerate(f, 1):
-            if bad is not None:
-                raise DamagedLog(
-                    f"{path}:{bad}: not a JSON log line with a step, and not the last line "
-                    f"(only a kill's torn last line is dropped); {remedy}"
-                )
-            at = _step(line)
-            if at is None:
-                bad = number
-                continue
-            if previous is not None and at < previous:
-                raise DamagedLog(
-                    f"{path}:{number}: step {at} after step {previous}; the lines must be in "
-                    f"step order (did two runs write to this workdir?); {remedy}"
-                )
-            previous = at
-            offset += len(line)
-            if at <= step:
-                keep, ended = offset, line.endswith(b"\n")
-        if keep < f.seek(0, os.SEEK_END):
-            f.truncate(keep)
-        elif not ended:  # a whole last line without its newline (a kill, or an editor)
-            f.write(b"\n")
-        else:
-            return
-        os.fsync(f.fileno())
-
-
 def _json_value(value):
     if isinstance(value, float) and not math.isfinite(value):
         return str(value)  # JSON has no NaN; "nan" / "inf" keep the line loadable
@@ -125,14 +68,14 @@ class MetricsLog:
         self, workdir: Path, resume_step: int, *, enabled: bool, tensorboard: bool, wandb=None
     ):
         self.enabled = enabled
-        self.paths = {"train": workdir / "metrics.jsonl", "eval": workdir / "eval.jsonl"}
+        self.paths = {"train": workdir / METRICS, "eval": workdir / EVAL}
         self.files = {}
         self.writer = None
         self.wandb = None
         if not enabled:
             return
         for path in self.paths.values():
-            _cut(path, resume_step)
+            cut_log(path, resume_step)
         try:
             for kind, path in self.paths.items():
                 self.files[kind] = path.open("a", encoding="utf-8")
@@ -140,9 +83,7 @@ class MetricsLog:
                 from tensorboardX import SummaryWriter
 
                 # Also at step 0: a run killed before its first checkpoint left events to hide.
-                self.writer = SummaryWriter(
-                    str(workdir / "tensorboard"), purge_step=resume_step + 1
-                )
+                self.writer = SummaryWriter(str(workdir / TENSORBOARD), purge_step=resume_step + 1)
             if wandb is not None:
                 from lmuscale.train.wandb_log import WandbRun
 

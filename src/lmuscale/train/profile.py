@@ -14,7 +14,7 @@ from pathlib import Path
 
 import jax
 
-from lmuscale.train import workdir as workdir_lib
+from lmuscale import workdir as workdir_lib
 
 STEP_NAME = "train"  # the annotation of each traced step (TensorBoard's step-time view)
 

@@ -41,8 +41,8 @@ from pathlib import Path
 
 from lmuscale.files import atomic_write_json
 from lmuscale.train.config import ConfigError, flatten
+from lmuscale.workdir import WANDB
 
-RUN_FILE = "wandb.json"
 MISSING = "log.wandb=true needs the wandb package: pip install -e '.[wandb]'"
 REMEDY = (
     "check the network and `wandb login`, or run with --config.log.wandb_mode=offline "
@@ -72,7 +72,7 @@ def require(config) -> None:
 
 def stored_id(workdir: Path) -> str | None:
     """The W&B run id in ``WORKDIR/wandb.json``, or None when the run has none yet."""
-    path = Path(workdir) / RUN_FILE
+    path = Path(workdir) / WANDB
     remedy = "mend it, or move it away and the run logs to a new W&B run"
     try:
         record = json.loads(path.read_text())
@@ -112,7 +112,7 @@ class WandbRun:
         if run_id is None:
             run_id = new_id()
             # Before W&B starts: a session killed at any moment after this resumes this id.
-            atomic_write_json(workdir / RUN_FILE, {"id": run_id})
+            atomic_write_json(workdir / WANDB, {"id": run_id})
         self.id = run_id
         log = config.log
         options = {

@@ -1,0 +1,330 @@
+"""A run's folder (its workdir): the one place that names its files and keeps their rules.
+
+Language-model training (``train``), the parallel-LMU task runs (``tasks``) and the sweep's
+trials (training workdirs plus the sweep's records) all keep these rules:
+
+- ``config.json`` holds the run's resolved config. A workdir that holds training (a
+  checkpoint, or a finished summary) resumes only the same config (``check``); one that
+  holds none (a run that failed or diverged before its first checkpoint) takes a new one.
+- ``summary.json`` with ``"status": "finished"`` is a finished run: running it again returns
+  that summary and trains nothing (``finished``), whatever checkpoints or data remain.
+  ``"status": "diverged"`` is a final result too (``DONE``).
+- ``lock`` is held (an flock) by the process that trains in the workdir, for the whole run:
+  a second process on the same workdir stops at once, naming the holder. The kernel drops
+  the lock when its holder dies, so a killed run never leaves the workdir locked.
+- JSON files are written whole (``lmuscale.files``); JSONL logs are appended a line at a
+  time, so a kill can tear only their last line. One policy for damage: a torn last line is
+  dropped; any other file or line that does not parse is a ``DamagedFile`` naming it (and
+  its line), never skipped in silence.
+
+This module imports nothing from training, so the analysis can read run folders through it.
+"""
+
+from __future__ import annotations
+
+import errno
+import fcntl
+import json
+import os
+import socket
+import time
+from pathlib import Path
+
+from lmuscale.files import atomic_write_bytes, atomic_write_json
+from lmuscale.outcomes import ConfigError, DamagedFile, WorkdirBusy
+
+CONFIG = "config.json"  # the resolved config
+SUMMARY = "summary.json"  # written once, at the end
+CHECKPOINTS = "checkpoints"  # orbax, one folder per step (train.checkpoint)
+METRICS = "metrics.jsonl"  # one line per logged step (train) or per epoch (tasks)
+EVAL = "eval.jsonl"  # one line per validation
+PLAN = "plan.json"  # the micro-batch count and XLA's memory estimate of the train step
+WANDB = "wandb.json"  # the W&B run's id, so that a resumed run continues it
+TENSORBOARD = "tensorboard"
+PROFILE = "profile"  # jax.profiler traces (log.profile_steps)
+LOCK = "lock"
+OLD_TASK_CHECKPOINT = "checkpoint.msgpack"  # a task run's before orbax: refused by name
+# a sweep trial's own records, beside its training files
+TRIAL = "trial.json"  # the resolved trial, written by the runner
+LOG = "train.log"  # the worker's output, every attempt appended
+ATTEMPTS = "attempts.jsonl"  # one line per attempt: start and end, host, pid, outcome
+ERROR = "error.json"  # the exception and traceback of a failed attempt
+
+DONE = ("finished", "diverged")  # final results: never run again
+
+
+def read_json(path: Path) -> dict | None:
+    """The JSON object in ``path``; None when there is no such file."""
+    try:
+        value = json.loads(Path(path).read_text())
+    except FileNotFoundError:
+        return None
+    except ValueError as error:  # JSONDecodeError and UnicodeDecodeError
+        raise DamagedFile(f"{path}: not JSON ({error}); move it away to run again") from None
+    except OSError as error:
+        raise DamagedFile(f"{path}: cannot be read: {_reason(error)}") from None
+    if not isinstance(value, dict):
+        raise DamagedFile(
+            f"{path}: a JSON {type(value).__name__}, not an object; move it away to run again"
+        )
+    return value
+
+
+def summary(workdir: Path) -> dict | None:
+    """``summary.json``, or None before the run has ended."""
+    return read_json(Path(workdir) / SUMMARY)
+
+
+def write_summary(workdir: Path, record: dict) -> None:
+    atomic_write_json(Path(workdir) / SUMMARY, record)
+
+
+def outcome(workdir: Path) -> str | None:
+    """The summary's status when it is final (``DONE``), else None."""
+    record = summary(workdir)
+    # A task summary written before summaries had a status is a finished run.
+    state = record.get("status", "finished") if record is not None else None
+    return state if state in DONE else None
+
+
+def finished(workdir: Path) -> dict | None:
+    """The summary of a finished run in ``workdir``, or None."""
+    folder_or_absent(workdir)
+    record = summary(workdir)
+    if record is None or record.get("status", "finished") != "finished":
+        return None
+    return record
+
+
+def status(workdir: Path) -> str:
+    """finished | diverged | failed | running | interrupted | pending."""
+    final = outcome(workdir)
+    if final is not None:
+        return final
+    if is_locked(workdir):
+        return "running"
+    if (Path(workdir) / ERROR).exists():
+        return "failed"
+    if has_checkpoint(workdir):
+        return "interrupted"
+    return "pending"
+
+
+def has_checkpoint(workdir: Path) -> bool:
+    folder = Path(workdir) / CHECKPOINTS
+    return folder.is_dir() and any(p.name.isdigit() for p in folder.iterdir())
+
+
+def check(config, workdir: Path, has_training: bool) -> None:
+    """Refuse a workdir that holds training of another config (``has_training``: the caller's
+    own checkpoint, or a finished summary); keys that do not change the trained numbers
+    (``train.config.RESUMABLE_CHANGES``) may differ."""
+    # Here, not at the top: the analysis reads run folders without importing training code.
+    from lmuscale.train.config import differences, flatten, saved_flat
+
+    folder_or_absent(workdir)
+    path = Path(workdir) / CONFIG
+    if not (has_training or finished(workdir) is not None):
+        return
+    old = read_json(path)
+    if old is None:
+        return
+    changed = differences(old, config)
+    if changed:
+        old_flat, new_flat = saved_flat(old), flatten(config)
+        listed = "; ".join(f"{k}: {old_flat.get(k)!r} -> {new_flat.get(k)!r}" for k in changed)
+        raise ConfigError(
+            f"{workdir} holds a run of another config (differs in {listed}); use a new "
+            "--workdir, or the saved config"
+        )
+
+
+def write_config(config, workdir: Path) -> None:
+    from lmuscale.train.config import to_json
+
+    workdir = Path(workdir)
+    workdir.mkdir(parents=True, exist_ok=True)
+    atomic_write_bytes(workdir / CONFIG, to_json(config).encode())
+
+
+def folder_or_absent(workdir: Path) -> None:
+    """A workdir is a folder, or does not exist yet under folders: else a ``ConfigError``."""
+    path = Path(workdir)
+    existing = next((p for p in (path, *path.parents) if p.exists()), None)
+    if existing is not None and not existing.is_dir():
+        raise ConfigError(f"workdir {workdir}: it (or a folder above it) is a file")
+
+
+def usable(workdir: Path) -> Path:
+    """Create ``workdir`` (and its parents) if needed; a path that cannot be a workdir (a file,
+    a read-only filesystem, no permission) is a ``ConfigError`` that names it."""
+    workdir = Path(workdir)
+    try:
+        workdir.mkdir(parents=True, exist_ok=True)
+    except (FileExistsError, NotADirectoryError):
+        raise ConfigError(f"workdir {workdir}: it (or a folder above it) is a file") from None
+    except OSError as error:
+        raise ConfigError(f"workdir {workdir}: cannot be created: {_reason(error)}") from None
+    return workdir
+
+
+def _reason(error: OSError) -> str:
+    if error.errno == errno.EROFS:
+        return "the filesystem is read-only"
+    if error.errno in (errno.EACCES, errno.EPERM):
+        return "permission denied"
+    if error.errno == errno.ENOSPC:
+        return "no space (or no inodes) left on the device"
+    return error.strerror or str(error)
+
+
+def _parse(line: bytes) -> dict | None:
+    try:
+        record = json.loads(line.decode())  # json.loads decodes bytes a third slower
+    except ValueError:  # UnicodeDecodeError included
+        return None
+    return record if isinstance(record, dict) else None
+
+
+def read_log(path: Path) -> list[dict]:
+    """Every record of a JSONL log (none when there is no file): a torn last line is dropped,
+    any other line that is not a JSON object is a ``DamagedFile`` naming it."""
+    try:
+        lines = Path(path).read_bytes().splitlines()
+    except FileNotFoundError:
+        return []
+    records = []
+    for number, line in enumerate(lines, 1):
+        if not line.strip():
+            continue
+        record = _parse(line)
+        if record is None:
+            if number == len(lines):
+                break
+            raise DamagedFile(
+                f"{path}:{number}: not a JSON log line, and not the last line (only a kill's "
+                "torn last line is dropped); mend it, or move the file away"
+            )
+        records.append(record)
+    return records
+
+
+def last_record(path: Path) -> dict | None:
+    """The last complete record of a JSONL log, read from its end (a torn last line is
+    skipped); None when there is none."""
+    try:
+        with open(path, "rb") as f:
+            f.seek(0, os.SEEK_END)
+            f.seek(max(0, f.tell() - 65536))
+            lines = f.read().splitlines()
+    except FileNotFoundError:
+        return None
+    for line in reversed(lines):
+        record = _parse(line)
+        if record is not None:
+            return record
+    return None
+
+
+def cut_log(path: Path, step: int) -> None:
+    """Truncate a step log after its last line whose step is <= ``step``, in place (a resumed
+    run continues it). A torn last line is dropped; an unreadable line anywhere else, or a step
+    below an earlier one, is damage that a cut would hide or spread: ``DamagedFile``."""
+    if not path.exists():
+        return
+    remedy = f"mend it, or move it away and the run starts a new one after step {step}"
+    with path.open("r+b") as f:
+        offset = keep = 0  # bytes read; bytes of the lines kept
+        bad, previous = None, None  # an unreadable line's number; the last step seen
+        ended = True  # whether the kept lines end with a newline
+        for number, line in enumerate(f, 1):
+            if bad is not None:
+                raise DamagedFile(
+                    f"{path}:{bad}: not a JSON log line with a step, and not the last line "
+                    f"(only a kill's torn last line is dropped); {remedy}"
+                )
+            record = _parse(line)
+            at = record.get("step") if record is not None else None
+            if not isinstance(at, int) or isinstance(at, bool):
+                bad = number
+                continue
+            if previous is not None and at < previous:
+                raise DamagedFile(
+                    f"{path}:{number}: step {at} after step {previous}; the lines must be in "
+                    f"step order (did two runs write to this workdir?); {remedy}"
+                )
+            previous = at
+            offset += len(line)
+            if at <= step:
+                keep, ended = offset, line.endswith(b"\n")
+        if keep < f.seek(0, os.SEEK_END):
+            f.truncate(keep)
+        elif not ended:  # a whole last line without its newline (a kill, or an editor)
+            f.write(b"\n")
+        else:
+            return
+        os.fsync(f.fileno())
+
+
+class Lock:
+    """An exclusive flock on ``WORKDIR/lock`` holding its holder's pid, host and start time.
+
+    flock conflicts between two opens of the file even within one process, so code that
+    already holds a workdir's lock (a sweep worker, around the training of its trial) tells
+    ``train.run`` so rather than taking it twice.
+    """
+
+    def __init__(self, workdir: Path):
+        self.path = Path(workdir).absolute() / LOCK
+        self.fd = None
+
+    def acquire(self) -> bool:
+        """Take the lock if it is free."""
+        try:
+            fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
+        except OSError as error:
+            where = self.path.parent
+            raise ConfigError(f"workdir {where}: cannot write in it: {_reason(error)}") from None
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            os.close(fd)
+            return False
+        holder = f"pid {os.getpid()} on {socket.gethostname()} since {time.ctime()}\n"
+        os.ftruncate(fd, 0)
+        os.pwrite(fd, holder.encode(), 0)
+        self.fd = fd
+        return True
+
+    def release(self) -> None:
+        if self.fd is not None:
+            os.close(self.fd)  # closing the last descriptor releases the flock
+            self.fd = None
+
+    def holder(self) -> str:
+        """Who holds the lock, as its holder wrote it ("pid 12 on host since ...")."""
+        try:
+            return self.path.read_text().strip() or "another process"
+        except OSError:
+            return "another process"
+
+    def __enter__(self):
+        if not self.acquire():
+            raise WorkdirBusy(
+                f"workdir {self.path.parent} is in use by {self.holder()}; wait for that run "
+                "to end (or stop it), or use another --workdir"
+            )
+        return self
+
+    def __exit__(self, *exc):
+        self.release()
+
+
+def is_locked(workdir: Path) -> bool:
+    """Whether another process holds the workdir's lock (False when there is no lock file)."""
+    lock = Lock(workdir)
+    if not lock.path.exists():
+        return False
+    free = lock.acquire()
+    lock.release()
+    return not free
