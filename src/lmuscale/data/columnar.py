@@ -39,7 +39,7 @@ import pyarrow as pa
 import pyarrow.ipc
 import pyarrow.parquet as pq
 
-from lmuscale.data.sources import (
+from lmuscale.data.base import (
     TABLE_SUFFIXES,
     BadLine,
     DataError,

@@ -30,7 +30,7 @@ import numpy as np
 import tiktoken
 
 from lmuscale import GPT2_VOCAB
-from lmuscale.data.sources import utf8_error
+from lmuscale.data.base import utf8_error
 
 GPT2_EOT = 50256
 ENDOFTEXT = "<|endoftext|>"
