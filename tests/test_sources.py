@@ -51,8 +51,10 @@ def test_owt2_folder_and_single_files(datafiles):
     a, b = datafiles.texts(5, seed=3), datafiles.texts(6, seed=4)
     datafiles.jsonl_zst("release/2020-02.jsonl.zst", b)
     datafiles.jsonl_zst("release/2020-01.jsonl.zst", a)
-    datafiles.write("release/notes.txt", b"ignored")
+    notes = datafiles.write("release/notes.txt", b"ignored")
     assert texts("owt2", [str(datafiles.root / "release")]) == a + b  # sorted by name
+    # prepare names the files it skipped (test_columnar checks the line it prints)
+    assert open_source("owt2", [str(datafiles.root / "release")]).skipped == (notes.resolve(),)
     single = datafiles.root / "release/2020-02.jsonl.zst"
     assert texts("owt2", [str(single)]) == b
 

@@ -40,13 +40,15 @@ class Shard:
 @dataclasses.dataclass(frozen=True)
 class Source:
     """``spec`` as the user wrote it, what it resolved to (files with their sizes in bytes, or
-    tfds splits with their example counts), its shards, and the column (or JSON field) read as
-    the text where it is not the default of the JSON sources (None)."""
+    tfds splits with their example counts), its shards, the column (or JSON field) read as
+    the text where it is not the default of the JSON sources (None), and the files in the
+    folders given that it does not read (``skipped``: not part of what was prepared)."""
 
     spec: str
     files: tuple[tuple[str, int], ...]
     shards: Callable[[], Iterator[Shard]]
     text_column: str | None = None
+    skipped: tuple[Path, ...] = ()
 
     @property
     def nbytes(self) -> int | None:
@@ -79,6 +81,15 @@ def existing_paths(path_or_glob: str) -> list[Path]:
     if not path.exists():
         raise DataError(f"{path}: no such file or folder")
     return [path]
+
+
+def folder_files(folder: Path, suffixes: tuple[str, ...]) -> tuple[list[Path], list[Path]]:
+    """The files under ``folder`` (searched recursively, sorted by path) whose names end with one
+    of ``suffixes``, resolved; and the others, which the caller reports as skipped."""
+    found, skipped = [], []
+    for path in sorted(p for p in folder.rglob("*") if p.is_file()):
+        (found if path.name.endswith(suffixes) else skipped).append(path.resolve())
+    return found, skipped
 
 
 def sized(paths: Iterable[Path]) -> tuple[tuple[str, int], ...]:

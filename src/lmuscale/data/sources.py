@@ -38,6 +38,7 @@ from lmuscale.data.base import (
     Shard,
     Source,
     existing_paths,
+    folder_files,
     sized,
     utf8_error,
 )
@@ -262,18 +263,21 @@ def _check_tar_end(tar: tarfile.TarFile, path: Path) -> None:
 # --- resolving a source --------------------------------------------------------------------
 
 
-def _files(inputs: Iterable[str], suffixes: tuple[str, ...], source: str) -> list[Path]:
-    """Input files in order (a folder gives its matching files, sorted), each once."""
+def _files(
+    inputs: Iterable[str], suffixes: tuple[str, ...], source: str
+) -> tuple[list[Path], tuple[Path, ...]]:
+    """Input files in order (a folder gives its matching files, sorted), each once; and the
+    other files in the folders given."""
     files: dict[Path, None] = {}
+    skipped: dict[Path, None] = {}
     for given in inputs:
         for path in existing_paths(given):
             if path.is_dir():
-                found = sorted(
-                    p for p in path.rglob("*") if p.is_file() and p.name.endswith(suffixes)
-                )
+                found, others = folder_files(path, suffixes)
                 if not found:
                     raise DataError(f"{path}: the folder holds no {' or '.join(suffixes)} files")
-                files.update(dict.fromkeys(p.resolve() for p in found))
+                files.update(dict.fromkeys(found))
+                skipped.update(dict.fromkeys(others))
             elif path.name.endswith(suffixes):
                 files[path.resolve()] = None
             else:
@@ -281,7 +285,7 @@ def _files(inputs: Iterable[str], suffixes: tuple[str, ...], source: str) -> lis
                 raise DataError(
                     f"{path}: {source} reads {', '.join(suffixes)} files, not this{tables}"
                 )
-    return list(files)
+    return list(files), tuple(p for p in skipped if p not in files)
 
 
 def _json_field(text_column: str) -> str | None:
@@ -295,7 +299,7 @@ def owt2_source(inputs: list[str], text_column: str = TEXT_COLUMN) -> Source:
         raise DataError(
             "owt2 needs at least one path: the .jsonl.zst.tar or a folder of .jsonl.zst"
         )
-    files = _files(inputs, (".tar", ".jsonl.zst", ".jsonl"), "owt2")
+    files, skipped = _files(inputs, (".tar", ".jsonl.zst", ".jsonl"), "owt2")
 
     def shards() -> Iterator[Shard]:
         for path in files:
@@ -304,7 +308,7 @@ def owt2_source(inputs: list[str], text_column: str = TEXT_COLUMN) -> Source:
             else:
                 yield _file_shard(path, text_column)
 
-    return Source("owt2", sized(files), shards, _json_field(text_column))
+    return Source("owt2", sized(files), shards, _json_field(text_column), skipped)
 
 
 def text_source(inputs: list[str], text_column: str = TEXT_COLUMN) -> Source:
@@ -314,12 +318,13 @@ def text_source(inputs: list[str], text_column: str = TEXT_COLUMN) -> Source:
         raise DataError(
             "text needs at least one path or glob of .txt, .jsonl, .jsonl.zst or .jsonl.gz files"
         )
-    files = _files(inputs, (".txt", ".jsonl", ".jsonl.zst", ".jsonl.gz"), "text")
+    files, skipped = _files(inputs, (".txt", ".jsonl", ".jsonl.zst", ".jsonl.gz"), "text")
     return Source(
         "text",
         sized(files),
         lambda: (_file_shard(p, text_column) for p in files),
         _json_field(text_column),
+        skipped,
     )
 
 
