@@ -242,6 +242,36 @@ def test_text_column_and_bad_rows_from_the_command_line(datafiles, tmp_path, cap
     assert meta["source"]["text_column"] == "body"
 
 
+def test_a_folder_of_parquet_says_which_of_its_other_files_it_skipped(datafiles, tmp_path, capsys):
+    """``prepare parquet DIR`` reads DIR's .parquet files only; the .arrow (read when named),
+    .jsonl and .txt files beside them are named on stderr, not passed over in silence."""
+    docs = datafiles.texts(400, seed=9)
+    datafiles.parquet("mixed/a.parquet", docs[:300], row_group_size=64)
+    datafiles.parquet("mixed/sub/b.parquet", docs[300:], row_group_size=64)
+    others = [
+        datafiles.arrow_stream("mixed/c.arrow", ["not read"]),
+        datafiles.jsonl("mixed/d.jsonl", ["not read"]),
+        datafiles.write("mixed/sub/e.txt", b"not read"),
+        datafiles.write("mixed/sub/f.txt", b"not read either"),
+    ]
+    folder = datafiles.root / "mixed"
+    command = ["prepare", "parquet", str(folder), "--tokenizer", "bytes", "--workers", "0"]
+    assert main([*command, "--quiet", "--out", str(tmp_path / "out")]) == 0
+    shown = ", ".join(str(p.resolve()) for p in others[:3])
+    assert capsys.readouterr().err == (
+        "note: parquet skipped 4 files in the folders given that it does not read "
+        f"(1 .arrow, 1 .jsonl, 2 .txt): {shown}, ...\n"
+    )
+    meta = json.loads((tmp_path / "out" / "meta.json").read_text())
+    assert sum(s["documents"] for s in meta["splits"].values()) == 400
+    # A file named as well as found in a folder is read, not reported; nothing else is said.
+    assert texts([folder, others[0]]) == [*docs, "not read"]
+    assert open_source("parquet", [str(folder), str(others[0])]).skipped == tuple(
+        p.resolve() for p in others[1:]
+    )
+    assert open_source("parquet", [str(datafiles.root / "mixed/a.parquet")]).skipped == ()
+
+
 @pytest.mark.parametrize("form", ["parquet", "save_to_disk"])
 def test_memory_does_not_grow_with_the_file(datafiles, tmp_path, form):
     """Peak RSS of a prepare of a 10x larger table is within a few MB of the small one's."""

@@ -16,7 +16,7 @@ import pytest
 from lmuscale.layers import layer_norm
 from lmuscale.models import build, count_params, flops_per_token, named_config, sizes
 from lmuscale.models import family as families
-from lmuscale.models.base import LanguageModel, RecurrentConfig, embedding_init
+from lmuscale.models.base import LanguageModel, RecurrentConfig
 from lmuscale.models.family import Registered
 from lmuscale.train import base_config
 from lmuscale.train import config as config_lib
@@ -42,12 +42,11 @@ class ShiftBlock(nn.Module):
 
 class ToyModel(LanguageModel):
     config: ToyConfig
+    block_class = ShiftBlock
 
-    def setup(self):
-        c = self.config
-        self.embed = nn.Embed(c.vocab_size, c.d, embedding_init=embedding_init)
-        self.blocks = [ShiftBlock(c.d, name=f"block_{i}") for i in range(c.n_layers)]
-        self.norm = layer_norm(jnp.float32)
+    def block_fields(self, layer: int) -> dict:
+        del layer
+        return {"d": self.config.d}
 
 
 def toy_params(c: ToyConfig) -> sizes.ParamCount:

@@ -6,6 +6,8 @@ from __future__ import annotations
 import dataclasses
 import math
 import re
+import subprocess
+import sys
 
 import jax
 import jax.numpy as jnp
@@ -808,3 +810,14 @@ def test_lstm_layer_scan_and_step_equal_a_float64_loop_of_the_equations():
     expected = reference_lstm(x.astype(np.float64), as_float64(params["params"]))
     np.testing.assert_allclose(jax.jit(layer.apply)(params, x), expected, atol=1e-5)
     np.testing.assert_allclose(layer_step_by_step(layer, params, x), expected, atol=1e-5)
+
+
+def test_models_do_not_import_the_data_package():
+    """Modules import downwards (lmu <- layers <- models <- train): the models take the GPT-2
+    vocabulary size from the package root, not from the tokenizer."""
+    code = "import sys, lmuscale.models; print(sorted(m for m in sys.modules if 'lmuscale' in m))"
+    loaded = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, check=True
+    ).stdout
+    assert "lmuscale.models.lmu" in loaded
+    assert "lmuscale.data" not in loaded, loaded

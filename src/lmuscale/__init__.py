@@ -24,3 +24,7 @@ the scaling formulas keep (D tokens, S steps, L loss).
 """
 
 __version__ = "0.1.0"
+
+# GPT-2's vocabulary size: the models' default and the tokenizer's. It lives here, below both,
+# so that the models need not import the data package for one number.
+GPT2_VOCAB = 50257

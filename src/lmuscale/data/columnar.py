@@ -1,7 +1,8 @@
 """Parquet and Arrow tables: FineWeb-style parquet, and folders of Hugging Face ``save_to_disk``.
 
 ``parquet PATH_OR_GLOB...`` reads, in the order given (globs, ``**`` included, sorted):
-- ``.parquet`` files, and folders of them (searched recursively, sorted by path);
+- ``.parquet`` files, and folders of them (searched recursively, sorted by path; the
+  folder's other files are not read, and ``prepare`` names them on stderr);
 - a folder written by ``datasets.Dataset.save_to_disk``: the Arrow IPC stream files that its
   ``state.json`` lists (``_data_files``), in that order; other ``.arrow`` files there (the
   ``cache-*.arrow`` of a ``map``) are not the dataset and are not read;
@@ -39,7 +40,7 @@ import pyarrow as pa
 import pyarrow.ipc
 import pyarrow.parquet as pq
 
-from lmuscale.data.sources import (
+from lmuscale.data.base import (
     TABLE_SUFFIXES,
     BadLine,
     DataError,
@@ -47,6 +48,7 @@ from lmuscale.data.sources import (
     Shard,
     Source,
     existing_paths,
+    folder_files,
     sized,
     utf8_error,
 )
@@ -264,21 +266,23 @@ def _saved_dataset_dict(folder: Path) -> list[Path]:
     return files
 
 
-def _table_files(path: Path) -> list[Path]:
+def _table_files(path: Path) -> tuple[list[Path], list[Path]]:
+    """The table files that ``path`` names, and the other files of a folder of parquet files
+    (those of a save_to_disk folder that are not the dataset are not reported)."""
     if path.is_dir():
         if (path / DATASET_DICT).is_file():
-            return _saved_dataset_dict(path)
+            return _saved_dataset_dict(path), []
         if (path / STATE).is_file():
-            return _saved_dataset(path)
-        found = sorted(p for p in path.rglob("*.parquet") if p.is_file())
+            return _saved_dataset(path), []
+        found, skipped = folder_files(path, (".parquet",))
         if not found:
             raise DataError(
                 f"{path}: the folder holds no .parquet files, and is not a save_to_disk folder "
                 f"(it has no {STATE} or {DATASET_DICT})"
             )
-        return [p.resolve() for p in found]
+        return found, skipped
     if path.name.endswith(TABLE_SUFFIXES):
-        return [path.resolve()]
+        return [path.resolve()], []
     raise DataError(
         f"{path}: parquet reads .parquet and .arrow files and save_to_disk folders, not this"
     )
@@ -292,9 +296,12 @@ def parquet_source(inputs: list[str], text_column: str) -> Source:
             "folder written by datasets' save_to_disk"
         )
     files: dict[Path, None] = {}
+    skipped: dict[Path, None] = {}
     for given in inputs:
         for path in existing_paths(given):
-            files.update(dict.fromkeys(_table_files(path)))
+            found, others = _table_files(path)
+            files.update(dict.fromkeys(found))
+            skipped.update(dict.fromkeys(others))
 
     def shards() -> Iterator[Shard]:
         for path in files:
@@ -303,4 +310,5 @@ def parquet_source(inputs: list[str], text_column: str) -> Source:
             else:
                 yield Shard(str(path), lambda path=path: _arrow_documents(path, text_column))
 
-    return Source("parquet", sized(files), shards, text_column)
+    skipped_files = tuple(p for p in skipped if p not in files)
+    return Source("parquet", sized(files), shards, text_column, skipped_files)

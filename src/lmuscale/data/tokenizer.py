@@ -29,9 +29,9 @@ from pathlib import Path
 import numpy as np
 import tiktoken
 
-from lmuscale.data.sources import utf8_error
+from lmuscale import GPT2_VOCAB
+from lmuscale.data.base import utf8_error
 
-GPT2_VOCAB = 50257
 GPT2_EOT = 50256
 ENDOFTEXT = "<|endoftext|>"
 GPT2_URL = "https://openaipublic.blob.core.windows.net/gpt-2/encodings/main/"

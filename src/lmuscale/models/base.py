@@ -1,7 +1,8 @@
 """What every language model here shares: tied logits, the chunked cross-entropy, the step API.
 
-A model subclasses ``LanguageModel``. Its ``setup`` defines ``embed`` (an ``nn.Embed``, also
-the output projection), ``blocks`` and the final ``norm``; it provides
+A model subclasses ``LanguageModel``. ``LanguageModel.setup`` defines ``embed`` (an
+``nn.Embed``, also the output projection), ``blocks`` and the final ``norm``; the family gives
+its ``block_class`` and, where a block takes more than the config, ``block_fields(i)``. It provides
 - ``embed_tokens(tokens, index)`` where the block input is more than ``embed(tokens)`` (the
   transformer adds positions): tokens at positions 0..T-1 (index None) or one token at
   position ``index`` (decoding);
@@ -15,13 +16,15 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+from typing import ClassVar
 
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
 from jax import lax
 
-from lmuscale.data.tokenizer import GPT2_VOCAB
+from lmuscale import GPT2_VOCAB
+from lmuscale.layers import layer_norm
 from lmuscale.models import fused_loss
 from lmuscale.models.family import Registered
 
@@ -195,6 +198,24 @@ _cross_entropy.defvjp(_cross_entropy_fwd, _cross_entropy_bwd)
 
 class LanguageModel(nn.Module):
     """Parallel logits and loss, and the recurrent step, shared by every family."""
+
+    block_class: ClassVar[type[nn.Module]]
+
+    def setup(self):
+        """The parts every family has: ``embed``, ``blocks`` (``block_0`` ... , each
+        rematerialised in the backward pass where the config says ``remat``) and ``norm``."""
+        c = self.config
+        dtype = compute_dtype(c.dtype)
+        self.embed = nn.Embed(c.vocab_size, c.d, embedding_init=embedding_init, dtype=dtype)
+        block = nn.remat(self.block_class) if c.remat else self.block_class
+        self.blocks = [block(**self.block_fields(i), name=f"block_{i}") for i in range(c.n_layers)]
+        self.norm = layer_norm(dtype)
+
+    def block_fields(self, layer: int) -> dict:
+        """The fields of block ``layer`` (from 0): the model's config, unless a family says
+        otherwise."""
+        del layer
+        return {"config": self.config}
 
     def embed_tokens(self, tokens, index):
         """The token embedding alone: the recurrent families need no positions (their state

@@ -17,8 +17,7 @@ import math
 import flax.linen as nn
 import jax.numpy as jnp
 
-from lmuscale import lmu
-from lmuscale.data.tokenizer import GPT2_VOCAB
+from lmuscale import GPT2_VOCAB, lmu
 from lmuscale.layers import (
     FFN,
     MEMORY_MODES,
@@ -34,7 +33,6 @@ from lmuscale.models.base import (
     check_positive,
     compute_dtype,
     default_heads,
-    embedding_init,
 )
 from lmuscale.models.family import Family, Registered, register
 
@@ -159,14 +157,7 @@ class LMUBlock(nn.Module):
 
 class LMULanguageModel(LanguageModel):
     config: LMUConfig
-
-    def setup(self):
-        c = self.config
-        dtype = compute_dtype(c.dtype)
-        self.embed = nn.Embed(c.vocab_size, c.d, embedding_init=embedding_init, dtype=dtype)
-        block = nn.remat(LMUBlock) if c.remat else LMUBlock
-        self.blocks = [block(c, name=f"block_{i}") for i in range(c.n_layers)]
-        self.norm = layer_norm(dtype)
+    block_class = LMUBlock
 
     def decode_state(self, batch_size: int, max_len: int | None = None):
         block = LMUBlock(self.config, parent=None)

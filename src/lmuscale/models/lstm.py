@@ -29,7 +29,7 @@ from jax import lax
 
 from lmuscale.layers import DEFAULT_INIT, layer_norm
 from lmuscale.models import sizes
-from lmuscale.models.base import LanguageModel, RecurrentConfig, compute_dtype, embedding_init
+from lmuscale.models.base import LanguageModel, RecurrentConfig, compute_dtype
 from lmuscale.models.family import Family, register
 
 # Per-channel element-wise FLOPs of one step (each multiply, add, sigmoid or tanh counts 1):
@@ -115,18 +115,15 @@ class LSTMLayer(nn.Module):
 
 class LSTMLanguageModel(LanguageModel):
     config: LSTMConfig
+    block_class = LSTMLayer
 
-    def setup(self):
-        c = self.config
-        dtype = compute_dtype(c.dtype)
-        self.embed = nn.Embed(c.vocab_size, c.d, embedding_init=embedding_init, dtype=dtype)
-        layer = nn.remat(LSTMLayer) if c.remat else LSTMLayer
-        self.blocks = [layer(c.d, dtype, name=f"block_{i}") for i in range(c.n_layers)]
-        self.norm = layer_norm(dtype)
+    def block_fields(self, layer: int) -> dict:
+        del layer
+        return {"d": self.config.d, "dtype": compute_dtype(self.config.dtype)}
 
     def decode_state(self, batch_size: int, max_len: int | None = None):
         c = self.config
-        layer = LSTMLayer(c.d, compute_dtype(c.dtype), parent=None)
+        layer = LSTMLayer(**self.block_fields(0), parent=None)
         return {"layers": [layer.decode_state(batch_size, max_len) for _ in range(c.n_layers)]}
 
 

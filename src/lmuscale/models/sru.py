@@ -41,7 +41,7 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from lmuscale.data.tokenizer import GPT2_VOCAB
+from lmuscale import GPT2_VOCAB
 from lmuscale.layers import DEFAULT_INIT, kv_cache, layer_norm
 from lmuscale.models import sizes
 from lmuscale.models.base import (
@@ -49,7 +49,6 @@ from lmuscale.models.base import (
     RecurrentConfig,
     check_config,
     compute_dtype,
-    embedding_init,
 )
 from lmuscale.models.family import Family, Registered, register
 
@@ -237,14 +236,10 @@ class SRULanguageModel(LanguageModel):
     """The SRU (``SRUConfig``) or SRU++ (``SRUPPConfig``) language model."""
 
     config: SRUConfig | SRUPPConfig
+    block_class = SRULayer
 
-    def setup(self):
-        c = self.config
-        dtype = compute_dtype(c.dtype)
-        self.embed = nn.Embed(c.vocab_size, c.d, embedding_init=embedding_init, dtype=dtype)
-        layer = nn.remat(SRULayer) if c.remat else SRULayer
-        self.blocks = [layer(**_layer_fields(c, i), name=f"block_{i}") for i in range(c.n_layers)]
-        self.norm = layer_norm(dtype)
+    def block_fields(self, layer: int) -> dict:
+        return _layer_fields(self.config, layer)
 
     def decode_state(self, batch_size: int, max_len: int | None = None):
         c = self.config

@@ -19,7 +19,7 @@ import math
 import flax.linen as nn
 import jax.numpy as jnp
 
-from lmuscale.data.tokenizer import GPT2_VOCAB
+from lmuscale import GPT2_VOCAB
 from lmuscale.layers import FFN, GlobalSelfAttention, kv_cache, layer_norm
 from lmuscale.models import sizes
 from lmuscale.models.base import (
@@ -27,7 +27,6 @@ from lmuscale.models.base import (
     check_config,
     compute_dtype,
     default_heads,
-    embedding_init,
 )
 from lmuscale.models.family import Family, Registered, register
 
@@ -86,15 +85,12 @@ class TransformerBlock(nn.Module):
 
 class TransformerLanguageModel(LanguageModel):
     config: TransformerConfig
+    block_class = TransformerBlock
 
     def setup(self):
+        super().setup()
         c = self.config
-        dtype = compute_dtype(c.dtype)
-        self.embed = nn.Embed(c.vocab_size, c.d, embedding_init=embedding_init, dtype=dtype)
         self.positions = self.param("positions", POSITION_INIT, (c.max_len, c.d))
-        block = nn.remat(TransformerBlock) if c.remat else TransformerBlock
-        self.blocks = [block(c, name=f"block_{i}") for i in range(c.n_layers)]
-        self.norm = layer_norm(dtype)
 
     def embed_tokens(self, tokens, index):
         if index is None:

@@ -1,0 +1,96 @@
+"""What every source shares: the documents, shards and sources they yield, ``DataError``, and
+the path helpers. ``sources.py`` and ``columnar.py`` both build on it (neither imports the
+other for these).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import glob
+from collections.abc import Callable, Iterable, Iterator
+from pathlib import Path
+
+TABLE_SUFFIXES = (".parquet", ".arrow")  # the parquet source's files (columnar.py)
+
+
+class DataError(ValueError):
+    """Bad input or a bad prepared dataset; the message names the file (and line, key or value)."""
+
+
+@dataclasses.dataclass(frozen=True)
+class Document:
+    text: str
+    where: str  # "file:line", for messages
+
+
+@dataclasses.dataclass(frozen=True)
+class BadLine:
+    where: str
+    reason: str
+
+
+@dataclasses.dataclass(frozen=True)
+class Shard:
+    """A unit of work: ``documents()`` must be consumed before the next shard is drawn."""
+
+    name: str
+    documents: Callable[[], Iterator[Document | BadLine]]
+
+
+@dataclasses.dataclass(frozen=True)
+class Source:
+    """``spec`` as the user wrote it, what it resolved to (files with their sizes in bytes, or
+    tfds splits with their example counts), its shards, the column (or JSON field) read as
+    the text where it is not the default of the JSON sources (None), and the files in the
+    folders given that it does not read (``skipped``: not part of what was prepared)."""
+
+    spec: str
+    files: tuple[tuple[str, int], ...]
+    shards: Callable[[], Iterator[Shard]]
+    text_column: str | None = None
+    skipped: tuple[Path, ...] = ()
+
+    @property
+    def nbytes(self) -> int | None:
+        """Input size in bytes, where it is known before reading (not for tfds)."""
+        return None if self.spec.startswith("tfds:") else sum(size for _, size in self.files)
+
+    def describe(self) -> dict:
+        """What a prepared folder records of its source (and a resumed prepare compares)."""
+        described = {"spec": self.spec, "files": [list(f) for f in self.files]}
+        if self.text_column is not None:  # absent when default: older folders still match
+            described["text_column"] = self.text_column
+        return described
+
+
+def utf8_error(data: bytes, error: UnicodeDecodeError) -> str:
+    """Where ``data`` stops being UTF-8: its byte, line and column (in bytes, from 1)."""
+    line = data.count(b"\n", 0, error.start) + 1
+    column = error.start - (data.rfind(b"\n", 0, error.start) + 1) + 1
+    return f"not valid UTF-8 (byte 0x{data[error.start]:02x} at line {line}, column {column})"
+
+
+def existing_paths(path_or_glob: str) -> list[Path]:
+    """The paths a path or glob (``**`` included) names; none is an error."""
+    if glob.has_magic(path_or_glob):
+        matches = sorted(glob.glob(path_or_glob, recursive=True))
+        if not matches:
+            raise DataError(f"{path_or_glob}: the pattern matches no files")
+        return [Path(m) for m in matches]
+    path = Path(path_or_glob)
+    if not path.exists():
+        raise DataError(f"{path}: no such file or folder")
+    return [path]
+
+
+def folder_files(folder: Path, suffixes: tuple[str, ...]) -> tuple[list[Path], list[Path]]:
+    """The files under ``folder`` (searched recursively, sorted by path) whose names end with one
+    of ``suffixes``, resolved; and the others, which the caller reports as skipped."""
+    found, skipped = [], []
+    for path in sorted(p for p in folder.rglob("*") if p.is_file()):
+        (found if path.name.endswith(suffixes) else skipped).append(path.resolve())
+    return found, skipped
+
+
+def sized(paths: Iterable[Path]) -> tuple[tuple[str, int], ...]:
+    return tuple((str(p), p.stat().st_size) for p in paths)
