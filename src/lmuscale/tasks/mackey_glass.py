@@ -2,15 +2,11 @@
 
     dx/dt = beta x(t - tau) / (1 + x(t - tau)^n) - gamma x(t),  beta 0.2, gamma 0.1, n 10, tau 17
 
-integrated by classical Runge-Kutta (RK4) with a step h that divides tau, so the delayed
-values at the start and end of a step are stored grid points. The one at the half step comes
-from the cubic Hermite interpolant of the two neighbouring grid values and their slopes (the
-slope at a grid point is the right-hand side already evaluated there), which keeps the scheme
-fourth order. The history is constant, x(t) = x0 for t <= 0, so the slope jumps at t = 0: the
-interval that ends at 0 uses the left slope (zero).
-
-tests/test_tasks.py checks the series against scipy's DOP853 at rtol 1e-12, run interval by
-interval over [k tau, (k+1) tau] (the method of steps), where the delayed term is known.
+integrated by RK4 with a step h that divides tau, so the delayed values at a step's ends are
+grid points. At the half step, the cubic Hermite interpolant of the neighbouring grid values
+and their slopes keeps the scheme fourth order. The history is constant, x(t) = x0 for
+t <= 0, so the slope jumps at t = 0: the interval ending there uses the left slope (zero).
+tests/test_tasks.py checks the series against scipy's DOP853 by the method of steps.
 """
 
 from __future__ import annotations
@@ -95,11 +91,8 @@ def series(
     """``count`` independent Mackey-Glass series of ``length`` samples, ``dt`` time units apart.
 
     Each starts from its own constant history x0 ~ U(0.5, 1.5) (seeded) and drops the first
-    ``washout`` time units, the transient before the series settles on the chaotic attractor;
-    the series differ because their x0 differ.
-
-    Returns:
-      ``x_BxT`` float64, T = length.
+    ``washout`` time units, the transient before the chaotic attractor. Returns ``x_BxT``
+    float64, T = length.
     """
     every = dt / h
     if abs(every - round(every)) > 1e-9:
@@ -123,13 +116,9 @@ def windows(x_BxT, horizon: int) -> tuple[np.ndarray, np.ndarray]:
 
 
 def load(data: ConfigDict) -> Splits:
-    """Independent series for train, val and test (each from its own history x0, all drawn
-    from one generator seeded by ``data.seed``), standardised by the training series' mean and
-    std.
-
-    An example is a whole series of ``length`` steps: the model sees x_0..x_t and predicts
-    x_{t + horizon} at every t. NRMSE does not depend on the standardisation.
-    """
+    """Independent series for train, val and test (histories x0 from one generator seeded by
+    ``data.seed``), standardised by the training series' mean and std (NRMSE does not depend
+    on it). An example is a whole series: x_0..x_t predicts x_{t + horizon} at every t."""
     counts = (data.train, data.val, data.test)
     if min(counts) <= 0 or data.length <= 0 or data.washout < 0 or data.seed < 0:
         raise ConfigError(
