@@ -394,12 +394,9 @@ class ParallelLMU(nn.Module):
         m_t = Abar m_{t-1} + Bbar u_t        order q per channel, window theta (eq 19)
         o_t = f2(W_m m_t + W_x x_t + b_o)    units (eq 20)
 
-    Modes, all the same function:
-    - ``mode="fft"``: every m_t at once by FFT convolution with the impulse response (eq 26);
-    - ``mode="scan"``: the recurrence in ``lax.scan`` (the paper's "LTI version");
-    - ``return_sequences=False``: only the last step, from one contraction of the input with
-      the reversed impulse response (eq 25), whatever the mode;
-    - ``step(m_BxCxQ, x_BxD)``: one position at a time (inference).
+    The same function in every mode: ``mode="fft"`` (eq 26) or ``"scan"`` (the paper's "LTI
+    version"); ``return_sequences=False``, the last step alone by one contraction (eq 25);
+    ``step(m_BxCxQ, x_BxD)``, one position at a time.
 
     Attributes:
       units: width of o. 0 drops eq 20: the layer returns the memory itself, flattened to

@@ -162,10 +162,10 @@ def tokens_figure(curves, efficiency, unit: str):
     return fig
 
 
-def learning_rate_figure(choices, unit: str, left_out=()):
+def learning_rate_figure(choices, unit: str):
     """Final loss against learning rate, one line per size, one panel per family; the rate
     chosen for each size is a star (hollow where the best lies at the edge of the grid)."""
-    notes = list(left_out)
+    notes = []
     families = sorted({c.family for c in choices})
     with matplotlib.rc_context(STYLE):
         fig, axes = panels(len(families))

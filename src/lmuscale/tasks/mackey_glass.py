@@ -23,35 +23,26 @@ GAMMA = 0.1
 POWER = 10
 
 
-def rhs(x, x_delayed, beta: float = BETA, gamma: float = GAMMA, power: int = POWER):
+def rhs(x, x_delayed):
     """The right-hand side of the delay equation."""
-    return beta * x_delayed / (1.0 + x_delayed**power) - gamma * x
+    return BETA * x_delayed / (1.0 + x_delayed**POWER) - GAMMA * x
 
 
-def integrate(
-    x0,
-    duration: float,
-    *,
-    h: float = 0.1,
-    tau: float = TAU,
-    beta: float = BETA,
-    gamma: float = GAMMA,
-    power: int = POWER,
-) -> tuple[np.ndarray, np.ndarray]:
+def integrate(x0, duration: float, *, h: float = 0.1) -> tuple[np.ndarray, np.ndarray]:
     """x(t) on the grid t = 0, h, 2h, ..., duration, for one or several constant histories.
 
     Args:
       x0: the history value x(t <= 0): a number, or an array of B of them (integrated
         together, one independent series each).
       duration: time units to integrate.
-      h: the RK4 step; tau / h must be a whole number.
+      h: the RK4 step; TAU / h must be a whole number.
 
     Returns:
       ``(t_T, x_TxB)`` in float64 (``x_T`` for a scalar x0), T = round(duration / h) + 1.
     """
-    ratio = tau / h
+    ratio = TAU / h
     if ratio < 1 or abs(ratio - round(ratio)) > 1e-9:
-        raise ValueError(f"the step h={h} must divide tau={tau} (tau / h = {ratio:g})")
+        raise ValueError(f"the step h={h} must divide tau={TAU} (tau / h = {ratio:g})")
     if not duration > 0:
         raise ValueError(f"duration must be > 0, got {duration!r}")
     lag, steps = round(ratio), round(duration / h)
@@ -59,22 +50,19 @@ def integrate(
     if not np.all(x0 > 0):
         raise ValueError(f"the history x0 must be positive, got {x0!r}")
 
-    def f(x, x_delayed):
-        return rhs(x, x_delayed, beta, gamma, power)
-
     # Row i is t = (i - lag) h: rows 0..lag-1 are the history, row lag is t = 0.
     x = np.empty((lag + steps + 1, *x0.shape))
     slope = np.zeros_like(x)  # the history's slope is zero
     x[: lag + 1] = x0
     for i in range(lag, lag + steps):
         j = i - lag  # the delayed interval [t - tau, t - tau + h] is rows j, j + 1
-        k1 = f(x[i], x[j])
+        k1 = rhs(x[i], x[j])
         slope[i] = k1
         right = slope[j + 1] if j + 1 != lag else 0.0  # left slope where it jumps, at t = 0
         mid = 0.5 * (x[j] + x[j + 1]) + h * (slope[j] - right) / 8.0
-        k2 = f(x[i] + 0.5 * h * k1, mid)
-        k3 = f(x[i] + 0.5 * h * k2, mid)
-        k4 = f(x[i] + h * k3, x[j + 1])
+        k2 = rhs(x[i] + 0.5 * h * k1, mid)
+        k3 = rhs(x[i] + 0.5 * h * k2, mid)
+        k4 = rhs(x[i] + h * k3, x[j + 1])
         x[i + 1] = x[i] + h * (k1 + 2.0 * k2 + 2.0 * k3 + k4) / 6.0
     return h * np.arange(steps + 1), x[lag:]
 
