@@ -10,6 +10,7 @@ import sys
 
 import numpy as np
 import pytest
+from figure_checks import text_overlaps
 from results_files import paper_rows, row, write_jsonl
 
 from lmuscale import scaling
@@ -87,7 +88,7 @@ def test_figures_have_labels_units_legends_and_no_overlapping_text(tmp_path):
         ax = fig.axes[0]
         assert "nats per token" in ax.get_ylabel(), name
         assert ax.get_xlabel() and ax.get_title(), name
-        assert figures.text_overlaps(fig) == [], name
+        assert text_overlaps(fig) == [], name
     labels3 = legend_labels(drawn["fig3"])
     for expected in (
         "Transformer, 25k steps (Kaplan eq. 1.6)",
@@ -114,11 +115,11 @@ def test_figures_have_labels_units_legends_and_no_overlapping_text(tmp_path):
 
 
 def test_overlap_check_can_fail():
-    fig = figures._figure()[0]
+    fig = figures.panels(1)[0]
     ax = fig.axes[0]
     ax.set_title("a title")
     ax.text(0.5, 1.01, "on top of the title", transform=ax.transAxes, ha="center")
-    assert figures.text_overlaps(fig)
+    assert text_overlaps(fig)
 
 
 def test_fig5_uses_kaplan_without_measured_long_runs(tmp_path):
@@ -144,7 +145,7 @@ def test_byte_level_results_leave_out_the_gpt2_references(tmp_path):
     assert "nats per byte" in drawn["fig3"].axes[0].get_ylabel()
     assert "same budget" in notes(drawn["fig5"])
     for fig in drawn.values():
-        assert figures.text_overlaps(fig) == []
+        assert text_overlaps(fig) == []
 
 
 def test_missing_columns_are_named(tmp_path):

@@ -10,10 +10,10 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from figure_checks import text_overlaps
 
 from lmuscale.analysis import analyse, load_results
 from lmuscale.analysis import optimal_figures as figures
-from lmuscale.analysis.figures import text_overlaps
 from lmuscale.analysis.learning_rate import read_learning_rates
 from lmuscale.analysis.optimal import compute_optimal
 

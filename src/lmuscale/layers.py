@@ -123,28 +123,18 @@ def implicit_attention(q_xDxKxc, k_xDxKxc, v_xDxKxc, bias_3xK, p_K, dtype):
     ``w = p softmax(Q K^T / sqrt(d))`` is a q'-vector and ``m = V^T w``, so the q' x d matrix
     ``M' = softmax(...) V`` of eq 9 is never formed.
 
-    The inputs are in the layout the chunked memory's matrix product writes them: channels,
-    then the reduced order, then a run of positions on the last axis (a chunk's c steps; all
-    T steps of a sequence from the FFT memory; one step when decoding). Every sum here runs
-    over the channel or the order axis and leaves that last axis in place, so nothing the
-    size of Q, K or V is moved: only the output, q' times smaller, is put back in sequence
-    order by the caller.
+    The inputs ``L_i M`` are in the layout the chunked memory's product writes: channels d,
+    reduced order q', then a run of positions last (a chunk's c steps, a whole sequence from
+    the FFT memory, one step when decoding). Every sum runs over d or q' and leaves that axis
+    in place, so nothing the size of Q, K or V is moved; the caller reorders only the output.
 
     The backward pass is written by hand: of the (positions x d x q')-sized arrays it keeps
-    only the inputs (the memory's outputs, which exist anyway), with the (q' x q') softmax
-    weights and w, and recomputes gelu(Q), gelu(K), gelu(V) where their gradients are formed.
-    (A custom VJP has no forward-mode derivative.)
+    only the inputs (which exist anyway), with the softmax weights and w, and recomputes the
+    gelus where their gradients are formed. (A custom VJP has no forward-mode derivative.)
 
-    Args:
-      q_xDxKxc, k_xDxKxc, v_xDxKxc: ``L_i M`` (leading axes ...), the d channels, the reduced
-        order q', then positions.
-      bias_3xK: one bias per row of each L_i.
-      p_K: the readout p of eq 10.
-      dtype: the compute dtype of Q, K, V; scores, softmax, w and all sums are float32 (or
-        wider).
-
-    Returns:
-      ``m_xDxc``, one d-vector per position, in ``dtype``.
+    ``bias_3xK`` is one bias per row of each L_i, ``p_K`` the readout p of eq 10, ``dtype``
+    that of Q, K, V (scores, softmax, w and all sums are at least float32). Returns
+    ``m_xDxc``, one d-vector per position, in ``dtype``.
     """
     return _attend(q_xDxKxc, k_xDxKxc, v_xDxKxc, bias_3xK, p_K, dtype)[0]
 
@@ -201,13 +191,11 @@ class ImplicitSelfAttention(nn.Module):
 
     Each position's memory M_t (q x d) is reduced along the order axis by three learned
     ``L_i`` (q' x q) to Q, K, V (q' x d); then eqs 9-10 give one d-vector. In parallel mode the
-    (batch, n, d, q) memory is never formed: only ``L M_t`` is computed, either in chunks of
-    matrix products (``lmu.chunk_product``, the default) or by FFT with the L_i folded into
-    the impulse response (appendix A.1, ``lmu.memory_reduced``). Either way Q, K and V stay in
-    the layout their computation writes, each channel's positions last, and
-    ``implicit_attention`` reads them there; only its output (q' times smaller) is put back in
-    sequence order. In step mode the state is the memory itself, ``m_BxDxQ`` in float32, whose
-    size does not depend on how many tokens came before.
+    (batch, n, d, q) memory is never formed: only ``L M_t``, in chunks of matrix products
+    (``lmu.chunk_product``, the default) or by FFT with the L_i folded into the impulse
+    response (appendix A.1, ``lmu.memory_reduced``), left in the layout
+    ``implicit_attention`` reads. In step mode the state is the memory ``m_BxDxQ`` in float32,
+    whose size does not depend on how many tokens came before.
 
     Attributes:
       q, q_prime, theta: the order q, the reduced order q' and the window θ in tokens.
@@ -301,9 +289,8 @@ def kv_cache(batch_size: int, max_len: int, width: int, n_heads: int, dtype):
 
 
 def attention_implementation(dtype, device=None) -> str:
-    """``"cudnn"`` (cuDNN's flash attention: the n x n scores are never stored) on an NVIDIA
-    GPU of compute capability 8.0 or later computing in bfloat16 or float16; ``"xla"``
-    elsewhere (CPU, TPU, float32, older or non-NVIDIA GPUs)."""
+    """``"cudnn"`` (flash attention: the n x n scores are never stored) on an NVIDIA GPU of
+    compute capability >= 8.0 in bfloat16 or float16; ``"xla"`` elsewhere."""
     device = device or jax.devices()[0]
     if device.platform != "gpu" or jnp.dtype(dtype) not in (jnp.bfloat16, jnp.float16):
         return "xla"
@@ -343,12 +330,8 @@ def causal_attention(q_BxTxHxA, k_BxTxHxA, v_BxTxHxA, implementation: str = "xla
 
 
 class GlobalSelfAttention(nn.Module):
-    """Causal multi-head self-attention over the whole sequence (``causal_attention``: cuDNN's
-    flash attention on a recent NVIDIA GPU in bfloat16, XLA's elsewhere).
-
-    Step mode carries a key/value cache ``{"k", "v"}`` of shape (B, max_len, heads, head_dim)
-    and the index of the position being written.
-    """
+    """Causal multi-head self-attention (``causal_attention``). Step mode carries a key/value
+    cache ``{"k", "v"}`` of shape (B, max_len, heads, head_dim) and the position's index."""
 
     features: int
     n_heads: int
@@ -411,12 +394,9 @@ class ParallelLMU(nn.Module):
         m_t = Abar m_{t-1} + Bbar u_t        order q per channel, window theta (eq 19)
         o_t = f2(W_m m_t + W_x x_t + b_o)    units (eq 20)
 
-    Modes, all the same function:
-    - ``mode="fft"``: every m_t at once by FFT convolution with the impulse response (eq 26);
-    - ``mode="scan"``: the recurrence in ``lax.scan`` (the paper's "LTI version");
-    - ``return_sequences=False``: only the last step, from one contraction of the input with
-      the reversed impulse response (eq 25), whatever the mode;
-    - ``step(m_BxCxQ, x_BxD)``: one position at a time (inference).
+    The same function in every mode: ``mode="fft"`` (eq 26) or ``"scan"`` (the paper's "LTI
+    version"); ``return_sequences=False``, the last step alone by one contraction (eq 25);
+    ``step(m_BxCxQ, x_BxD)``, one position at a time.
 
     Attributes:
       units: width of o. 0 drops eq 20: the layer returns the memory itself, flattened to

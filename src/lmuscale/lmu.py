@@ -2,30 +2,19 @@
 
 Everything here is a plain function. The frozen constants (A, B, Abar, Bbar, H) are computed
 in float64 with numpy/scipy, cached, and cast to the compute dtype only where a JAX function
-uses them (REFERENCE §1). The JAX functions take them as arguments, so a caller computes them
-once per config and closes over them.
+uses them (REFERENCE §1); the JAX functions take them as arguments.
 
-Conventions
------------
-- ``theta`` is the window length in time steps; the discretisation is zero-order hold, dt = 1.
-- The input sample ``u_t`` is held over the interval (t - 1, t], and the state update is
-  ``m_t = Abar m_{t-1} + Bbar u_t`` with ``m_{-1} = 0``, so ``m_t = sum_{j<=t} H[t-j] u_j`` with
-  ``H[k] = Abar^k Bbar`` (lag 0 included).
-- Shape letters as in the ``lmuscale`` docstring. Every channel has its own memory, so an
-  input ``u_BxTxC`` gives a memory ``m_BxTxCxQ``.
+Conventions: ``theta`` is the window in time steps, discretised by zero-order hold with
+dt = 1, the sample ``u_t`` held over (t - 1, t]. ``m_t = Abar m_{t-1} + Bbar u_t`` with
+``m_{-1} = 0``, so ``m_t = sum_{j<=t} H[t-j] u_j`` with ``H[k] = Abar^k Bbar`` (lag 0
+included). Every channel has its own memory: ``u_BxTxC`` gives ``m_BxTxCxQ``.
 
-Modes (all agree to float32 rounding; tests/test_lmu.py checks them against
-``memory_reference``, the float64 recurrence):
-- ``memory_fft``: parallel causal convolution with the impulse response, through rfft/irfft.
-- ``memory_scan``: the recurrence in ``lax.scan``.
-- ``memory_step``: one recurrent step, for decoding with a carried state.
-- ``memory_final``: the last state only, one contraction (parallel-LMU paper eq 25).
-- ``memory_reduced``: ``u * (L H)``, the q'-channel memory of appendix A.1, without
-  materialising the q-channel one.
-- ``memory_chunked``: the same outputs (``L m_t``, or ``m_t`` itself) in chunks of c steps:
-  matrix products instead of FFTs, with a state carried in and out (the default for training).
-  Its parts (``chunk_operands``, ``chunk_weights``, ``chunk_product``) leave the outputs in the
-  layout the product writes, ``y_BxJxCxKxc``; the implicit attention reads them there.
+The modes (``memory_fft``, ``memory_scan``, ``memory_step``, ``memory_final``,
+``memory_reduced``, ``memory_chunked``) agree to float32 rounding; tests/test_lmu.py checks
+each against ``memory_reference``, the float64 recurrence. The parts of ``memory_chunked``
+(the training default: ``chunk_operands``, ``chunk_weights``, ``chunk_product``) leave the
+outputs in the layout the product writes, ``y_BxJxCxKxc``, where the implicit attention
+reads them.
 """
 
 from __future__ import annotations
@@ -62,10 +51,6 @@ def _check_count(name: str, value) -> int:
     return count
 
 
-def _check_order(order) -> int:
-    return _check_count("order", order)
-
-
 def _check_theta(theta) -> float:
     try:
         value = float(theta)
@@ -89,16 +74,10 @@ def legendre_ab(order: int, theta: float) -> tuple[np.ndarray, np.ndarray]:
     """The continuous Legendre delay system (REFERENCE §1, parallel-LMU eqs 8-9).
 
     ``A[i, j] = (2i+1)/theta * (-1 if i < j else (-1)^(i-j+1))`` and
-    ``B[i] = (2i+1) (-1)^i / theta``.
-
-    Args:
-      order: q, the number of Legendre coefficients.
-      theta: window length in time steps.
-
-    Returns:
-      ``(A_QxQ, B_Q)``, float64 numpy arrays.
+    ``B[i] = (2i+1) (-1)^i / theta``, for q = ``order`` coefficients and a window of
+    ``theta`` time steps. Returns ``(A_QxQ, B_Q)``, float64 numpy arrays.
     """
-    order, theta = _check_order(order), _check_theta(theta)
+    order, theta = _check_count("order", order), _check_theta(theta)
     i = np.arange(order)[:, None]
     j = np.arange(order)[None, :]
     signs = np.where(i < j, -1.0, (-1.0) ** (i - j + 1))
@@ -128,15 +107,11 @@ def _zoh(order: int, theta: float) -> tuple[np.ndarray, np.ndarray]:
 def discretize(order: int, theta: float, dtype=np.float64) -> tuple[np.ndarray, np.ndarray]:
     """Zero-order-hold discretisation with dt = 1: ``Abar = e^A``, ``Bbar = A^-1 (e^A - I) B``.
 
-    Computed in float64 (cached per (order, theta)) and cast to ``dtype`` at the end.
-
-    Returns:
-      ``(Abar_QxQ, Bbar_Q)`` as numpy arrays of ``dtype`` (read-only when float64).
+    Computed in float64 (cached per (order, theta)) and cast to ``dtype`` at the end. Returns
+    ``(Abar_QxQ, Bbar_Q)`` as numpy arrays of ``dtype`` (read-only when float64).
     """
-    abar_QxQ, bbar_Q = _zoh(_check_order(order), _check_theta(theta))
-    if np.dtype(dtype) == np.float64:
-        return abar_QxQ, bbar_Q
-    return abar_QxQ.astype(dtype), bbar_Q.astype(dtype)
+    abar_QxQ, bbar_Q = _zoh(_check_count("order", order), _check_theta(theta))
+    return abar_QxQ.astype(dtype, copy=False), bbar_Q.astype(dtype, copy=False)
 
 
 @functools.lru_cache(maxsize=_IMPULSE_CACHE_SIZE)
@@ -155,22 +130,14 @@ def _impulse_response(order: int, theta: float, length: int) -> np.ndarray:
 
 
 def impulse_response(order: int, theta: float, length: int, dtype=np.float64) -> np.ndarray:
-    """The impulse response ``H[t] = Abar^t Bbar`` for t = 0..length-1 (lag 0 included).
+    """The impulse response ``H_TxQ``, ``H[t] = Abar^t Bbar`` for t = 0..T-1 (lag 0 included).
 
-    Args:
-      order: q.
-      theta: window length in time steps.
-      length: T, the number of lags (at least the sequence length it will convolve).
-      dtype: the dtype to cast to after the float64 computation.
-
-    Returns:
-      ``H_TxQ`` with T = length, a numpy array of ``dtype`` computed in float64.
+    T = ``length``, at least the sequence length it will convolve. Computed in float64 and
+    cast to ``dtype`` (read-only when float64).
     """
-    order, theta = _check_order(order), _check_theta(theta)
+    order, theta = _check_count("order", order), _check_theta(theta)
     h_TxQ = _impulse_response(order, theta, _check_count("length", length))
-    if np.dtype(dtype) == np.float64:
-        return h_TxQ
-    return h_TxQ.astype(dtype)
+    return h_TxQ.astype(dtype, copy=False)
 
 
 def legendre_decoder(order: int, theta: float, delay) -> np.ndarray:
@@ -184,15 +151,10 @@ def legendre_decoder(order: int, theta: float, delay) -> np.ndarray:
     With ZOH the sample ``u_{t-k}`` is held over delays [k, k+1), so ``delay = k + 1/2`` is the
     centre of sample k; ``delay = k`` is its leading edge.
 
-    Args:
-      order: q.
-      theta: window length in time steps.
-      delay: scalar or array of delays in [0, theta], in time steps.
-
-    Returns:
-      float64 weights of shape ``delay.shape + (Q,)``.
+    ``delay`` is a scalar or array of delays in [0, theta] time steps; returns float64 weights
+    of shape ``delay.shape + (Q,)``.
     """
-    order, theta = _check_order(order), _check_theta(theta)
+    order, theta = _check_count("order", order), _check_theta(theta)
     delay = np.asarray(delay, dtype=np.float64)
     bad = ~((delay >= 0) & (delay <= theta))
     if bad.any():
@@ -203,12 +165,10 @@ def legendre_decoder(order: int, theta: float, delay) -> np.ndarray:
 
 
 def decode(m_xQ, theta: float, delay):
-    """Read ``u(t - delay)`` out of a memory whose last axis is the order Q.
+    """Read ``u(t - delay)`` out of a memory ``m_xQ`` (e.g. ``m_BxTxCxQ``) of window ``theta``.
 
-    Args:
-      m_xQ: memory of shape ``(..., Q)``, e.g. ``m_BxTxCxQ``.
-      theta: the memory's window, in time steps.
-      delay: scalar (output ``(...)``) or 1-D array of delays (output ``(..., len(delay))``).
+    ``delay`` (time steps) is a scalar, giving ``(...)``, or a 1-D array, giving
+    ``(..., len(delay))``.
     """
     weights = legendre_decoder(m_xQ.shape[-1], theta, delay)
     if weights.ndim > 2:
@@ -264,17 +224,12 @@ def causal_conv(u_BxTxC, kernel_TxK, *, time_last: bool = False):
     """Causal convolution of every input channel with every kernel column, by FFT.
 
     ``y[b, t, c, k] = sum_{j<=t} kernel[t-j, k] u[b, j, c]``. Both signals are zero-padded to
-    ``fft_length(T) >= 2T - 1``, so nothing wraps around.
-
-    Args:
-      u_BxTxC: input.
-      kernel_TxK: kernel with at least T rows; rows past T are ignored.
-      time_last: return ``y_BxCxKxT``, the layout the inverse FFT writes, instead of moving
-        time back to the second axis.
+    ``fft_length(T) >= 2T - 1``, so nothing wraps around. Rows of ``kernel_TxK`` past T are
+    ignored.
 
     Returns:
-      ``y_BxTxCxK`` (or ``y_BxCxKxT``) in the compute dtype: the input's float dtype promoted to
-      at least float32.
+      ``y_BxTxCxK`` in the compute dtype (the input's float dtype, at least float32); with
+      ``time_last``, ``y_BxCxKxT``, the layout the inverse FFT writes.
     """
     _check_input(u_BxTxC)
     n = u_BxTxC.shape[1]
@@ -290,15 +245,8 @@ def causal_conv(u_BxTxC, kernel_TxK, *, time_last: bool = False):
 
 
 def memory_fft(u_BxTxC, h_TxQ):
-    """The full memory in parallel: ``m_t = sum_{j<=t} H[t-j] u_j`` by FFT convolution.
-
-    Args:
-      u_BxTxC: input.
-      h_TxQ: impulse response with at least T rows (``impulse_response(q, theta, T)``).
-
-    Returns:
-      ``m_BxTxCxQ``.
-    """
+    """``m_BxTxCxQ`` in parallel, ``m_t = sum_{j<=t} H[t-j] u_j``, by FFT convolution with the
+    impulse response ``h_TxQ`` (at least T rows: ``impulse_response(q, theta, T)``)."""
     return causal_conv(u_BxTxC, h_TxQ)
 
 
@@ -308,15 +256,10 @@ def memory_reduced(u_BxTxC, h_TxQ, l_KxQ, *, time_last: bool = False):
     The q-channel memory is never formed: L is folded into the kernel (T x K) before the
     convolution, so the FFT work and the output scale with K = q', not q. Stacking several
     projections (e.g. L1, L2, L3 for Q, K, V) into one ``l_KxQ`` shares the input's FFT.
-
-    Args:
-      u_BxTxC: input.
-      h_TxQ: impulse response with at least T rows.
-      l_KxQ: the projection L acting on the order axis.
-      time_last: return ``y_BxCxKxT`` (see ``causal_conv``).
+    ``h_TxQ`` has at least T rows.
 
     Returns:
-      ``y_BxTxCxK`` with ``y[b, t, c] = L m[b, t, c]`` (or ``y_BxCxKxT``).
+      ``y_BxTxCxK`` with ``y[b, t, c] = L m[b, t, c]`` (``y_BxCxKxT`` with ``time_last``).
     """
     _check_input(u_BxTxC)
     h_TxQ = _kernel_for(u_BxTxC, h_TxQ, name="h_TxQ")
@@ -330,15 +273,11 @@ def memory_reduced(u_BxTxC, h_TxQ, l_KxQ, *, time_last: bool = False):
 
 
 def memory_step(m_BxCxQ, u_BxC, abar_QxQ, bbar_Q):
-    """One recurrent step: ``m_t = Abar m_{t-1} + Bbar u_t`` for every channel.
+    """One recurrent step for every channel: ``m_t = Abar m_{t-1} + Bbar u_t``.
 
-    Args:
-      m_BxCxQ: the previous state (zeros before the first input).
-      u_BxC: the input at this step.
-      abar_QxQ, bbar_Q: from ``discretize``.
-
-    Returns:
-      The new state ``m_BxCxQ`` in the compute dtype (at least float32).
+    ``m_BxCxQ`` is the previous state (zeros before the first input), ``abar_QxQ`` and
+    ``bbar_Q`` come from ``discretize``. Returns the new state in the compute dtype (at least
+    float32).
     """
     dtype = _compute_dtype(m_BxCxQ.dtype, u_BxC.dtype)
     abar_QxQ = jnp.asarray(abar_QxQ, dtype=dtype)
@@ -359,17 +298,9 @@ def _initial_state(m0_BxCxQ, shape: tuple[int, int, int], dtype):
 
 
 def memory_scan(u_BxTxC, abar_QxQ, bbar_Q, m0_BxCxQ=None):
-    """The memory by the recurrence, in ``lax.scan``: O(T) sequential steps.
-
-    Args:
-      u_BxTxC: input.
-      abar_QxQ, bbar_Q: from ``discretize``.
-      m0_BxCxQ: the state before the first input (default zeros), to continue a sequence.
-
-    Returns:
-      ``m_BxTxCxQ`` in the compute dtype (at least float32); its last step is the state to
-      carry on with.
-    """
+    """``m_BxTxCxQ`` by the recurrence in ``lax.scan`` (O(T) sequential steps), in the compute
+    dtype (at least float32). ``m0_BxCxQ`` is the state before the first input (default
+    zeros), to continue a sequence; the last step is the state to carry on with."""
     _check_input(u_BxTxC)
     batch, _, channels = u_BxTxC.shape
     order = np.shape(bbar_Q)[0]
@@ -385,15 +316,8 @@ def memory_scan(u_BxTxC, abar_QxQ, bbar_Q, m0_BxCxQ=None):
 
 
 def memory_final(u_BxTxC, h_TxQ):
-    """Only the last state, ``m_{T-1} = sum_j H[T-1-j] u_j``: one contraction over time, no scan.
-
-    Args:
-      u_BxTxC: input.
-      h_TxQ: impulse response with at least T rows.
-
-    Returns:
-      ``m_BxCxQ``, equal to ``memory_fft(u, H)[:, -1]``.
-    """
+    """Only the last state ``m_BxCxQ``, ``m_{T-1} = sum_j H[T-1-j] u_j``, by one contraction
+    over time with ``h_TxQ`` (at least T rows): ``memory_fft(u, H)[:, -1]`` without a scan."""
     _check_input(u_BxTxC)
     h_TxQ = _kernel_for(u_BxTxC, h_TxQ, name="h_TxQ")
     u_BxTxC = u_BxTxC.astype(h_TxQ.dtype)
@@ -401,13 +325,8 @@ def memory_final(u_BxTxC, h_TxQ):
 
 
 def memory_reference(u_BxTxC, order: int, theta: float) -> np.ndarray:
-    """The memory by the recurrence in numpy float64: the yardstick for every other mode.
-
-    Slow (a Python loop over time); meant for tests, demos and accuracy checks.
-
-    Returns:
-      ``m_BxTxCxQ``, float64.
-    """
+    """``m_BxTxCxQ`` by the recurrence in numpy float64: the yardstick for every other mode
+    (a Python loop over time, for tests, demos and accuracy checks)."""
     u_BxTxC = np.asarray(u_BxTxC, dtype=np.float64)
     _check_input(u_BxTxC)
     abar_QxQ, bbar_Q = discretize(order, theta)
@@ -421,11 +340,9 @@ def memory_reference(u_BxTxC, order: int, theta: float) -> np.ndarray:
 
 
 # The chunk length c of ``memory_chunked``: intra-chunk work grows with c, state passing
-# shrinks with it. Measured (benchmarks/lmu_memory.py) at the paper's largest layer, forward +
-# backward of the reduced memory for c = 32 / 64 / 128: 22.0 / 22.9 / 24.3 ms exact and
-# 12.6 / 12.0 / 12.1 ms fast for 64 sequences on an H100; 192 / 190 / 206 ms for one on a
-# 2-core CPU. 64 is within 5% of the best everywhere, with half the sequential state-passing
-# steps of 32 on long sequences.
+# shrinks. At the paper's largest layer (benchmarks/lmu_memory.py, reduced memory, forward +
+# backward) c = 64 is within 5% of the best of 32 / 64 / 128 on an H100 (exact and fast) and
+# a 2-core CPU, with half the sequential state-passing steps of 32.
 DEFAULT_CHUNK = 64
 PRECISIONS = ("exact", "fast")
 
@@ -441,15 +358,6 @@ def _abar_power(order: int, theta: float, steps: int) -> np.ndarray:
         base = base @ base
         steps >>= 1
     return _read_only(result)
-
-
-def _doubling_steps(chunk: int) -> list[int]:
-    """Offsets k = 1, 2, 4, ... < chunk at which ``R[k:2k] = R[:k] Abar^k`` extends the read-out."""
-    steps, k = [], 1
-    while k < chunk:
-        steps.append(k)
-        k *= 2
-    return steps
 
 
 def _exact_precision(dtype=jnp.float32):
@@ -478,27 +386,21 @@ def chunk_operands(
     chunk: int = DEFAULT_CHUNK,
     dtype=None,
 ):
-    """The per-chunk operand of ``memory_chunked``: each chunk's inputs and carried state.
+    """The operand of ``memory_chunked``: each chunk's inputs and the state carried into it.
 
-    Cuts T into J chunks of c = min(chunk, T) steps (the last one zero-padded), computes each
-    chunk's local end state ``s_j = sum_s H[c-1-s] u_{j,s}``, passes the state across chunks
-    (``m_{j+1} = Abar^c m_j + s_j``, a ``lax.scan`` over J) and stacks, per channel, the chunk's
-    c inputs and the Q-vector ``m_j`` carried into it. One operand serves any number of
-    projections L (``chunk_weights``): the implicit attention's Q, K and V share it. Every
-    contraction here runs at float32 accuracy whatever the product's precision: the state is
-    carried across the whole sequence.
-
-    Args:
-      dtype: the dtype the operand is written in (default: the compute dtype). A product that
-        runs as one bf16 pass ("fast") takes a bfloat16 operand: it is half the bytes, and
-        the rounding is the one the product would apply anyway. The state stays float32.
+    Cuts T into J chunks of c = min(chunk, T) steps (the last zero-padded) and passes the
+    state across them (the equations are in ``memory_chunked``), at float32 accuracy whatever
+    the product's precision, since the state runs through the whole sequence. One operand
+    serves any number of projections L: the implicit attention's Q, K and V share it.
+    ``dtype`` is the operand's (default the compute dtype); a "fast" product takes bfloat16,
+    half the bytes and the rounding it would apply anyway.
 
     Returns:
-      ``(x_BxJxCxZ, m_BxCxQ)``: the operand (Z = c + Q: ``[u_{j,0..c-1}; m_j]``) and the state
-      after the last input, in the compute dtype (float32; float64 for float64 input).
+      ``(x_BxJxCxZ, m_BxCxQ)``: the operand, Z = c + Q rows ``[u_{j,0..c-1}; m_j]``, and the
+      state after the last input in the compute dtype (float32; float64 for float64 input).
     """
     _check_input(u_BxTxC)
-    order, theta = _check_order(order), _check_theta(theta)
+    order, theta = _check_count("order", order), _check_theta(theta)
     batch, n, channels = u_BxTxC.shape
     if n == 0:
         raise ValueError(
@@ -553,15 +455,11 @@ def chunk_weights(order: int, theta: float, chunk: int, l_KxQ=None, dtype=jnp.fl
     are float64 constants, cast; R is built from ``L Abar`` by log2(c) doublings
     ``R[k:2k] = R[:k] Abar^k`` at float32 accuracy, so gradients reach L.
 
-    Args:
-      chunk: c, the chunk length of the operand (``x.shape[-1] - order``).
-      l_KxQ: the projection (K rows); None for the full memory (L = I, K = Q).
-      dtype: the operand's dtype (float32, or float64 under x64).
-
-    Returns:
-      ``w_ZxKxc`` in ``dtype``.
+    ``chunk`` is the operand's c (``x.shape[-1] - order``); ``l_KxQ`` None is the full memory
+    (L = I, K = Q). Returns ``w_ZxKxc`` in ``dtype``, the operand's (float64 under x64).
     """
-    order, theta, c = _check_order(order), _check_theta(theta), _check_count("chunk", chunk)
+    order, theta = _check_count("order", order), _check_theta(theta)
+    c = _check_count("chunk", chunk)
     h_cxQ = jnp.asarray(impulse_response(order, theta, c), dtype)
     abar_QxQ = jnp.asarray(_zoh(order, theta)[0], dtype)
     if l_KxQ is None:
@@ -572,10 +470,11 @@ def chunk_weights(order: int, theta: float, chunk: int, l_KxQ=None, dtype=jnp.fl
             raise ValueError(f"L must have shape (reduced order, order={order}), got {l_KxQ.shape}")
         g_cxK = _exact("tq,kq->tk", h_cxQ, l_KxQ)
         r_KxQ = _exact("kq,qp->kp", l_KxQ, abar_QxQ)
-    r_cxKxQ = r_KxQ[None]
-    for k in _doubling_steps(c):
+    r_cxKxQ, k = r_KxQ[None], 1
+    while k < c:  # R[k:2k] = R[:k] Abar^k
         power_QxQ = jnp.asarray(_abar_power(order, theta, k), dtype)
         r_cxKxQ = jnp.concatenate([r_cxKxQ, _exact("tkq,qp->tkp", r_cxKxQ[: c - k], power_QxQ)])
+        k *= 2
     lag_cxc = np.arange(c)[None, :] - np.arange(c)[:, None]  # [s, t] -> t - s
     toeplitz_cxcxK = jnp.where(
         jnp.asarray(lag_cxc >= 0)[..., None], g_cxK[np.clip(lag_cxc, 0, None)], 0.0
@@ -648,11 +547,10 @@ def chunk_product(x_BxJxCxZ, w_ZxKxc, precision: str = "exact", out_dtype=None):
     cotangent as it lies; JAX's own transpose had XLA copy it into another layout first).
 
     Args:
-      x_BxJxCxZ: from ``chunk_operands``. w_ZxKxc: from ``chunk_weights``.
+      x_BxJxCxZ, w_ZxKxc: from ``chunk_operands`` and ``chunk_weights``.
       precision: as in ``memory_chunked``.
-      out_dtype: the dtype the sums are rounded to (default: the operand's, at least
-        float32): bfloat16 halves the bytes written and read downstream where the consumer
-        computes in bfloat16 anyway.
+      out_dtype: the dtype the sums are rounded to (default: the operand's, at least float32);
+        bfloat16 halves the bytes where the consumer computes in bfloat16 anyway.
 
     Returns:
       ``y_BxJxCxKxc`` in ``out_dtype``.
@@ -692,31 +590,24 @@ def memory_chunked(
     """The memory in chunks of c steps, by matrix products: ``L m_t`` (or ``m_t``) for every t.
 
     The same function as ``memory_reduced`` (with ``l_KxQ``) or ``memory_fft`` (without), with
-    the recurrence's carried state in and out, so a sequence processed in pieces equals the
-    whole. The sequence is cut into J chunks of c steps; with ``G[k] = L H[k]`` for k < c and
-    ``m_j`` the state carried into chunk j:
+    the carried state in and out, so a sequence processed in pieces equals the whole. With
+    J chunks of c steps, ``G[k] = L H[k]`` for k < c and ``m_j`` the state carried into chunk j:
 
-    - outputs: ``y_{j,t} = sum_{s<=t} G[t-s] u_{j,s} + (L Abar^{t+1}) m_j`` (a c x c Toeplitz
-      product inside the chunk plus the read-out of the carried state), both terms in one
-      product per chunk (``chunk_product``);
-    - chunk-local end state: ``s_j = sum_s H[c-1-s] u_{j,s}``;
-    - state passing: ``m_{j+1} = Abar^c m_j + s_j``, a ``lax.scan`` over the J chunks
-      (``chunk_operands``).
+    - outputs: ``y_{j,t} = sum_{s<=t} G[t-s] u_{j,s} + (L Abar^{t+1}) m_j``, a c x c Toeplitz
+      product plus the read-out of the carried state, in one product (``chunk_product``);
+    - chunk-local end state ``s_j = sum_s H[c-1-s] u_{j,s}``, and state passing
+      ``m_{j+1} = Abar^c m_j + s_j``, a ``lax.scan`` over J (``chunk_operands``).
 
-    The constants (H, powers of Abar) are computed in float64 once per (order, theta, chunk)
-    and cast. The carried state is float32 (float64 for float64 input) and is computed at
-    float32 accuracy in either precision; "fast" applies to the output products only.
+    The constants are float64, cast. The carried state is float32 (float64 for float64 input)
+    at float32 accuracy in either precision; ``precision`` applies to the output products.
 
     Args:
-      u_BxTxC: input.
-      order, theta: q and the window in steps.
-      l_KxQ: the projection L acting on the order axis (K = q' rows); None for the full memory.
+      l_KxQ: the projection L on the order axis (K = q' rows); None for the full memory.
       m0_BxCxQ: the state before the first input (default zeros).
       chunk: c, steps per chunk; any T works (a ragged last chunk, or T < c).
-      precision: of the output products. "exact": float32 accuracy (true float32 on CPU,
-        three bf16 passes on a GPU), within 1e-6 (CPU) and 1.1e-5 (H100) of max|m| from the
-        float64 recurrence at the paper's largest layer. "fast": one bf16 pass, for bf16
-        models, about 3e-3 of max|m| (benchmarks/lmu_precision.py prints the table).
+      precision: "exact": float32 accuracy (true float32 on CPU, three bf16 passes on a GPU),
+        within 1e-6 (CPU) and 1.1e-5 (H100) of max|m| at the paper's largest layer. "fast":
+        one bf16 pass, for bf16 models, about 3e-3 of max|m| (benchmarks/lmu_precision.py).
 
     Returns:
       ``(y_BxTxCxK, m_BxCxQ)``: the outputs (K = Q without L) and the state after the last
@@ -731,25 +622,3 @@ def memory_chunked(
     w_ZxKxc = chunk_weights(order, theta, c, l_KxQ, dtype=dtype)
     y_BxJxCxKxc = chunk_product(x_BxJxCxZ, w_ZxKxc, precision, out_dtype=dtype)
     return sequence_from_chunks(y_BxJxCxKxc, u_BxTxC.shape[1]), final_BxCxQ
-
-
-__all__ = [
-    "causal_conv",
-    "chunk_operands",
-    "chunk_product",
-    "chunk_weights",
-    "decode",
-    "discretize",
-    "fft_length",
-    "impulse_response",
-    "legendre_ab",
-    "legendre_decoder",
-    "memory_chunked",
-    "memory_fft",
-    "memory_final",
-    "memory_reduced",
-    "memory_reference",
-    "memory_scan",
-    "memory_step",
-    "sequence_from_chunks",
-]

@@ -1,15 +1,10 @@
 """Data efficiency: how many training tokens two families need to reach the same loss.
 
 The LMU paper (v1) says LMUs reach a transformer's accuracy with 10x fewer tokens. Measured
-here from each run's evaluation curve (``lmuscale.analysis.curves``):
-
-1. ``tokens_to_target``: the tokens at which a curve first reaches a target loss.
-2. ``data_efficiency``: at each size N of family a that family b's measured sizes span, b's
-   tokens to the target (interpolated in log N between b's sizes) over a's. A ratio of 10
-   would be the paper's claim for a = LMU, b = transformer.
-
-Both families must be measured on the same validation data and tokenizer for the ratio to mean
-anything; that is the caller's to ensure.
+here from the runs' evaluation curves: ``data_efficiency`` gives, at each size N of family a
+inside family b's measured sizes, b's tokens to a target loss over a's (a ratio of 10 is the
+paper's claim for a = LMU, b = transformer). The caller ensures both were evaluated on the
+same validation data and tokenizer.
 """
 
 from __future__ import annotations
@@ -79,17 +74,10 @@ def data_efficiency(
 ) -> DataEfficiency:
     """Compare the training tokens families ``a`` and ``b`` need to reach ``target`` (nats).
 
-    The default target is the lowest loss that every run of both families reaches within its
-    own curve: the largest, over those runs, of each curve's minimum loss. (The run setting it
-    reaches it only at its best evaluation, so a lower target would leave that run out.)
-
-    Each run's tokens to the target come from ``tokens_to_target``. Runs of one family at the
-    same N and tokens (seeds) give that budget the geometric mean of their tokens (a budget
-    where any seed does not reach the target, or reaches it before its first evaluation,
-    gives none); a size trained at several budgets takes the fewest tokens among them; a size
-    no budget gives is left out and listed in ``left_out``. Family b's measured sizes are
-    interpolated linearly in (log10 N, log10 tokens) at each of a's measured sizes inside b's
-    range; there is no extrapolation.
+    The default target is the lowest loss every run of both families reaches: the largest of
+    the curves' minima. A size's tokens come from ``_sizes`` (sizes it cannot give are listed
+    in ``left_out``); b's are interpolated linearly in (log10 N, log10 tokens) at a's sizes
+    inside b's range, never extrapolated.
 
     Problems with the data (a family without curves, no measured size, no overlap) come back
     as ``error``; a bad argument (``a == b``, a non-positive target, two curves of one trial)
@@ -172,11 +160,10 @@ def data_efficiency(
 
 
 def _sizes(curves, reached, target, left_out) -> dict[float, float]:
-    """N -> the tokens that size needs to reach ``target``: per training budget (runs of the
-    same N and tokens are seeds) the geometric mean of its runs' tokens, where every run has
-    one; then the fewest over the budgets (an IsoFLOP grid trains one N at several budgets,
-    and each schedule reaches the target at its own point). A line in ``left_out`` for each
-    size no budget gives."""
+    """N -> the tokens that size needs to reach ``target`` (``tokens_to_target``): per budget
+    (runs of the same N and tokens are seeds) the geometric mean of its runs', where every run
+    has one; then the fewest over the budgets (an IsoFLOP grid trains one N at several, each
+    schedule reaching the target at its own point). A line in ``left_out`` per size with none."""
     by_n = defaultdict(lambda: defaultdict(list))
     for c in curves:
         by_n[c.run.n][c.run.tokens].append(c)

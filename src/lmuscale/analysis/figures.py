@@ -72,7 +72,7 @@ def figure3(results: Results, fits, *, size_range=None):
     base = results.base_tokens
     notes = []
     with matplotlib.rc_context(STYLE):
-        fig, ax = _figure()
+        fig, (ax,) = panels(1)
         sizes = []
         for family in results.families:
             runs = results.group(family, base)
@@ -105,7 +105,7 @@ def figure3(results: Results, fits, *, size_range=None):
         _axes_n(ax, lo, hi)
         _axes_loss(ax, results)
         _legend(fig, ax)
-        _notes(fig, notes)
+        add_notes(fig, notes)
     return fig
 
 
@@ -118,7 +118,7 @@ def figure4(results: Results, size: float | None = None):
         lmus = [r for r in results.runs if r.family in LMU_FAMILIES and r.tokens == base]
         size = max(r.n for r in (lmus or [r for r in results.runs if r.tokens == base]))
     with matplotlib.rc_context(STYLE):
-        fig, ax = _figure()
+        fig, (ax,) = panels(1)
         drawn = 0
         for family in results.families:
             runs = results.group(family, base)
@@ -161,7 +161,7 @@ def figure4(results: Results, size: float | None = None):
         ax.xaxis.set_major_formatter(ticker.FuncFormatter(lambda x, _: f"{x:g}"))
         if drawn:
             _legend(fig, ax)
-        _notes(fig, notes)
+        add_notes(fig, notes)
     return fig
 
 
@@ -174,7 +174,7 @@ def figure5(results: Results, fits):
     batch = base / base_steps
     notes = []
     with matplotlib.rc_context(STYLE):
-        fig, ax = _figure()
+        fig, (ax,) = panels(1)
         sizes = []
         for family in LMU_FAMILIES:
             runs = results.group(family, base)
@@ -239,7 +239,7 @@ def figure5(results: Results, fits):
         _axes_n(ax, lo, hi)
         _axes_loss(ax, results)
         _legend(fig, ax)
-        _notes(fig, notes)
+        add_notes(fig, notes)
     return fig
 
 
@@ -267,40 +267,13 @@ def save(fig, path_without_suffix: Path) -> list[Path]:
     return paths
 
 
-def text_overlaps(fig) -> list[tuple[str, str]]:
-    """Pairs of visible texts (titles, axis labels, tick labels, legends, notes) whose boxes
-    overlap once drawn; an empty list for a clean figure."""
-    fig.canvas.draw()
-    renderer = fig.canvas.get_renderer()
-    boxes = []
-    for ax in fig.axes:
-        items = [ax.title, ax.xaxis.label, ax.yaxis.label, *ax.texts]
-        for ticks, (lo, hi), coord in (
-            (ax.get_xticklabels(), sorted(ax.get_xlim()), 0),
-            (ax.get_yticklabels(), sorted(ax.get_ylim()), 1),
-        ):  # labels of ticks outside the view are not drawn
-            items += [t for t in ticks if t.get_text() and lo <= t.get_position()[coord] <= hi]
-        legend = ax.get_legend()
-        for item in items:
-            if item.get_visible() and item.get_text():
-                boxes.append((item.get_text()[:40], item.get_window_extent(renderer)))
-        if legend is not None:
-            boxes.append(("legend", legend.get_window_extent(renderer)))
-    overlaps = []
-    for i, (name_a, a) in enumerate(boxes):
-        for name_b, b in boxes[i + 1 :]:
-            if a.width and b.width and a.overlaps(b):
-                overlaps.append((name_a, name_b))
-    return overlaps
-
-
-def _figure():
-    """A figure of its own (not pyplot's, so nothing accumulates and any backend works), with
-    a second grid row that ``_notes`` fills."""
-    fig = Figure(figsize=(9.0, 4.6), layout="constrained")
+def panels(k: int):
+    """A figure of its own (not pyplot's, so nothing accumulates and any backend works) with
+    ``k`` axes side by side, and a second grid row that ``add_notes`` fills."""
+    fig = Figure(figsize=(max(9.0, 4.6 * k + 0.8), 4.6), layout="constrained")
     FigureCanvasAgg(fig)
-    ax = fig.add_subplot(fig.add_gridspec(2, 1, height_ratios=[1, 0.001])[0])
-    return fig, ax
+    spec = fig.add_gridspec(2, k, height_ratios=[1, 0.001])
+    return fig, [fig.add_subplot(spec[0, i]) for i in range(k)]
 
 
 def _legend(fig, ax) -> None:
@@ -309,17 +282,18 @@ def _legend(fig, ax) -> None:
     fig.legend(handles, labels, loc="outside right upper", frameon=False)
 
 
-def _notes(fig, notes: list[str]) -> None:
-    """Put the notes in a text panel under the axes (the figure grows to fit them)."""
+def add_notes(fig, notes: list[str], width: int = NOTE_WIDTH) -> None:
+    """Put the notes in a text panel under the axes (the figure grows to fit them), wrapped at
+    ``width`` characters."""
     if not notes:
         return
-    lines = [line for note in notes for line in textwrap.wrap(note, NOTE_WIDTH)]
+    lines = [line for note in notes for line in textwrap.wrap(note, width)]
     height = 0.16 * len(lines) + 0.1
     width, old = fig.get_size_inches()
     fig.set_size_inches(width, old + height)
     spec = fig.axes[0].get_subplotspec().get_gridspec()
     spec.set_height_ratios([old, height])
-    panel = fig.add_subplot(spec[1])
+    panel = fig.add_subplot(spec[1, :])
     panel.axis("off")
     panel.text(0, 1, "\n".join(lines), va="top", ha="left", fontsize=7.5, transform=panel.transAxes)
 

@@ -1,24 +1,20 @@
 """Compute-optimal frontiers from a sweep: Hoffmann et al. (2022), approaches 1 and 2.
 
-Approach 2, iso-FLOP profiles: one family's runs are grouped by their training FLOPs
-(``budgets``). At each budget C, a parabola in x = log10 N is fitted to the final losses
-(``fit_isoflop``). Its vertex is the compute-optimal size N_opt(C), and D_opt(C) = C / f(N_opt)
-is the number of tokens that size trains on (f: training FLOPs per token). ``fit_frontier``
-then fits N_opt ∝ C^a and D_opt ∝ C^b across the budgets.
+Approach 2, iso-FLOP profiles: a family's runs are grouped by training FLOPs (``budgets``);
+at each budget C a parabola in x = log10 N is fitted to the final losses (``fit_isoflop``).
+Its vertex is N_opt(C), and D_opt(C) = C / f(N_opt) tokens (f: training FLOPs per token).
+``fit_frontier`` fits N_opt ∝ C^a and D_opt ∝ C^b across the budgets.
 
-Approach 1, the envelope of training curves: ``envelope`` takes the lowest loss that any of the
-family's runs reached at each FLOP count along its evaluation curve, and the size that reached
-it. N ∝ C^a along it.
+Approach 1, ``envelope``: the lowest loss any of the family's evaluation curves reached at
+each FLOP count, and the size that reached it; N ∝ C^a along it.
 
-Both approaches refuse a minimum they cannot bracket. An iso-FLOP profile whose lowest loss is
-at its smallest or largest size gets no N_opt. Envelope points reached by the family's smallest
-or largest size are left out of the envelope's exponent, because the optimum there may lie
-beyond the sizes tried.
+Neither takes a minimum it cannot bracket: a profile whose lowest loss is at its smallest or
+largest size gets no N_opt, and envelope points reached by those sizes are left out of the
+exponent (the optimum there may lie beyond the sizes tried).
 
-Intervals are percentile intervals over bootstraps drawn from ``numpy.random.Generator(seed)``,
-so equal seeds give equal intervals. Data that cannot support a fit is not an exception: the
-result's ``error`` says why, so the analysis can list what it left out and why. ``ValueError``
-is raised only for misuse: mixed families, runs without FLOPs, or a ``ci`` outside (0, 1).
+Intervals are bootstrap percentile intervals, equal for equal seeds. Data that cannot support
+a fit is no exception: the result's ``error`` says why. ``ValueError`` is only for misuse:
+mixed families, runs without FLOPs, or a ``ci`` outside (0, 1).
 """
 
 from __future__ import annotations
@@ -29,7 +25,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from lmuscale.analysis.curves import Curve
-from lmuscale.analysis.results import Run
+from lmuscale.analysis.results import Run, groups_within
 
 MIN_SIZES = 3  # distinct sizes a parabola needs
 MIN_BUDGETS = 2  # bracketed budgets a frontier needs
@@ -54,13 +50,11 @@ class Interval:
 class IsoFlopFit:
     """Approach 2 for one family at one compute budget ``budget`` (training FLOPs).
 
-    ``coef`` is (c0, c1, c2) of loss = c0 x^2 + c1 x + c2 with x = log10 N. It is fitted by
-    least squares to every run, all seeds included, and is None with fewer than 3 sizes.
-    ``n_opt`` is 10^vertex, ``d_opt`` = budget / f(N_opt) tokens, and ``loss_opt`` (nats) is
-    the parabola at its vertex. All three are None, with ``error`` saying why, when the
-    minimum is not bracketed or the parabola is not convex. ``n_opt_samples`` and
-    ``d_opt_samples`` are the ``kept`` bootstrap replicates of log10 N_opt and log10 D_opt,
-    paired by replicate.
+    ``coef`` is (c0, c1, c2) of loss = c0 x^2 + c1 x + c2, x = log10 N, fitted to every run
+    (None with fewer than 3 sizes). ``n_opt`` is 10^vertex, ``d_opt`` = budget / f(N_opt)
+    tokens, ``loss_opt`` (nats) the parabola's minimum; all None, with ``error`` saying why,
+    when the minimum is not bracketed or the parabola not convex. ``n_opt_samples`` and
+    ``d_opt_samples`` are the ``kept`` bootstrap replicates of log10 N_opt and log10 D_opt.
     """
 
     family: str
@@ -100,12 +94,10 @@ class Frontier:
 class Envelope:
     """Approach 1 for one family: the lowest loss over its runs at each FLOP count.
 
-    ``flops`` (G,) is a log-spaced grid, ``loss`` (G,) is the envelope in nats, and ``n`` (G,)
-    is the N of the run that reaches it. Both are NaN where no curve covers the grid point.
-    ``a`` is the slope of log10 n on log10 flops over the points in ``used``: covered points
-    reached by a size strictly between the family's smallest and largest. ``line`` is that
-    fit's (slope, intercept). ``kept`` is the number of bootstrap replicates behind ``a``'s
-    interval.
+    ``flops`` (G,) is a log-spaced grid, ``loss`` (G,) the envelope in nats and ``n`` (G,) the
+    N of the run reaching it, NaN where no curve covers the point. ``a`` is the slope of
+    log10 n on log10 flops over ``used``, the points reached by a size strictly between the
+    family's smallest and largest; ``line`` is that fit, ``kept`` its bootstrap replicates.
     """
 
     family: str
@@ -133,18 +125,12 @@ def budgets(runs: list[Run], rtol: float = 0.05) -> list[tuple[float, list[Run]]
     _one_family(runs)
     for run in runs:
         _need_flops(run)
-    groups: list[list[Run]] = []
-    for run in sorted(runs, key=lambda r: (r.flops, r.n, r.trial)):
-        if groups and run.flops <= groups[-1][0].flops * (1 + rtol):
-            groups[-1].append(run)
-        else:
-            groups.append([run])
     return [
         (
             float(10 ** np.mean(np.log10([r.flops for r in group]))),
             sorted(group, key=lambda r: (r.n, r.trial)),
         )
-        for group in groups
+        for group in groups_within(runs, lambda r: r.flops, rtol)
     ]
 
 
@@ -323,11 +309,11 @@ def _fit_isoflop(family, budget, runs, n_boot, ci, rng) -> IsoFlopFit:
         return refused(f"not convex: the parabola in log10 N curves down (c0 = {c0:.3g})", coef)
     vertex = -c1 / (2 * c0)
     if not sizes_S[0] <= vertex <= sizes_S[-1]:
-        edge, bound = ("below", sizes_S[0]) if vertex < sizes_S[0] else ("above", sizes_S[-1])
-        side = "smallest" if edge == "below" else "largest"
+        below = vertex < sizes_S[0]
+        edge = "below the smallest" if below else "above the largest"
         return refused(
-            f"not bracketed: the parabola's minimum (N={10**vertex:.3g}) is {edge} the "
-            f"{side} size tried (N={10**bound:.3g})",
+            f"not bracketed: the parabola's minimum (N={10**vertex:.3g}) is {edge} size tried "
+            f"(N={10 ** sizes_S[0 if below else -1]:.3g})",
             coef,
         )
     # f interpolated linearly in log-log between the sizes tried (one f per size)
@@ -421,9 +407,8 @@ def _masked_slopes(x_G, y_RxG, used_RxG) -> np.ndarray:
     fewer than two distinct y are dropped."""
     w_RxG = used_RxG.astype(float)
     y_RxG = np.where(used_RxG, y_RxG, 0.0)
-    spread = np.where(used_RxG, y_RxG, -np.inf).max(axis=1) - np.where(used_RxG, y_RxG, np.inf).min(
-        axis=1
-    )
+    top_R = np.where(used_RxG, y_RxG, -np.inf).max(axis=1)
+    spread = top_R - np.where(used_RxG, y_RxG, np.inf).min(axis=1)
     ok = np.isfinite(spread) & (spread > 0)
     w_RxG, y_RxG = w_RxG[ok], y_RxG[ok]
     total_R = w_RxG.sum(axis=1)

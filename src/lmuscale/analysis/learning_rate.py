@@ -18,7 +18,7 @@ from pathlib import Path
 
 import numpy as np
 
-from lmuscale.analysis.results import FAMILY_ORDER, Run, label
+from lmuscale.analysis.results import Run, family_key, groups_within, label
 from lmuscale.files import atomic_write_json
 
 FORMAT = "lmuscale learning rates"
@@ -61,14 +61,10 @@ class LearningRateChoice:
 def select_learning_rates(runs: list[Run]) -> tuple[list[LearningRateChoice], list[str]]:
     """One ``LearningRateChoice`` per (family, size, token budget) with >= 2 distinct rates.
 
-    Runs whose N are within 5% of each other are one size. Every token budget of a size is
-    its own group and is returned (the optimum can move with the budget; ``write_learning_rates``
-    keeps them all and ``LearningRates.lookup`` takes the largest). A rate whose runs all
-    diverged is not in the results table, so it is not in the grid either: a grid that ends at
-    a diverged rate can look unbracketed.
-
-    The second list has one line per group left out and why (a single rate), one per family
-    naming its runs without a learning rate, and one per run without a finite loss.
+    Runs whose N are within 5% of each other are one size; each token budget of a size is its
+    own group (the optimum can move with the budget; ``LearningRates.lookup`` takes the
+    largest). A rate whose runs all diverged is not in the results table, so a grid that ends
+    at one can look unbracketed. The second list says what was left out and why.
     """
     left_out = []
     no_rate = defaultdict(list)
@@ -80,15 +76,14 @@ def select_learning_rates(runs: list[Run]) -> tuple[list[LearningRateChoice], li
             left_out.append(f"{run.trial}: loss is {run.loss}")
         else:
             usable.append(run)
-    for family, trials in sorted(no_rate.items(), key=lambda kv: _family_key(kv[0])):
+    for family, trials in sorted(no_rate.items(), key=lambda kv: family_key(kv[0])):
         left_out.append(
             f"{label(family)}: no learning_rate in {len(trials)} run(s): {', '.join(trials)}"
         )
     choices = []
-    for family in sorted({r.family for r in usable}, key=_family_key):
+    for family in sorted({r.family for r in usable}, key=family_key):
         of_family = [r for r in usable if r.family == family]
-        for size in _size_groups([r.n for r in of_family]):
-            at_size = [of_family[i] for i in size]
+        for at_size in groups_within(of_family, lambda r: r.n, SIZE_RTOL):
             n = float(np.median([r.n for r in at_size]))
             for tokens in sorted({r.tokens for r in at_size}):
                 group = [r for r in at_size if r.tokens == tokens]
@@ -131,24 +126,6 @@ def _vertex(x, y) -> float:
     num = d0**2 * (y[1] - y[2]) - d2**2 * (y[1] - y[0])
     den = d0 * (y[1] - y[2]) - d2 * (y[1] - y[0])
     return float(x[1]) if den == 0 else float(x[1] - 0.5 * num / den)
-
-
-def _size_groups(values) -> list[list[int]]:
-    """Indices of ``values`` grouped into sizes: ascending, a group holds the values within
-    ``SIZE_RTOL`` of its smallest."""
-    order = sorted(range(len(values)), key=lambda i: values[i])
-    groups: list[list[int]] = []
-    for i in order:
-        if groups and values[i] <= values[groups[-1][0]] * (1 + SIZE_RTOL):
-            groups[-1].append(i)
-        else:
-            groups.append([i])
-    return groups
-
-
-def _family_key(family: str):
-    order = {f: i for i, f in enumerate(FAMILY_ORDER)}
-    return (order.get(family, len(order)), family)
 
 
 def write_learning_rates(path, choices: list[LearningRateChoice]) -> None:
@@ -199,7 +176,7 @@ class LearningRates:
 
     @property
     def families(self) -> tuple[str, ...]:
-        return tuple(sorted(self._rates, key=_family_key))
+        return tuple(sorted(self._rates, key=family_key))
 
     def sizes(self, family: str) -> np.ndarray:
         """The sizes (N) the file has for ``family``, ascending; empty for an unknown family."""
@@ -309,8 +286,7 @@ def _positive(value, where, key) -> float:
 def _one_per_size(path, family, rates) -> tuple[_Rate, ...]:
     """Of each size's rows, the one with the largest token budget."""
     chosen = []
-    for group in _size_groups([r.n for r in rates]):
-        rows = [rates[i] for i in group]
+    for rows in groups_within(rates, lambda r: r.n, SIZE_RTOL):
         budget = max(-1.0 if r.tokens is None else r.tokens for r in rows)
         top = [r for r in rows if (-1.0 if r.tokens is None else r.tokens) == budget]
         if len({r.learning_rate for r in top}) > 1:

@@ -7,14 +7,10 @@ was left out and why) in a panel under the axes.
 
 from __future__ import annotations
 
-import textwrap
-
 import matplotlib
 import numpy as np
-from matplotlib.backends.backend_agg import FigureCanvasAgg
-from matplotlib.figure import Figure
 
-from lmuscale.analysis.figures import MARKERS, NOTE_WIDTH, STYLE, color, human
+from lmuscale.analysis.figures import MARKERS, NOTE_WIDTH, STYLE, add_notes, color, human, panels
 from lmuscale.analysis.results import label
 
 
@@ -23,7 +19,7 @@ def isoflop_figure(frontiers, unit: str):
     as a bar), the fitted parabola, and its minimum N_opt with its CI."""
     notes = []
     with matplotlib.rc_context(STYLE):
-        fig, axes = _panels(len(frontiers))
+        fig, axes = panels(len(frontiers))
         for ax, frontier in zip(axes, frontiers, strict=True):
             budgets = [f.budget for f in frontier.fits]
             shades = _shades(len(budgets))
@@ -51,7 +47,7 @@ def isoflop_figure(frontiers, unit: str):
             ax.set_xlabel("non-embedding parameters N")
             ax.set_ylabel(f"validation loss ({unit})")
             ax.legend(loc="best", frameon=False, fontsize=7)
-        _notes(fig, notes)
+        add_notes(fig, notes, NOTE_WIDTH + 30)
     return fig
 
 
@@ -61,7 +57,7 @@ def optimal_figure(frontiers, envelopes=()):
     N along the lower envelope of the evaluation curves (Chinchilla's approach 1)."""
     notes = []
     with matplotlib.rc_context(STYLE):
-        fig, (ax_n, ax_d) = _panels(2)
+        fig, (ax_n, ax_d) = panels(2)
         for frontier in frontiers:
             c = color(frontier.family)
             fits = [f for f in frontier.fits if f.n_opt is not None]
@@ -114,7 +110,7 @@ def optimal_figure(frontiers, envelopes=()):
                 ax.legend(loc="upper left", frameon=False, fontsize=6.5)
         ax_n.set_title("Compute-optimal model size")
         ax_d.set_title("Compute-optimal training tokens")
-        _notes(fig, notes)
+        add_notes(fig, notes, NOTE_WIDTH + 30)
     return fig
 
 
@@ -123,7 +119,7 @@ def tokens_figure(curves, efficiency, unit: str):
     target loss, where each run reaches it, and the data-efficiency ratio at that loss."""
     notes = []
     with matplotlib.rc_context(STYLE):
-        fig, (ax,) = _panels(1)
+        fig, (ax,) = panels(1)
         families = sorted({c.run.family for c in curves}, key=lambda f: f != efficiency.families[0])
         for family in families:
             runs = sorted((c for c in curves if c.run.family == family), key=lambda c: c.run.n)
@@ -162,17 +158,17 @@ def tokens_figure(curves, efficiency, unit: str):
                 f"{len(not_reached)} run(s) never reach the target, or reach it before their "
                 f"first evaluation ({shown}); fits.md lists each size left out."
             )
-        _notes(fig, notes)
+        add_notes(fig, notes, NOTE_WIDTH + 30)
     return fig
 
 
-def learning_rate_figure(choices, unit: str, left_out=()):
+def learning_rate_figure(choices, unit: str):
     """Final loss against learning rate, one line per size, one panel per family; the rate
     chosen for each size is a star (hollow where the best lies at the edge of the grid)."""
-    notes = list(left_out)
+    notes = []
     families = sorted({c.family for c in choices})
     with matplotlib.rc_context(STYLE):
-        fig, axes = _panels(len(families))
+        fig, axes = panels(len(families))
         for ax, family in zip(axes, families, strict=True):
             mine = sorted((c for c in choices if c.family == family), key=lambda c: c.n)
             for choice, shade in zip(mine, _shades(len(mine)), strict=True):
@@ -194,30 +190,8 @@ def learning_rate_figure(choices, unit: str, left_out=()):
             ax.set_ylabel(f"final validation loss ({unit})")
             ax.set_title(f"{label(family)}: loss against learning rate (* = chosen)")
             ax.legend(loc="upper center", frameon=False, fontsize=6.5, ncols=2)
-        _notes(fig, notes)
+        add_notes(fig, notes, NOTE_WIDTH + 30)
     return fig
-
-
-def _panels(k: int):
-    """A figure with ``k`` axes side by side and a notes row under them."""
-    fig = Figure(figsize=(max(9.0, 4.6 * k + 0.8), 4.6), layout="constrained")
-    FigureCanvasAgg(fig)
-    spec = fig.add_gridspec(2, k, height_ratios=[1, 0.001])
-    return fig, [fig.add_subplot(spec[0, i]) for i in range(k)]
-
-
-def _notes(fig, notes: list[str]) -> None:
-    if not notes:
-        return
-    lines = [line for note in notes for line in textwrap.wrap(note, NOTE_WIDTH + 30)]
-    height = 0.16 * len(lines) + 0.1
-    width, old = fig.get_size_inches()
-    fig.set_size_inches(width, old + height)
-    spec = fig.axes[0].get_subplotspec().get_gridspec()
-    spec.set_height_ratios([old, height])
-    panel = fig.add_subplot(spec[1, :])
-    panel.axis("off")
-    panel.text(0, 1, "\n".join(lines), va="top", ha="left", fontsize=7.5, transform=panel.transAxes)
 
 
 def _shades(k: int) -> np.ndarray:
@@ -232,14 +206,7 @@ def _tint(hex_color: str, shade: float):
 
 def _spread(runs):
     """Per distinct N: the mean loss and the lowest and highest (the seeds' spread)."""
-    by_n = {}
-    for run in runs:
-        by_n.setdefault(run.n, []).append(run.loss)
-    n = np.array(sorted(by_n))
-    losses = [np.array(by_n[k]) for k in n]
-    return (
-        n,
-        np.array([v.mean() for v in losses]),
-        np.array([v.min() for v in losses]),
-        np.array([v.max() for v in losses]),
-    )
+    n = np.array(sorted({run.n for run in runs}))
+    losses = [[run.loss for run in runs if run.n == size] for size in n]
+    mean, lo, hi = (np.array([f(v) for v in losses]) for f in (np.mean, np.min, np.max))
+    return n, mean, lo, hi

@@ -1,11 +1,10 @@
 """Reading a sweep's results table (``results.jsonl`` or ``results.csv``) for analysis.
 
-Needs the columns trial, family, N (non-embedding parameters), steps, tokens and the chosen
-loss (``test_loss`` or ``val_loss``, nats per token). Optional: status (rows other than
-"finished" are skipped), global_batch and seq_len, total_params, tokenizer, the
-per-position losses (``test_per_position`` / ``val_per_position``) for Figure 4, and for the
+Needs the columns trial, family, N (non-embedding parameters), steps, tokens and the loss
+(``test_loss`` or ``val_loss``, nats per token). Optional: status (rows not "finished" are
+skipped), total_params, tokenizer, ``{split}_per_position`` (Figure 4), and for the
 compute-optimal analyses flops_per_token, learning_rate, seed and folder (the trial's folder
-beside the table, whose ``eval.jsonl`` gives the run's evaluation curve).
+beside the table, whose ``eval.jsonl`` is the run's evaluation curve).
 """
 
 from __future__ import annotations
@@ -79,8 +78,7 @@ class Results:
 
     @property
     def families(self) -> list[str]:
-        order = {f: i for i, f in enumerate(FAMILY_ORDER)}
-        return sorted({r.family for r in self.runs}, key=lambda f: (order.get(f, 99), f))
+        return sorted({r.family for r in self.runs}, key=family_key)
 
     @property
     def tokenizer(self) -> str | None:
@@ -124,6 +122,24 @@ class Results:
 
 def label(family: str) -> str:
     return LABELS.get(family, family)
+
+
+def family_key(family: str) -> tuple[int, str]:
+    """Sorts families as in legends and tables: ``FAMILY_ORDER``, then others by name."""
+    order = FAMILY_ORDER.index(family) if family in FAMILY_ORDER else len(FAMILY_ORDER)
+    return order, family
+
+
+def groups_within(items, value, rtol: float) -> list[list]:
+    """``items`` in ascending ``value(item)``, grouped: a group holds the items whose value is
+    within ``1 + rtol`` times its first's."""
+    groups: list[list] = []
+    for item in sorted(items, key=value):
+        if groups and value(item) <= value(groups[-1][0]) * (1 + rtol):
+            groups[-1].append(item)
+        else:
+            groups.append([item])
+    return groups
 
 
 def load_results(path, split: str = "test") -> Results:
@@ -250,22 +266,20 @@ def _run(path, line, row, split, skipped) -> Run | None:
         ):
             raise ResultsError(f"{where}: column {split}_per_position must be a list of numbers")
         per_position = [math.nan if v is None else float(v) for v in per_position]
-    tokenizer = row.get("tokenizer")
-    if tokenizer is not None and not isinstance(tokenizer, str):
-        raise ResultsError(f"{where}: column tokenizer is {tokenizer!r}, not a tokenizer's name")
-    total = row.get("total_params")
     optional = {}
-    for key, column in (("flops_per_token", "flops_per_token"), ("learning_rate", "learning_rate")):
+    for column in ("tokenizer", "folder"):
+        name = optional[column] = row.get(column)
+        if name is not None and not isinstance(name, str):
+            raise ResultsError(f"{where}: column {column} is {name!r}, not a {column}'s name")
+    for column in ("flops_per_token", "learning_rate"):
         value = _number(row.get(column), where, column, allow_missing=True)
         if value is not None and not (math.isfinite(value) and value > 0):
             raise ResultsError(f"{where}: column {column} must be a positive number, got {value}")
-        optional[key] = value
+        optional[column] = value
     seed = _number(row.get("seed"), where, "seed", allow_missing=True)
     if seed is not None and (not seed.is_integer() or seed < 0):
         raise ResultsError(f"{where}: column seed must be a whole number >= 0, got {seed}")
-    folder = row.get("folder")
-    if folder is not None and not isinstance(folder, str):
-        raise ResultsError(f"{where}: column folder is {folder!r}, not a folder's name")
+    total = row.get("total_params")
     return Run(
         trial=trial,
         family=str(family),
@@ -275,10 +289,8 @@ def _run(path, line, row, split, skipped) -> Run | None:
         loss=loss,
         line=line,
         total_params=None if total is None else _number(total, where, "total_params"),
-        tokenizer=tokenizer,
         per_position=per_position or None,
         seed=None if seed is None else int(seed),
-        folder=folder,
         **optional,
     )
 

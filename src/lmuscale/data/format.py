@@ -54,6 +54,7 @@ def scan_tokens(path: Path, dtype: np.dtype, vocab_size: int) -> tuple[str, int 
     return digest.hexdigest(), position, value
 
 
+_SPLIT_KEYS = {"file": str, "documents": int, "tokens": int, "bytes": int, "sha256": str}
 _REQUIRED = {
     "format": str,
     "source": dict,
@@ -64,17 +65,7 @@ _REQUIRED = {
     "vocab_size": int,
     "dtype": str,
     "splits": dict,
-    **{
-        f"splits.{split}.{key}": kind
-        for split in SPLITS
-        for key, kind in [
-            ("file", str),
-            ("documents", int),
-            ("tokens", int),
-            ("bytes", int),
-            ("sha256", str),
-        ]
-    },
+    **{f"splits.{s}.{key}": kind for s in SPLITS for key, kind in _SPLIT_KEYS.items()},
 }
 
 

@@ -1,22 +1,17 @@
 """Batches from a prepared folder: fixed windows, a pure function of (seed, step).
 
 A split of N tokens holds W = (N - 1) // seq_len windows; window i is
-``tokens[i * seq_len : i * seq_len + seq_len + 1]`` (inputs are its first seq_len tokens,
-targets its last seq_len), so consecutive windows share one token and tokens 1 .. W * seq_len
-are each a target exactly once (the last (N - 1) % seq_len tokens of a split never are).
-Windows cross document boundaries; the end-of-text ids mark them.
+``tokens[i * seq_len : i * seq_len + seq_len + 1]`` (inputs its first seq_len tokens, targets
+its last), so tokens 1 .. W * seq_len are each a target exactly once. Windows cross document
+boundaries; the end-of-text ids mark them.
 
 Training: sample k = step * global_batch + row is window ``perm_e(k mod W)`` of epoch
-e = k // W, where ``perm_e`` is a pseudo-random permutation of range(W) keyed by (seed, e): a
-balanced Feistel network with cycle walking, so any window id is computed in O(1) without
-storing a permutation. Every window is visited once per epoch, each epoch in a new order, and
-the batch at a step depends on nothing but (seed, step): a resumed run needs no iterator
-state. Each process reads only its rows of the global batch.
+e = k // W, ``perm_e`` a Feistel permutation of range(W) keyed by (seed, e) (``permute``):
+every window once per epoch, each epoch in a new order, computed in O(1) per window, so a
+resumed run needs no iterator state. Each process reads only its rows of the global batch.
 
-Evaluation visits every window exactly once, in order; the last batch is padded to the full
-batch size with rows marked invalid, so every batch has the same shape.
-
-Token files are memory-mapped: a batch reads only its own windows.
+Evaluation visits every window once, in order; the last batch is padded with rows marked
+invalid, so every batch has the same shape. Token files are memory-mapped.
 """
 
 from __future__ import annotations

@@ -1,29 +1,23 @@
 """The cross-entropy as fused Pallas kernels: the logits live only in on-chip tiles.
 
-``base.cross_entropy`` is the XLA path: a custom VJP over token chunks that writes each
-chunk's float32 logits to memory. Here three kernels never do:
+``base.cross_entropy``, the XLA path, writes each token chunk's float32 logits to memory.
+These three kernels never do:
 
-- forward, one program per tile of tokens: walks the vocabulary in tiles, keeping a running
-  max and sum of exps (an online log-sum-exp) and the target's logit. It writes two floats per
-  token.
-- dh, one program per tile of tokens: recomputes each logits tile from h and w, forms
-  ``g * (softmax - onehot)`` on chip and accumulates ``dh += dlogits w``.
-- dw, one program per tile of the vocabulary: the same tiles, walking the tokens, and
-  ``dw += dlogitsᵀ h``.
+- forward, per tile of tokens: walks the vocabulary in tiles with an online log-sum-exp and
+  the target's logit, and writes two floats per token;
+- dh, per tile of tokens: recomputes each logits tile, forms ``g * (softmax - onehot)`` on
+  chip and accumulates ``dh += dlogits w``;
+- dw, per tile of the vocabulary: the same, walking the tokens, ``dw += dlogitsᵀ h``.
 
-The backward recomputes the logits twice (5 logits-sized matrix products in all, against 3 for
-the XLA path) to write nothing V-sized but dw; the per-token cotangent ``g`` enters exactly, so
-any weighting of the losses has exact gradients (the XLA path's dw needs one weight for all).
+The backward recomputes the logits twice (5 logits-sized products against the XLA path's 3)
+to write nothing V-sized but dw; the per-token cotangent ``g`` enters exactly, so any
+weighting of the losses has exact gradients (the XLA path's dw needs one weight for all).
 
-The kernels are written for Pallas's Triton lowering (NVIDIA GPUs): tiles have power-of-two
-shapes, d is zero-padded to a power of two (zero columns change no logit) and the vocabulary
-to a whole number of tiles (the padded logits are masked out of the log-sum-exp; their rows of
-w are zero, so they add nothing to dh, and their dw rows are cut off). Tokens are padded to a
-whole number of tiles with a zero cotangent. ``interpret=True`` runs the same kernels on any
-backend (the tests, on CPU).
-
-Which path a model takes is its config's ``loss_impl`` (``resolve``): "xla", "pallas", or
-"auto", which takes the kernel only on a device where a committed benchmark measured it faster
+Written for Pallas's Triton lowering (NVIDIA GPUs): d is zero-padded to a power of two, the
+vocabulary to whole tiles (the padded logits are masked; their zero rows of w add nothing)
+and the tokens to whole tiles with a zero cotangent. ``interpret=True`` runs the same kernels
+on any backend (the tests, on CPU). A config's ``loss_impl`` picks the path (``resolve``):
+"xla", "pallas", or "auto", the kernel only where a committed benchmark measured it faster
 (``FASTER_THAN_XLA``).
 """
 
@@ -40,18 +34,15 @@ from jax.experimental.pallas import triton as pl_triton
 
 LOSS_IMPLS = ("auto", "xla", "pallas")
 
-# Device kinds (``jax.devices()[0].device_kind``) where benchmarks/cross_entropy.py, committed
-# under benchmarks/results/, measured the fused kernel's forward+backward faster than the XLA
-# path at the paper's micro-batch. "auto" takes the kernel there only. None has been measured
-# on a GPU yet.
+# Device kinds where benchmarks/cross_entropy.py (results committed under benchmarks/results/)
+# measured the kernels' forward+backward faster than the XLA path at the paper's micro-batch.
+# None has been measured on a GPU yet.
 FASTER_THAN_XLA: frozenset[str] = frozenset()
 
-# Tiles on a GPU (``tiles``): tokens x vocabulary entries per program step, d whole and padded.
-# Not yet tuned on a device. One tile of an operand is at most TILE_BYTES: at d = 204 (padded
-# to 256) in bf16 that is 64 x 256, whose float32 accumulators (dh's and dw's) are 64 KB, 64
-# registers a thread over 8 warps, as flash-attention kernels take for head widths of 256;
-# in float32 the tiles halve, so two pipelined stages of them stay within the 99 KB of shared
-# memory of the smallest Ampere/Ada parts.
+# Tiles on a GPU (``tiles``), not yet tuned on a device: one tile of an operand is at most
+# TILE_BYTES. At d = 204 (padded to 256) in bf16 that is 64 x 256, whose float32 accumulators
+# are 64 registers a thread over 8 warps, as flash attention takes at head width 256; in
+# float32 the tiles halve, so two pipelined stages fit the smallest Ampere/Ada shared memory.
 TILE_BYTES = 32 * 1024
 MAX_TILE = 64
 MIN_TILE = 16  # Triton's matrix products need every dimension >= 16
@@ -61,18 +52,14 @@ TRITON = pl_triton.CompilerParams(num_warps=8, num_stages=2)
 
 
 def unsupported_reason(devices=None) -> str | None:
-    """Why the kernels cannot run on ``devices`` (default: all of this run's), or None.
-
-    One NVIDIA GPU of compute capability >= 8.0. Several devices are refused: the kernels are
-    not partitioned, so under a sharded ``jit`` XLA would gather every device's tokens onto
-    each device and run the whole loss there.
-    """
+    """Why the kernels cannot run on ``devices`` (default: this run's), or None: they need one
+    NVIDIA GPU of compute capability >= 8.0. They are not partitioned, so under a sharded
+    ``jit`` XLA would gather every device's tokens onto each device."""
     devices = jax.devices() if devices is None else list(devices)
     device = devices[0]
     if device.platform != "gpu":
         return f"this run's devices are {device.platform} ({device.device_kind})"
-    # NVIDIA's "major.minor"; a ROCm GPU has its gfx name here, and the kernels are not
-    # tested there.
+    # NVIDIA's "major.minor"; a ROCm GPU has its gfx name here.
     capability = str(getattr(device, "compute_capability", ""))
     if not re.fullmatch(r"\d+\.\d+", capability):
         return (
@@ -87,11 +74,8 @@ def unsupported_reason(devices=None) -> str | None:
 
 
 def resolve(impl: str, devices=None) -> str:
-    """The implementation a config's ``loss_impl`` runs on ``devices`` (default: this run's):
-    "xla" or "pallas".
-
-    "pallas" where the kernels cannot run is a ``ValueError`` naming why, never a fallback.
-    """
+    """What a config's ``loss_impl`` runs on ``devices`` (default: this run's): "xla" or
+    "pallas". "pallas" where the kernels cannot run is a ``ValueError`` naming why."""
     if impl not in LOSS_IMPLS:
         raise ValueError(f"loss_impl must be one of {LOSS_IMPLS}, got {impl!r}")
     if impl == "xla":

@@ -1,15 +1,12 @@
 """Scaling-law fits with standard errors, bootstrap confidence intervals and residuals.
 
-Three forms, all fitted to log L (so every point counts by its relative error):
-- ``fit_power_law``: L = (Nc / N)^alpha, ordinary least squares of log L on log N.
-- ``fit_saturating``: L = E + A / N^alpha, least squares on log L.
-- ``fit_chinchilla``: L = E + A / N^alpha + B / D^beta (D = training tokens), as in Hoffmann
-  et al. (2022), approach 3: a Huber loss (delta = 1e-3) on log L, L-BFGS from a grid of starts.
-
-The nonlinear forms are written as log L = LSE(a - alpha log N, [b - beta log D,] e) with
-A = exp(a), B = exp(b), E = exp(e). Confidence intervals are percentile intervals over a case
-bootstrap: points are resampled with replacement and refitted; resamples with fewer distinct
-points than the form needs are dropped (``Fit.samples`` holds the rest).
+Three forms (``FORMULAS``), all fitted to log L, so every point counts by its relative error:
+the power law by least squares of log L on log N; the saturating form by least squares on
+log L; Chinchilla's (Hoffmann et al. 2022, approach 3) by a Huber loss on log L. The nonlinear
+forms are log L = LSE(a - alpha log N, [b - beta log D,] e) with A = exp(a), B = exp(b),
+E = exp(e), fitted by L-BFGS from a grid of starts. Confidence intervals are percentile
+intervals over a case bootstrap; resamples with fewer distinct points than the form needs
+are dropped (``Fit.samples`` holds the rest).
 """
 
 from __future__ import annotations
@@ -407,14 +404,12 @@ _dot = functools.partial(np.einsum, "ij,ij->i")  # row by row: (S, U) and (S, U)
 
 
 def batched_lbfgs(fun, theta_SxU, *, memory=10, max_iter=300, gtol=1e-10, ftol=1e-10):
-    """Minimise S independent problems at once with L-BFGS (two-loop recursion, backtracking
-    Armijo line search). ``fun(theta, rows) -> (values, grads)`` evaluates the problems
-    ``rows`` (all when None) at ``theta`` (len(rows), U).
+    """Minimise S independent problems at once with L-BFGS and a backtracking Armijo search.
 
-    Each problem keeps its own history and step; a problem stops when its gradient is below
-    ``gtol``, a step lowers its objective by less than ``ftol`` relative, or a steepest-descent
-    line search finds no decrease (a failed L-BFGS direction is retried as steepest descent).
-    Returns (theta (S, U), values (S,)).
+    ``fun(theta, rows) -> (values, grads)`` evaluates the problems ``rows`` (all when None) at
+    ``theta`` (len(rows), U). A problem stops when its gradient is below ``gtol``, a step gains
+    less than ``ftol`` relative, or a steepest-descent search finds no decrease (a failed
+    L-BFGS direction is retried as steepest descent). Returns (theta (S, U), values (S,)).
     """
     theta = np.array(theta_SxU, dtype=float)
     with np.errstate(all="ignore"):

@@ -1,17 +1,14 @@
 """Grids of trials for compute-optimal studies, for sweep files to yield.
 
-- ``isoflop_grid``: for each compute budget C (training FLOPs), a run of several model sizes
-  per family, each trained on the tokens D that C buys at that model's own training FLOPs per
-  token (``flops_per_token(model, seq_len).train``, embedding and attention terms included,
-  not 6N): steps = round(C / (f x batch x seq_len)). The sizes of a budget are the family's
-  candidates nearest a target tokens-per-parameter ratio, so the window slides with C.
-- ``learning_rate_grid``: each size of each family at each of several learning rates, at a
-  short budget, for ``python -m lmuscale.analysis`` to pick a rate per size.
-- ``seeds`` on either: the same point trained with several ``train.seed``.
+- ``isoflop_grid``: per compute budget C, several sizes per family, each trained on the tokens
+  C buys at that model's own training FLOPs per token (``flops_per_token(model,
+  seq_len).train``, not 6N). The sizes are the family's candidates nearest a target
+  tokens-per-parameter ratio, so the window slides with C.
+- ``learning_rate_grid``: each size at each of several learning rates, at a short budget, for
+  ``python -m lmuscale.analysis`` to pick a rate per size.
 
-Every trial's schedule scales with its own steps: warmup is the base config's fraction of its
-steps (at least one step), the cosine decays to zero at the last step, and evaluations and
-checkpoints come ``evals`` times per run, so every run has an evaluation curve.
+Either takes ``seeds``. Every trial's schedule scales with its own steps (``schedule``), so
+every run has an evaluation curve.
 """
 
 from __future__ import annotations

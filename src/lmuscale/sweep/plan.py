@@ -1,15 +1,10 @@
 """``--dry-run``: the sweep as a table of sizes, tokens, FLOPs and an estimated time.
 
-The time of a trial is its training FLOPs (FLOPs per token x tokens) over a throughput in model
-FLOP/s, taken from the first of:
-
-1. ``measured``: the trial's own metrics.jsonl (median tokens/s x FLOPs per token);
-2. ``family``: the median of what the sweep's other trials of the same family measured;
-3. ``benchmark``: the sweep file's GPU benchmark (``THROUGHPUT = from_benchmarks(...)``) for
-   this model (same family and N), or ``benchmark family``: the median of its family's there;
-4. ``configured``: ``--throughput`` (which replaces the benchmark), or THROUGHPUT's number.
-
-Evaluation and compilation are not counted.
+A trial's time is its training FLOPs over a throughput in model FLOP/s, the first of:
+``measured`` (its own metrics.jsonl), ``family`` (the median of the sweep's other trials of
+its family), ``benchmark`` or ``benchmark family`` (the sweep file's GPU benchmark, see
+``Throughput.lookup``), ``configured`` (``--throughput`` or THROUGHPUT's number). Evaluation
+and compilation are not counted.
 """
 
 from __future__ import annotations

@@ -1,16 +1,14 @@
 """The SLURM executor: one job array through submitit, one trial per array task.
 
-Each task runs the trial's worker (``python -m lmuscale.sweep.worker FOLDER``), with its output
-in the trial's train.log and links to submitit's own logs beside it. On preemption or near the
-time limit SLURM signals the task (USR2); the task tells the worker to write a checkpoint and
-stop, and submitit requeues the task, which resumes from that checkpoint. Jobs are recorded
-in ``WORKDIR/slurm/jobs.json``, so a second runner (or ``--detach`` and a later run) waits for
-trials that are already queued instead of submitting them again.
+Each task runs the trial's worker (``python -m lmuscale.sweep.worker FOLDER``), its output in
+the trial's train.log beside links to submitit's logs. On preemption or near the time limit
+SLURM signals the task (USR2); the worker writes a checkpoint and stops, and submitit requeues
+the task, which resumes. Jobs are recorded in ``WORKDIR/slurm/jobs.json``, so a second runner
+waits for trials already queued instead of submitting them again.
 
-A trial may span several processes (``SLURM = {"nodes": 2, "tasks_per_node": 8, ...}`` in
-the sweep file): each of its tasks runs a worker, which joins the others through
-``jax.distributed.initialize`` (it reads the job's SLURM environment); task 0 holds the
-trial's lock and writes its train.log, the others write ``train.rankN.log``.
+A trial may span several processes (``SLURM = {"nodes": 2, "tasks_per_node": 8, ...}``):
+each task's worker joins the others through ``jax.distributed.initialize``; task 0 holds the
+trial's lock and writes train.log, the others ``train.rankN.log``.
 """
 
 from __future__ import annotations

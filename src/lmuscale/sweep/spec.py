@@ -1,23 +1,15 @@
 """Sweep files: Python modules whose ``get_trials()`` lists the training runs of a sweep.
 
-A sweep file defines
+A sweep file defines ``get_trials()``, an iterable of ``Trial(name, config, overrides)``, and
+optionally ``THROUGHPUT`` (model FLOP/s per trial for ``--dry-run``'s estimate: a number or
+``from_benchmarks(folder, default)``, see ``lmuscale.sweep.throughput``), ``SLURM`` (submitit
+parameters for ``--executor slurm``) and ``after(workdir)``, called once every trial has
+finished.
 
-- ``get_trials()``: an iterable of ``Trial(name, config, overrides)``. ``config`` is a
-  ConfigDict (a named config) or ``"FILE.py:NAME"`` of an experiment file, relative to the
-  sweep file's folder; ``overrides`` maps config keys to values (``{"train.steps": 1000}``).
-- ``THROUGHPUT`` (optional): the model FLOP/s one trial achieves, for ``--dry-run``'s time
-  estimate until the trials' own measurements exist: a number, or
-  ``from_benchmarks(folder, default)`` for a GPU benchmark's per-model figures
-  (``lmuscale.sweep.throughput``).
-- ``SLURM`` (optional): submitit parameters for ``--executor slurm`` (``timeout_min``,
-  ``slurm_partition``, ``gpus_per_node``, ...).
-- ``after(workdir)`` (optional): called once every trial has finished, e.g. to draw figures.
-
-Each trial is resolved to a checked config; its folder is ``NAME-HASH``, where HASH is a
-sha256 of every config key that changes the trained numbers (so not ``log.*`` or
-``data.path``): editing a trial's config gives it a new folder, and nothing else does. A trial
-that logs to Weights & Biases (``log.wandb``) is put in the W&B group named after the sweep
-(the file's stem, ``owt2``) unless it sets ``log.wandb_group`` itself.
+A trial's folder is ``NAME-HASH``, HASH a sha256 of every config key that changes the trained
+numbers (not ``log.*`` or ``data.path``): editing a trial's config gives it a new folder, and
+nothing else does. A trial that logs to W&B and names no ``log.wandb_group`` is put in the
+group named after the sweep file's stem.
 """
 
 from __future__ import annotations

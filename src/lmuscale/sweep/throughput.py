@@ -1,14 +1,10 @@
 """The model FLOP/s a sweep's trials are assumed to reach before they have measured their own.
 
 A sweep file's ``THROUGHPUT`` is a number (``5e9``) or ``from_benchmarks(folder, default)``:
-the per-model training speeds that ``benchmarks/gpu.py`` measured on one GPU at the paper's
-512 x 1024 tokens per step, read from ``folder/gpu-<device>.json``. A trial then takes its
-model's measured FLOP/s (same family and N), else the median of its family's, else the default.
-
-One file per device: ``$LMUSCALE_GPU_BENCHMARK``, where set, picks one (a file path, or part of
-the device name such as ``h100``; naming none is an error, so a typo is not a silent guess);
-otherwise the one most recently written (its ``"written"`` time) is used. A file measured on a
-CPU (``gpu.py`` checked there) is left out unless the variable names it.
+the per-model training speeds ``benchmarks/gpu.py`` measured at 512 x 1024 tokens per step,
+from ``folder/gpu-<device>.json``. ``$LMUSCALE_GPU_BENCHMARK`` picks the file (a path, or part
+of the device name such as ``h100``; naming none is an error, not a silent guess); otherwise
+the most recently written one that was not measured on a CPU.
 """
 
 from __future__ import annotations

@@ -1,18 +1,12 @@
 """IMDB sentiment (Maas et al. 2011): 25k training and 25k test reviews, positive or negative.
 
-The data comes from a local copy; nothing is downloaded. ``data.path`` is either
-- Keras's ``imdb.npz`` (the pre-processed set the paper used: reviews as lists of word ranks,
-  1 = the most frequent word), or
-- the ``aclImdb`` folder of the original release (``train/pos``, ``train/neg``,
-  ``test/pos``, ``test/neg``, one ``.txt`` per review), tokenised here into lower-case words
-  and ranked by frequency in the training reviews.
-
+``data.path`` is a local copy (nothing is downloaded): Keras's ``imdb.npz`` (reviews as word
+ranks, 1 = the most frequent word; the set the paper used), or the original ``aclImdb``
+folder, tokenised here into lower-case words ranked by frequency in the training reviews.
 Both become Keras's encoding (``index_from=3``): 1 starts a review, 2 stands for a word whose
-token would not be below ``vocab``, word rank r is token r + 3 (token 3 is unused), and token
-0 is padding. Reviews
-keep their last ``maxlen`` tokens and are padded on the left (Keras's ``pad_sequences``
-defaults). ``data.val`` training reviews, chosen by ``data.seed``, are held out to pick the
-epoch; the test split is the 25k test reviews.
+token would not be below ``vocab``, rank r is token r + 3, and 0 is padding. Reviews keep
+their last ``maxlen`` tokens, left-padded (``pad_sequences``'s defaults). ``data.val``
+training reviews, chosen by ``data.seed``, are held out to pick the epoch.
 """
 
 from __future__ import annotations
@@ -39,6 +33,8 @@ Give --config.data.path=PATH, where PATH is either
   - Keras's imdb.npz (x_train, y_train, x_test, y_test), or
   - the aclImdb folder of the original release (train/pos, train/neg, test/pos, test/neg).
 lmuscale never downloads data."""
+# What np.load raises on a damaged .npz.
+NPZ_ERRORS = (OSError, ValueError, EOFError, zipfile.BadZipFile, pickle.UnpicklingError, zlib.error)
 
 
 def encode(ranks, vocab: int) -> list[int]:
@@ -69,14 +65,7 @@ def _from_npz(path: Path):
             parts = [
                 (list(map(list, f[f"x_{s}"])), np.asarray(f[f"y_{s}"])) for s in ("train", "test")
             ]
-    except (
-        OSError,
-        ValueError,
-        EOFError,
-        zipfile.BadZipFile,
-        pickle.UnpicklingError,
-        zlib.error,
-    ) as error:
+    except NPZ_ERRORS as error:
         if isinstance(error, TaskDataError):
             raise
         raise TaskDataError(

@@ -2,15 +2,11 @@
 
     dx/dt = beta x(t - tau) / (1 + x(t - tau)^n) - gamma x(t),  beta 0.2, gamma 0.1, n 10, tau 17
 
-integrated by classical Runge-Kutta (RK4) with a step h that divides tau, so the delayed
-values at the start and end of a step are stored grid points. The one at the half step comes
-from the cubic Hermite interpolant of the two neighbouring grid values and their slopes (the
-slope at a grid point is the right-hand side already evaluated there), which keeps the scheme
-fourth order. The history is constant, x(t) = x0 for t <= 0, so the slope jumps at t = 0: the
-interval that ends at 0 uses the left slope (zero).
-
-tests/test_tasks.py checks the series against scipy's DOP853 at rtol 1e-12, run interval by
-interval over [k tau, (k+1) tau] (the method of steps), where the delayed term is known.
+integrated by RK4 with a step h that divides tau, so the delayed values at a step's ends are
+grid points. At the half step, the cubic Hermite interpolant of the neighbouring grid values
+and their slopes keeps the scheme fourth order. The history is constant, x(t) = x0 for
+t <= 0, so the slope jumps at t = 0: the interval ending there uses the left slope (zero).
+tests/test_tasks.py checks the series against scipy's DOP853 by the method of steps.
 """
 
 from __future__ import annotations
@@ -27,35 +23,26 @@ GAMMA = 0.1
 POWER = 10
 
 
-def rhs(x, x_delayed, beta: float = BETA, gamma: float = GAMMA, power: int = POWER):
+def rhs(x, x_delayed):
     """The right-hand side of the delay equation."""
-    return beta * x_delayed / (1.0 + x_delayed**power) - gamma * x
+    return BETA * x_delayed / (1.0 + x_delayed**POWER) - GAMMA * x
 
 
-def integrate(
-    x0,
-    duration: float,
-    *,
-    h: float = 0.1,
-    tau: float = TAU,
-    beta: float = BETA,
-    gamma: float = GAMMA,
-    power: int = POWER,
-) -> tuple[np.ndarray, np.ndarray]:
+def integrate(x0, duration: float, *, h: float = 0.1) -> tuple[np.ndarray, np.ndarray]:
     """x(t) on the grid t = 0, h, 2h, ..., duration, for one or several constant histories.
 
     Args:
       x0: the history value x(t <= 0): a number, or an array of B of them (integrated
         together, one independent series each).
       duration: time units to integrate.
-      h: the RK4 step; tau / h must be a whole number.
+      h: the RK4 step; TAU / h must be a whole number.
 
     Returns:
       ``(t_T, x_TxB)`` in float64 (``x_T`` for a scalar x0), T = round(duration / h) + 1.
     """
-    ratio = tau / h
+    ratio = TAU / h
     if ratio < 1 or abs(ratio - round(ratio)) > 1e-9:
-        raise ValueError(f"the step h={h} must divide tau={tau} (tau / h = {ratio:g})")
+        raise ValueError(f"the step h={h} must divide tau={TAU} (tau / h = {ratio:g})")
     if not duration > 0:
         raise ValueError(f"duration must be > 0, got {duration!r}")
     lag, steps = round(ratio), round(duration / h)
@@ -63,22 +50,19 @@ def integrate(
     if not np.all(x0 > 0):
         raise ValueError(f"the history x0 must be positive, got {x0!r}")
 
-    def f(x, x_delayed):
-        return rhs(x, x_delayed, beta, gamma, power)
-
     # Row i is t = (i - lag) h: rows 0..lag-1 are the history, row lag is t = 0.
     x = np.empty((lag + steps + 1, *x0.shape))
     slope = np.zeros_like(x)  # the history's slope is zero
     x[: lag + 1] = x0
     for i in range(lag, lag + steps):
         j = i - lag  # the delayed interval [t - tau, t - tau + h] is rows j, j + 1
-        k1 = f(x[i], x[j])
+        k1 = rhs(x[i], x[j])
         slope[i] = k1
         right = slope[j + 1] if j + 1 != lag else 0.0  # left slope where it jumps, at t = 0
         mid = 0.5 * (x[j] + x[j + 1]) + h * (slope[j] - right) / 8.0
-        k2 = f(x[i] + 0.5 * h * k1, mid)
-        k3 = f(x[i] + 0.5 * h * k2, mid)
-        k4 = f(x[i] + h * k3, x[j + 1])
+        k2 = rhs(x[i] + 0.5 * h * k1, mid)
+        k3 = rhs(x[i] + 0.5 * h * k2, mid)
+        k4 = rhs(x[i] + h * k3, x[j + 1])
         x[i + 1] = x[i] + h * (k1 + 2.0 * k2 + 2.0 * k3 + k4) / 6.0
     return h * np.arange(steps + 1), x[lag:]
 
@@ -95,11 +79,8 @@ def series(
     """``count`` independent Mackey-Glass series of ``length`` samples, ``dt`` time units apart.
 
     Each starts from its own constant history x0 ~ U(0.5, 1.5) (seeded) and drops the first
-    ``washout`` time units, the transient before the series settles on the chaotic attractor;
-    the series differ because their x0 differ.
-
-    Returns:
-      ``x_BxT`` float64, T = length.
+    ``washout`` time units, the transient before the chaotic attractor. Returns ``x_BxT``
+    float64, T = length.
     """
     every = dt / h
     if abs(every - round(every)) > 1e-9:
@@ -123,13 +104,9 @@ def windows(x_BxT, horizon: int) -> tuple[np.ndarray, np.ndarray]:
 
 
 def load(data: ConfigDict) -> Splits:
-    """Independent series for train, val and test (each from its own history x0, all drawn
-    from one generator seeded by ``data.seed``), standardised by the training series' mean and
-    std.
-
-    An example is a whole series of ``length`` steps: the model sees x_0..x_t and predicts
-    x_{t + horizon} at every t. NRMSE does not depend on the standardisation.
-    """
+    """Independent series for train, val and test (histories x0 from one generator seeded by
+    ``data.seed``), standardised by the training series' mean and std (NRMSE does not depend
+    on it). An example is a whole series: x_0..x_t predicts x_{t + horizon} at every t."""
     counts = (data.train, data.val, data.test)
     if min(counts) <= 0 or data.length <= 0 or data.washout < 0 or data.seed < 0:
         raise ConfigError(

@@ -2,14 +2,11 @@
 
     [embedding] -> ParallelLMU (eqs 18-20) | LSTM layers -> [Dense(hidden)] -> Dense(outputs)
 
-A sequence task (Mackey-Glass) predicts at every step; a classification task (psMNIST, IMDB)
-reads only the last step, which the parallel LMU computes from the final state alone
-(parallel-LMU eq 25) and the LSTM from its last hidden state.
-
-Padding (IMDB) is on the left with token 0, whose embedding is held at zero. Without an
-encoder (``memory_dim=0``, u = x, as in the paper's IMDB model) a linear memory that has seen
-only zeros is zero, so the final LMU state of a padded review equals that of the unpadded one;
-with an encoder (u = f1(b_u) on padding) or an LSTM, padding is an input like any other.
+A sequence task (Mackey-Glass) predicts at every step; a classifier (psMNIST, IMDB) reads the
+last step, which the parallel LMU computes from the final state alone (eq 25). Padding (IMDB)
+is token 0 on the left, embedded as exactly zero: without an encoder (``memory_dim=0``, as in
+the paper's IMDB model) a linear memory of zeros is zero, so padding changes nothing; with an
+encoder or an LSTM it is an input like any other.
 """
 
 from __future__ import annotations
@@ -26,19 +23,11 @@ KINDS = ("lmu", "lstm")
 
 @dataclasses.dataclass(frozen=True)
 class TaskModelConfig:
-    """One task model. ``kind`` picks the sequence layer; the others size it.
-
-    Attributes:
-      kind: "lmu" (ParallelLMU) or "lstm".
-      outputs: width of the final Dense (1 for regression or a binary logit, classes else).
-      sequence_output: predict at every step (True) or from the last step only.
-      units, order, theta, memory_dim, input_activation, output_activation: the ParallelLMU's
-        (units 0 = memory only; memory_dim 0 = u = x).
-      mode: "fft" or "scan" for the LMU's full-sequence memory.
-      lstm_units, lstm_layers: the LSTM's.
-      hidden, hidden_activation: one Dense layer after the sequence layer (0 = none).
-      vocab_size, embed_dim: a token embedding in front (0 = the input is already numbers).
-    """
+    """One task model: ``kind`` "lmu" (the ParallelLMU's fields, see there) or "lstm"
+    (``lstm_units``, ``lstm_layers``), then ``hidden`` units of one Dense layer (0: none) and
+    ``outputs`` (1 for regression or a binary logit, else the classes), at every step or only
+    the last (``sequence_output``). ``vocab_size`` and ``embed_dim`` put a token embedding in
+    front (0: the input is already numbers)."""
 
     kind: str
     outputs: int

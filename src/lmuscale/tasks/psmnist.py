@@ -1,17 +1,11 @@
 """Permuted sequential MNIST: each 28 x 28 image as 784 pixels in one fixed, seeded order.
 
-The data comes from a local MNIST copy; nothing is downloaded. ``data.path`` is either
-- a folder with the four standard idx files (``train-images-idx3-ubyte``,
-  ``train-labels-idx1-ubyte``, ``t10k-images-idx3-ubyte``, ``t10k-labels-idx1-ubyte``, each
-  optionally ``.gz``), as published by LeCun et al.; or
-- a TensorFlow Datasets data_dir holding a prepared ``mnist`` (read with
-  ``download=False``; needs the optional ``tensorflow-datasets``).
-
-Splits: the first 50,000 training images train, the last 10,000 validate, and the 10,000 test
-images test (the standard 50k/10k/10k). Pixels are scaled to [0, 1]. The permutation is
-``numpy.random.default_rng(data.permutation_seed).permutation(784)``: fixed and reproducible,
-but not the one the paper took from Chandar et al. (2019), so accuracies are comparable in
-distribution, not digit for digit.
+``data.path`` is a local MNIST copy (nothing is downloaded): a folder with LeCun's four idx
+files (each optionally ``.gz``), or a TensorFlow Datasets data_dir with ``mnist`` prepared
+(needs the optional ``tensorflow-datasets``). The first 50,000 training images train, the last
+10,000 validate, the 10,000 test images test; pixels are scaled to [0, 1]. The permutation,
+``default_rng(data.permutation_seed).permutation(784)``, is not the paper's (Chandar et al.
+2019), so accuracies are comparable in distribution, not digit for digit.
 """
 
 from __future__ import annotations
