@@ -74,9 +74,10 @@ def test_gradient_accumulation_equals_one_large_batch(byte_corpus):
         config = small(str(byte_corpus))
         config.optim.warmup_steps = 0  # every one of the 3 steps updates the parameters
         state, train_step = _setup(config, micro)
+        layout = step_lib.MicroBatches(step_lib.make_mesh(1), micro)
         losses = []
         for s in range(3):
-            tokens = jnp.asarray(batches(s).reshape(micro, -1, 33))
+            tokens = layout.place(batches(s))
             state, metrics = train_step(state, tokens)
             losses.append((float(metrics["loss"]), float(metrics["grad_norm"])))
         results[micro] = (losses, jax.device_get(state["params"]))
@@ -84,6 +85,16 @@ def test_gradient_accumulation_equals_one_large_batch(byte_corpus):
     flat1, flat4 = (jax.tree.leaves(results[m][1]) for m in (1, 4))
     for a, b in zip(flat1, flat4, strict=True):
         np.testing.assert_allclose(a, b, rtol=0, atol=2e-5)
+
+
+def test_micro_batches_are_the_batch_cut_into_runs_in_order():
+    rows = np.arange(12 * 5, dtype=np.int32).reshape(12, 5)  # 12 windows of T + 1 = 5 tokens
+    layout = step_lib.MicroBatches(step_lib.make_mesh(1), 3)
+    placed, abstract = layout.place(rows), layout.abstract(global_batch=12, seq_len=4)
+    assert (placed.shape, placed.dtype) == (abstract.shape, abstract.dtype) == ((3, 4, 5), "int32")
+    assert placed.sharding == abstract.sharding == layout.sharding
+    for m in range(3):
+        np.testing.assert_array_equal(placed[m], rows[4 * m : 4 * m + 4])
 
 
 def test_a_bfloat16_paper_model_tracks_its_float32_run(byte_corpus):

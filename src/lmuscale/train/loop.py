@@ -426,14 +426,13 @@ class Session:
         batches = TrainBatches(
             self.dataset, seq_len=self.seq_len, global_batch=c.train.global_batch, seed=c.train.seed
         )
-        sharding = step_lib.batch_sharding(self.mesh, 3, axis=1)
+        microbatches = step_lib.MicroBatches(self.mesh, self.plan.microbatches)
         trace = StepTrace(
             self.workdir, c.log.profile_start, c.log.profile_steps, self.start, last, self.primary
         )
         with self.bar, contextlib.closing(trace):
             for step in range(self.start, last):
-                rows = batches(step).reshape(self.plan.microbatches, -1, self.seq_len + 1)
-                tokens = step_lib.to_global(rows, sharding)
+                tokens = microbatches.place(batches(step))
                 trace.before(step + 1, self.state)
                 with trace.annotate(step + 1):
                     self.state, metrics = self.train_step(self.state, tokens)
