@@ -404,3 +404,71 @@ def test_each_action_fires_at_its_period_and_again_on_resume(byte_corpus, tmp_pa
     assert all(r["tokens_per_second"] > 0 for r in records)
     saved = sorted(int(p.name) for p in (tmp_path / "checkpoints").iterdir() if p.name.isdigit())
     assert saved == [5, 6, 10, 12]
+
+
+# Wall-clock numbers: the only ones a stop and a resume may change.
+TIMINGS = ("elapsed", "tokens_per_second", "mfu", "wall_seconds")
+
+
+def _numbers(workdir) -> dict:
+    """Every logged and summarised number of a run but its timings."""
+    logs = {
+        name: [
+            {k: v for k, v in json.loads(line).items() if k not in TIMINGS}
+            for line in (workdir / name).open()
+        ]
+        for name in ("metrics.jsonl", "eval.jsonl")
+    }
+    summary = json.loads((workdir / "summary.json").read_text())
+    return {**logs, "summary": {k: v for k, v in summary.items() if k not in TIMINGS}}
+
+
+def _windowed(data_path):
+    """Log lines every 5 steps, so a line's loss_mean is the mean of 5 steps' losses."""
+    config = small(str(data_path))
+    config.train.steps = 20
+    config.log.every, config.eval.every = 5, 7
+    config.checkpoint.update(every=4, keep=10)
+    return config
+
+
+@pytest.fixture(scope="module")
+def windowed_whole(byte_corpus, tmp_path_factory):
+    workdir = tmp_path_factory.mktemp("windowed")
+    run(_windowed(byte_corpus), workdir)
+    return _numbers(workdir)
+
+
+@pytest.mark.parametrize("resume_from", [14, 12])
+def test_a_stop_between_two_log_lines_changes_no_logged_number(
+    byte_corpus, tmp_path, monkeypatch, windowed_whole, resume_from
+):
+    """Ctrl-C after step 14, between the log lines of steps 10 and 15; the run resumes from
+    the stop's checkpoint (14), or, as after a kill, from the periodic one before it (12)."""
+    import signal
+
+    from lmuscale.train import TrainingInterrupted, loop
+
+    validate = loop.Session.validate
+
+    def validate_then_ctrl_c(self, done):
+        validate(self, done)
+        if done == 14 and self.start == 0:
+            signal.raise_signal(signal.SIGINT)
+
+    monkeypatch.setattr(loop.Session, "validate", validate_then_ctrl_c)
+    config = _windowed(byte_corpus)
+    with pytest.raises(TrainingInterrupted, match="SIGINT received: stopped after step 14"):
+        run(config, tmp_path)
+    saved = sorted(int(p.name) for p in (tmp_path / "checkpoints").iterdir() if p.name.isdigit())
+    assert saved == [4, 8, 12, 14]
+    for step in saved:
+        if step > resume_from:
+            shutil.rmtree(tmp_path / "checkpoints" / str(step))
+    run(config, tmp_path)
+    got = _numbers(tmp_path)
+    assert [r["step"] for r in got["metrics.jsonl"]] == [5, 10, 15, 20]
+    step_15 = windowed_whole["metrics.jsonl"][2]
+    assert step_15["loss_mean"] != step_15["loss"]  # the mean of 5 steps, not of the last
+    for name, numbers in windowed_whole.items():
+        assert got[name] == numbers, name

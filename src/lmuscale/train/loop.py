@@ -76,6 +76,9 @@ from lmuscale.train.workdir import TrainingDiverged
 
 # A scheduler's notices of preemption or time limit, and Ctrl-C.
 STOP_SIGNALS = (signal.SIGTERM, signal.SIGUSR1, signal.SIGUSR2, signal.SIGINT)
+# The checkpoint meta's key for the training losses since the last log line (their mean is
+# the next line's loss_mean): a run resumed between two log lines logs the same mean.
+LOG_WINDOW = "log_window"
 
 
 class TrainingInterrupted(RuntimeError):
@@ -294,9 +297,9 @@ def restore_or_init(
     init, mesh, shardings, checkpoints: Checkpoints
 ) -> tuple[dict, dict, int | None]:
     """``(state, meta, step)`` of the latest intact checkpoint, each array placed with its
-    sharding (a tree like the state's), ``meta`` its JSON (``"elapsed"``: the run's seconds);
-    the initial state, ``{}`` and None when there is none. A checkpoint that
-    cannot be read or fails its checksums is set aside, and said so."""
+    sharding (a tree like the state's), ``meta`` its JSON (``"elapsed"``: the run's seconds;
+    ``LOG_WINDOW``); the initial state, ``{}`` and None when there is none. A checkpoint
+    that cannot be read or fails its checksums is set aside, and said so."""
     target = jax.tree.map(
         lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s),
         jax.eval_shape(init),
@@ -467,7 +470,7 @@ class Session:
         except BaseException:  # a damaged log, say: no orbax thread may outlive the error
             self.checkpoints.close()
             raise
-        self.metrics = StepMetrics()
+        self.metrics = StepMetrics(meta.get(LOG_WINDOW, []))
         self.tokens_per_step = c.train.global_batch * c.data.seq_len
         self.peak = device_peak(program.model_config.dtype, c.peak_flops)
         self.lost = False  # another process died: close() must not wait for it
@@ -531,7 +534,9 @@ class Session:
     def checkpoint(self, done: int) -> None:
         self.fetch()  # never a checkpoint of a step not known to be finite
         if self.last_checkpoint != done:
-            self.checkpoints.save(done, self.state, {"elapsed": self.clock.elapsed()})
+            # A copy of the window: the save may write it after the next step's loss is added.
+            meta = {"elapsed": self.clock.elapsed(), LOG_WINDOW: list(self.metrics.window)}
+            self.checkpoints.save(done, self.state, meta)
             self.last_checkpoint = done
 
     def stop(self, done: int, signum: int, received: int | None) -> None:

@@ -189,12 +189,13 @@ class StepMetrics:
 
     ``add`` takes a dispatched step's metrics, still on the device; ``fetch`` waits for them.
     The losses fetched since the last log line are its window: the next line logs their mean
-    (``loss_mean``).
+    (``loss_mean``). A checkpoint holds the window (``window``, in its JSON meta), and a
+    resumed run starts from it, so a stop between two log lines changes no logged number.
     """
 
-    def __init__(self):
+    def __init__(self, window: list[float] = ()):
         self.pending = []  # (step, metrics on the device) not yet fetched
-        self.window = []
+        self.window = [float(loss) for loss in window]
         self.latest = None  # the last fetched step's metrics, as floats
 
     def add(self, step: int, metrics: dict) -> None:
