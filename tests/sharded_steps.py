@@ -39,10 +39,10 @@ def steps(config, mesh, n: int):
     state = step_lib.init_state(init, mesh)
     train_step = step_lib.make_train_step(model, tx, lr, mesh, abstract)
     batches = TrainBatches(open_dataset(config.data.path), seq_len=32, global_batch=16, seed=0)
-    sharding = step_lib.batch_sharding(mesh, 3, axis=1)
+    microbatches = step_lib.MicroBatches(mesh, 2)  # of 8 sequences each
     losses, layouts = [], set()
     for s in range(n):
-        tokens = step_lib.to_global(batches(s).reshape(2, 8, 33), sharding)
+        tokens = microbatches.place(batches(s))
         state, metrics = train_step(state, tokens)
         losses.append([float(metrics["loss"]), float(metrics["grad_norm"])])
     for leaf in jax.tree.leaves(state["params"]):

@@ -74,9 +74,10 @@ def test_gradient_accumulation_equals_one_large_batch(byte_corpus):
         config = small(str(byte_corpus))
         config.optim.warmup_steps = 0  # every one of the 3 steps updates the parameters
         state, train_step = _setup(config, micro)
+        layout = step_lib.MicroBatches(step_lib.make_mesh(1), micro)
         losses = []
         for s in range(3):
-            tokens = jnp.asarray(batches(s).reshape(micro, -1, 33))
+            tokens = layout.place(batches(s))
             state, metrics = train_step(state, tokens)
             losses.append((float(metrics["loss"]), float(metrics["grad_norm"])))
         results[micro] = (losses, jax.device_get(state["params"]))
@@ -84,6 +85,16 @@ def test_gradient_accumulation_equals_one_large_batch(byte_corpus):
     flat1, flat4 = (jax.tree.leaves(results[m][1]) for m in (1, 4))
     for a, b in zip(flat1, flat4, strict=True):
         np.testing.assert_allclose(a, b, rtol=0, atol=2e-5)
+
+
+def test_micro_batches_are_the_batch_cut_into_runs_in_order():
+    rows = np.arange(12 * 5, dtype=np.int32).reshape(12, 5)  # 12 windows of T + 1 = 5 tokens
+    layout = step_lib.MicroBatches(step_lib.make_mesh(1), 3)
+    placed, abstract = layout.place(rows), layout.abstract(global_batch=12, seq_len=4)
+    assert (placed.shape, placed.dtype) == (abstract.shape, abstract.dtype) == ((3, 4, 5), "int32")
+    assert placed.sharding == abstract.sharding == layout.sharding
+    for m in range(3):
+        np.testing.assert_array_equal(placed[m], rows[4 * m : 4 * m + 4])
 
 
 def test_a_bfloat16_paper_model_tracks_its_float32_run(byte_corpus):
@@ -393,3 +404,71 @@ def test_each_action_fires_at_its_period_and_again_on_resume(byte_corpus, tmp_pa
     assert all(r["tokens_per_second"] > 0 for r in records)
     saved = sorted(int(p.name) for p in (tmp_path / "checkpoints").iterdir() if p.name.isdigit())
     assert saved == [5, 6, 10, 12]
+
+
+# Wall-clock numbers: the only ones a stop and a resume may change.
+TIMINGS = ("elapsed", "tokens_per_second", "mfu", "wall_seconds")
+
+
+def _numbers(workdir) -> dict:
+    """Every logged and summarised number of a run but its timings."""
+    logs = {
+        name: [
+            {k: v for k, v in json.loads(line).items() if k not in TIMINGS}
+            for line in (workdir / name).open()
+        ]
+        for name in ("metrics.jsonl", "eval.jsonl")
+    }
+    summary = json.loads((workdir / "summary.json").read_text())
+    return {**logs, "summary": {k: v for k, v in summary.items() if k not in TIMINGS}}
+
+
+def _windowed(data_path):
+    """Log lines every 5 steps, so a line's loss_mean is the mean of 5 steps' losses."""
+    config = small(str(data_path))
+    config.train.steps = 20
+    config.log.every, config.eval.every = 5, 7
+    config.checkpoint.update(every=4, keep=10)
+    return config
+
+
+@pytest.fixture(scope="module")
+def windowed_whole(byte_corpus, tmp_path_factory):
+    workdir = tmp_path_factory.mktemp("windowed")
+    run(_windowed(byte_corpus), workdir)
+    return _numbers(workdir)
+
+
+@pytest.mark.parametrize("resume_from", [14, 12])
+def test_a_stop_between_two_log_lines_changes_no_logged_number(
+    byte_corpus, tmp_path, monkeypatch, windowed_whole, resume_from
+):
+    """Ctrl-C after step 14, between the log lines of steps 10 and 15; the run resumes from
+    the stop's checkpoint (14), or, as after a kill, from the periodic one before it (12)."""
+    import signal
+
+    from lmuscale.train import TrainingInterrupted, loop
+
+    validate = loop.Session.validate
+
+    def validate_then_ctrl_c(self, done):
+        validate(self, done)
+        if done == 14 and self.start == 0:
+            signal.raise_signal(signal.SIGINT)
+
+    monkeypatch.setattr(loop.Session, "validate", validate_then_ctrl_c)
+    config = _windowed(byte_corpus)
+    with pytest.raises(TrainingInterrupted, match="SIGINT received: stopped after step 14"):
+        run(config, tmp_path)
+    saved = sorted(int(p.name) for p in (tmp_path / "checkpoints").iterdir() if p.name.isdigit())
+    assert saved == [4, 8, 12, 14]
+    for step in saved:
+        if step > resume_from:
+            shutil.rmtree(tmp_path / "checkpoints" / str(step))
+    run(config, tmp_path)
+    got = _numbers(tmp_path)
+    assert [r["step"] for r in got["metrics.jsonl"]] == [5, 10, 15, 20]
+    step_15 = windowed_whole["metrics.jsonl"][2]
+    assert step_15["loss_mean"] != step_15["loss"]  # the mean of 5 steps, not of the last
+    for name, numbers in windowed_whole.items():
+        assert got[name] == numbers, name

@@ -44,6 +44,7 @@ import math
 import signal
 import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import jax
@@ -68,11 +69,14 @@ from lmuscale.train import config as config_lib
 from lmuscale.train import memory, optim, wandb_log
 from lmuscale.train import step as step_lib
 from lmuscale.train.checkpoint import Checkpoints
-from lmuscale.train.metrics import MetricsLog, device_peak, mfu
+from lmuscale.train.metrics import MetricsLog, StepMetrics, device_peak, mfu
 from lmuscale.train.profile import StepTrace
 
 # A scheduler's notices of preemption or time limit, and Ctrl-C.
 STOP_SIGNALS = (signal.SIGTERM, signal.SIGUSR1, signal.SIGUSR2, signal.SIGINT)
+# The checkpoint meta's key for the training losses since the last log line (their mean is
+# the next line's loss_mean): a run resumed between two log lines logs the same mean.
+LOG_WINDOW = "log_window"
 
 
 class TrainingInterrupted(RuntimeError):
@@ -265,12 +269,13 @@ def run(
 def _train(c, workdir: Path, model_config, dataset, mesh, primary: bool, show: bool) -> dict:
     if primary:
         workdir_lib.write_config(c, workdir)
-    session = Session(c, workdir, model_config, dataset, mesh, primary)
+    program = compile_program(c, workdir, model_config, mesh, primary)
+    session = Session(c, workdir, dataset, mesh, program, primary, show)
     try:
         # The final evaluation too: a signal during it is noted, and the run still finishes.
         with _StopSignals() as stop:
-            session.train(stop, show)
-            return session.finish()
+            train(session, stop)
+            return summarise(session)
     except jax.errors.JaxRuntimeError as error:
         if jax.process_count() == 1:
             raise
@@ -287,10 +292,11 @@ def _train(c, workdir: Path, model_config, dataset, mesh, primary: bool, show: b
 
 def restore_or_init(
     init, mesh, shardings, checkpoints: Checkpoints
-) -> tuple[dict, float, int | None]:
-    """``(state, elapsed seconds, step)`` of the latest intact checkpoint, each array placed
-    with its sharding (a tree like the state's); the initial state, 0 and None when there is
-    none. A checkpoint that cannot be read or fails its checksums is set aside, and said so."""
+) -> tuple[dict, dict, int | None]:
+    """``(state, meta, step)`` of the latest intact checkpoint, each array placed with its
+    sharding (a tree like the state's), ``meta`` its JSON (``"elapsed"``: the run's seconds;
+    ``LOG_WINDOW``); the initial state, ``{}`` and None when there is none. A checkpoint
+    that cannot be read or fails its checksums is set aside, and said so."""
     target = jax.tree.map(
         lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s),
         jax.eval_shape(init),
@@ -298,9 +304,9 @@ def restore_or_init(
     )
     restored = checkpoints.restore_latest(target)
     if restored is None:
-        return step_lib.init_state(init, mesh, shardings), 0.0, None
+        return step_lib.init_state(init, mesh, shardings), {}, None
     step, state, meta = restored
-    return state, meta["elapsed"], step
+    return state, meta, step
 
 
 class Clock:
@@ -325,36 +331,125 @@ class Clock:
         return steps / seconds if steps and seconds > 0 else None
 
 
-def first_nonfinite(fetched: list[tuple[int, dict]]) -> tuple[int, dict] | None:
-    """The first ``(step, metrics)`` whose loss or parameters are not finite."""
-    return next(((step, m) for step, m in fetched if not m["finite"]), None)
+@dataclasses.dataclass(frozen=True)
+class Hook:
+    """An action of the schedule: ``action(done)`` after every ``every``-th step (``done``:
+    the number of steps done) and after the run's last step."""
+
+    every: int
+    action: Callable[[int], None]
+
+    def due(self, done: int, last: int) -> bool:
+        return done % self.every == 0 or done == last
+
+
+def train(session: Session, stop: _StopSignals) -> None:
+    """The step loop: each step, then the hooks that are due, in order, then a stop signal.
+
+    The first step of a session is waited for, so that the clock starts after it; the clock
+    restarts after any hook, so that the tokens/s and MFU logged count only training. A
+    signal that arrives during a hook is seen after it, at the same step.
+    """
+    c, start, last = session.c, session.start, session.c.train.steps
+    hooks = [
+        Hook(c.log.every, session.log_step),
+        Hook(c.eval.every, session.validate),
+        Hook(c.checkpoint.every, session.checkpoint),
+    ]
+    agree = _StopAgreement(session.mesh) if jax.process_count() > 1 else None
+    agreed = 0  # with several processes: the stop signal's number once all have seen it
+    batches = TrainBatches(
+        session.dataset,
+        seq_len=c.data.seq_len,
+        global_batch=c.train.global_batch,
+        seed=c.train.seed,
+    )
+    layout = step_lib.MicroBatches(session.mesh, session.program.plan.microbatches)
+    trace = StepTrace(
+        session.workdir, c.log.profile_start, c.log.profile_steps, start, last, session.primary
+    )
+    with session.bar, contextlib.closing(trace):
+        for done in range(start + 1, last + 1):
+            tokens = layout.place(batches(done - 1))
+            trace.before(done, session.state)
+            with trace.annotate(done):
+                session.state, metrics = session.program.train_step(session.state, tokens)
+            trace.after(done, metrics)
+            session.metrics.add(done, metrics)
+            session.bar.update(1)
+            if agree:
+                agreed = agree(stop.received or 0)
+            first = done == start + 1
+            if first:
+                session.fetch()  # the clock starts once the first step is done
+            due = [hook for hook in hooks if hook.due(done, last)]
+            for hook in due:
+                hook.action(done)
+            if first or due:
+                session.clock.restart(done)
+            signum = agreed if agree else stop.received
+            if signum and done < last:
+                session.stop(done, signum, stop.received)
+    session.checkpoints.wait()
+
+
+@dataclasses.dataclass(frozen=True)
+class Program:
+    """The run's model compiled for the mesh: the train step (for the micro-batch plan) and
+    the eval step, the initial state's function and shardings, and the FLOPs per token."""
+
+    model_config: object
+    seq_len: int  # T: tokens a window predicts
+    loss_impl: str  # the cross-entropy's implementation
+    init: Callable[[], dict]
+    shardings: dict  # the state's, a tree like it
+    plan: memory.Plan
+    train_step: Callable
+    eval_step: Callable
+    plateau: object  # optim.plateau's transform
+    flops: object  # flops_per_token's
+
+
+def compile_program(c, workdir: Path, model_config, mesh, primary: bool) -> Program:
+    """Plans the micro-batches (``train.memory``), writes plan.json and compiles the steps."""
+    loss_impl = config_lib.loss_implementation(model_config)
+    model = build(model_config)
+    tx, lr = optim.optimizer(c.optim, c.train.steps)
+    plateau = optim.plateau(c.optim)
+    init = step_lib.init_fn(model, tx, plateau, c.train.seed, c.data.seq_len)
+    abstract = jax.eval_shape(init)
+    plan, train_step = memory.plan_train_step(
+        step_lib.make_train_step(model, tx, lr, mesh, abstract), abstract, c, mesh, workdir
+    )
+    if primary:
+        memory.write(workdir, plan)
+        print(f"train step: {memory.describe(plan)}; cross-entropy: {loss_impl}", flush=True)
+    return Program(
+        model_config=model_config,
+        seq_len=c.data.seq_len,
+        loss_impl=loss_impl,
+        init=init,
+        shardings=step_lib.state_shardings(mesh, abstract),
+        plan=plan,
+        train_step=train_step,
+        eval_step=step_lib.make_eval_step(model, mesh, abstract["params"]),
+        plateau=plateau,
+        flops=flops_per_token(model_config, c.data.seq_len),
+    )
 
 
 class Session:
-    """One process's part of a run, from the restored (or initial) state to the summary."""
+    """One process's part of a run: the state from the restored (or initial) step on, the
+    checkpoints, the logs, and the actions that ``train``'s hooks run. Each action is called
+    with the number of steps done."""
 
-    def __init__(self, c, workdir, model_config, dataset, mesh, primary):
+    def __init__(self, c, workdir: Path, dataset, mesh, program: Program, primary, show):
         self.c, self.workdir, self.dataset, self.mesh = c, workdir, dataset, mesh
-        self.primary, self.model_config = primary, model_config
-        self.loss_impl = config_lib.loss_implementation(model_config)
-        model = build(model_config)
-        self.seq_len = c.data.seq_len
-        self.tokens_per_step = c.train.global_batch * self.seq_len
-        tx, lr = optim.optimizer(c.optim, c.train.steps)
-        self.plateau = optim.plateau(c.optim)
-        init = step_lib.init_fn(model, tx, self.plateau, c.train.seed, self.seq_len)
-        abstract = jax.eval_shape(init)
-        shardings = step_lib.state_shardings(mesh, abstract)
-        self.plateau_sharding = shardings["plateau"]
-        # Planned (and compiled) before a checkpoint is restored or a log opened: a budget
-        # that nothing fits stops the run here, having written only config.json.
-        self.plan, self.train_step = self.compile_train_step(
-            step_lib.make_train_step(model, tx, lr, mesh, abstract), abstract
-        )
+        self.program, self.primary = program, primary
         self.checkpoints = Checkpoints(workdir / workdir_lib.CHECKPOINTS, c.checkpoint.keep)
         try:
-            self.state, self.elapsed_before, self.last_checkpoint = restore_or_init(
-                init, mesh, shardings, self.checkpoints
+            self.state, meta, self.last_checkpoint = restore_or_init(
+                program.init, mesh, program.shardings, self.checkpoints
             )
             self.start = int(jax.device_get(self.state["step"]))
             self.log = MetricsLog(
@@ -367,124 +462,61 @@ class Session:
         except BaseException:  # a damaged log, say: no orbax thread may outlive the error
             self.checkpoints.close()
             raise
-        self.eval_step = step_lib.make_eval_step(model, mesh, abstract["params"])
-        self.flops = flops_per_token(model_config, self.seq_len)
-        self.peak = device_peak(model_config.dtype, c.peak_flops)
-        self.pending = []  # (step, metrics on the device) not yet fetched
-        self.losses = []  # training losses fetched since the last log line
-        self.latest = None  # the last fetched step's metrics
+        self.metrics = StepMetrics(meta.get(LOG_WINDOW, []))
+        self.tokens_per_step = c.train.global_batch * c.data.seq_len
+        self.peak = device_peak(program.model_config.dtype, c.peak_flops)
         self.lost = False  # another process died: close() must not wait for it
-
-    def compile_train_step(self, train_step, abstract_state):
-        """The micro-batch plan (``train.memory``) and the train step compiled for it."""
-        plan, compiled = memory.plan_train_step(
-            train_step, abstract_state, self.c, self.mesh, self.workdir
-        )
-        if self.primary:
-            memory.write(self.workdir, plan)
-            print(
-                f"train step: {memory.describe(plan)}; cross-entropy: {self.loss_impl}",
-                flush=True,
-            )
-        return plan, compiled
-
-    def train(self, stop: _StopSignals, show: bool) -> None:
-        """The step loop: after each step, the actions of the schedule that are due."""
-        c, last = self.c, self.c.train.steps
-        self.clock = Clock(self.elapsed_before)
-
-        def every(period: int):
-            return lambda step: step % period == 0 or step == last
-
+        self.clock = Clock(meta.get("elapsed", 0.0))
         self.bar = tqdm(
-            total=last, initial=self.start, disable=not show, unit="step", dynamic_ncols=True
+            total=c.train.steps,
+            initial=self.start,
+            disable=not show,
+            unit="step",
+            dynamic_ncols=True,
         )
-        schedule = [
-            (lambda step: step == self.start + 1, lambda _: self.fetch()),  # clock starts
-            (every(c.log.every), self.log_step),
-            (every(c.eval.every), self.validate),
-            (every(c.checkpoint.every), self.checkpoint),
-            (
-                lambda step: step < last and stopping(),
-                lambda done: self.stop(done, stopping(), stop.received),
-            ),
-        ]
-        agree = _StopAgreement(self.mesh) if jax.process_count() > 1 else None
-        agreed = 0  # with several processes: the stop signal's number once all have seen it
-
-        def stopping() -> int:
-            return agreed if agree else stop.received or 0
-
-        batches = TrainBatches(
-            self.dataset, seq_len=self.seq_len, global_batch=c.train.global_batch, seed=c.train.seed
-        )
-        sharding = step_lib.batch_sharding(self.mesh, 3, axis=1)
-        trace = StepTrace(
-            self.workdir, c.log.profile_start, c.log.profile_steps, self.start, last, self.primary
-        )
-        with self.bar, contextlib.closing(trace):
-            for step in range(self.start, last):
-                rows = batches(step).reshape(self.plan.microbatches, -1, self.seq_len + 1)
-                tokens = step_lib.to_global(rows, sharding)
-                trace.before(step + 1, self.state)
-                with trace.annotate(step + 1):
-                    self.state, metrics = self.train_step(self.state, tokens)
-                trace.after(step + 1, metrics)
-                self.pending.append((step + 1, metrics))
-                self.bar.update(1)
-                if agree:
-                    agreed = agree(stop.received or 0)
-                ran = False
-                for when, action in schedule:  # in order: a signal during one is seen after it
-                    if when(step + 1):
-                        action(step + 1)
-                        ran = True
-                if ran:
-                    self.clock.restart(step + 1)
-        self.checkpoints.wait()
-
-    # -- the actions: each is called with the number of steps done (the bar is train()'s) ----
 
     def fetch(self) -> None:
         """Wait for the pending steps; a non-finite one ends the run (``diverged``)."""
-        fetched = [(s, jax.device_get(m)) for s, m in self.pending]
-        self.pending = []
-        bad = first_nonfinite(fetched)
+        bad = self.metrics.fetch()
         if bad is not None:
-            self.diverged(*bad)
-        for _, metrics in fetched:
-            self.latest = {k: float(v) for k, v in metrics.items()}
-            self.losses.append(self.latest["loss"])
+            diverged(self, *bad)
 
     def log_step(self, done: int) -> None:
         self.fetch()
-        m = self.latest
+        m = self.metrics.latest
         steps_per_second = self.clock.steps_per_second(done)
         speed = steps_per_second * self.tokens_per_step if steps_per_second else None
+        devices = self.mesh.devices.size
         record = {
             "step": done,
             "loss": m["loss"],
-            "loss_mean": float(np.mean(self.losses)),
+            "loss_mean": self.metrics.window_mean(),
             "lr": m["lr"],
             "grad_norm": m["grad_norm"],
             "param_norm": m["param_norm"],
             "tokens": done * self.tokens_per_step,
             "tokens_per_second": speed,
-            "mfu": mfu(speed, self.flops.train, self.mesh.devices.size, self.peak)
-            if speed
-            else None,
+            "mfu": mfu(speed, self.program.flops.train, devices, self.peak) if speed else None,
             "elapsed": self.clock.elapsed(),
         }
-        self.losses = []
         self.log.write("train", record)
         self.checkpoints.check()  # a save that failed in the background is named here
         self.bar.set_postfix(loss=f"{m['loss']:.4f}", tok_s=f"{speed or 0:,.0f}")
 
     def validate(self, done: int) -> None:
         self.fetch()
-        result = self.evaluate("val", self.c.eval.batches)
-        plateau = optim.plateau_update_jit(self.plateau, self.state["plateau"], result.loss)
-        self.state["plateau"] = jax.device_put(plateau, self.plateau_sharding)
+        c, program = self.c, self.program
+        result = evaluate(
+            program,
+            self.dataset,
+            self.mesh,
+            self.state["params"],
+            "val",
+            global_batch=c.eval.global_batch,
+            max_batches=c.eval.batches,
+        )
+        plateau = optim.plateau_update_jit(program.plateau, self.state["plateau"], result.loss)
+        self.state["plateau"] = jax.device_put(plateau, program.shardings["plateau"])
         scale = float(jax.device_get(plateau.scale))
         record = {"step": done, "val_loss": result.loss, "val_tokens": result.tokens}
         self.log.write("eval", {**record, "lr_scale": scale, "elapsed": self.clock.elapsed()})
@@ -494,7 +526,9 @@ class Session:
     def checkpoint(self, done: int) -> None:
         self.fetch()  # never a checkpoint of a step not known to be finite
         if self.last_checkpoint != done:
-            self.checkpoints.save(done, self.state, {"elapsed": self.clock.elapsed()})
+            # A copy of the window: the save may write it after the next step's loss is added.
+            meta = {"elapsed": self.clock.elapsed(), LOG_WINDOW: list(self.metrics.window)}
+            self.checkpoints.save(done, self.state, meta)
             self.last_checkpoint = done
 
     def stop(self, done: int, signum: int, received: int | None) -> None:
@@ -512,112 +546,133 @@ class Session:
             name,
         )
 
-    # -- evaluation and the end of the run ---------------------------------------------------
-
-    def diverged(self, step: int, metrics: dict) -> None:
-        """Write the diverged summary and raise ``TrainingDiverged``; or, right after a
-        restore, name the restored checkpoint as suspect and write no summary (so that a
-        sweep tries the trial again)."""
-        self.checkpoints.wait()
-        where = self.workdir / workdir_lib.CHECKPOINTS
-        if self.start > 0 and step <= self.start + max(1, self.c.log.every):
-            raise TrainingDiverged(
-                f"training diverged at step {step}, {step - self.start} step(s) after resuming "
-                f"from checkpoint {where / str(self.start)}: that checkpoint is suspect (damaged "
-                f"files, or written by another version). Move it aside (e.g. into "
-                f"{where}.corrupt/) and run again to resume from the one before it"
-            )
-        kept = (
-            f"the last good checkpoint is step {self.last_checkpoint} in {where}"
-            if self.last_checkpoint is not None
-            else "no checkpoint was written before it"
-        )
-        message = (
-            f"training diverged at step {step}: loss {float(metrics['loss'])}, parameter norm "
-            f"{float(metrics['param_norm'])} (NaN or infinity); {kept}. Try a lower "
-            "optim.learning_rate, optim.grad_clip > 0 or model.dtype=float32"
-            + (" in a new --workdir" if self.last_checkpoint is not None else "")
-        )
-        if self.primary:
-            summary = {**self.sizes(), "status": "diverged", "error": message, "step": step}
-            workdir_lib.write_summary(self.workdir, summary)
-            self.log.summary(summary)
-        raise TrainingDiverged(message)
-
-    def evaluate(self, split: str, max_batches: int) -> Evaluation:
-        """Mean loss over the split's windows in order (the first ``max_batches`` batches,
-        or all with 0), and the mean loss at each position."""
-        tokens_sharding = step_lib.batch_sharding(self.mesh, 2)
-        valid_sharding = step_lib.batch_sharding(self.mesh, 1)
-        outputs = []
-        batches = eval_batches(
-            self.dataset,
-            split,
-            seq_len=self.seq_len,
-            global_batch=self.c.eval.global_batch,
-            process_index=jax.process_index(),
-            process_count=jax.process_count(),
-        )
-        for i, batch in enumerate(batches):
-            if max_batches and i >= max_batches:
-                break
-            outputs.append(
-                self.eval_step(
-                    self.state["params"],
-                    step_lib.to_global(batch.tokens, tokens_sharding),
-                    step_lib.to_global(batch.valid, valid_sharding),
-                )
-            )
-        total, per_position, rows = 0.0, np.zeros(self.seq_len), 0.0
-        for out in jax.device_get(outputs):
-            total += float(out["sum"])
-            per_position += np.asarray(out["per_position"], np.float64)
-            rows += float(out["rows"])
-        return Evaluation(
-            loss=total / (rows * self.seq_len),
-            per_position=(per_position / rows).tolist(),
-            tokens=int(rows) * self.seq_len,
-        )
-
-    def sizes(self) -> dict:
-        params = count_params(self.model_config)
-        return {
-            "name": self.c.name,
-            "family": self.model_config.family,
-            "loss_impl": self.loss_impl,
-            "params": {
-                "non_embedding": params.non_embedding,
-                "embedding": params.embedding,
-                "total": params.total,
-            },
-            "flops_per_token": {"forward": self.flops.forward, "train": self.flops.train},
-            "seq_len": self.seq_len,
-            "global_batch": self.c.train.global_batch,
-            "microbatches": self.plan.microbatches,
-            "memory": self.plan.record(),
-        }
-
-    def finish(self) -> dict:
-        """The final validation and test losses: the summary, written as summary.json."""
-        summary = {**self.sizes(), "status": "finished", "steps": self.c.train.steps}
-        summary["tokens"] = self.c.train.steps * self.tokens_per_step
-        for split in ("val", "test"):
-            result = self.evaluate(split, self.c.eval.final_batches)
-            tokens_per_byte = 1.0 / self.dataset.bytes_per_token(split)
-            summary[f"{split}_loss"] = result.loss
-            summary[f"{split}_bits_per_byte"] = result.loss * tokens_per_byte / math.log(2)
-            summary[f"{split}_tokens"] = result.tokens
-            summary[f"{split}_per_position"] = result.per_position
-        summary["lr_scale"] = float(jax.device_get(self.state["plateau"].scale))
-        summary["wall_seconds"] = self.clock.elapsed()
-        self.log.summary(summary)  # before summary.json: a W&B failure leaves the run to resume
-        if self.primary:
-            workdir_lib.write_summary(self.workdir, summary)
-        return summary
-
     def close(self) -> None:
         try:
+            self.bar.close()
             if not self.lost:
                 self.checkpoints.close()
         finally:
             self.log.close()
+
+
+# -- evaluation and the end of the run ---------------------------------------------------------
+
+
+def evaluate(
+    program: Program, dataset, mesh, params, split: str, *, global_batch: int, max_batches: int
+) -> Evaluation:
+    """Mean loss over the split's windows in order, in batches of ``global_batch`` windows
+    (the first ``max_batches`` batches, or all with 0), and the mean loss at each position."""
+    seq_len = program.seq_len
+    tokens_sharding = step_lib.batch_sharding(mesh, 2)
+    valid_sharding = step_lib.batch_sharding(mesh, 1)
+    outputs = []
+    batches = eval_batches(
+        dataset,
+        split,
+        seq_len=seq_len,
+        global_batch=global_batch,
+        process_index=jax.process_index(),
+        process_count=jax.process_count(),
+    )
+    for i, batch in enumerate(batches):
+        if max_batches and i >= max_batches:
+            break
+        outputs.append(
+            program.eval_step(
+                params,
+                step_lib.to_global(batch.tokens, tokens_sharding),
+                step_lib.to_global(batch.valid, valid_sharding),
+            )
+        )
+    total, per_position, rows = 0.0, np.zeros(seq_len), 0.0
+    for out in jax.device_get(outputs):
+        total += float(out["sum"])
+        per_position += np.asarray(out["per_position"], np.float64)
+        rows += float(out["rows"])
+    return Evaluation(
+        loss=total / (rows * seq_len),
+        per_position=(per_position / rows).tolist(),
+        tokens=int(rows) * seq_len,
+    )
+
+
+def sizes(c, program: Program) -> dict:
+    """What the summary says of the model and the batch."""
+    params = count_params(program.model_config)
+    return {
+        "name": c.name,
+        "family": program.model_config.family,
+        "loss_impl": program.loss_impl,
+        "params": {
+            "non_embedding": params.non_embedding,
+            "embedding": params.embedding,
+            "total": params.total,
+        },
+        "flops_per_token": {"forward": program.flops.forward, "train": program.flops.train},
+        "seq_len": c.data.seq_len,
+        "global_batch": c.train.global_batch,
+        "microbatches": program.plan.microbatches,
+        "memory": program.plan.record(),
+    }
+
+
+def summarise(session: Session) -> dict:
+    """The final validation and test losses: the summary, written as summary.json."""
+    c, program = session.c, session.program
+    summary = {**sizes(c, program), "status": "finished", "steps": c.train.steps}
+    summary["tokens"] = c.train.steps * session.tokens_per_step
+    for split in ("val", "test"):
+        result = evaluate(
+            program,
+            session.dataset,
+            session.mesh,
+            session.state["params"],
+            split,
+            global_batch=c.eval.global_batch,
+            max_batches=c.eval.final_batches,
+        )
+        tokens_per_byte = 1.0 / session.dataset.bytes_per_token(split)
+        summary[f"{split}_loss"] = result.loss
+        summary[f"{split}_bits_per_byte"] = result.loss * tokens_per_byte / math.log(2)
+        summary[f"{split}_tokens"] = result.tokens
+        summary[f"{split}_per_position"] = result.per_position
+    summary["lr_scale"] = float(jax.device_get(session.state["plateau"].scale))
+    summary["wall_seconds"] = session.clock.elapsed()
+    session.log.summary(summary)  # before summary.json: a W&B failure leaves the run to resume
+    if session.primary:
+        workdir_lib.write_summary(session.workdir, summary)
+    return summary
+
+
+def diverged(session: Session, step: int, metrics: dict) -> None:
+    """Write the diverged summary and raise ``TrainingDiverged``; or, right after a restore,
+    name the restored checkpoint as suspect and write no summary (so that a sweep tries the
+    trial again)."""
+    session.checkpoints.wait()
+    c, start, last_checkpoint = session.c, session.start, session.last_checkpoint
+    where = session.workdir / workdir_lib.CHECKPOINTS
+    if start > 0 and step <= start + max(1, c.log.every):
+        raise TrainingDiverged(
+            f"training diverged at step {step}, {step - start} step(s) after resuming from "
+            f"checkpoint {where / str(start)}: that checkpoint is suspect (damaged files, or "
+            f"written by another version). Move it aside (e.g. into {where}.corrupt/) and run "
+            "again to resume from the one before it"
+        )
+    kept = (
+        f"the last good checkpoint is step {last_checkpoint} in {where}"
+        if last_checkpoint is not None
+        else "no checkpoint was written before it"
+    )
+    message = (
+        f"training diverged at step {step}: loss {float(metrics['loss'])}, parameter norm "
+        f"{float(metrics['param_norm'])} (NaN or infinity); {kept}. Try a lower "
+        "optim.learning_rate, optim.grad_clip > 0 or model.dtype=float32"
+        + (" in a new --workdir" if last_checkpoint is not None else "")
+    )
+    if session.primary:
+        summary = {**sizes(c, session.program), "status": "diverged", "error": message}
+        summary["step"] = step
+        workdir_lib.write_summary(session.workdir, summary)
+        session.log.summary(summary)
+    raise TrainingDiverged(message)

@@ -34,7 +34,6 @@ from collections.abc import Callable
 from pathlib import Path
 
 import jax
-import jax.numpy as jnp
 
 from lmuscale.files import atomic_write_json
 from lmuscale.train import step as step_lib
@@ -329,11 +328,9 @@ def plan_train_step(train_step, abstract_state, config, mesh, workdir: Path | No
     """``plan`` for a jitted ``step.make_train_step`` of ``config`` (its ``train`` section
     and ``data.seq_len``) on ``mesh``: ``(plan, compiled step)``."""
     train, seq_len = config.train, config.data.seq_len
-    sharding = step_lib.batch_sharding(mesh, 3, axis=1)
 
     def compile_for(count: int):
-        shape = (count, train.global_batch // count, seq_len + 1)
-        tokens = jax.ShapeDtypeStruct(shape, jnp.int32, sharding=sharding)
+        tokens = step_lib.MicroBatches(mesh, count).abstract(train.global_batch, seq_len)
         return train_step.lower(abstract_state, tokens).compile()
 
     return plan(

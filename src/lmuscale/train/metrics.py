@@ -14,6 +14,7 @@ import math
 from pathlib import Path
 
 import jax
+import numpy as np
 
 from lmuscale.workdir import EVAL, METRICS, TENSORBOARD, cut_log
 
@@ -122,3 +123,40 @@ class MetricsLog:
         if self.wandb is not None:
             self.wandb.finish()
             self.wandb = None
+
+
+class StepMetrics:
+    """The train steps' metrics on their way from the devices to the log.
+
+    ``add`` takes a dispatched step's metrics, still on the device; ``fetch`` waits for them.
+    The losses fetched since the last log line are its window: the next line logs their mean
+    (``loss_mean``). A checkpoint holds the window (``window``, in its JSON meta), and a
+    resumed run starts from it, so a stop between two log lines changes no logged number.
+    """
+
+    def __init__(self, window: list[float] = ()):
+        self.pending = []  # (step, metrics on the device) not yet fetched
+        self.window = [float(loss) for loss in window]
+        self.latest = None  # the last fetched step's metrics, as floats
+
+    def add(self, step: int, metrics: dict) -> None:
+        self.pending.append((step, metrics))
+
+    def fetch(self) -> tuple[int, dict] | None:
+        """Wait for the pending steps: the first ``(step, metrics)`` whose loss or parameters
+        are not finite (the window is left as it was), else None."""
+        fetched = [(step, jax.device_get(m)) for step, m in self.pending]
+        self.pending = []
+        bad = next(((step, m) for step, m in fetched if not m["finite"]), None)
+        if bad is not None:
+            return bad
+        for _, metrics in fetched:
+            self.latest = {k: float(v) for k, v in metrics.items()}
+            self.window.append(self.latest["loss"])
+        return None
+
+    def window_mean(self) -> float:
+        """The mean loss of the window, which then starts again, empty."""
+        mean = float(np.mean(self.window))
+        self.window = []
+        return mean

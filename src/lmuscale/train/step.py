@@ -13,6 +13,7 @@ these shardings given explicitly and the old state donated.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 
 import jax
@@ -70,6 +71,44 @@ def to_global(local_rows: np.ndarray, sharding: NamedSharding) -> jax.Array:
     return jax.make_array_from_process_local_data(sharding, local_rows)
 
 
+def microbatch_sharding(mesh: Mesh) -> NamedSharding:
+    """The train step's batch (``MicroBatches``): each micro-batch's rows split over "data"."""
+    return batch_sharding(mesh, 3, axis=1)
+
+
+@dataclasses.dataclass(frozen=True)
+class MicroBatches:
+    """How the train step takes a global batch of B windows of T + 1 tokens: as M = ``count``
+    micro-batches of B / M windows, one (M, B/M, T+1) int32 array whose axis 1 is split over
+    the mesh's "data" axis, so that every device holds its rows of each micro-batch.
+
+    Each process reads a contiguous block of the B windows (``data.TrainBatches``) and cuts
+    it into M equal runs in order; micro-batch m is the processes' runs m, in process order.
+    With one process, micro-batch m is windows m B/M .. (m + 1) B/M - 1.
+    """
+
+    mesh: Mesh
+    count: int
+
+    @property
+    def sharding(self) -> NamedSharding:
+        return microbatch_sharding(self.mesh)
+
+    def shape(self, rows: int, seq_len: int) -> tuple[int, int, int]:
+        """(M, rows / M, T + 1): ``rows`` windows (a process's block, or all B) as M runs."""
+        return (self.count, rows // self.count, seq_len + 1)
+
+    def abstract(self, global_batch: int, seq_len: int) -> jax.ShapeDtypeStruct:
+        """The global batch's shape, dtype and sharding: what the train step compiles for."""
+        shape = self.shape(global_batch, seq_len)
+        return jax.ShapeDtypeStruct(shape, jnp.int32, sharding=self.sharding)
+
+    def place(self, rows_BxT1: np.ndarray) -> jax.Array:
+        """The global batch from this process's (B / processes, T + 1) rows of it."""
+        rows, width = rows_BxT1.shape
+        return to_global(rows_BxT1.reshape(self.shape(rows, width - 1)), self.sharding)
+
+
 def init_fn(model: LanguageModel, tx, plateau, seed: int, seq_len: int):
     """``() -> state``: the initial state, parameters drawn from ``seed``."""
 
@@ -109,10 +148,11 @@ def norm(tree) -> jax.Array:
 def make_train_step(model: LanguageModel, tx, lr_schedule, mesh: Mesh, abstract_state):
     """``(state, tokens_MxBxT1) -> (state, metrics)``, jitted with the state donated.
 
-    M micro-batches of B windows each: gradients are summed over them in a ``lax.scan`` and
-    divided by M (gradient accumulation: the update equals that of one batch of M * B). The
-    updates are scaled by the plateau scale. ``metrics["finite"]`` is False when the loss or
-    the new parameters hold a NaN or an infinity.
+    M micro-batches of B windows each (laid out as ``MicroBatches`` says): gradients are
+    summed over them in a ``lax.scan`` and divided by M (gradient accumulation: the update
+    equals that of one batch of M * B). The updates are scaled by the plateau scale.
+    ``metrics["finite"]`` is False when the loss or the new parameters hold a NaN or an
+    infinity.
     """
     grad = jax.value_and_grad(lambda p, t: mean_loss(model, p, t))
 
@@ -154,7 +194,7 @@ def make_train_step(model: LanguageModel, tx, lr_schedule, mesh: Mesh, abstract_
     shardings = state_shardings(mesh, abstract_state)
     return jax.jit(
         step,
-        in_shardings=(shardings, batch_sharding(mesh, 3, axis=1)),
+        in_shardings=(shardings, microbatch_sharding(mesh)),
         out_shardings=(shardings, replicated(mesh)),
         donate_argnums=0,
     )
