@@ -190,6 +190,9 @@ class Checkpoints:
         # the failure in one line. The filter lives as long as this manager (``close``).
         logging.getLogger("absl").addFilter(_orbax_traceback)
 
+    def latest_step(self) -> int | None:
+        return self.manager.latest_step()
+
     def all_steps(self) -> list[int]:
         return sorted(self.manager.all_steps())
 
@@ -230,7 +233,7 @@ class Checkpoints:
             raise CheckpointError(f"{no_room} {needed:,} bytes and {free:,} are free; {keep}")
         stats = os.statvfs(self.directory)
         if stats.f_files:  # 0: a filesystem that does not count inodes
-            newest = self.manager.latest_step()
+            newest = self.latest_step()
             files = FILES_GUESS
             if newest is not None:
                 files = 1 + sum(1 for _ in (self.directory / str(newest)).rglob("*"))
