@@ -355,3 +355,16 @@ def test_a_prompt_that_is_not_utf8_is_refused_by_either_tokenizer(tokenizer):
     assert result.stderr.decode().endswith(
         "error: --prompt: not valid UTF-8 (byte 0xe9 at line 1, column 4)\n"
     )
+
+
+@pytest.mark.parametrize("value", ["nan", "inf", "-inf"])
+def test_a_temperature_that_is_not_a_finite_number_is_refused(value, capsys):
+    """They passed ``temperature < 0``: NaN then sampled greedily, inf uniformly at random."""
+    argv = ["--model", "transformer-55k", "--tokenizer", "bytes", "--tokens", "2"]
+    with pytest.raises(SystemExit) as stopped:
+        generate.main([*argv, f"--temperature={value}"])
+    assert stopped.value.code == 2
+    out, err = capsys.readouterr()
+    assert out == ""
+    line = f"error: --temperature must be >= 0 and finite, got {float(value)}"
+    assert err.splitlines()[-1].endswith(line), err

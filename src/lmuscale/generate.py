@@ -85,8 +85,8 @@ def sample(
     """
     if n_tokens < 1:
         raise ValueError(f"--tokens must be >= 1, got {n_tokens}")
-    if temperature < 0:
-        raise ValueError(f"--temperature must be >= 0, got {temperature}")
+    if not (np.isfinite(temperature) and temperature >= 0):
+        raise ValueError(f"--temperature must be >= 0 and finite, got {temperature}")
     prompt = np.asarray(list(prompt_ids) or [start_id], np.int32)[None]
     state = model.decode_state(1, max_len=prompt.shape[1] + n_tokens)
     logits_BxTxV, state = decode(model, params, prompt, state)
