@@ -23,6 +23,7 @@ from test_models import init, jiggle, tiny
 from lmuscale import generate
 from lmuscale.data.tokenizer import byte_tokenizer
 from lmuscale.models import build, named_config
+from lmuscale.outcomes import Exit
 from lmuscale.train import model_config, optim, run
 from lmuscale.train import step as step_lib
 from lmuscale.train.checkpoint import Checkpoints
@@ -85,7 +86,7 @@ def test_command_samples_from_a_checkpoint(checkpoint, capsys):
 def test_command_rejects_a_checkpoint_of_another_model(checkpoint, capsys):
     _, _, path = checkpoint
     argv = ["--model", "lmu-100k", "--tokenizer", "bytes", "--checkpoint", str(path)]
-    assert generate.main(argv) == 1
+    assert generate.main(argv) == Exit.IO
     message = capsys.readouterr().err
     assert "does not fit the model" in message
     assert "['bias'] has shape (3, 5) in the checkpoint but (3, 7) in the model" in message
@@ -209,7 +210,7 @@ def test_a_damaged_checkpoint_is_one_named_error(trained, tmp_path, capsys, how)
     shutil.copytree(workdir, copy)
     named = _damage(copy, how)
     for where in (copy, named):
-        assert generate.main(["--checkpoint", str(where), "--tokens", "4"]) == 1
+        assert generate.main(["--checkpoint", str(where), "--tokens", "4"]) == Exit.IO
         out, err = capsys.readouterr()
         assert out == ""
         lines = err.splitlines()
@@ -229,7 +230,7 @@ def test_parameters_that_differ_from_their_checksums_are_refused(trained, tmp_pa
     state = copy / "checkpoints" / "4" / "state"
     shutil.rmtree(state)
     shutil.copytree(copy / "checkpoints" / "2" / "state", state)
-    assert generate.main(["--workdir", str(copy), "--tokens", "4"]) == 1
+    assert generate.main(["--workdir", str(copy), "--tokens", "4"]) == Exit.IO
     out, err = capsys.readouterr()
     assert out == "" and len(err.splitlines()) == 1, err
     assert err.startswith(f"error: {state}: does not match the checksums saved with it (")
@@ -253,7 +254,7 @@ def test_a_truncated_checkpoint_stops_the_command_with_one_line(trained, tmp_pat
     state = _damage(copy, "data files")
     command = [sys.executable, "-m", "lmuscale.generate", "--workdir", str(copy)]
     result = subprocess.run(command, capture_output=True, text=True, timeout=300, check=False)
-    assert result.returncode == 1
+    assert result.returncode == Exit.IO
     assert result.stdout == ""
     assert result.stderr.splitlines() == [
         line for line in result.stderr.splitlines() if line.startswith(f"error: {state}: ")
@@ -289,7 +290,7 @@ def test_the_other_failed_reads_of_a_damaged_checkpoint_are_not_reported(
     copy = tmp_path / "run"
     shutil.copytree(workdir, copy)
     state = _damage(copy, "data files")
-    assert generate.main(["--checkpoint", str(state), "--tokens", "4"]) == 1
+    assert generate.main(["--checkpoint", str(state), "--tokens", "4"]) == Exit.IO
     capsys.readouterr()
     with caplog.at_level(logging.ERROR, logger="asyncio"):
         _unretrieved(f'Error reading local file "{state}/d/0123abcd"')
@@ -327,7 +328,7 @@ def test_paths_that_are_no_checkpoint_are_named(trained, tmp_path, capsys):
         ("--workdir", unconfigured): f"{unconfigured}/config.json: not found; give --model",
     }
     for (option, path), message in cases.items():
-        assert generate.main([option, str(path), "--tokens", "4"]) == 1, (option, path)
+        assert generate.main([option, str(path), "--tokens", "4"]) == Exit.IO, (option, path)
         out, err = capsys.readouterr()
         assert out == "" and err.startswith(f"error: {message}"), (option, path, err)
         assert len(err.splitlines()) == 1, err

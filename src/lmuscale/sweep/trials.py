@@ -12,6 +12,7 @@ summary.json) plus
 
 from __future__ import annotations
 
+import contextlib
 import csv
 import io
 import json
@@ -22,6 +23,7 @@ from pathlib import Path
 
 from lmuscale.files import atomic_write_bytes, atomic_write_json
 from lmuscale.models import count_params, flops_per_token
+from lmuscale.outcomes import Exit
 from lmuscale.sweep.spec import ResolvedTrial
 from lmuscale.train.config import model_config
 from lmuscale.train.workdir import SUMMARY, Lock, has_checkpoint, is_locked
@@ -199,6 +201,9 @@ def record_crash(folder: Path, returncode: int) -> None:
         how = f"exit status {returncode}"
         if returncode < 0:
             how = f"signal {signal.Signals(-returncode).name}"
+        else:
+            with contextlib.suppress(ValueError):  # a status outside the table says no more
+                how += f" ({Exit(returncode).meaning})"
         try:
             tail = (folder / LOG).read_text(errors="replace").splitlines()[-30:]
         except FileNotFoundError:

@@ -30,6 +30,8 @@ import jax
 import numpy as np
 import orbax.checkpoint as ocp
 
+from lmuscale.outcomes import StorageError
+
 tree_paths = jax.tree_util.tree_leaves_with_path
 CHECKSUMS = "checksums"  # in a checkpoint's JSON: {array path: CRC-32 of its bytes}
 FILES_GUESS = 64  # inodes a first checkpoint may need; later saves count the newest one's
@@ -96,7 +98,7 @@ def quiet_failed_reads(path: Path) -> None:
     sys.unraisablehook = hook
 
 
-class CheckpointWriteError(RuntimeError):
+class CheckpointWriteError(StorageError):
     """A checkpoint could not be written: the folder cannot be made, or the disk is full."""
 
 
@@ -104,7 +106,7 @@ def _reason(error: BaseException) -> str:
     return f"{type(error).__name__}: {error}".splitlines()[0][:300]
 
 
-class CorruptCheckpoint(RuntimeError):
+class CorruptCheckpoint(StorageError):
     """A checkpoint that cannot be read, or whose arrays do not match their checksums."""
 
 

@@ -22,6 +22,7 @@ from ml_collections import ConfigDict
 from lmuscale.models import ModelConfig, fused_loss
 from lmuscale.models import family as families
 from lmuscale.models.base import loss_impl_of
+from lmuscale.outcomes import ConfigError
 
 # Keys that may differ when a run resumes: none of them changes the trained numbers. (The
 # memory budget decides a micro-batch plan, which the workdir records: see train.memory.)
@@ -102,10 +103,6 @@ RANGES = {
         "online, offline, disabled or empty (W&B's default, WANDB_MODE)",
     ),
 }
-
-
-class ConfigError(ValueError):
-    """A config that cannot run: the message names the file, key or value."""
 
 
 def base_config(model: ModelConfig) -> ConfigDict:

@@ -64,6 +64,7 @@ from lmuscale.data import (
 from lmuscale.data.format import META
 from lmuscale.files import atomic_write_json
 from lmuscale.models import build, count_params, flops_per_token
+from lmuscale.outcomes import LostProcess, TrainingInterrupted
 from lmuscale.train import config as config_lib
 from lmuscale.train import memory, optim, wandb_log
 from lmuscale.train import step as step_lib
@@ -75,19 +76,6 @@ from lmuscale.train.workdir import TrainingDiverged
 
 # A scheduler's notices of preemption or time limit, and Ctrl-C.
 STOP_SIGNALS = (signal.SIGTERM, signal.SIGUSR1, signal.SIGUSR2, signal.SIGINT)
-
-
-class TrainingInterrupted(RuntimeError):
-    """A stop signal arrived; the run saved a checkpoint and can be resumed."""
-
-    def __init__(self, message: str, signal_name: str = ""):
-        super().__init__(message)
-        self.signal_name = signal_name
-
-
-class LostProcess(RuntimeError):
-    """A multi-process run lost contact with another of its processes (it died, or its host
-    did): a collective or the coordinator failed. The checkpoints written are intact."""
 
 
 class _StopSignals:

@@ -37,6 +37,7 @@ import jax
 import jax.numpy as jnp
 
 from lmuscale.files import atomic_write_json
+from lmuscale.outcomes import OutOfMemoryBudget
 from lmuscale.train import step as step_lib
 from lmuscale.train.config import ConfigError
 
@@ -44,10 +45,6 @@ PLAN = "plan.json"
 DEVICE_FRACTION = 0.9
 HOST_FRACTION = 0.5
 GB = 1e9
-
-
-class OutOfMemoryBudget(ConfigError):
-    """No micro-batch count's train step fits in the memory budget."""
 
 
 @dataclasses.dataclass(frozen=True)

@@ -16,7 +16,7 @@ from pathlib import Path
 
 import jax
 
-from lmuscale.train.config import ConfigError
+from lmuscale.outcomes import StorageError
 
 # Dense peak FLOP/s per device by device kind (first match wins) and compute dtype. On GPUs,
 # float32 matmuls run as TF32 under JAX's default precision, so float32 uses the TF32 peak.
@@ -54,7 +54,7 @@ def mfu(tokens_per_second: float, train_flops_per_token: float, devices: int, pe
     return tokens_per_second * train_flops_per_token / (devices * peak)
 
 
-class DamagedLog(ConfigError):
+class DamagedLog(StorageError):
     """A metrics.jsonl or eval.jsonl that a resumed run cannot continue: a line other than the
     last is not a log line, or the steps go back. The message names the file and line."""
 

@@ -25,6 +25,8 @@ from pathlib import Path
 from ml_collections import ConfigDict
 
 from lmuscale.files import atomic_write_bytes
+from lmuscale.outcomes import TrainingDiverged as TrainingDiverged
+from lmuscale.outcomes import WorkdirBusy
 from lmuscale.train.config import ConfigError, differences, flatten, saved_flat, to_json
 
 CONFIG = "config.json"
@@ -32,14 +34,6 @@ SUMMARY = "summary.json"
 CHECKPOINTS = "checkpoints"  # language-model training's (and so a sweep trial's)
 LOCK = "lock"
 PROFILE = "profile"  # jax.profiler traces (log.profile_steps)
-
-
-class WorkdirBusy(ConfigError):
-    """Another process holds the workdir's lock."""
-
-
-class TrainingDiverged(RuntimeError):
-    """The loss or the parameters became NaN or infinite."""
 
 
 def check(config: ConfigDict, workdir: Path, has_checkpoint: bool) -> None:
