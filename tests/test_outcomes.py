@@ -171,3 +171,31 @@ def test_sweep_tasks_generate_prepare_and_analysis_end_through_the_table(tmp_pat
 
     done = _run(["-m", "lmuscale.analysis", str(nothing), "--out", str(tmp_path / "a")])
     _ended_with(done, Exit.DATA, f"error: {nothing}: no such results file")
+
+
+# Sends this process a SIGINT when it first looks for jax, the first of the slow imports: a
+# Ctrl-C while the command line is still starting up, at the same point every time.
+INTERRUPT_AT_IMPORT = """
+import os, runpy, signal, sys
+
+class Interrupt:
+    def find_spec(self, name, path=None, target=None):
+        if name == "jax":
+            sys.meta_path.remove(self)
+            os.kill(os.getpid(), signal.SIGINT)
+        return None
+
+sys.meta_path.insert(0, Interrupt())
+runpy.run_module("lmuscale.train", run_name="__main__", alter_sys=True)
+"""
+
+
+def test_ctrl_c_while_importing_is_one_line_and_status_130(tmp_path):
+    config = f"{HERE / 'small_config.py'}:small"
+    args = ["--config", config, "--workdir", str(tmp_path / "w")]
+    done = _run(["-c", INTERRUPT_AT_IMPORT, *args])
+    assert (done.returncode, done.stderr) == (
+        130,
+        "stopped: SIGINT received before training began\n",
+    )
+    assert not (tmp_path / "w").exists()
