@@ -16,6 +16,7 @@ from results_files import paper_rows, row, write_jsonl
 from lmuscale import scaling
 from lmuscale.analysis import ResultsError, analyse, figures, fit_all, load_results, tables
 from lmuscale.analysis.__main__ import main, parse_size
+from lmuscale.outcomes import Exit
 from lmuscale.sweep.trials import write_results
 
 FIGURES = ("fig3", "fig4", "fig5")
@@ -159,7 +160,7 @@ def test_missing_columns_are_named(tmp_path):
         text=True,
         check=False,
     )
-    assert proc.returncode == 1 and "missing columns N, tokens" in proc.stderr
+    assert proc.returncode == Exit.DATA and "missing columns N, tokens" in proc.stderr
 
 
 def test_malformed_cells_name_file_line_and_column(tmp_path):
@@ -175,9 +176,9 @@ def test_malformed_cells_name_file_line_and_column(tmp_path):
         load_results(path)
 
 
-def _cli_error(capsys, argv) -> str:
-    """The one line ``python -m lmuscale.analysis ARGV`` prints, having exited with status 1."""
-    assert main([*argv, "--n-boot", "5", "--quiet"]) == 1
+def _cli_error(capsys, argv, code=Exit.DATA) -> str:
+    """The one line ``python -m lmuscale.analysis ARGV`` prints, having exited with ``code``."""
+    assert main([*argv, "--n-boot", "5", "--quiet"]) == code
     out, err = capsys.readouterr()
     assert out == "" and len(err.splitlines()) == 1, err
     assert err.startswith("error: ")
@@ -226,15 +227,15 @@ def test_an_out_that_is_not_a_folder_is_named(tmp_path, capsys):
     results = str(write_jsonl(tmp_path / "results.jsonl", paper_rows(tenx=False)))
     taken = tmp_path / "fig.png"
     taken.write_bytes(b"mine")
-    message = _cli_error(capsys, [results, "--out", str(taken)])
+    message = _cli_error(capsys, [results, "--out", str(taken)], Exit.IO)
     assert (
         message == f"error: {taken}: a file, not a folder (the figures and tables go in a folder)"
     )
     assert taken.read_bytes() == b"mine"
-    message = _cli_error(capsys, [results, "--out", str(taken / "analysis")])
+    message = _cli_error(capsys, [results, "--out", str(taken / "analysis")], Exit.IO)
     assert message == f"error: {taken / 'analysis'}: cannot make the folder (Not a directory)"
     (tmp_path / "out" / "fits.md").mkdir(parents=True)  # a folder where a table goes
-    message = _cli_error(capsys, [results, "--out", str(tmp_path / "out")])
+    message = _cli_error(capsys, [results, "--out", str(tmp_path / "out")], Exit.IO)
     assert message == f"error: {tmp_path / 'out' / 'fits.md'}: cannot be written (Is a directory)"
 
 

@@ -18,6 +18,7 @@ from lmuscale.data import tokenizer as tok
 from lmuscale.data.__main__ import main
 from lmuscale.data.format import SPLITS
 from lmuscale.data.sources import BadLine, DataError, Document, open_source
+from lmuscale.outcomes import Exit
 
 
 def items(inputs, text_column="text"):
@@ -226,11 +227,11 @@ def test_text_column_and_bad_rows_from_the_command_line(datafiles, tmp_path, cap
     path = datafiles.parquet("rows.parquet", columns, row_group_size=64).resolve()
     command = ["prepare", "parquet", str(path), "--tokenizer", "bytes", "--workers", "0"]
     command.append("--quiet")
-    assert main([*command, "--out", str(tmp_path / "a")]) == 1
+    assert main([*command, "--out", str(tmp_path / "a")]) == Exit.DATA
     assert capsys.readouterr().err == (
         f'error: {path}: no column "text" (it has "id", "body"); choose one with --text-column\n'
     )
-    assert main([*command, "--text-column", "body", "--out", str(tmp_path / "b")]) == 1
+    assert main([*command, "--text-column", "body", "--out", str(tmp_path / "b")]) == Exit.DATA
     assert capsys.readouterr().err == (
         f'error: {path}:row 100: column "body" is null (allow skipping with --max-bad-lines N)\n'
     )

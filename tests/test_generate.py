@@ -20,6 +20,7 @@ from test_models import init, jiggle, tiny
 from lmuscale import generate
 from lmuscale.data.tokenizer import byte_tokenizer
 from lmuscale.models import build, named_config
+from lmuscale.outcomes import Exit
 from lmuscale.train import model_config, optim, run
 from lmuscale.train import step as step_lib
 from lmuscale.train.checkpoint import Checkpoints, Found, locate, read_variables
@@ -82,7 +83,7 @@ def test_command_samples_from_a_checkpoint(checkpoint, capsys):
 def test_command_rejects_a_checkpoint_of_another_model(checkpoint, capsys):
     _, _, path = checkpoint
     argv = ["--model", "lmu-100k", "--tokenizer", "bytes", "--checkpoint", str(path)]
-    assert generate.main(argv) == 1
+    assert generate.main(argv) == Exit.IO
     message = capsys.readouterr().err
     assert "does not fit the model" in message
     assert "['bias'] has shape (3, 5) in the checkpoint but (3, 7) in the model" in message
@@ -206,7 +207,7 @@ def test_a_damaged_checkpoint_is_one_named_error(trained, tmp_path, capsys, how)
     shutil.copytree(workdir, copy)
     named = _damage(copy, how)
     for where in (copy, named):
-        assert generate.main(["--checkpoint", str(where), "--tokens", "4"]) == 1
+        assert generate.main(["--checkpoint", str(where), "--tokens", "4"]) == Exit.IO
         out, err = capsys.readouterr()
         assert out == ""
         lines = err.splitlines()
@@ -230,7 +231,7 @@ def test_a_checkpoint_with_flipped_bits_is_refused_by_the_command(trained, tmp_p
         path.write_bytes(bytes(data))
     command = [sys.executable, "-m", "lmuscale.generate", "--workdir", str(copy), "--tokens", "4"]
     result = subprocess.run(command, capture_output=True, text=True, timeout=300, check=False)
-    assert result.returncode == 1, result.stdout
+    assert result.returncode == Exit.IO, result.stdout
     assert result.stdout == ""
     lines = result.stderr.splitlines()
     assert len(lines) == 1, result.stderr
@@ -249,7 +250,7 @@ def test_a_checkpoint_from_before_file_checksums_is_read_on_its_arrays(trained, 
     assert generate.main(["--workdir", str(copy), "--tokens", "4", "--seed", "1"]) == 0
     capsys.readouterr()
     state = _damage(copy, "data files") / "state"
-    assert generate.main(["--workdir", str(copy), "--tokens", "4"]) == 1
+    assert generate.main(["--workdir", str(copy), "--tokens", "4"]) == Exit.IO
     _, err = capsys.readouterr()
     lines = err.splitlines()
     assert len(lines) == 1, err
@@ -268,7 +269,7 @@ def test_parameters_that_differ_from_their_checksums_are_refused(trained, tmp_pa
     shutil.rmtree(state)
     shutil.copytree(copy / "checkpoints" / "2" / "state", state)
     (state.parent / "files.json").unlink()  # else its files are refused before they are read
-    assert generate.main(["--workdir", str(copy), "--tokens", "4"]) == 1
+    assert generate.main(["--workdir", str(copy), "--tokens", "4"]) == Exit.IO
     out, err = capsys.readouterr()
     assert out == "" and len(err.splitlines()) == 1, err
     assert err.startswith(f"error: {state}: does not match the checksums saved with it (")
@@ -292,7 +293,7 @@ def test_a_truncated_checkpoint_stops_the_command_with_one_line(trained, tmp_pat
     state = _damage(copy, "data files")
     command = [sys.executable, "-m", "lmuscale.generate", "--workdir", str(copy)]
     result = subprocess.run(command, capture_output=True, text=True, timeout=300, check=False)
-    assert result.returncode == 1
+    assert result.returncode == Exit.IO
     assert result.stdout == ""
     assert result.stderr.splitlines() == [
         line for line in result.stderr.splitlines() if line.startswith(f"error: {state}: ")
@@ -323,7 +324,7 @@ def test_paths_that_are_no_checkpoint_are_named(trained, tmp_path, capsys):
         ("--workdir", unconfigured): f"{unconfigured}/config.json: not found; give --model",
     }
     for (option, path), message in cases.items():
-        assert generate.main([option, str(path), "--tokens", "4"]) == 1, (option, path)
+        assert generate.main([option, str(path), "--tokens", "4"]) == Exit.IO, (option, path)
         out, err = capsys.readouterr()
         assert out == "" and err.startswith(f"error: {message}"), (option, path, err)
         assert len(err.splitlines()) == 1, err
@@ -351,3 +352,16 @@ def test_a_prompt_that_is_not_utf8_is_refused_by_either_tokenizer(tokenizer):
     assert result.stderr.decode().endswith(
         "error: --prompt: not valid UTF-8 (byte 0xe9 at line 1, column 4)\n"
     )
+
+
+@pytest.mark.parametrize("value", ["nan", "inf", "-inf"])
+def test_a_temperature_that_is_not_a_finite_number_is_refused(value, capsys):
+    """They passed ``temperature < 0``: NaN then sampled greedily, inf uniformly at random."""
+    argv = ["--model", "transformer-55k", "--tokenizer", "bytes", "--tokens", "2"]
+    with pytest.raises(SystemExit) as stopped:
+        generate.main([*argv, f"--temperature={value}"])
+    assert stopped.value.code == 2
+    out, err = capsys.readouterr()
+    assert out == ""
+    line = f"error: --temperature must be >= 0 and finite, got {float(value)}"
+    assert err.splitlines()[-1].endswith(line), err

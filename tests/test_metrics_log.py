@@ -8,8 +8,7 @@ import re
 
 import pytest
 
-from lmuscale.outcomes import DamagedFile
-from lmuscale.train import ConfigError
+from lmuscale.outcomes import DamagedFile, Exit
 from lmuscale.train.metrics import MetricsLog
 from lmuscale.workdir import cut_log as _cut
 
@@ -71,7 +70,7 @@ def _refused(path, step: int, message: str) -> None:
     before = path.read_bytes()
     with pytest.raises(DamagedFile, match=message) as info:
         _cut(path, step)
-    assert not isinstance(info.value, ConfigError)  # damage to a file, not a bad config
+    assert Exit.of(info.value) is Exit.IO  # the command line's one line and status 8
     assert path.read_bytes() == before  # the damage is left for the user to see
 
 

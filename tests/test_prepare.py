@@ -22,6 +22,7 @@ from lmuscale.data.__main__ import main
 from lmuscale.data.format import SPLITS
 from lmuscale.data.loader import open_dataset
 from lmuscale.data.sources import DataError
+from lmuscale.outcomes import Exit
 
 
 def filler(datafiles) -> Path:
@@ -215,7 +216,7 @@ def test_an_empty_text_file_is_refused(datafiles, tmp_path, capsys):
     """An empty .txt holds no document (it gave a dataset of one end-of-text id)."""
     empty = datafiles.write("empty.txt", b"")
     out = tmp_path / "out"
-    assert main(["prepare", "text", str(empty), "--out", str(out), "--quiet"]) == 1
+    assert main(["prepare", "text", str(empty), "--out", str(out), "--quiet"]) == Exit.DATA
     error = capsys.readouterr().err
     assert error == f"error: text: the inputs hold no documents ({empty.resolve()})\n"
     assert not out.exists() and not (tmp_path / "out.partial").exists()
@@ -531,7 +532,8 @@ def test_command_line(datafiles, tmp_path, capsys):
     assert main(["info", str(out)]) == 0
     assert "checksums: ok" in capsys.readouterr().out
     assert (
-        main(["prepare", "owt2", str(tmp_path / "missing.tar"), "--out", str(tmp_path / "x")]) == 1
+        main(["prepare", "owt2", str(tmp_path / "missing.tar"), "--out", str(tmp_path / "x")])
+        == Exit.DATA
     )
     assert f"error: {tmp_path / 'missing.tar'}: no such file" in capsys.readouterr().err
 

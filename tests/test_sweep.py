@@ -25,6 +25,7 @@ from small_config import small
 from sweep_files import SMALL, environment, run_sweep, sweep_command, wait_for, write_sweep
 
 from lmuscale.models import count_params
+from lmuscale.outcomes import Exit
 from lmuscale.sweep import SweepError, Throughput, Trial, config_hash, load_sweep
 from lmuscale.sweep.__main__ import slurm_params
 from lmuscale.sweep.local import gpu_slots
@@ -274,7 +275,7 @@ def test_failing_trial_is_marked_and_the_others_finish(tmp_path, byte_corpus, xl
     work = tmp_path / "work"
     cache = cache_env(xla_cache)
     out = run_sweep(sweep, work, byte_corpus, "--parallel", "2", extra_env=cache)  # two at once
-    assert out.returncode == 1, out.stdout + out.stderr
+    assert out.returncode == Exit.UNFINISHED, out.stdout + out.stderr
     rows = _results(work)
     assert [rows[n]["status"] for n in ("good", "broken", "other")] == [
         "finished",
@@ -296,7 +297,7 @@ def test_failing_trial_is_marked_and_the_others_finish(tmp_path, byte_corpus, xl
 
     # Run again: the finished trials are not run again; the failed one is tried again.
     again = run_sweep(sweep, work, byte_corpus, extra_env=cache)
-    assert again.returncode == 1
+    assert again.returncode == Exit.UNFINISHED
     assert "1 to run" in again.stdout
     assert [e["event"] for e in _starts(work, rows["good"])] == ["start", "end"]
     assert [e.get("outcome") for e in _starts(work, rows["broken"])][1::2] == ["failed", "failed"]

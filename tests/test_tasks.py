@@ -18,7 +18,7 @@ import numpy as np
 import pytest
 from scipy.integrate import solve_ivp
 
-from lmuscale.outcomes import WorkdirBusy
+from lmuscale.outcomes import DamagedFile, Exit, WorkdirBusy
 from lmuscale.tasks import imdb, mackey_glass, psmnist, run_task
 from lmuscale.tasks import train as task_train
 from lmuscale.tasks.__main__ import main
@@ -286,7 +286,7 @@ def test_a_damaged_metrics_row_is_named_not_dropped(tmp_path):
     metrics = tmp_path / "run" / "metrics.jsonl"
     first, second = metrics.read_bytes().splitlines()
     metrics.write_bytes(first[:-9] + b"\n" + second + b"\n")
-    with pytest.raises(ConfigError, match=rf"^{metrics}, line 1: not a metrics row"):
+    with pytest.raises(DamagedFile, match=rf"^{metrics}:1: not a JSON log line"):
         run_task(tiny_mackey_glass(2), tmp_path / "run", progress=False)
     assert metrics.read_bytes().splitlines()[1] == second  # left as it was
 
@@ -415,15 +415,16 @@ def test_bad_data_files_and_values_are_named_without_a_traceback(tmp_path, capsy
     broken = tmp_path / "imdb.npz"
     broken.write_bytes(b"not a zip at all")
     args = ["experiments/imdb.py", "--workdir", str(tmp_path / "w")]
-    assert main([*args, f"--config.data.path={broken}"]) == 1
+    assert main([*args, f"--config.data.path={broken}"]) == Exit.DATA
     assert f"{broken}: not an .npz (zip) file" in capsys.readouterr().err
     _, npz = imdb_standin(tmp_path)
     npz.write_bytes(npz.read_bytes()[:200])  # truncated
-    assert main([*args, f"--config.data.path={npz}"]) == 1
+    assert main([*args, f"--config.data.path={npz}"]) == Exit.DATA
     err = capsys.readouterr().err
     assert f"{npz}: not" in err and "Traceback" not in err
     # A bad value fails before any training, and the corrected run may use the same workdir.
-    assert main(["experiments/mackey_glass.py:lmu", *args[1:], "--config.data.horizon=0"]) == 1
+    horizon = ["experiments/mackey_glass.py:lmu", *args[1:], "--config.data.horizon=0"]
+    assert main(horizon) == Exit.CONFIG
     assert "data: horizon must be in 1.." in capsys.readouterr().err
     assert not has_checkpoint(tmp_path / "w" / "lmu")
 
@@ -431,7 +432,7 @@ def test_bad_data_files_and_values_are_named_without_a_traceback(tmp_path, capsy
 @pytest.mark.parametrize("experiment", ["psmnist", "imdb"])
 def test_commands_without_their_dataset_fail_cleanly(tmp_path, capsys, experiment):
     args = [f"experiments/{experiment}.py", "--workdir", str(tmp_path / "w")]
-    assert main([*args, f"--config.data.path={tmp_path / 'nothing'}"]) == 1
+    assert main([*args, f"--config.data.path={tmp_path / 'nothing'}"]) == Exit.DATA
     err = capsys.readouterr().err
     assert err.startswith("error: ") and "Traceback" not in err
     assert str(tmp_path / "nothing") in err and "never downloads" in err

@@ -14,6 +14,7 @@ from pathlib import Path
 import pytest
 from small_config import small
 
+from lmuscale.outcomes import Exit
 from lmuscale.train import TrainingDiverged, run
 
 
@@ -176,7 +177,7 @@ def test_an_unwritable_checkpoint_folder_ends_the_process_with_one_line(byte_cor
     ]
     env = {**os.environ, "LMUSCALE_TEST_DATA": str(byte_corpus), "PYTHONPATH": str(here)}
     done = subprocess.run(command, env=env, capture_output=True, text=True, timeout=120)
-    assert done.returncode == 1
+    assert done.returncode == Exit.IO
     assert done.stderr.strip().splitlines() == [
         f"error: checkpoint folder {workdir / 'checkpoints'} cannot be created (FileExistsError: "
         f"[Errno 17] File exists: '{workdir / 'checkpoints'}')"
@@ -296,7 +297,7 @@ def test_a_filesystem_out_of_inodes_ends_the_process_with_one_line(byte_corpus, 
         env = {**os.environ, "LMUSCALE_TEST_DATA": str(byte_corpus), "PYTHONPATH": str(here)}
         done = subprocess.run(command, env=env, capture_output=True, text=True, timeout=300)
         lines = done.stderr.strip().splitlines()
-        assert done.returncode == 1, done.stderr
+        assert done.returncode == Exit.IO, done.stderr
         assert len(lines) == 1, done.stderr
         # named before the save by the inode check, or (when the newest checkpoint's file
         # count underestimated the next one) by the failed background write

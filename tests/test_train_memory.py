@@ -10,6 +10,7 @@ import pytest
 from compile_cache import in_process
 from small_config import small
 
+from lmuscale.outcomes import Exit
 from lmuscale.train import ConfigError, memory, run
 from lmuscale.workdir import PLAN
 
@@ -97,7 +98,7 @@ def test_an_impossible_budget_names_the_budget_and_the_smallest_estimate():
     message = str(caught.value)
     assert "budget of 0.1 GB per device (a test)" in message
     assert "smallest estimate is 0.25 GB with 16 micro-batches per step" in message
-    assert isinstance(caught.value, ConfigError)
+    assert Exit.of(caught.value) is Exit.MEMORY
     with pytest.raises(memory.OutOfMemoryBudget, match="with 1 micro-batch per step"):
         memory.search(compile_for, memory.candidates(8, 8), memory.Budget(int(0.1e9), "a test"))
 

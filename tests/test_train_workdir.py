@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 from small_config import small
 
-from lmuscale.outcomes import DamagedFile, WorkdirBusy
+from lmuscale.outcomes import DamagedFile, Exit, WorkdirBusy
 from lmuscale.train import ConfigError, run
 from lmuscale.workdir import Lock, is_locked
 
@@ -53,7 +53,7 @@ def test_a_second_process_on_a_running_workdir_stops_at_once_naming_the_holder(
             text=True,
             timeout=300,
         )
-        assert second.returncode == 1
+        assert second.returncode == Exit.BUSY
         message = second.stderr.strip()
         assert f"workdir {workdir} is in use by pid {first.pid} on " in message
         assert len(message.splitlines()) == 1

@@ -22,6 +22,7 @@ from sweep_files import write_sweep
 from wandb.proto import wandb_internal_pb2
 
 from lmuscale.models import SRUConfig
+from lmuscale.outcomes import Exit
 from lmuscale.sweep import config_hash, load_sweep
 from lmuscale.train import ConfigError, TrainingInterrupted, base_config, loop, run
 from lmuscale.train.config import check, flatten, upgrade
@@ -310,7 +311,7 @@ def test_wandb_failures_are_one_line_errors_naming_log_wandb(tmp_path, monkeypat
     with pytest.raises(WandbError) as error:
         MetricsLog(tmp_path, 0, enabled=True, tensorboard=False, wandb=config)
     message = str(error.value)
-    assert isinstance(error.value, ConfigError)  # the command line prints it, exit status 1
+    assert Exit.of(error.value) is Exit.LOGGING_SERVICE  # the command line's one line and 9
     run_id = json.loads((tmp_path / RUN_FILE).read_text())["id"]  # kept for the next try
     assert message.startswith(f"log.wandb: W&B could not start run {run_id} (CommError: Network")
     assert "\n" not in message and "--config.log.wandb_mode=offline" in message

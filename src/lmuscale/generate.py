@@ -18,9 +18,9 @@ Where the parameters come from:
 
 Only the parameters are read from a training checkpoint, never the optimiser state.
 
-Exit status: 0 when the text was printed; 1 for a workdir, checkpoint or config.json that
-cannot be used (missing, truncated or corrupt, or of another model: the message names the
-path); 2 for bad arguments.
+Exit status (``lmuscale.outcomes``): 0 when the text was printed; 8 for a workdir, checkpoint
+or config.json that cannot be used (missing, truncated or corrupt, or of another model: the
+message names the path); 2 for bad arguments.
 """
 
 from __future__ import annotations
@@ -36,6 +36,7 @@ import numpy as np
 
 from lmuscale.data.tokenizer import TOKENIZERS, Tokenizer, get_tokenizer
 from lmuscale.models import NAMES, LanguageModel, ModelConfig, build, decode, named_config
+from lmuscale.outcomes import StorageError, report
 from lmuscale.train.checkpoint import CheckpointError, locate, newest, read_variables
 from lmuscale.train.config import model_config, upgrade
 from lmuscale.workdir import CONFIG, read_json
@@ -76,8 +77,8 @@ def sample(
     """
     if n_tokens < 1:
         raise ValueError(f"--tokens must be >= 1, got {n_tokens}")
-    if temperature < 0:
-        raise ValueError(f"--temperature must be >= 0, got {temperature}")
+    if not (np.isfinite(temperature) and temperature >= 0):
+        raise ValueError(f"--temperature must be >= 0 and finite, got {temperature}")
     prompt = np.asarray(list(prompt_ids) or [start_id], np.int32)[None]
     state = model.decode_state(1, max_len=prompt.shape[1] + n_tokens)
     logits_BxTxV, state = decode(model, params, prompt, state)
@@ -178,9 +179,8 @@ def main(argv: list[str] | None = None) -> int:
         else:
             params = read_variables(checkpoint.state, model)
             print(f"{what}, parameters from {checkpoint.state}", file=sys.stderr)
-    except CheckpointError as error:
-        print(f"error: {error}", file=sys.stderr)
-        return 1
+    except (StorageError, KeyboardInterrupt) as error:  # CheckpointError, DamagedFile
+        return report(error)
     try:
         new = sample(
             model,
@@ -193,6 +193,8 @@ def main(argv: list[str] | None = None) -> int:
         )
     except ValueError as error:
         parser.error(str(error))
+    except KeyboardInterrupt as error:
+        return report(error)
     print(args.prompt + tokenizer.decode(new))
     return 0
 

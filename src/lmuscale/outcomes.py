@@ -1,17 +1,182 @@
-"""TEMPORARY (lead's branch): replaced by the exit-code table at merge."""
+"""How a run ends: one exception class and one exit status per outcome, in one table (``Exit``).
+
+Every command line runs its body through ``run_main``: an exception of an outcome's class
+becomes one line on stderr (its word, then the first line of its message, never a traceback)
+and that outcome's exit status. An exception that is in no row is a bug: it goes on up, and
+Python prints its traceback and exits with status 1.
+
+Classes that say more (``train.checkpoint.CheckpointError``, ``sweep.SweepError``, ...)
+subclass the outcome's class here. This module imports nothing from lmuscale, so every layer
+can raise these.
+"""
+
+from __future__ import annotations
+
+import enum
+import os
+import sys
+from collections.abc import Callable
 
 
 class ConfigError(ValueError):
-    """A config key or value that is wrong."""
+    """A config that cannot run: the message names the file, key or value."""
+
+
+class DataError(ValueError):
+    """Bad input or a bad prepared dataset; the message names the file (and line, key or value)."""
 
 
 class WorkdirBusy(RuntimeError):
     """Another process holds the workdir's lock."""
 
 
-class DamagedFile(RuntimeError):
-    """A run folder's file that does not parse."""
+class OutOfMemoryBudget(RuntimeError):
+    """No micro-batch count's train step fits in the memory budget."""
+
+
+class StorageError(RuntimeError):
+    """A file of the run (a checkpoint, a log, an output) that cannot be written, or that
+    cannot be read back as it was written; the message names the file."""
+
+
+class DamagedFile(StorageError):
+    """A file of a run folder (a summary, a config, a JSONL log) that does not parse: damaged
+    after it was written; the message names the file (and line) and what to do."""
+
+
+class LoggingServiceError(RuntimeError):
+    """A logging service (W&B) could not start or log a run; the message says what to do."""
 
 
 class TrainingDiverged(RuntimeError):
     """The loss or the parameters became NaN or infinite."""
+
+
+class TrainingInterrupted(RuntimeError):
+    """A stop signal arrived; the run saved a checkpoint and can be resumed."""
+
+    def __init__(self, message: str, signal_name: str = ""):
+        super().__init__(message)
+        self.signal_name = signal_name
+
+
+class LostProcess(RuntimeError):
+    """A multi-process run lost contact with another of its processes (it died, or its host
+    did): a collective or the coordinator failed. The checkpoints written are intact."""
+
+
+@enum.unique
+class Exit(enum.IntEnum):
+    """The outcomes: exit status, the exception class (None: no exception makes it), the word
+    that begins the one line, and what it means (the README's table is made from this)."""
+
+    def __new__(cls, code: int, error: type[BaseException] | None, word: str, meaning: str):
+        member = int.__new__(cls, code)
+        member._value_ = code
+        member.error = error
+        member.word = word
+        member.meaning = meaning
+        return member
+
+    FINISHED = 0, None, "", "finished (or had finished before)"
+    CONFIG = 1, ConfigError, "error", "a bad config; the message names the file, key or value"
+    ARGUMENTS = 2, None, "error", "bad command-line arguments (argparse's usage message)"
+    DIVERGED = 3, TrainingDiverged, "error", "the loss or the parameters became NaN or infinite"
+    STOPPED = (
+        4,
+        TrainingInterrupted,
+        "stopped",
+        "SIGTERM, SIGUSR1 or SIGUSR2 stopped it after a checkpoint; run it again to resume",
+    )
+    LOST_PROCESS = (
+        5,
+        LostProcess,
+        "error",
+        "a multi-process run lost another of its processes; start all of them again to resume",
+    )
+    DATA = 6, DataError, "error", "bad input data: a dataset, a corpus or a results table"
+    MEMORY = (
+        7,
+        OutOfMemoryBudget,
+        "error",
+        "no micro-batch count's train step fits in the memory budget",
+    )
+    IO = (
+        8,
+        StorageError,
+        "error",
+        "a checkpoint, log or output that cannot be written, or read back intact",
+    )
+    LOGGING_SERVICE = 9, LoggingServiceError, "error", "W&B could not start or log the run"
+    UNFINISHED = (
+        10,
+        None,
+        "",
+        "a sweep: a selected trial failed, diverged or did not finish (its table says which)",
+    )
+    BUSY = (
+        75,
+        WorkdirBusy,
+        "error",
+        "another process holds the workdir's (or trial's) lock; nothing was started",
+    )
+    INTERRUPTED = (
+        130,
+        KeyboardInterrupt,
+        "stopped",
+        "Ctrl-C (SIGINT); during training it also stops after a checkpoint",
+    )
+
+    @classmethod
+    def of(cls, error: BaseException) -> Exit | None:
+        """The outcome of ``error``, or None when it is in no row (a bug)."""
+        # One class, two statuses: a shell reports a Ctrl-C as 130, the other signals as 4.
+        if isinstance(error, TrainingInterrupted) and error.signal_name == "SIGINT":
+            return cls.INTERRUPTED
+        for outcome in cls:
+            if outcome.error is not None and isinstance(error, outcome.error):
+                return outcome
+        return None
+
+
+def one_line(error: BaseException, *, named: bool = False) -> str:
+    """The first non-empty line of ``error``'s message (its class's name when it has none);
+    ``named``: after the class's name, for an error from another library whose message alone
+    may not say what failed ("OSError: [Errno 28] No space left on device")."""
+    lines = [line.strip() for line in str(error).splitlines() if line.strip()]
+    if not lines:
+        return type(error).__name__
+    return f"{type(error).__name__}: {lines[0]}" if named else lines[0]
+
+
+def run_main(body: Callable[[], int], *, interrupted: str = "SIGINT received") -> int:
+    """``body()``'s exit status, or, when it raises an outcome's exception, that outcome's
+    after ``report``. ``interrupted`` is the line's text for a Ctrl-C that reached here as a
+    KeyboardInterrupt (during start-up, while modules are still importing, included). An
+    exception in no row goes on up: a bug's traceback is worth its lines."""
+    try:
+        return body()
+    except BaseException as error:
+        if Exit.of(error) is None:
+            raise
+        return report(error, interrupted=interrupted)
+
+
+def report(error: BaseException, *, interrupted: str = "SIGINT received") -> Exit:
+    """Print ``error`` (of an outcome's class) as one line on stderr and return its outcome."""
+    outcome = Exit.of(error)
+    text = interrupted if isinstance(error, KeyboardInterrupt) else one_line(error)
+    print(f"{outcome.word}: {text}", file=sys.stderr, flush=True)
+    if outcome is Exit.LOST_PROCESS:
+        # Not a normal exit: jax.distributed's shutdown would wait for the lost process (until
+        # the heartbeat timeout, then abort with a stack trace), and so would orbax's threads.
+        sys.stdout.flush()
+        os._exit(outcome)
+    return outcome
+
+
+def exit_table() -> str:
+    """The exit statuses as a Markdown table (the README holds a copy; a test compares)."""
+    lines = ["| status | outcome |", "|---:|---|"]
+    lines += [f"| {outcome.value} | {outcome.meaning} |" for outcome in Exit]
+    return "\n".join(lines)

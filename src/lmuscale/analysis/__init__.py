@@ -17,9 +17,10 @@ from lmuscale.analysis.fitting import GroupFit, find, fit_all
 from lmuscale.analysis.optimal import OptimalReport
 from lmuscale.analysis.results import Results, ResultsError, Run, load_results
 from lmuscale.files import atomic_write_bytes
+from lmuscale.outcomes import StorageError
 
 
-class OutputError(ValueError):
+class OutputError(StorageError):
     """An output folder that cannot be made or written; the message names the path."""
 
 

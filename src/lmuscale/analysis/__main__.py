@@ -1,18 +1,19 @@
 """``python -m lmuscale.analysis RESULTS --out DIR``: Figures 3, 4 and 5 and the fits table
 from a sweep's results (``WORKDIR/results.jsonl`` or ``results.csv``).
 
-Exit status: 0 on success; 1 for a results table that cannot be read or analysed (binary, not
-CSV or JSON lines, missing columns: the message names the file and line) or an ``--out`` that
-is not a folder or cannot be written; 2 for bad arguments.
+The exit status is the outcome's in ``lmuscale.outcomes.Exit``: 0 on success; 6 for a results
+table that cannot be read or analysed (binary, not CSV or JSON lines, missing columns: the
+message names the file and line); 8 for an ``--out`` that is not a folder or cannot be
+written; 2 for bad arguments.
 """
 
 from __future__ import annotations
 
 import argparse
 import re
-import sys
 
-from lmuscale.analysis import OutputError, ResultsError, analyse
+from lmuscale.analysis import analyse
+from lmuscale.outcomes import Exit, run_main
 
 SUFFIXES = {"": 1, "k": 1e3, "m": 1e6, "b": 1e9}
 
@@ -62,21 +63,21 @@ def main(argv=None) -> int:
         parser.error(f"--target-loss must be a positive loss, got {args.target_loss}")
     if args.n_boot < 0:
         parser.error(f"--n-boot must be >= 0, got {args.n_boot}")
-    try:
-        report = analyse(
-            args.results,
-            args.out,
-            split=args.split,
-            size=args.size,
-            n_boot=args.n_boot,
-            ci=args.ci,
-            seed=args.seed,
-            progress=not args.quiet,
-            target_loss=args.target_loss,
-        )
-    except (ResultsError, OutputError) as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 1
+    return run_main(lambda: _run(args))
+
+
+def _run(args: argparse.Namespace) -> int:
+    report = analyse(
+        args.results,
+        args.out,
+        split=args.split,
+        size=args.size,
+        n_boot=args.n_boot,
+        ci=args.ci,
+        seed=args.seed,
+        progress=not args.quiet,
+        target_loss=args.target_loss,
+    )
     if not args.quiet:
         results = report.results
         print(f"{len(results.runs)} runs of {', '.join(results.families)} from {results.path}")
@@ -106,7 +107,7 @@ def main(argv=None) -> int:
         for line in best.left_out:
             print(f"  left out: {line}")
         print("wrote " + ", ".join(str(p) for p in report.files))
-    return 0
+    return Exit.FINISHED
 
 
 if __name__ == "__main__":

@@ -20,6 +20,7 @@ import numpy as np
 
 from lmuscale.analysis.results import Run, family_key, groups_within, label
 from lmuscale.files import atomic_write_json
+from lmuscale.outcomes import DataError
 
 FORMAT = "lmuscale learning rates"
 VERSION = 1
@@ -27,7 +28,7 @@ SIZE_RTOL = 0.05  # runs whose N are within 5% of each other are one size
 REQUIRED = ("family", "N", "learning_rate")
 
 
-class LearningRateFileError(ValueError):
+class LearningRateFileError(DataError):
     """A learning-rate file that cannot be used; the message names the file and what is wrong."""
 
 

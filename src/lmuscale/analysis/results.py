@@ -17,6 +17,8 @@ from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from lmuscale.outcomes import DataError
+
 REQUIRED = ("trial", "family", "N", "steps", "tokens")
 LOSSES = {"test": "test_loss", "val": "val_loss"}
 LABELS = {
@@ -31,7 +33,7 @@ FAMILY_ORDER = ("lmu", "lmu_g", "transformer", "sru", "sru_pp", "lstm")  # in le
 LMU_FAMILIES = ("lmu", "lmu_g")
 
 
-class ResultsError(ValueError):
+class ResultsError(DataError):
     """A results file that cannot be analysed; the message names the file, line and column."""
 
 

@@ -1,12 +1,18 @@
-"""``python -m lmuscale.data prepare SOURCE [PATH ...] --out DIR`` and ``... info DIR``."""
+"""``python -m lmuscale.data prepare SOURCE [PATH ...] --out DIR`` and ``... info DIR``.
+
+The exit status is the outcome's in ``lmuscale.outcomes.Exit``: 0 on success, 6 for bad input
+or a bad prepared folder (the message names the file), 2 for bad arguments, 130 for Ctrl-C (a
+prepare resumes when run again).
+"""
 
 from __future__ import annotations
 
 import argparse
 import sys
 
-from lmuscale.data.sources import SOURCES, TEXT_COLUMN, DataError
+from lmuscale.data.sources import SOURCES, TEXT_COLUMN
 from lmuscale.data.tokenizer import TOKENIZERS
+from lmuscale.outcomes import Exit, run_main
 
 EXAMPLES = """\
 sources:
@@ -68,35 +74,34 @@ def main(argv: list[str] | None = None) -> int:
     info = commands.add_parser("info", help="print a prepared folder's metadata and verify it")
     info.add_argument("folder")
     info.add_argument("--no-verify", action="store_true", help="skip the checksums")
-    args = parser.parse_args(argv)
+    interrupted = "SIGINT received; a prepare resumes when run again"
+    return run_main(lambda: _run(parser.parse_args(argv)), interrupted=interrupted)
 
-    try:
-        if args.command == "prepare":
-            from lmuscale.data.prepare import prepare
 
-            meta = prepare(
-                args.source,
-                args.inputs,
-                out=args.out,
-                tokenizer=args.tokenizer,
-                text_column=args.text_column,
-                seed=args.seed,
-                workers=args.workers,
-                max_bad_lines=args.max_bad_lines,
-                restart=args.restart,
-                progress=not args.quiet,
-            )
-            print(summary(meta, args.out))
-        else:
-            from lmuscale.data.loader import open_dataset
+def _run(args: argparse.Namespace) -> int:
+    if args.command == "prepare":
+        from lmuscale.data.prepare import prepare
 
-            dataset = open_dataset(args.folder, verify=not args.no_verify)
-            print(summary(dataset.meta, args.folder))
-            print("checksums: " + ("not checked" if args.no_verify else "ok"))
-    except DataError as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 1
-    return 0
+        meta = prepare(
+            args.source,
+            args.inputs,
+            out=args.out,
+            tokenizer=args.tokenizer,
+            text_column=args.text_column,
+            seed=args.seed,
+            workers=args.workers,
+            max_bad_lines=args.max_bad_lines,
+            restart=args.restart,
+            progress=not args.quiet,
+        )
+        print(summary(meta, args.out))
+    else:
+        from lmuscale.data.loader import open_dataset
+
+        dataset = open_dataset(args.folder, verify=not args.no_verify)
+        print(summary(dataset.meta, args.folder))
+        print("checksums: " + ("not checked" if args.no_verify else "ok"))
+    return Exit.FINISHED
 
 
 def summary(meta: dict, folder) -> str:

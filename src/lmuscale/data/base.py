@@ -10,11 +10,9 @@ import glob
 from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path
 
+from lmuscale.outcomes import DataError
+
 TABLE_SUFFIXES = (".parquet", ".arrow")  # the parquet source's files (columnar.py)
-
-
-class DataError(ValueError):
-    """Bad input or a bad prepared dataset; the message names the file (and line, key or value)."""
 
 
 @dataclasses.dataclass(frozen=True)

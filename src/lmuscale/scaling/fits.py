@@ -18,6 +18,8 @@ from dataclasses import dataclass
 import numpy as np
 from scipy import optimize
 
+from lmuscale.outcomes import DataError
+
 HUBER_DELTA = 1e-3
 # Hoffmann et al.'s grid of initialisations (REFERENCE §3): 5 x 5 x 5 x 6 x 6 = 4,500 starts.
 CHINCHILLA_GRID = {
@@ -44,7 +46,7 @@ FORMULAS = {
 }
 
 
-class FitError(ValueError):
+class FitError(DataError):
     """The data cannot support the fit (too few points, too few distinct sizes, bad values)."""
 
 

@@ -5,8 +5,9 @@ Runs every trial of a sweep file (``sweeps/owt2.py``), each in its own folder un
 ``WORKDIR/trials/``, and writes ``WORKDIR/results.jsonl`` and ``results.csv``. Run the same
 command again at any time: finished trials are skipped and interrupted ones resume.
 
-Exit status: 0 when every selected trial finished, 1 when one failed, diverged or did not
-finish (the table says which), 2 for bad arguments or a bad sweep file.
+The exit status is the outcome's in ``lmuscale.outcomes.Exit``: 0 when every selected trial
+finished, 10 when one failed, diverged or did not finish (the table says which), 1 for a bad
+sweep file, 2 for bad arguments, 130 when stopped (Ctrl-C, SIGTERM or SIGHUP).
 """
 
 from __future__ import annotations
@@ -15,6 +16,8 @@ import argparse
 import signal
 import sys
 from pathlib import Path
+
+from lmuscale.outcomes import Exit, run_main
 
 
 def parse(argv: list[str]) -> argparse.Namespace:
@@ -64,6 +67,10 @@ def parse(argv: list[str]) -> argparse.Namespace:
         parser.error("--detach needs --executor slurm")
     if args.throughput is not None and args.throughput <= 0:
         parser.error("--throughput must be positive")
+    try:
+        args.slurm = slurm_params(args.slurm)
+    except ValueError as error:
+        parser.error(str(error))
     return args
 
 
@@ -72,7 +79,7 @@ def slurm_params(items: list[str]) -> dict:
     for item in items:
         key, sep, text = item.partition("=")
         if not sep or not key:
-            raise SystemExit(f"error: --slurm {item!r}: expected KEY=VALUE")
+            raise ValueError(f"--slurm {item!r}: expected KEY=VALUE")
         words = {"true": True, "false": False, "none": None}
         if text.lower() in words:
             params[key] = words[text.lower()]
@@ -89,43 +96,42 @@ def slurm_params(items: list[str]) -> dict:
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = parse(sys.argv[1:] if argv is None else argv)
+    return run_main(
+        lambda: _run(parse(sys.argv[1:] if argv is None else argv)),
+        interrupted="interrupted; run the same command again to resume",
+    )
+
+
+def _run(args: argparse.Namespace) -> int:
     # A runner told to stop (kill, a closed terminal) stops its workers cleanly, as on Ctrl-C:
     # each writes a checkpoint at its current step.
     for sig in (signal.SIGTERM, signal.SIGHUP):
         signal.signal(sig, signal.default_int_handler)
     from lmuscale.sweep.runner import run_sweep, select
-    from lmuscale.sweep.spec import SweepError, load_sweep
+    from lmuscale.sweep.spec import load_sweep
     from lmuscale.sweep.throughput import Throughput
 
-    try:
-        sweep = load_sweep(args.sweep)
-        workdir = Path(args.workdir or Path("runs") / sweep.name)
-        if args.dry_run:
-            from lmuscale.sweep.plan import plan, table
+    sweep = load_sweep(args.sweep)
+    workdir = Path(args.workdir or Path("runs") / sweep.name)
+    if args.dry_run:
+        from lmuscale.sweep.plan import plan, table
 
-            throughput = sweep.throughput
-            if args.throughput:
-                throughput = Throughput(args.throughput, source=f"--throughput {args.throughput:g}")
-            print(table(plan(select(sweep, args.only), workdir, throughput)))
-            print(f"FLOP/s for trials not yet measured: {throughput.source}")
-            return 0
-        return run_sweep(
-            sweep,
-            workdir,
-            only=args.only,
-            executor=args.executor,
-            parallel=args.parallel or (1 if args.executor == "local" else None),
-            detach=args.detach,
-            slurm=slurm_params(args.slurm),
-            show=False if args.quiet else None,
-        )
-    except SweepError as error:
-        print(f"error: {error}", file=sys.stderr)
-        return 2
-    except KeyboardInterrupt:
-        print("interrupted; run the same command again to resume", file=sys.stderr)
-        return 130
+        throughput = sweep.throughput
+        if args.throughput:
+            throughput = Throughput(args.throughput, source=f"--throughput {args.throughput:g}")
+        print(table(plan(select(sweep, args.only), workdir, throughput)))
+        print(f"FLOP/s for trials not yet measured: {throughput.source}")
+        return Exit.FINISHED
+    return run_sweep(
+        sweep,
+        workdir,
+        only=args.only,
+        executor=args.executor,
+        parallel=args.parallel or (1 if args.executor == "local" else None),
+        detach=args.detach,
+        slurm=args.slurm,
+        show=False if args.quiet else None,
+    )
 
 
 if __name__ == "__main__":

@@ -15,9 +15,10 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
+from lmuscale.outcomes import Exit
 from lmuscale.sweep.spec import SweepError
 from lmuscale.sweep.trials import record_crash
-from lmuscale.sweep.worker import BUSY, PARENT
+from lmuscale.sweep.worker import ENDED, PARENT
 from lmuscale.workdir import DONE, LOG, is_locked, status
 
 POLL_SECONDS = 0.5
@@ -82,10 +83,10 @@ def run_local(
                     continue
                 del running[folder]
                 free.append(slot)
-                if code == BUSY:
+                if code == Exit.BUSY:
                     waiting.append(folder)
                     continue
-                if code not in (0, 3, 4):
+                if code not in ENDED:
                     record_crash(folder, code)
                 on_end(folder, status(folder))
     except BaseException:

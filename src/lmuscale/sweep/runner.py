@@ -16,6 +16,7 @@ from pathlib import Path
 from tqdm import tqdm
 
 from lmuscale.files import atomic_write_json
+from lmuscale.outcomes import Exit
 from lmuscale.sweep.spec import ResolvedTrial, Sweep, SweepError
 from lmuscale.sweep.trials import prepare_folder, result_row, write_results
 from lmuscale.workdir import DONE, METRICS, last_record, read_json, status
@@ -161,7 +162,8 @@ def run_sweep(
     slurm: dict | None = None,
     show: bool | None = None,
 ) -> int:
-    """Run (or resume) the selected trials; returns the exit status (0: all finished)."""
+    """Run (or resume) the selected trials; returns the exit status: ``Exit.FINISHED`` when all
+    finished, else ``Exit.UNFINISHED``."""
     if executor not in ("local", "slurm"):
         raise SweepError(f"--executor {executor!r}: expected local or slurm")
     show = os.isatty(2) if show is None else show
@@ -200,7 +202,7 @@ def run_sweep(
     everything = all(r["status"] in DONE for r in final)
     if everything and sweep.after is not None:
         sweep.after(workdir)
-    return 0 if finished else 1
+    return Exit.FINISHED if finished else Exit.UNFINISHED
 
 
 def _run_local(sweep, workdir, trials, todo, paths, parallel, show) -> None:

@@ -22,9 +22,10 @@ from collections.abc import Callable
 from pathlib import Path
 
 from lmuscale.files import atomic_write_json
+from lmuscale.outcomes import Exit
 from lmuscale.sweep.spec import Sweep, SweepError
 from lmuscale.sweep.trials import record_crash
-from lmuscale.sweep.worker import BUSY, PARENT, TASK
+from lmuscale.sweep.worker import ENDED, PARENT, TASK
 from lmuscale.workdir import DONE, LOG, is_locked, read_json, status
 
 try:
@@ -79,11 +80,11 @@ class TrialJob(Checkpointable):
                     env=os.environ | {PARENT: str(os.getpid()), TASK: f"{rank}/{tasks}"},
                 )
             code = self.process.wait()
-            if code != BUSY:
+            if code != Exit.BUSY:
                 break
             while is_locked(folder):  # another runner trains it: wait, then look again
                 time.sleep(POLL_SECONDS)
-        if code not in (0, 3, 4) and rank == 0:
+        if code not in ENDED and rank == 0:
             record_crash(folder, code)
         return status(folder)
 

@@ -41,7 +41,7 @@ from lmuscale.train.config import (
 NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._+=-]*")
 
 
-class SweepError(ValueError):
+class SweepError(ConfigError):
     """A sweep file that cannot run: the message names the file and line, and the trial."""
 
 

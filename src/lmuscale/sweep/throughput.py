@@ -19,11 +19,12 @@ from pathlib import Path
 from types import SimpleNamespace
 
 from lmuscale.models import fused_loss
+from lmuscale.outcomes import DataError
 
 ENV = "LMUSCALE_GPU_BENCHMARK"
 
 
-class BenchmarkError(ValueError):
+class BenchmarkError(DataError):
     """A GPU benchmark file that cannot be read, or ``$LMUSCALE_GPU_BENCHMARK`` picking none."""
 
 

@@ -6,6 +6,7 @@ named, and its status read, in ``lmuscale.workdir``).
 
 from __future__ import annotations
 
+import contextlib
 import csv
 import io
 import json
@@ -15,6 +16,7 @@ from pathlib import Path
 
 from lmuscale.files import atomic_write_bytes, atomic_write_json
 from lmuscale.models import count_params, flops_per_token
+from lmuscale.outcomes import Exit
 from lmuscale.sweep.spec import ResolvedTrial
 from lmuscale.train.config import model_config
 from lmuscale.workdir import DONE, ERROR, LOG, METRICS, TRIAL, Lock, last_record, read_json, status
@@ -147,6 +149,9 @@ def record_crash(folder: Path, returncode: int) -> None:
         how = f"exit status {returncode}"
         if returncode < 0:
             how = f"signal {signal.Signals(-returncode).name}"
+        else:
+            with contextlib.suppress(ValueError):  # a status outside the table says no more
+                how += f" ({Exit(returncode).meaning})"
         try:
             tail = (folder / LOG).read_text(errors="replace").splitlines()[-30:]
         except FileNotFoundError:

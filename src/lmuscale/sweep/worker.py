@@ -4,9 +4,10 @@ The runners (local and SLURM) start this process per trial. It holds the trial's
 long as it lives, so two runners never train the same trial at once, and on Linux it dies
 with the process that started it, so killing a runner leaves no orphan training behind.
 
-Exit status: 0 finished (or already finished), 1 failed (error.json has the traceback),
-3 diverged, 4 stopped by a signal after a checkpoint, 75 the trial is locked by another
-process.
+The exit status is the outcome's in ``lmuscale.outcomes.Exit``, with one line on stderr: 0
+finished (or already finished), 3 diverged, 4 (130 for SIGINT) stopped by a signal after a
+checkpoint, 75 the trial is locked by another process (or the runner died as this one
+started); any other status is a failure, and error.json has its traceback.
 """
 
 from __future__ import annotations
@@ -20,10 +21,14 @@ import traceback
 from pathlib import Path
 
 from lmuscale.files import atomic_write_json
+from lmuscale.outcomes import Exit, WorkdirBusy, run_main
 from lmuscale.processes import die_with_parent
-from lmuscale.workdir import ATTEMPTS, ERROR, TRIAL, Lock, outcome
+from lmuscale.workdir import ATTEMPTS, ERROR, TRIAL, Lock
+from lmuscale.workdir import outcome as final_outcome
 
-FINISHED, FAILED, DIVERGED, INTERRUPTED, BUSY = 0, 1, 3, 4, 75
+# How a worker that ended by itself says so: every other status is a failure (or a crash, when
+# the worker left no error.json: the runner writes one).
+ENDED = (Exit.FINISHED, Exit.DIVERGED, Exit.STOPPED, Exit.INTERRUPTED)
 
 
 PARENT = "LMUSCALE_SWEEP_PARENT"  # the pid of the runner (or SLURM task) that started us
@@ -51,7 +56,7 @@ def _attempt(folder: Path, record: dict) -> None:
 
 
 def train(folder: Path) -> int:
-    from lmuscale.train import TrainingDiverged, TrainingInterrupted, run
+    from lmuscale.train import run
 
     rank, tasks = task()
     if rank > 0:
@@ -63,46 +68,38 @@ def train(folder: Path) -> int:
             break
         time.sleep(0.1)
     else:
-        print(f"{folder.name}: locked by another process; not started", flush=True)
-        return BUSY
+        raise WorkdirBusy(f"trial {folder}: locked by {lock.holder()}; not started")
     try:
-        final = outcome(folder)
+        final = final_outcome(folder)
         if final is not None:
-            return FINISHED if final == "finished" else DIVERGED
+            return Exit.FINISHED if final == "finished" else Exit.DIVERGED
         (folder / ERROR).unlink(missing_ok=True)
         _attempt(folder, {"event": "start"})
         try:
             summary = run(_config(folder, tasks), folder, progress=False, locked=True)
-        except TrainingDiverged as error:
-            _attempt(folder, {"event": "end", "outcome": "diverged"})
-            print(f"diverged: {error}", flush=True)
-            return DIVERGED
-        except TrainingInterrupted as error:
-            _attempt(folder, {"event": "end", "outcome": "interrupted"})
-            print(f"stopped: {error}", flush=True)
-            return INTERRUPTED
-        except KeyboardInterrupt:
-            _attempt(folder, {"event": "end", "outcome": "interrupted"})
-            return INTERRUPTED
-        except Exception as error:
-            text = traceback.format_exc()
-            atomic_write_json(
-                folder / ERROR,
-                {
-                    "error": f"{type(error).__name__}: {error}",
-                    "traceback": text,
-                    "time": time.time(),
-                },
-            )
-            _attempt(folder, {"event": "end", "outcome": "failed"})
-            print(text, flush=True)
-            return FAILED
+        except BaseException as error:
+            outcome = Exit.of(error)
+            if outcome in (Exit.STOPPED, Exit.INTERRUPTED):
+                _attempt(folder, {"event": "end", "outcome": "interrupted"})
+            elif outcome is Exit.DIVERGED:
+                _attempt(folder, {"event": "end", "outcome": "diverged"})
+            else:
+                atomic_write_json(
+                    folder / ERROR,
+                    {
+                        "error": f"{type(error).__name__}: {error}",
+                        "traceback": traceback.format_exc(),
+                        "time": time.time(),
+                    },
+                )
+                _attempt(folder, {"event": "end", "outcome": "failed"})
+            raise
         _attempt(folder, {"event": "end", "outcome": "finished"})
         print(
             f"finished: val loss {summary['val_loss']:.4f}, test loss {summary['test_loss']:.4f}",
             flush=True,
         )
-        return FINISHED
+        return Exit.FINISHED
     finally:
         lock.release()
 
@@ -123,32 +120,24 @@ def _config(folder: Path, tasks: int):
 def train_part(folder: Path, tasks: int) -> int:
     """A task other than 0 of a trial that spans ``tasks`` processes: it trains with the
     others; task 0 holds the lock and keeps the trial's records (attempts, error.json)."""
-    from lmuscale.train import TrainingDiverged, TrainingInterrupted, run
+    from lmuscale.train import run
 
-    final = outcome(folder)
+    final = final_outcome(folder)
     if final is not None:
-        return FINISHED if final == "finished" else DIVERGED
-    try:
-        run(_config(folder, tasks), folder, progress=False, locked=True)
-    except TrainingDiverged:
-        return DIVERGED
-    except (TrainingInterrupted, KeyboardInterrupt):
-        return INTERRUPTED
-    except Exception:
-        print(traceback.format_exc(), flush=True)
-        return FAILED
-    return FINISHED
+        return Exit.FINISHED if final == "finished" else Exit.DIVERGED
+    run(_config(folder, tasks), folder, progress=False, locked=True)
+    return Exit.FINISHED
 
 
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     if len(argv) != 1:
         print("usage: python -m lmuscale.sweep.worker TRIAL_FOLDER", file=sys.stderr)
-        return 2
+        return Exit.ARGUMENTS
     parent = os.environ.get(PARENT)
     if not die_with_parent(int(parent) if parent else None):
-        return BUSY  # the runner died while this process was starting
-    return train(Path(argv[0]))
+        return Exit.BUSY  # the runner died while this process was starting
+    return run_main(lambda: train(Path(argv[0])))
 
 
 if __name__ == "__main__":

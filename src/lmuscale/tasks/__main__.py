@@ -3,18 +3,20 @@
 Trains every model the experiment file lists in ``NAMES`` (or only NAME), each in
 DIR/NAME, then prints the test metric of each beside the paper's numbers and writes
 DIR/results.json (every finished model in DIR). Finished models are read back, interrupted
-ones resume. Exit status: 0 when every model finished, 1 for a bad config or missing data
-(the message names the key or path), 2 for bad arguments, 3 when a training loss diverged.
+ones resume. The exit status is the outcome's in ``lmuscale.outcomes.Exit``: 0 when every
+model finished, 1 for a bad config, 6 for missing or unreadable data (the message names the key
+or path), 2 for bad arguments, 3 when a training loss diverged.
 """
 
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 from pathlib import Path
 
 from lmuscale.files import atomic_write_json
+from lmuscale.outcomes import Exit, run_main
+from lmuscale.workdir import SUMMARY, read_json
 
 
 def parse(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
@@ -53,38 +55,32 @@ def table(results: list[dict]) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    args, overrides = parse(sys.argv[1:] if argv is None else argv)
-    from lmuscale.outcomes import TrainingDiverged
-    from lmuscale.tasks.base import TaskDataError
+    return run_main(lambda: _run(*parse(sys.argv[1:] if argv is None else argv)))
+
+
+def _run(args: argparse.Namespace, overrides: list[str]) -> int:
     from lmuscale.tasks.config import check
     from lmuscale.tasks.train import run_task
     from lmuscale.train.config import ConfigError, load, load_module, override
 
     path, _, only = args.experiment.partition(":")
     workdir = Path(args.workdir)
-    try:
-        names = [only] if only else list(getattr(load_module(Path(path)), "NAMES", []))
-        if not names:
-            raise ConfigError(f"{path}: lists no NAMES; give FILE.py:NAME")
-        configs = [override(load(f"{path}:{n}", check), overrides, check) for n in names]
-        results = []
-        for name, config in zip(names, configs, strict=True):
-            print(f"{name}: training in {workdir / name}", flush=True)
-            summary = run_task(config, workdir / name, progress=False if args.quiet else None)
-            results.append(summary)
-            metric = summary["metric"]
-            print(f"{name}: test {metric} {summary['test_' + metric]:.4f}", flush=True)
-    except (ConfigError, TaskDataError) as error:
-        print(f"error: {error}", file=sys.stderr)
-        return 1
-    except TrainingDiverged as error:
-        print(f"error: {error}", file=sys.stderr)
-        return 3
+    names = [only] if only else list(getattr(load_module(Path(path)), "NAMES", []))
+    if not names:
+        raise ConfigError(f"{path}: lists no NAMES; give FILE.py:NAME")
+    configs = [override(load(f"{path}:{n}", check), overrides, check) for n in names]
+    results = []
+    for name, config in zip(names, configs, strict=True):
+        print(f"{name}: training in {workdir / name}", flush=True)
+        summary = run_task(config, workdir / name, progress=False if args.quiet else None)
+        results.append(summary)
+        metric = summary["metric"]
+        print(f"{name}: test {metric} {summary['test_' + metric]:.4f}", flush=True)
     print(table(results))
     # Every finished model in the workdir, so a run of one NAME keeps the others' results.
-    everything = [json.loads(p.read_text()) for p in sorted(workdir.glob("*/summary.json"))]
+    everything = [read_json(p) for p in sorted(workdir.glob(f"*/{SUMMARY}"))]
     atomic_write_json(workdir / "results.json", everything)
-    return 0
+    return Exit.FINISHED
 
 
 if __name__ == "__main__":

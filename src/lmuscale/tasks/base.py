@@ -8,8 +8,10 @@ from collections.abc import Callable
 import numpy as np
 from ml_collections import ConfigDict
 
+from lmuscale.outcomes import DataError
 
-class TaskDataError(ValueError):
+
+class TaskDataError(DataError):
     """A task's dataset is missing or unreadable: the message names the path and the fix."""
 
 

@@ -27,12 +27,12 @@ from lmuscale.train.config import ConfigError
 
 START, OOV, INDEX_FROM = 1, 2, 3
 WORD = re.compile(r"[a-z0-9']+")
-MISSING = """\
-IMDB needs a local copy, and none was found at {path!r}.
-Give --config.data.path=PATH, where PATH is either
-  - Keras's imdb.npz (x_train, y_train, x_test, y_test), or
-  - the aclImdb folder of the original release (train/pos, train/neg, test/pos, test/neg).
-lmuscale never downloads data."""
+# One line, as every error is (lmuscale.outcomes)
+MISSING = (
+    "IMDB needs a local copy, and none was found at {path!r}; give --config.data.path=PATH: "
+    "Keras's imdb.npz (x_train, y_train, x_test, y_test) or the aclImdb folder of the "
+    "original release (train/pos, train/neg, test/pos, test/neg). lmuscale never downloads data."
+)
 # What np.load raises on a damaged .npz.
 NPZ_ERRORS = (OSError, ValueError, EOFError, zipfile.BadZipFile, pickle.UnpicklingError, zlib.error)
 

@@ -28,13 +28,14 @@ IDX_FILES = {
 }
 # idx magic numbers: 0x08 = unsigned bytes, then the number of dimensions.
 IDX_MAGIC = {1: 0x00000801, 3: 0x00000803}
-MISSING = """\
-psMNIST needs a local copy of MNIST, and none was found at {path!r}.
-Give --config.data.path=DIR, where DIR holds either
-  - the four idx files train-images-idx3-ubyte, train-labels-idx1-ubyte,
-    t10k-images-idx3-ubyte, t10k-labels-idx1-ubyte (optionally .gz), or
-  - a TensorFlow Datasets data_dir with mnist prepared (pip install tensorflow-datasets).
-lmuscale never downloads data."""
+# One line, as every error is (lmuscale.outcomes)
+MISSING = (
+    "psMNIST needs a local copy of MNIST, and none was found at {path!r}; give "
+    "--config.data.path=DIR: a folder of the four idx files train-images-idx3-ubyte, "
+    "train-labels-idx1-ubyte, t10k-images-idx3-ubyte, t10k-labels-idx1-ubyte (optionally .gz), "
+    "or a TensorFlow Datasets data_dir with mnist prepared (pip install tensorflow-datasets). "
+    "lmuscale never downloads data."
+)
 
 
 def read_idx(path: Path, dims: int) -> np.ndarray:

@@ -2,13 +2,32 @@
 
 ``python -m lmuscale.train --config experiments/owt2.py:lmu-1M --workdir runs/lmu-1M``; in
 Python, ``run(load("experiments/owt2.py:tiny"), "runs/tiny")``.
+
+The names below are imported on first use: ``python -m lmuscale.train`` imports this package
+before its ``main`` runs, and ``main`` must hold the seconds of importing JAX, so that a
+Ctrl-C then is its one line rather than a traceback.
 """
 
 from __future__ import annotations
 
-from lmuscale.outcomes import TrainingDiverged
-from lmuscale.train.config import ConfigError, base_config, load, model_config, override
-from lmuscale.train.loop import TrainingInterrupted, run
+import importlib
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from lmuscale.outcomes import ConfigError, TrainingDiverged, TrainingInterrupted
+    from lmuscale.train.config import base_config, load, model_config, override
+    from lmuscale.train.loop import run
+
+_HOMES = {
+    "ConfigError": "lmuscale.outcomes",
+    "TrainingDiverged": "lmuscale.outcomes",
+    "TrainingInterrupted": "lmuscale.outcomes",
+    "base_config": "lmuscale.train.config",
+    "load": "lmuscale.train.config",
+    "model_config": "lmuscale.train.config",
+    "override": "lmuscale.train.config",
+    "run": "lmuscale.train.loop",
+}
 
 __all__ = [
     "ConfigError",
@@ -20,3 +39,9 @@ __all__ = [
     "override",
     "run",
 ]
+
+
+def __getattr__(name: str):
+    if name not in _HOMES:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    return getattr(importlib.import_module(_HOMES[name]), name)

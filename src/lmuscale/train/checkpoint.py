@@ -35,6 +35,7 @@ import numpy as np
 import orbax.checkpoint as ocp
 
 from lmuscale.files import atomic_write_json
+from lmuscale.outcomes import StorageError
 from lmuscale.workdir import CHECKPOINTS, CONFIG
 
 STATE = "state"  # the arrays' item in each checkpoint
@@ -48,7 +49,7 @@ EXPECTED = (
 )
 
 
-class CheckpointError(RuntimeError):
+class CheckpointError(StorageError):
     """A checkpoint that cannot be written, found or read. ``damaged``: it exists but its files
     or arrays are not those that were saved (training sets it aside and resumes earlier)."""
 

@@ -64,7 +64,7 @@ from lmuscale.data import (
 )
 from lmuscale.data.format import META
 from lmuscale.models import build, count_params, flops_per_token
-from lmuscale.outcomes import TrainingDiverged
+from lmuscale.outcomes import LostProcess, TrainingDiverged, TrainingInterrupted
 from lmuscale.train import config as config_lib
 from lmuscale.train import memory, optim, wandb_log
 from lmuscale.train import step as step_lib
@@ -77,19 +77,6 @@ STOP_SIGNALS = (signal.SIGTERM, signal.SIGUSR1, signal.SIGUSR2, signal.SIGINT)
 # The checkpoint meta's key for the training losses since the last log line (their mean is
 # the next line's loss_mean): a run resumed between two log lines logs the same mean.
 LOG_WINDOW = "log_window"
-
-
-class TrainingInterrupted(RuntimeError):
-    """A stop signal arrived; the run saved a checkpoint and can be resumed."""
-
-    def __init__(self, message: str, signal_name: str = ""):
-        super().__init__(message)
-        self.signal_name = signal_name
-
-
-class LostProcess(RuntimeError):
-    """A multi-process run lost contact with another of its processes (it died, or its host
-    did): a collective or the coordinator failed. The checkpoints written are intact."""
 
 
 class _StopSignals:

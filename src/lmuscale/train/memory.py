@@ -36,6 +36,7 @@ from pathlib import Path
 import jax
 
 from lmuscale.files import atomic_write_json
+from lmuscale.outcomes import OutOfMemoryBudget
 from lmuscale.train import step as step_lib
 from lmuscale.train.config import ConfigError
 from lmuscale.workdir import PLAN
@@ -43,10 +44,6 @@ from lmuscale.workdir import PLAN
 DEVICE_FRACTION = 0.9
 HOST_FRACTION = 0.5
 GB = 1e9
-
-
-class OutOfMemoryBudget(ConfigError):
-    """No micro-batch count's train step fits in the memory budget."""
 
 
 @dataclasses.dataclass(frozen=True)

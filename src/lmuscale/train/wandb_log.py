@@ -40,6 +40,7 @@ import sys
 from pathlib import Path
 
 from lmuscale.files import atomic_write_json
+from lmuscale.outcomes import LoggingServiceError, one_line
 from lmuscale.train.config import ConfigError, flatten
 from lmuscale.workdir import WANDB
 
@@ -50,7 +51,7 @@ REMEDY = (
 )
 
 
-class WandbError(ConfigError):
+class WandbError(LoggingServiceError):
     """W&B could not start or log a run, or ``wandb.json`` is unreadable; the message names
     ``log.wandb`` (or the file) and says what to do."""
 
@@ -92,11 +93,6 @@ def new_id() -> str:
     return "".join(secrets.choice(alphabet) for _ in range(8))
 
 
-def _one_line(error: BaseException) -> str:
-    text = " ".join(str(error).split())
-    return f"{type(error).__name__}: {text}" if text else type(error).__name__
-
-
 def _is_number(value) -> bool:
     return isinstance(value, int | float) and not isinstance(value, bool)
 
@@ -132,7 +128,8 @@ class WandbRun:
             self.first_step = int(self.run.starting_step or 0)
         except Exception as error:
             raise WandbError(
-                f"log.wandb: W&B could not start run {run_id} ({_one_line(error)}); {REMEDY}"
+                f"log.wandb: W&B could not start run {run_id} "
+                f"({one_line(error, named=True)}); {REMEDY}"
             ) from None
         self.finished = False
 
@@ -147,7 +144,7 @@ class WandbRun:
         except Exception as error:
             raise WandbError(
                 f"log.wandb: W&B could not log step {step} of run {self.id} "
-                f"({_one_line(error)}); {REMEDY}"
+                f"({one_line(error, named=True)}); {REMEDY}"
             ) from None
 
     def summary(self, summary: dict) -> None:
@@ -166,7 +163,7 @@ class WandbRun:
         except Exception as error:
             raise WandbError(
                 f"log.wandb: W&B could not take the summary of run {self.id} "
-                f"({_one_line(error)}); {REMEDY}"
+                f"({one_line(error, named=True)}); {REMEDY}"
             ) from None
         self.finished = summary.get("status") == "finished"
 
@@ -193,8 +190,8 @@ class WandbRun:
             self.run.finish(exit_code=0 if self.finished else 1)
         except Exception as error:
             print(
-                f"log.wandb: W&B could not finish run {self.id} ({_one_line(error)}); the "
-                "workdir's logs and summary are complete",
+                f"log.wandb: W&B could not finish run {self.id} "
+                f"({one_line(error, named=True)}); the workdir's logs and summary are complete",
                 file=sys.stderr,
                 flush=True,
             )

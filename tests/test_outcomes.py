@@ -1,0 +1,201 @@
+"""How a run ends: one table of outcomes, and every command line ending through it."""
+
+from __future__ import annotations
+
+import itertools
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from lmuscale import outcomes
+from lmuscale.analysis import OutputError, ResultsError
+from lmuscale.data import DataError
+from lmuscale.outcomes import Exit, exit_table, one_line, run_main
+from lmuscale.sweep import SweepError
+from lmuscale.tasks import TaskDataError
+from lmuscale.train.checkpoint import CheckpointWriteError, CorruptCheckpoint
+from lmuscale.train.config import ConfigError
+from lmuscale.train.memory import OutOfMemoryBudget
+from lmuscale.train.metrics import DamagedLog
+from lmuscale.train.wandb_log import WandbError
+from lmuscale.train.workdir import Lock, TrainingDiverged, WorkdirBusy
+
+HERE = Path(__file__).resolve().parent
+ROOT = HERE.parent
+
+
+def test_each_outcome_has_one_class_and_no_class_is_another_outcome():
+    classes = [outcome.error for outcome in Exit if outcome.error is not None]
+    assert len(set(classes)) == len(classes)
+    for a, b in itertools.permutations(classes, 2):
+        assert not issubclass(a, b), f"{a.__name__} is a {b.__name__}"
+    assert {outcome.word for outcome in Exit} == {"", "error", "stopped"}
+
+
+@pytest.mark.parametrize(
+    ("error", "outcome"),
+    [
+        (ConfigError("x"), Exit.CONFIG),
+        (SweepError("x"), Exit.CONFIG),
+        (DataError("x"), Exit.DATA),
+        (TaskDataError("x"), Exit.DATA),
+        (ResultsError("x"), Exit.DATA),
+        (WorkdirBusy("x"), Exit.BUSY),
+        (OutOfMemoryBudget("x"), Exit.MEMORY),
+        (DamagedLog("x"), Exit.IO),
+        (CheckpointWriteError("x"), Exit.IO),
+        (CorruptCheckpoint("x"), Exit.IO),
+        (OutputError("x"), Exit.IO),
+        (WandbError("x"), Exit.LOGGING_SERVICE),
+        (TrainingDiverged("x"), Exit.DIVERGED),
+        (outcomes.LostProcess("x"), Exit.LOST_PROCESS),
+        (outcomes.TrainingInterrupted("x", "SIGTERM"), Exit.STOPPED),
+        (outcomes.TrainingInterrupted("x", "SIGUSR1"), Exit.STOPPED),
+        (outcomes.TrainingInterrupted("x", "SIGINT"), Exit.INTERRUPTED),
+        (KeyboardInterrupt(), Exit.INTERRUPTED),
+        (ValueError("x"), None),
+    ],
+)
+def test_errors_map_to_their_outcome(error, outcome):
+    assert Exit.of(error) is outcome
+
+
+def test_the_codes_that_scripts_and_runners_already_read_are_kept():
+    """train's and the sweep worker's statuses before the table, and argparse's 2."""
+    assert (Exit.FINISHED, Exit.CONFIG, Exit.ARGUMENTS, Exit.DIVERGED) == (0, 1, 2, 3)
+    assert (Exit.STOPPED, Exit.LOST_PROCESS, Exit.BUSY, Exit.INTERRUPTED) == (4, 5, 75, 130)
+
+
+def test_config_error_is_a_config_error_and_nothing_else():
+    for cls in (WorkdirBusy, OutOfMemoryBudget, DamagedLog, WandbError, CheckpointWriteError):
+        assert not issubclass(cls, ConfigError), cls
+
+
+def test_one_line_is_the_first_line_of_the_message():
+    error = OSError("disk full\n  details\n")
+    assert one_line(error) == "disk full"
+    assert one_line(error, named=True) == "OSError: disk full"
+    assert one_line(ValueError("\n\n  second\nthird")) == "second"
+    assert one_line(KeyboardInterrupt()) == "KeyboardInterrupt"
+
+
+def test_run_main_prints_one_line_and_returns_the_code(capsys):
+    def fails(error):
+        def body():
+            raise error
+
+        return body
+
+    assert run_main(fails(WorkdirBusy("workdir w is in use\nby pid 1"))) == 75
+    assert capsys.readouterr().err == "error: workdir w is in use\n"
+    assert run_main(fails(outcomes.TrainingInterrupted("SIGTERM received", "SIGTERM"))) == 4
+    assert capsys.readouterr().err == "stopped: SIGTERM received\n"
+    assert run_main(fails(KeyboardInterrupt()), interrupted="before training") == 130
+    assert capsys.readouterr().err == "stopped: before training\n"
+    assert run_main(lambda: Exit.FINISHED) == 0
+    with pytest.raises(ZeroDivisionError):  # a bug keeps its traceback
+        run_main(lambda: 1 // 0)
+
+
+def test_the_readme_lists_the_exit_codes_of_the_table():
+    readme = (ROOT / "README.md").read_text()
+    assert exit_table() in readme
+
+
+def _env(**extra) -> dict:
+    path = os.pathsep.join([str(HERE), os.environ.get("PYTHONPATH", "")])
+    return {**os.environ, "PYTHONPATH": path, **extra}
+
+
+def _run(args: list[str], **env) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        [sys.executable, *args],
+        env=_env(**env),
+        capture_output=True,
+        text=True,
+        timeout=300,
+        check=False,
+    )
+
+
+def _ended_with(done: subprocess.CompletedProcess, code: int, line: str) -> None:
+    """Exit status ``code``, and stderr ends with ``line`` (a prefix of it) and no traceback."""
+    lines = [text for text in done.stderr.splitlines() if text.strip()]
+    assert done.returncode == code, done.stderr
+    assert lines and lines[-1].startswith(line), done.stderr
+    assert "Traceback" not in done.stderr, done.stderr
+
+
+def test_train_ends_through_the_table(tmp_path, byte_corpus):
+    config = f"{HERE / 'small_config.py'}:small"
+    missing = tmp_path / "missing.py"
+    done = _run(["-m", "lmuscale.train", "--config", f"{missing}:x", "--workdir", str(tmp_path)])
+    _ended_with(done, Exit.CONFIG, f"error: config file '{missing}' not found")
+
+    workdir = tmp_path / "busy"
+    workdir.mkdir()
+    with Lock(workdir):
+        command = ["-m", "lmuscale.train", "--config", config, "--workdir", str(workdir)]
+        done = _run([*command, "--quiet"], LMUSCALE_TEST_DATA=str(byte_corpus))
+    _ended_with(done, Exit.BUSY, f"error: workdir {workdir} is in use by pid {os.getpid()} on")
+
+
+def test_the_sweep_worker_ends_through_the_table(tmp_path):
+    with Lock(tmp_path):
+        done = _run(["-m", "lmuscale.sweep.worker", str(tmp_path)])
+    _ended_with(done, Exit.BUSY, f"error: trial {tmp_path}: locked by pid {os.getpid()} on")
+
+
+def test_sweep_tasks_generate_prepare_and_analysis_end_through_the_table(tmp_path):
+    bad_sweep = tmp_path / "sweep.txt"
+    done = _run(["-m", "lmuscale.sweep", str(bad_sweep)])
+    _ended_with(done, Exit.CONFIG, f"error: sweep file '{bad_sweep}' not found")
+
+    nothing = tmp_path / "nothing"
+    experiment = str(ROOT / "experiments" / "imdb.py")
+    command = ["-m", "lmuscale.tasks", experiment, "--workdir", str(tmp_path / "w")]
+    done = _run([*command, "--quiet", f"--config.data.path={nothing}"])
+    expected = f"error: IMDB needs a local copy, and none was found at '{nothing}'; give"
+    _ended_with(done, Exit.DATA, expected)
+    assert done.stderr.strip().endswith("lmuscale never downloads data.")  # the help, in the line
+
+    done = _run(["-m", "lmuscale.generate", "--checkpoint", str(nothing), "--tokens", "2"])
+    _ended_with(done, Exit.IO, f"error: {nothing}: no such checkpoint folder")
+
+    command = ["-m", "lmuscale.data", "prepare", "text", str(nothing), "--out", str(tmp_path)]
+    done = _run([*command, "--quiet"])
+    _ended_with(done, Exit.DATA, f"error: {nothing}: no such file")
+
+    done = _run(["-m", "lmuscale.analysis", str(nothing), "--out", str(tmp_path / "a")])
+    _ended_with(done, Exit.DATA, f"error: {nothing}: no such results file")
+
+
+# Sends this process a SIGINT when it first looks for jax, the first of the slow imports: a
+# Ctrl-C while the command line is still starting up, at the same point every time.
+INTERRUPT_AT_IMPORT = """
+import os, runpy, signal, sys
+
+class Interrupt:
+    def find_spec(self, name, path=None, target=None):
+        if name == "jax":
+            sys.meta_path.remove(self)
+            os.kill(os.getpid(), signal.SIGINT)
+        return None
+
+sys.meta_path.insert(0, Interrupt())
+runpy.run_module("lmuscale.train", run_name="__main__", alter_sys=True)
+"""
+
+
+def test_ctrl_c_while_importing_is_one_line_and_status_130(tmp_path):
+    config = f"{HERE / 'small_config.py'}:small"
+    args = ["--config", config, "--workdir", str(tmp_path / "w")]
+    done = _run(["-c", INTERRUPT_AT_IMPORT, *args])
+    assert (done.returncode, done.stderr) == (
+        130,
+        "stopped: SIGINT received before training began\n",
+    )
+    assert not (tmp_path / "w").exists()
