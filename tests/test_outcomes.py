@@ -13,15 +13,22 @@ import pytest
 from lmuscale import outcomes
 from lmuscale.analysis import OutputError, ResultsError
 from lmuscale.data import DataError
-from lmuscale.outcomes import Exit, exit_table, one_line, run_main
+from lmuscale.outcomes import (
+    DamagedFile,
+    Exit,
+    TrainingDiverged,
+    WorkdirBusy,
+    exit_table,
+    one_line,
+    run_main,
+)
 from lmuscale.sweep import SweepError
 from lmuscale.tasks import TaskDataError
-from lmuscale.train.checkpoint import CheckpointWriteError, CorruptCheckpoint
+from lmuscale.train.checkpoint import CheckpointError
 from lmuscale.train.config import ConfigError
 from lmuscale.train.memory import OutOfMemoryBudget
-from lmuscale.train.metrics import DamagedLog
 from lmuscale.train.wandb_log import WandbError
-from lmuscale.train.workdir import Lock, TrainingDiverged, WorkdirBusy
+from lmuscale.workdir import Lock
 
 HERE = Path(__file__).resolve().parent
 ROOT = HERE.parent
@@ -45,9 +52,9 @@ def test_each_outcome_has_one_class_and_no_class_is_another_outcome():
         (ResultsError("x"), Exit.DATA),
         (WorkdirBusy("x"), Exit.BUSY),
         (OutOfMemoryBudget("x"), Exit.MEMORY),
-        (DamagedLog("x"), Exit.IO),
-        (CheckpointWriteError("x"), Exit.IO),
-        (CorruptCheckpoint("x"), Exit.IO),
+        (DamagedFile("x"), Exit.IO),
+        (CheckpointError("x"), Exit.IO),
+        (CheckpointError("x", damaged=True), Exit.IO),
         (OutputError("x"), Exit.IO),
         (WandbError("x"), Exit.LOGGING_SERVICE),
         (TrainingDiverged("x"), Exit.DIVERGED),
@@ -70,7 +77,7 @@ def test_the_codes_that_scripts_and_runners_already_read_are_kept():
 
 
 def test_config_error_is_a_config_error_and_nothing_else():
-    for cls in (WorkdirBusy, OutOfMemoryBudget, DamagedLog, WandbError, CheckpointWriteError):
+    for cls in (WorkdirBusy, OutOfMemoryBudget, DamagedFile, WandbError, CheckpointError):
         assert not issubclass(cls, ConfigError), cls
 
 
