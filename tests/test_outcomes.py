@@ -156,6 +156,12 @@ def test_the_sweep_worker_ends_through_the_table(tmp_path):
     _ended_with(done, Exit.BUSY, f"error: trial {tmp_path}: locked by pid {os.getpid()} on")
 
 
+def test_a_damaged_trial_file_is_one_named_io_error(tmp_path):
+    (tmp_path / "trial.json").write_text('{"name": "t", "config": {')  # cut short
+    done = _run(["-m", "lmuscale.sweep.worker", str(tmp_path)])
+    _ended_with(done, Exit.IO, f"error: {tmp_path / 'trial.json'}: not JSON (")
+
+
 def test_sweep_tasks_generate_prepare_and_analysis_end_through_the_table(tmp_path):
     bad_sweep = tmp_path / "sweep.txt"
     done = _run(["-m", "lmuscale.sweep", str(bad_sweep)])

@@ -21,9 +21,9 @@ import traceback
 from pathlib import Path
 
 from lmuscale.files import atomic_write_json
-from lmuscale.outcomes import Exit, WorkdirBusy, run_main
+from lmuscale.outcomes import DamagedFile, Exit, WorkdirBusy, run_main
 from lmuscale.processes import die_with_parent
-from lmuscale.workdir import ATTEMPTS, ERROR, TRIAL, Lock
+from lmuscale.workdir import ATTEMPTS, ERROR, TRIAL, Lock, read_json
 from lmuscale.workdir import outcome as final_outcome
 
 # How a worker that ended by itself says so: every other status is a failure (or a crash, when
@@ -109,7 +109,12 @@ def _config(folder: Path, tasks: int):
 
     from lmuscale.train.config import check, upgrade
 
-    config = ConfigDict(upgrade(json.loads((folder / TRIAL).read_text())["config"]))
+    record = read_json(folder / TRIAL)  # DamagedFile when it does not parse
+    if record is None or not isinstance(record.get("config"), dict):
+        raise DamagedFile(
+            f"{folder / TRIAL}: missing, or without a config; run the sweep again to write it"
+        )
+    config = ConfigDict(upgrade(record["config"]))
     check(config, where=str(folder / TRIAL))
     if tasks > 1:  # the processes find each other through the cluster's environment
         config.distributed.initialize = True
