@@ -363,3 +363,20 @@ def test_the_orbax_log_filter_lives_only_as_long_as_its_manager(tmp_path):
     assert _orbax_traceback in absl.filters
     checkpoints.close()
     assert _orbax_traceback not in absl.filters
+
+
+def test_a_save_left_unfinished_by_a_kill_is_removed_before_the_manager_returns(tmp_path):
+    """Removed at once, not on a thread: a run that stops right after opening its checkpoints
+    (bad data) must not exit under a clean-up still running."""
+    from lmuscale.train.checkpoint import Checkpoints
+
+    folder = tmp_path / "checkpoints"
+    unfinished = folder / "7.orbax-checkpoint-tmp-1700000000000000"
+    (unfinished / "state").mkdir(parents=True)
+    (unfinished / "state" / "part").write_bytes(b"half a save")
+    (folder / "notes.txt").write_text("kept")
+    checkpoints = Checkpoints(folder, keep=1)
+    try:
+        assert sorted(p.name for p in folder.iterdir()) == ["notes.txt"]
+    finally:
+        checkpoints.close()

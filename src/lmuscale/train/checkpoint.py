@@ -40,6 +40,7 @@ from lmuscale.workdir import CHECKPOINTS, CONFIG
 
 STATE = "state"  # the arrays' item in each checkpoint
 META = "meta"  # the JSON item
+TEMPORARY = ".orbax-checkpoint-tmp"  # in the name of a save not yet complete
 FILES = "files.json"  # {path in the step folder: [bytes, CRC-32]}
 CHECKSUMS = "checksums"  # in the JSON item: {array path: CRC-32 of its bytes}
 FILES_GUESS = 64  # inodes a first checkpoint may need; later saves count the newest one's
@@ -171,6 +172,18 @@ def steps(folder: Path) -> list[int]:
         raise CheckpointError(f"{folder}: cannot be listed ({error.strerror})") from None
 
 
+def _remove_unfinished(folder: Path) -> None:
+    """Remove the folders of saves that a kill left under orbax's temporary name."""
+    for path in folder.iterdir():
+        if TEMPORARY in path.name and path.is_dir():
+            try:
+                shutil.rmtree(path)
+            except OSError as error:
+                raise CheckpointError(
+                    f"{path}: an unfinished save that cannot be removed ({error.strerror})"
+                ) from None
+
+
 class Checkpoints:
     """A run's ``checkpoints`` folder: the last ``keep`` states, by step."""
 
@@ -182,8 +195,12 @@ class Checkpoints:
             raise CheckpointError(
                 f"checkpoint folder {self.directory} cannot be created ({_reason(error)})"
             ) from None
+        if jax.process_index() == 0:
+            _remove_unfinished(self.directory)
+        # Orbax's own clean-up runs on a thread that ``close`` does not wait for: a run that
+        # stops at once (bad data) would exit under it, and it would report from its thread.
         options = ocp.CheckpointManagerOptions(
-            max_to_keep=keep, create=True, cleanup_tmp_directories=True
+            max_to_keep=keep, create=True, cleanup_tmp_directories=False
         )
         self.manager = ocp.CheckpointManager(self.directory, options=options)
         self.writing: int | None = None  # the step of the last save, until it is checked
