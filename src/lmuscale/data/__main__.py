@@ -1,8 +1,7 @@
 """``python -m lmuscale.data prepare SOURCE [PATH ...] --out DIR`` and ``... info DIR``.
 
-The exit status is the outcome's in ``lmuscale.outcomes.Exit``: 0 on success, 6 for bad input
-or a bad prepared folder (the message names the file), 2 for bad arguments, 130 for Ctrl-C (a
-prepare resumes when run again).
+Exit statuses (``lmuscale.outcomes.Exit``): 0 done, 6 bad input or prepared folder, 2 bad
+arguments, 130 Ctrl-C (a prepare resumes when run again).
 """
 
 from __future__ import annotations

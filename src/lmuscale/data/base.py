@@ -1,7 +1,4 @@
-"""What every source shares: the documents, shards and sources they yield, ``DataError``, and
-the path helpers. ``sources.py`` and ``columnar.py`` both build on it (neither imports the
-other for these).
-"""
+"""What ``sources.py`` and ``columnar.py`` share: documents, shards, sources, path helpers."""
 
 from __future__ import annotations
 
@@ -38,9 +35,8 @@ class Shard:
 @dataclasses.dataclass(frozen=True)
 class Source:
     """``spec`` as the user wrote it, what it resolved to (files with their sizes in bytes, or
-    tfds splits with their example counts), its shards, the column (or JSON field) read as
-    the text where it is not the default of the JSON sources (None), and the files in the
-    folders given that it does not read (``skipped``: not part of what was prepared)."""
+    tfds splits with their example counts), its shards, the text column (None: the JSON
+    sources' default), and the files in the folders given that it does not read."""
 
     spec: str
     files: tuple[tuple[str, int], ...]

@@ -1,33 +1,17 @@
-"""Parquet and Arrow tables: FineWeb-style parquet, and folders of Hugging Face ``save_to_disk``.
+"""Parquet and Arrow tables: ``parquet PATH_OR_GLOB...`` (README, "Data").
 
-``parquet PATH_OR_GLOB...`` reads, in the order given (globs, ``**`` included, sorted):
-- ``.parquet`` files, and folders of them (searched recursively, sorted by path; the
-  folder's other files are not read, and ``prepare`` names them on stderr);
-- a folder written by ``datasets.Dataset.save_to_disk``: the Arrow IPC stream files that its
-  ``state.json`` lists (``_data_files``), in that order; other ``.arrow`` files there (the
-  ``cache-*.arrow`` of a ``map``) are not the dataset and are not read;
-- a folder written by ``datasets.DatasetDict.save_to_disk``: every split that
-  ``dataset_dict.json`` names, in its order, each a folder as above (the splits are re-split by
-  the document hash, like any source);
-- ``.arrow`` files named directly (IPC stream, as ``datasets`` writes them, or IPC file).
-pyarrow reads all of them; the ``datasets`` package is not needed.
+It reads, in the order given: ``.parquet`` files and folders of them (recursive, sorted);
+folders of ``datasets``' ``Dataset.save_to_disk`` (the Arrow files that ``state.json`` lists, in
+order; other ``.arrow`` files there, such as a ``map``'s caches, are not the dataset) and of
+``DatasetDict.save_to_disk`` (every split ``dataset_dict.json`` names); ``.arrow`` files (IPC
+stream or file). pyarrow alone reads them all.
 
-Each row's ``text_column`` value is one document (an empty string is a document, as in JSON
-lines). A parquet file is one shard per row group, named ``FILE:row_group G``, so an
-interrupted prepare of a few large files loses at most a row group; an Arrow file is one shard.
-Rows are named ``FILE:row N``, N counting from 0 through the whole file, as pyarrow and pandas
-index them.
-
-Memory: parquet pages are streamed (BUFFER_BYTES at a time) and decoded BATCH_ROWS rows at a
-time; an Arrow stream is read one record batch at a time (``datasets`` writes 1,000 rows per
-batch), from a plain file rather than a memory map, whose pages would count as resident.
-Neither grows with the file.
-
-Errors: a missing column names the file and the columns it has; a file that is not parquet or
-Arrow, truncated or corrupt, names the file (``DataError``). A null, a value that is not a
-string (an int64 column) and bytes that are not UTF-8 are ``BadLine``s, under the bad-line
-policy of ``prepare``. A binary column is read as UTF-8 text (parquet writers that do not mark
-their strings as UTF-8 give one).
+Each row's ``text_column`` value is a document named ``FILE:row N`` (N from 0 through the file,
+as pandas counts). A parquet row group is a shard, and so is an Arrow file. Memory does not grow
+with the file: parquet pages stream through BUFFER_BYTES and BATCH_ROWS rows are decoded at a
+time; an Arrow stream is read a record batch at a time from a plain file (a memory map's pages
+would count as resident). A null, non-string or non-UTF-8 value is a ``BadLine``; a binary
+column is read as UTF-8 text.
 """
 
 from __future__ import annotations
@@ -67,9 +51,6 @@ if hasattr(pa, "string_view"):  # not in the oldest pyarrow this supports
     _AS_BYTES[pa.string_view()] = pa.binary_view()
 
 
-# --- rows to documents ------------------------------------------------------------------------
-
-
 def _values(column: pa.Array) -> list:
     """The column's values as Python objects; a string column whose bytes are not all UTF-8
     gives bytes, so that each bad row can be named."""
@@ -104,8 +85,7 @@ def _rows(column: pa.Array, name: str, first: int, text_column: str) -> Iterator
 
 def _release() -> None:
     """Hand the batch just read back to the system: pyarrow's default allocator (mimalloc)
-    otherwise keeps freed pages, and its resident memory creeps up by 10-20 MB over the first
-    few dozen batches. About a microsecond when there is nothing to give back."""
+    otherwise keeps freed pages, and resident memory creeps up by 10-20 MB."""
     pa.default_memory_pool().release_unused()
 
 
@@ -123,9 +103,6 @@ def _column_index(schema: pa.Schema, path: Path, text_column: str) -> int:
             "--text-column"
         )
     return index
-
-
-# --- parquet --------------------------------------------------------------------------------
 
 
 def _parquet_shards(path: Path, text_column: str) -> Iterator[Shard]:
@@ -162,9 +139,6 @@ def _row_group(
         yield from _rows(batch.column(0), str(path), first, text_column)
         first += batch.num_rows
         _release()
-
-
-# --- Arrow IPC (save_to_disk) ---------------------------------------------------------------
 
 
 def _arrow_documents(path: Path, text_column: str) -> Iterator[Document | BadLine]:
@@ -267,8 +241,7 @@ def _saved_dataset_dict(folder: Path) -> list[Path]:
 
 
 def _table_files(path: Path) -> tuple[list[Path], list[Path]]:
-    """The table files that ``path`` names, and the other files of a folder of parquet files
-    (those of a save_to_disk folder that are not the dataset are not reported)."""
+    """The table files that ``path`` names, and the other files of a folder of parquet files."""
     if path.is_dir():
         if (path / DATASET_DICT).is_file():
             return _saved_dataset_dict(path), []

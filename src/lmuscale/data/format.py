@@ -1,11 +1,8 @@
-"""The on-disk format of a prepared folder, shared by the writer (prepare) and the reader (loader).
+"""The on-disk format of a prepared folder, shared by prepare and the loader.
 
-- ``OUT/meta.json``: source, tokenizer, dtype, split rule and seed, counts and sha256 per split;
-- ``OUT/train.bin``, ``val.bin``, ``test.bin``: flat token ids (uint16, or uint32 when the vocab
-  needs it), one end-of-text id after each document.
-
-A prepare in progress builds all of it in ``OUT.partial/`` and renames that folder to ``OUT``
-as its last step, so ``OUT`` either does not exist or is complete.
+``OUT/meta.json`` (source, tokenizer, dtype, split rule and seed, counts and sha256 per split)
+and ``OUT/{train,val,test}.bin``: flat token ids (uint16, or uint32 when the vocab needs it), an
+end-of-text id after each document. A prepare builds it all in ``OUT.partial/`` and renames it.
 """
 
 from __future__ import annotations

@@ -1,17 +1,13 @@
 """Batches from a prepared folder: fixed windows, a pure function of (seed, step).
 
 A split of N tokens holds W = (N - 1) // seq_len windows; window i is
-``tokens[i * seq_len : i * seq_len + seq_len + 1]`` (inputs its first seq_len tokens, targets
-its last), so tokens 1 .. W * seq_len are each a target exactly once. Windows cross document
-boundaries; the end-of-text ids mark them.
+``tokens[i * seq_len : i * seq_len + seq_len + 1]``, so tokens 1 .. W * seq_len are each a
+target exactly once. Windows cross document boundaries (the end-of-text ids mark them).
 
-Training: sample k = step * global_batch + row is window ``perm_e(k mod W)`` of epoch
-e = k // W, ``perm_e`` a Feistel permutation of range(W) keyed by (seed, e) (``permute``):
-every window once per epoch, each epoch in a new order, computed in O(1) per window, so a
-resumed run needs no iterator state. Each process reads only its rows of the global batch.
-
-Evaluation visits every window once, in order; the last batch is padded with rows marked
-invalid, so every batch has the same shape. Token files are memory-mapped.
+Training: sample k = step * global_batch + row is window ``permute(k mod W)`` of epoch k // W,
+a Feistel permutation keyed by (seed, epoch): every window once per epoch, in O(1) per window,
+so a resumed run needs no iterator state. Evaluation visits every window once, in order; the
+last batch is padded with rows marked invalid. Each process reads only its rows of the batch.
 """
 
 from __future__ import annotations
@@ -121,8 +117,6 @@ def open_dataset(folder: str | Path, *, verify: bool = True) -> TokenDataset:
     return TokenDataset(folder, meta)
 
 
-# --- the permutation ------------------------------------------------------------------------
-
 _M1 = np.uint64(0xBF58476D1CE4E5B9)
 _M2 = np.uint64(0x94D049BB133111EB)
 
@@ -167,10 +161,8 @@ def permute(index: np.ndarray, n: int, seed: int, epoch: int) -> np.ndarray:
     return out.astype(np.int64).reshape(shape)
 
 
-# --- batches --------------------------------------------------------------------------------
-
-
-def _process(process_index: int | None, process_count: int | None) -> tuple[int, int]:
+def _local_rows(global_batch: int, process_index: int | None, process_count: int | None) -> slice:
+    """This process's rows of the global batch (by default jax's process index and count)."""
     if process_index is None or process_count is None:
         import jax  # only here: preparing and reading data never needs jax otherwise
 
@@ -178,10 +170,6 @@ def _process(process_index: int | None, process_count: int | None) -> tuple[int,
         process_count = jax.process_count() if process_count is None else process_count
     if not 0 <= process_index < process_count:
         raise DataError(f"process_index {process_index} is outside 0..{process_count - 1}")
-    return process_index, process_count
-
-
-def _local_rows(global_batch: int, process_index: int, process_count: int) -> slice:
     if global_batch < 1 or global_batch % process_count:
         raise DataError(
             f"the global batch of {global_batch} sequences does not split evenly over "
@@ -209,7 +197,7 @@ class TrainBatches:
         self.dataset, self.split, self.seq_len, self.seed = dataset, split, seq_len, seed
         self.global_batch = global_batch
         self.n_windows = dataset.windows(split, seq_len)
-        self.rows = _local_rows(global_batch, *_process(process_index, process_count))
+        self.rows = _local_rows(global_batch, process_index, process_count)
 
     def window_ids(self, step: int) -> np.ndarray:
         """Window ids of the whole global batch at ``step``, shape (global_batch,)."""
@@ -254,7 +242,7 @@ def eval_batches(
 ) -> Iterator[EvalBatch]:
     """Every window of ``split`` exactly once, in order, ``global_batch`` at a time."""
     n_windows = dataset.windows(split, seq_len)
-    rows = _local_rows(global_batch, *_process(process_index, process_count))
+    rows = _local_rows(global_batch, process_index, process_count)
     for first in range(0, n_windows, global_batch):
         ids = (first + np.arange(global_batch, dtype=np.int64))[rows]
         valid = ids < n_windows

@@ -1,26 +1,19 @@
-"""Prepare a source once: token files per split, with a metadata JSON that pins them.
+"""Prepare a source once: token files per split, with a metadata JSON that pins them
+(the layout is in ``format.py``).
 
-The folder's layout is in ``format.py``.
+Splits are by document (SPLIT_RULE), from its text alone: adding input files never moves a
+document already seen. Within a split, documents keep the source's order, so the files are the
+same for any number of workers. Inputs with no documents, or a split with none, are refused.
 
-Splits are by document: ``u = blake2b-64(seed, text)``, read as a fraction of 2**64, puts a
-document in train (u < 0.96), val (u < 0.99) or test. The split of a document depends on its
-text alone, so adding input files never moves a document already seen; identical texts
-land in the same split. Within a split, documents keep the source's order, so the files are
-the same for any number of workers. Inputs with no documents, or a split with none (too few
-documents for the hash to reach every split), are refused: a run cannot train or evaluate on it.
+Resume: the work is built in ``OUT.partial/``. At a shard boundary, at most every
+COMMIT_SECONDS, the token files are fsynced and the progress record replaced atomically; a rerun
+cuts the files back to that record and goes on with the next shard. At the end ``meta.json`` is
+written and ``OUT.partial`` renamed to ``OUT``: a folder under the name asked for is complete.
 
-Interruption and resume: everything is built in ``OUT.partial/`` (the plan, a progress record
-and the token files). At a shard boundary, at most every COMMIT_SECONDS, the token files are
-fsynced and the progress record (shards done, a hash chain of their names, counts) replaced
-atomically. A rerun of the same command cuts the token files back to the last record and
-goes on with the next shard. At the end the files are checksummed, ``meta.json`` is written,
-and ``OUT.partial`` is renamed to ``OUT``: a folder under the name asked for is complete.
-
-Bad lines (not JSON, no "text", not UTF-8, a null or non-string parquet value, or text holding
-the end-of-text id; a parquet or Arrow row is a line here): by default
-the first one stops the run with its file and line. ``max_bad_lines = N`` skips up to N of
-them instead, each reported on stderr and counted in ``meta.json`` (with the first few
-named); one more stops the run. The limit may be raised when resuming.
+Bad lines (not JSON, no text, not UTF-8, a null or non-string table value, text holding the
+end-of-text id; a table row is a line here) stop the run at the first, naming its file and
+line. ``max_bad_lines = N`` skips up to N instead, each reported on stderr and counted in
+``meta.json``; the limit may be raised when resuming.
 """
 
 from __future__ import annotations
@@ -86,8 +79,6 @@ def split_of(data: bytes, seed: int) -> str:
     return "val" if u < FRACTIONS["train"] + FRACTIONS["val"] else "test"
 
 
-# --- tokenising, in worker processes --------------------------------------------------------
-
 _worker: dict = {}
 
 
@@ -95,9 +86,7 @@ def _start_worker(tokenizer: Tokenizer, seed: int, parent: int | None = None) ->
     """Set up a worker process (``parent`` is the prepare's pid) or this one (None).
 
     A worker dies with the prepare, even one killed with SIGKILL: otherwise the pool's workers
-    wait forever on a queue they hold both ends of, and with them the resource tracker, and
-    all of them keep the prepare's stdout open. (The tracker, which unlinks the pool's named
-    semaphores, ends by itself once the prepare and its workers are gone.)
+    wait forever on a queue they hold both ends of, keeping the prepare's stdout open.
     """
     if parent is not None and not die_with_parent(parent):
         os._exit(1)  # the prepare died while this worker was starting: nobody wants its work
@@ -106,12 +95,8 @@ def _start_worker(tokenizer: Tokenizer, seed: int, parent: int | None = None) ->
 
 
 def _tokenize(chunk: list[tuple[str, str]]) -> dict:
-    """Token ids per split for a list of (text, where); EOT after each document.
-
-    Returns {"ids": {split: int64 array}, "documents"/"bytes": {split: int}, "bad": [(where,
-    reason)]}. Text the tokenizer cannot represent is a bad line; an id outside the
-    vocabulary is a DataError (a tokenizer that does that would corrupt the files).
-    """
+    """Token ids per split for a list of (text, where), EOT after each document, with counts
+    and bad lines; an id outside the vocabulary is a DataError (it would corrupt the files)."""
     tokenizer, seed = _worker["tokenizer"], _worker["seed"]
     ids = {s: [] for s in SPLITS}
     documents = dict.fromkeys(SPLITS, 0)
@@ -157,9 +142,6 @@ class _InProcess:
 
     def shutdown(self, cancel_futures: bool = False) -> None:
         pass
-
-
-# --- the run --------------------------------------------------------------------------------
 
 
 class _BadLines:
@@ -227,8 +209,7 @@ def _chain(chain: str, shard: str) -> str:
 
 
 def _start(out: Path, work: Path, plan: dict, restart: bool) -> dict | None:
-    """Create or resume ``work``; returns the progress record to go on from (None when the
-    work is finished and only needs publishing)."""
+    """Create or resume ``work``; returns the progress record (None: finished, to publish)."""
     if out.exists() and (not out.is_dir() or any(out.iterdir())):
         raise DataError(
             f"{out}: exists, is not empty and holds no prepared dataset; "
@@ -281,8 +262,7 @@ def _cpus() -> int:
 
 
 def skipped_note(source: Source, examples: int = 3) -> str:
-    """One line on the files in the folders given that ``source`` does not read: how many, of
-    which kinds, and the first few."""
+    """One line on the files in the folders given that ``source`` does not read."""
     kinds = collections.Counter(path.suffix or "no suffix" for path in source.skipped)
     counts = ", ".join(f"{count} {kind}" for kind, count in sorted(kinds.items()))
     shown = ", ".join(str(path) for path in source.skipped[:examples])
@@ -309,13 +289,8 @@ def prepare(
 ) -> dict:
     """Prepare ``spec`` (see ``sources.open_source``) into ``out``; returns the metadata.
 
-    ``text_column`` is the JSON field or table column that holds each document's text.
-
-    ``workers`` tokenizer processes (0 tokenises in this process; the default is one per CPU,
-    or 0 for inputs under 32 MiB, where starting workers costs more than it saves). The
-    workers are spawned, so a script that calls this needs the ``if __name__ == "__main__":``
-    guard; they die with the process that calls this, even one killed with SIGKILL. A folder
-    that already holds this job's result is left as it is.
+    ``workers``: tokenizer processes (0: in this process; default one per CPU, or 0 for inputs
+    under SMALL_INPUT). They are spawned, so a calling script needs the ``__main__`` guard.
     """
     out = Path(out).absolute()
     if max_bad_lines < 0:
@@ -407,12 +382,9 @@ class _Run:
             f.close()
 
     def shards(self, source: Source, pool) -> None:
-        """Tokenise the unfinished shards, keeping at most 2 chunks per worker in flight.
-
-        Results, bad lines and shard ends go through one queue in source order, so the
-        workers stay busy across shard boundaries, bad lines are met in file order, and a
-        record is only ever written at a shard boundary.
-        """
+        """Tokenise the unfinished shards, at most 2 chunks per worker in flight. Results, bad
+        lines and shard ends share one queue in source order: bad lines are met in file order,
+        and a record is only written at a shard boundary."""
         done, chain, seen = self.state["shards"], "", 0
         pending = collections.deque()  # futures, bad lines, and names of finished shards
 
@@ -490,11 +462,8 @@ class _Run:
 
 
 def _check_splits(work: Path, plan: dict, state: dict) -> None:
-    """Refuse inputs without documents, or with a split that got none (and so no tokens).
-
-    The work folder is removed first: a rerun would only meet the same refusal, and a new
-    ``--seed`` would otherwise be told to finish this job or restart it.
-    """
+    """Refuse inputs without documents, or with a split that got none. The work folder is
+    removed first: a rerun (or a new ``--seed``) would only meet this job again."""
     spec, files = plan["source"]["spec"], [name for name, _ in plan["source"]["files"]]
     named = ", ".join(files[:3]) + (f" and {len(files) - 3} more" if len(files) > 3 else "")
     documents = sum(state["documents"].values())
@@ -572,8 +541,8 @@ def _publish(work: Path, out: Path) -> None:
 
 
 def prepare_embedded(out: Path, source: str, tokenizer: str, progress: bool) -> None:
-    """Prepare the embedded corpus ``source`` in ``out`` unless it is there already. A lock
-    beside ``out`` makes runs that start together (a sweep's workers) prepare it once."""
+    """Prepare the embedded corpus ``source`` in ``out`` once, under a lock beside ``out`` (a
+    sweep's workers may start together)."""
     if source not in EMBEDDED_SOURCES:
         raise DataError(f"{source!r} is not an embedded source ({', '.join(EMBEDDED_SOURCES)})")
     out = Path(out)

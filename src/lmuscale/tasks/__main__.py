@@ -1,11 +1,9 @@
 """``python -m lmuscale.tasks FILE.py[:NAME] --workdir DIR [--config.KEY=VALUE ...]``.
 
-Trains every model the experiment file lists in ``NAMES`` (or only NAME), each in
-DIR/NAME, then prints the test metric of each beside the paper's numbers and writes
-DIR/results.json (every finished model in DIR). Finished models are read back, interrupted
-ones resume. The exit status is the outcome's in ``lmuscale.outcomes.Exit``: 0 when every
-model finished, 1 for a bad config, 6 for missing or unreadable data (the message names the key
-or path), 2 for bad arguments, 3 when a training loss diverged.
+Trains every model the experiment file lists in ``NAMES`` (or only NAME), each in DIR/NAME
+(finished ones are read back, interrupted ones resume), prints the test metrics beside the
+paper's and writes DIR/results.json. Exit statuses (``lmuscale.outcomes.Exit``): 0 done, 1 bad
+config, 6 missing or unreadable data, 2 bad arguments, 3 a training loss diverged.
 """
 
 from __future__ import annotations

@@ -40,15 +40,10 @@ class Splits:
 
 @dataclasses.dataclass(frozen=True)
 class Task:
-    """A supervised task of the parallel-LMU paper.
-
-    Attributes:
-      loss: "mse" (regression), "softmax" (classes) or "sigmoid" (a binary logit).
-      metric: "nrmse" (lower is better) or "accuracy" (higher is better).
-      data: the task's ``data`` config section with its defaults.
-      load: ``data section -> Splits``; raises TaskDataError when the data is missing.
-      paper: the paper's published numbers for this metric, by model.
-    """
+    """A supervised task of the parallel-LMU paper: ``loss`` "mse", "softmax" or "sigmoid" (a
+    binary logit); ``metric`` "nrmse" or "accuracy"; ``data`` the config section's defaults;
+    ``load`` that section -> Splits (TaskDataError when the data is missing); ``paper`` the
+    published metric by model."""
 
     name: str
     loss: str

@@ -1,9 +1,5 @@
-"""Task configs: ml_collections ConfigDicts with a fixed schema per task, as for training.
-
-An experiment file (``experiments/mackey_glass.py``) lists its models in ``NAMES`` and
-defines ``get_config(name)``, which returns ``base_config(task, model)`` with its changes.
-Unknown keys and values of the wrong type are errors that name the key.
-"""
+"""Task configs: ConfigDicts with a fixed schema per task; unknown keys and wrong types are
+errors naming the key. An experiment file lists ``NAMES`` and defines ``get_config(name)``."""
 
 from __future__ import annotations
 
@@ -33,10 +29,7 @@ def task_of(config: ConfigDict) -> Task:
 
 def base_config(task: str, **model) -> ConfigDict:
     """Every key a task config has. ``model`` gives TaskModelConfig fields (``kind`` at least).
-
-    Training: Adam with its default settings (lr 1e-3), as the parallel-LMU paper trains every
-    model; the epoch with the best validation metric is the one tested.
-    """
+    Training is Adam with its defaults (lr 1e-3), as in the parallel-LMU paper."""
     spec = TASKS[task]
     fields = dataclasses.asdict(
         TaskModelConfig(outputs=spec.outputs, sequence_output=spec.sequence_output, **model)

@@ -1,12 +1,10 @@
 """IMDB sentiment (Maas et al. 2011): 25k training and 25k test reviews, positive or negative.
 
-``data.path`` is a local copy (nothing is downloaded): Keras's ``imdb.npz`` (reviews as word
-ranks, 1 = the most frequent word; the set the paper used), or the original ``aclImdb``
-folder, tokenised here into lower-case words ranked by frequency in the training reviews.
-Both become Keras's encoding (``index_from=3``): 1 starts a review, 2 stands for a word whose
-token would not be below ``vocab``, rank r is token r + 3, and 0 is padding. Reviews keep
-their last ``maxlen`` tokens, left-padded (``pad_sequences``'s defaults). ``data.val``
-training reviews, chosen by ``data.seed``, are held out to pick the epoch.
+``data.path`` is a local copy: Keras's ``imdb.npz`` (word ranks, the set the paper used) or the
+original ``aclImdb`` folder (lower-case words ranked by frequency in the training reviews).
+Both become Keras's encoding (``index_from=3``, 0 pads, 1 starts, 2 is out of ``vocab``), and
+reviews keep their last ``maxlen`` tokens, left-padded. ``data.val`` training reviews, chosen
+by ``data.seed``, are held out to pick the epoch.
 """
 
 from __future__ import annotations
@@ -27,7 +25,6 @@ from lmuscale.train.config import ConfigError
 
 START, OOV, INDEX_FROM = 1, 2, 3
 WORD = re.compile(r"[a-z0-9']+")
-# One line, as every error is (lmuscale.outcomes)
 MISSING = (
     "IMDB needs a local copy, and none was found at {path!r}; give --config.data.path=PATH: "
     "Keras's imdb.npz (x_train, y_train, x_test, y_test) or the aclImdb folder of the "

@@ -29,17 +29,9 @@ def rhs(x, x_delayed):
 
 
 def integrate(x0, duration: float, *, h: float = 0.1) -> tuple[np.ndarray, np.ndarray]:
-    """x(t) on the grid t = 0, h, 2h, ..., duration, for one or several constant histories.
-
-    Args:
-      x0: the history value x(t <= 0): a number, or an array of B of them (integrated
-        together, one independent series each).
-      duration: time units to integrate.
-      h: the RK4 step; TAU / h must be a whole number.
-
-    Returns:
-      ``(t_T, x_TxB)`` in float64 (``x_T`` for a scalar x0), T = round(duration / h) + 1.
-    """
+    """``(t_T, x_TxB)`` float64 on the grid t = 0, h, ..., duration (T = round(duration / h) + 1)
+    for the constant histories x(t <= 0) = x0, a number (then ``x_T``) or B of them; TAU / h
+    must be a whole number."""
     ratio = TAU / h
     if ratio < 1 or abs(ratio - round(ratio)) > 1e-9:
         raise ValueError(f"the step h={h} must divide tau={TAU} (tau / h = {ratio:g})")
@@ -93,11 +85,7 @@ def series(
 
 
 def windows(x_BxT, horizon: int) -> tuple[np.ndarray, np.ndarray]:
-    """Inputs x_t and targets x_{t + horizon} for every t of each series.
-
-    Returns:
-      ``(inputs, targets)``, each of shape (B, T - horizon, 1).
-    """
+    """Inputs x_t and targets x_{t + horizon} for every t, each (B, T - horizon, 1)."""
     if not 0 < horizon < x_BxT.shape[1]:
         raise ValueError(f"horizon must be in 1..{x_BxT.shape[1] - 1}, got {horizon}")
     return x_BxT[:, :-horizon, None], x_BxT[:, horizon:, None]

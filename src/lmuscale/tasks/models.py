@@ -2,11 +2,9 @@
 
     [embedding] -> ParallelLMU (eqs 18-20) | LSTM layers -> [Dense(hidden)] -> Dense(outputs)
 
-A sequence task (Mackey-Glass) predicts at every step; a classifier (psMNIST, IMDB) reads the
-last step, which the parallel LMU computes from the final state alone (eq 25). Padding (IMDB)
-is token 0 on the left, embedded as exactly zero: without an encoder (``memory_dim=0``, as in
-the paper's IMDB model) a linear memory of zeros is zero, so padding changes nothing; with an
-encoder or an LSTM it is an input like any other.
+A sequence task (Mackey-Glass) predicts at every step; a classifier reads the last step (eq
+25). Padding (IMDB, token 0 on the left) embeds as exactly zero, so without an encoder
+(``memory_dim=0``, the paper's IMDB model) it changes nothing; otherwise it is an input.
 """
 
 from __future__ import annotations

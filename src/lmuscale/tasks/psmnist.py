@@ -1,11 +1,9 @@
 """Permuted sequential MNIST: each 28 x 28 image as 784 pixels in one fixed, seeded order.
 
-``data.path`` is a local MNIST copy (nothing is downloaded): a folder with LeCun's four idx
-files (each optionally ``.gz``), or a TensorFlow Datasets data_dir with ``mnist`` prepared
-(needs the optional ``tensorflow-datasets``). The first 50,000 training images train, the last
-10,000 validate, the 10,000 test images test; pixels are scaled to [0, 1]. The permutation,
-``default_rng(data.permutation_seed).permutation(784)``, is not the paper's (Chandar et al.
-2019), so accuracies are comparable in distribution, not digit for digit.
+``data.path`` is a local MNIST copy: LeCun's four idx files (optionally ``.gz``) or a
+TensorFlow Datasets data_dir with ``mnist`` prepared. The last ``data.val`` training images
+validate; pixels are scaled to [0, 1]. The permutation is not the paper's (Chandar et al. 2019),
+so accuracies compare in distribution, not digit for digit.
 """
 
 from __future__ import annotations
@@ -28,7 +26,6 @@ IDX_FILES = {
 }
 # idx magic numbers: 0x08 = unsigned bytes, then the number of dimensions.
 IDX_MAGIC = {1: 0x00000801, 3: 0x00000803}
-# One line, as every error is (lmuscale.outcomes)
 MISSING = (
     "psMNIST needs a local copy of MNIST, and none was found at {path!r}; give "
     "--config.data.path=DIR: a folder of the four idx files train-images-idx3-ubyte, "

@@ -1,13 +1,9 @@
 """One task run: load the data, train epoch by epoch, keep the best epoch, test it.
 
-The workdir (``lmuscale.workdir``) holds the config, an orbax checkpoint after every epoch
-(parameters, Adam state, the best parameters so far: ``train.checkpoint``, verified on
-restore), one metrics line per epoch (train loss, validation metric, seconds) and at the end
-the summary (the test metric of the best-validation epoch, the paper's).
-
-Batches are a function of (seed, epoch) and the checkpoint holds everything else, so a run
-stopped at any point and started again with the same workdir computes the same numbers as one
-that was never stopped. A finished workdir returns its summary without training again.
+The workdir holds the config, a checkpoint after every epoch (parameters, Adam state, the best
+parameters so far), a metrics line per epoch and at the end the summary. Batches are a function
+of (seed, epoch) and the checkpoint holds the rest, so a resumed run computes the same numbers
+as one never stopped. A finished workdir returns its summary without training again.
 """
 
 from __future__ import annotations
