@@ -144,24 +144,6 @@ class _InProcess:
         pass
 
 
-class _BadLines:
-    def __init__(self, limit: int, count: int = 0, examples: list | None = None):
-        self.limit, self.count, self.examples = limit, count, list(examples or [])
-
-    def __call__(self, where: str, reason: str) -> None:
-        if self.limit == 0:
-            raise DataError(f"{where}: {reason} (allow skipping with --max-bad-lines N)")
-        self.count += 1
-        if self.count > self.limit:
-            raise DataError(
-                f"{where}: {reason}; that is bad line {self.count}, more than --max-bad-lines "
-                f"{self.limit}"
-            )
-        if len(self.examples) < EXAMPLES:
-            self.examples.append(f"{where}: {reason}")
-        print(f"skipped {where}: {reason}", file=sys.stderr)
-
-
 def _chunks(items: Iterable[Document | BadLine]) -> Iterator[list | BadLine]:
     """Documents grouped into tasks of about CHUNK_CHARS of text; bad lines pass through."""
     chunk, chars = [], 0
@@ -346,7 +328,7 @@ class _Run:
 
     def __init__(self, work, state, dtype, max_bad_lines, workers, progress, spec):
         self.work, self.state, self.dtype, self.workers = work, state, dtype, workers
-        self.bad = _BadLines(max_bad_lines, state["bad_lines"], state["bad_examples"])
+        self.max_bad_lines = max_bad_lines
         self.started = self.committed = time.perf_counter()
         self.earlier_seconds = state["seconds"]  # of the runs this one resumes
         self.new_tokens = 0
@@ -381,6 +363,20 @@ class _Run:
         for f in self.files.values():
             f.close()
 
+    def bad(self, where: str, reason: str) -> None:
+        """The bad-line policy: stop, or report, count and skip up to ``max_bad_lines``."""
+        if self.max_bad_lines == 0:
+            raise DataError(f"{where}: {reason} (allow skipping with --max-bad-lines N)")
+        self.state["bad_lines"] += 1
+        if self.state["bad_lines"] > self.max_bad_lines:
+            raise DataError(
+                f"{where}: {reason}; that is bad line {self.state['bad_lines']}, more than "
+                f"--max-bad-lines {self.max_bad_lines}"
+            )
+        if len(self.state["bad_examples"]) < EXAMPLES:
+            self.state["bad_examples"].append(f"{where}: {reason}")
+        print(f"skipped {where}: {reason}", file=sys.stderr)
+
     def shards(self, source: Source, pool) -> None:
         """Tokenise the unfinished shards, at most 2 chunks per worker in flight. Results, bad
         lines and shard ends share one queue in source order: bad lines are met in file order,
@@ -412,7 +408,7 @@ class _Run:
             for item in _chunks(shard.documents()):
                 if isinstance(item, BadLine):
                     pending.append(item)
-                    if self.bad.limit == 0:
+                    if self.max_bad_lines == 0:
                         drain(keep=0)  # strict: stop at the first bad line, in file order
                 else:
                     pending.append(pool.submit(_tokenize, item))
@@ -455,7 +451,6 @@ class _Run:
         for f in self.files.values():
             f.flush()
             os.fsync(f.fileno())
-        self.state["bad_lines"], self.state["bad_examples"] = self.bad.count, self.bad.examples
         self.state["seconds"] = self.earlier_seconds + time.perf_counter() - self.started
         atomic_write_json(self.work / "progress.json", self.state)
         self.committed = time.perf_counter()

@@ -124,12 +124,6 @@ def _lines(chunks: Iterable[bytes]) -> Iterator[tuple[int, bytes]]:
         yield number + 1, last
 
 
-def _file_chunks(path: Path) -> Iterator[bytes]:
-    with open(path, "rb") as f:
-        while data := f.read(READ_BYTES):
-            yield data
-
-
 def _json_record(line: bytes, where: str, field: str) -> Document | BadLine:
     """One JSONL line's ``field`` as a document."""
     try:
@@ -157,6 +151,15 @@ def _jsonl_documents(
             yield _json_record(line, f"{name}:{number}", field)
 
 
+def _jsonl_stream(raw, name: str, field: str) -> Iterator[Document | BadLine]:
+    """The documents of an open .jsonl or .jsonl.zst file (``name`` tells which)."""
+    if name.endswith(".zst"):
+        chunks = _zstd_chunks(raw, name)
+    else:
+        chunks = iter(lambda: _read(raw, name), b"")
+    yield from _jsonl_documents(chunks, name, field)
+
+
 def _text_file(path: Path) -> Iterator[Document | BadLine]:
     """A .txt file is one document; an empty one is none (as a blank JSONL line is none)."""
     data = path.read_bytes()
@@ -170,22 +173,13 @@ def _text_file(path: Path) -> Iterator[Document | BadLine]:
 
 
 def _file_documents(path: Path, field: str) -> Iterator[Document | BadLine]:
-    name = path.name
-    if name.endswith(".jsonl.zst"):
-        with open(path, "rb") as raw:
-            yield from _jsonl_documents(_zstd_chunks(raw, str(path)), str(path), field)
-    elif name.endswith(".jsonl.gz"):
-        yield from _jsonl_documents(_gzip_chunks(path), str(path), field)
-    elif name.endswith(".jsonl"):
-        yield from _jsonl_documents(_file_chunks(path), str(path), field)
-    elif name.endswith(".txt"):
+    if path.name.endswith(".txt"):
         yield from _text_file(path)
-    else:  # _files() lets no other kind through
-        raise AssertionError(path)
-
-
-def _file_shard(path: Path, field: str) -> Shard:
-    return Shard(str(path), lambda: _file_documents(path, field))
+    elif path.name.endswith(".jsonl.gz"):
+        yield from _jsonl_documents(_gzip_chunks(path), str(path), field)
+    else:  # .jsonl or .jsonl.zst: _files() lets no other kind through
+        with open(path, "rb") as raw:
+            yield from _jsonl_stream(raw, str(path), field)
 
 
 def _tar_shards(path: Path, field: str) -> Iterator[Shard]:
@@ -208,7 +202,9 @@ def _tar_shards(path: Path, field: str) -> Iterator[Shard]:
             if member.name.endswith((".jsonl.zst", ".jsonl")):
                 yield Shard(
                     name,
-                    lambda member=member, name=name: _member_documents(tar, member, name, field),
+                    lambda member=member, name=name: _jsonl_stream(
+                        tar.extractfile(member), name, field
+                    ),
                 )
             else:
                 print(f"{name}: skipped (not .jsonl.zst or .jsonl)", file=sys.stderr)
@@ -220,16 +216,6 @@ def _tar_shards(path: Path, field: str) -> Iterator[Shard]:
                 f"{path}: truncated tar archive (no end-of-archive block after the last member, "
                 f"at byte {tar.offset})"
             )
-
-
-def _member_documents(
-    tar: tarfile.TarFile, member, name: str, field: str
-) -> Iterator[Document | BadLine]:
-    raw = tar.extractfile(member)
-    chunks = (
-        _zstd_chunks(raw, name) if name.endswith(".zst") else iter(lambda: _read(raw, name), b"")
-    )
-    yield from _jsonl_documents(chunks, name, field)
 
 
 def _files(
@@ -257,9 +243,20 @@ def _files(
     return list(files), tuple(p for p in skipped if p not in files)
 
 
-def _json_field(text_column: str) -> str | None:
-    """What ``Source.text_column`` records for a JSON source: the default is not recorded."""
-    return None if text_column == TEXT_COLUMN else text_column
+def _json_source(spec: str, inputs: list[str], suffixes: tuple[str, ...], field: str) -> Source:
+    """A source of tar archives (of JSON lines), JSON lines and text files: one shard per file
+    or tar member."""
+    files, skipped = _files(inputs, suffixes, spec)
+
+    def shards() -> Iterator[Shard]:
+        for path in files:
+            if path.name.endswith(".tar"):
+                yield from _tar_shards(path, field)
+            else:
+                yield Shard(str(path), lambda path=path: _file_documents(path, field))
+
+    recorded = None if field == TEXT_COLUMN else field  # the default is not recorded
+    return Source(spec, sized(files), shards, recorded, skipped)
 
 
 def owt2_source(inputs: list[str], text_column: str = TEXT_COLUMN) -> Source:
@@ -268,16 +265,7 @@ def owt2_source(inputs: list[str], text_column: str = TEXT_COLUMN) -> Source:
         raise DataError(
             "owt2 needs at least one path: the .jsonl.zst.tar or a folder of .jsonl.zst"
         )
-    files, skipped = _files(inputs, (".tar", ".jsonl.zst", ".jsonl"), "owt2")
-
-    def shards() -> Iterator[Shard]:
-        for path in files:
-            if path.name.endswith(".tar"):
-                yield from _tar_shards(path, text_column)
-            else:
-                yield _file_shard(path, text_column)
-
-    return Source("owt2", sized(files), shards, _json_field(text_column), skipped)
+    return _json_source("owt2", inputs, (".tar", ".jsonl.zst", ".jsonl"), text_column)
 
 
 def text_source(inputs: list[str], text_column: str = TEXT_COLUMN) -> Source:
@@ -287,14 +275,7 @@ def text_source(inputs: list[str], text_column: str = TEXT_COLUMN) -> Source:
         raise DataError(
             "text needs at least one path or glob of .txt, .jsonl, .jsonl.zst or .jsonl.gz files"
         )
-    files, skipped = _files(inputs, (".txt", ".jsonl", ".jsonl.zst", ".jsonl.gz"), "text")
-    return Source(
-        "text",
-        sized(files),
-        lambda: (_file_shard(p, text_column) for p in files),
-        _json_field(text_column),
-        skipped,
-    )
+    return _json_source("text", inputs, (".txt", ".jsonl", ".jsonl.zst", ".jsonl.gz"), text_column)
 
 
 _HEADING = re.compile(r"^#{1,6}\s+(.*?)\s*$")
