@@ -129,13 +129,8 @@ def _row_group(
     batches = table.iter_batches(
         batch_size=BATCH_ROWS, row_groups=[group], columns=[text_column], use_threads=False
     )
-    while True:
-        try:
-            batch = next(batches, None)
-        except (pa.ArrowException, OSError) as e:
-            raise DataError(f"{path}: row group {group} is corrupt or truncated ({e})") from None
-        if batch is None:
-            return
+    problem = f"row group {group} is corrupt or truncated"
+    for batch in _batches(lambda _: next(batches), None, path, problem):
         yield from _rows(batch.column(0), str(path), first, text_column)
         first += batch.num_rows
         _release()
@@ -177,8 +172,10 @@ def _open_arrow(raw: pa.OSFile, path: Path) -> tuple[pa.Schema, Iterator[pa.Reco
     return reader.schema, _batches(lambda _: reader.read_next_batch(), None, path)
 
 
-def _batches(read, count: int | None, path: Path) -> Iterator[pa.RecordBatch]:
-    """``read(i)`` for i < count (or until StopIteration), any read error naming the file."""
+def _batches(
+    read, count: int | None, path: Path, problem: str = "truncated or corrupt Arrow data"
+) -> Iterator[pa.RecordBatch]:
+    """``read(i)`` for i < count (or until StopIteration); a read error is ``problem``."""
     index = 0
     while count is None or index < count:
         try:
@@ -186,7 +183,7 @@ def _batches(read, count: int | None, path: Path) -> Iterator[pa.RecordBatch]:
         except StopIteration:
             return
         except (pa.ArrowException, OSError) as e:
-            raise DataError(f"{path}: truncated or corrupt Arrow data ({e})") from None
+            raise DataError(f"{path}: {problem} ({e})") from None
         yield batch
         index += 1
 

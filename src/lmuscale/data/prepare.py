@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import collections
 import concurrent.futures
+import contextlib
 import datetime
 import fcntl
 import hashlib
@@ -168,11 +169,7 @@ def _plan(source: Source, tokenizer: Tokenizer, seed: int) -> dict:
     return {
         "format": FORMAT,
         "source": source.describe(),
-        "tokenizer": {
-            "name": tokenizer.name,
-            "vocab_size": tokenizer.vocab_size,
-            "eot": tokenizer.eot,
-        },
+        "tokenizer": {key: getattr(tokenizer, key) for key in ("name", "vocab_size", "eot")},
         "dtype": token_dtype(tokenizer.vocab_size).name,
         "seed": seed,
     }
@@ -301,9 +298,8 @@ def prepare(
         if workers is None:  # worker start-up costs more than it saves on small inputs
             small = source.nbytes is not None and source.nbytes < SMALL_INPUT
             workers = 0 if small else _cpus()
-        with _Run(
-            work, state, np.dtype(plan["dtype"]), max_bad_lines, workers, progress, spec
-        ) as run:
+        run = _Run(work, state, np.dtype(plan["dtype"]), max_bad_lines, workers, progress, spec)
+        with contextlib.closing(run):
             if workers > 0:
                 pool = concurrent.futures.ProcessPoolExecutor(
                     workers,
@@ -350,12 +346,6 @@ class _Run:
             dynamic_ncols=True,
             mininterval=0.1 if sys.stderr.isatty() else 10.0,
         )
-
-    def __enter__(self):
-        return self
-
-    def __exit__(self, *exc) -> None:
-        self.close()
 
     def close(self) -> None:
         if hasattr(self, "bar"):

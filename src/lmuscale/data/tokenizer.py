@@ -50,14 +50,11 @@ class Tokenizer:
     _encoding: tiktoken.Encoding | None = dataclasses.field(default=None, repr=False)
 
     def encode(self, text: str) -> list[int]:
-        data = utf8(text)  # for both tokenizers: tiktoken would take a lone surrogate
-        if self._encoding is None:
-            return list(data)
-        return self._encoding.encode_ordinary(text)
+        return self.encode_array(text).tolist()
 
     def encode_array(self, text: str) -> np.ndarray:
-        """``encode`` as an int64 array (no Python list for the byte tokenizer)."""
-        data = utf8(text)
+        """The ids of ``text`` as an int64 array."""
+        data = utf8(text)  # for both tokenizers: tiktoken would take a lone surrogate
         if self._encoding is None:
             return np.frombuffer(data, np.uint8).astype(np.int64)
         return np.asarray(self._encoding.encode_ordinary(text), np.int64)
