@@ -68,12 +68,8 @@ def series(
     washout: float = 500.0,
     h: float = 0.1,
 ) -> np.ndarray:
-    """``count`` independent Mackey-Glass series of ``length`` samples, ``dt`` time units apart.
-
-    Each starts from its own constant history x0 ~ U(0.5, 1.5) (seeded) and drops the first
-    ``washout`` time units, the transient before the chaotic attractor. Returns ``x_BxT``
-    float64, T = length.
-    """
+    """``x_BxT`` float64: ``count`` series of ``length`` samples ``dt`` time units apart, each from
+    its own history x0 ~ U(0.5, 1.5) (seeded), after ``washout`` time units of transient."""
     every = dt / h
     if abs(every - round(every)) > 1e-9:
         raise ValueError(f"dt={dt} must be a whole number of integration steps h={h}")
