@@ -1,9 +1,4 @@
-"""Figures of the compute-optimal analyses: IsoFLOP curves, N_opt(C) and D_opt(C), loss
-against tokens with the data-efficiency ratio, and loss against learning rate.
-
-Same style as Figures 3-5 (``figures``): one colour per family, log axes, the notes (what
-was left out and why) in a panel under the axes.
-"""
+"""Figures of the compute-optimal analyses, in the style of Figures 3-5 (``figures``)."""
 
 from __future__ import annotations
 
