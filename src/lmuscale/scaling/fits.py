@@ -145,7 +145,7 @@ def fit_saturating(
     than 3 distinct N."""
     n, loss = _check(n, loss, None, form="saturating")
     problem = _LSEProblem(np.log(n), None, np.log(loss), delta=None)
-    theta, restarts = problem.best(problem.grid_starts(grid or SATURATING_GRID))
+    theta, restarts = problem.best(grid or SATURATING_GRID)
     resamples = _resamples(np.stack([n], axis=1), 3, n_boot, seed)
     samples = _natural(problem.bootstrap(resamples, restarts))
     return _make_fit(
@@ -170,7 +170,7 @@ def fit_chinchilla(
     distinct N or D (with two budgets any beta fits equally well)."""
     n, loss, tokens = _check(n, loss, tokens, form="chinchilla")
     problem = _LSEProblem(np.log(n), np.log(tokens), np.log(loss), delta=delta)
-    theta, restarts = problem.best(problem.grid_starts(grid or CHINCHILLA_GRID))
+    theta, restarts = problem.best(grid or CHINCHILLA_GRID)
     points = np.stack([n, tokens], axis=1)
 
     def need(idx):
@@ -280,11 +280,6 @@ class _LSEProblem:
         self.x, self.z, self.y, self.delta = x, z, y, delta
         self.keys = ("a", "alpha", "e") if z is None else ("a", "alpha", "b", "beta", "e")
 
-    def subset(self, idx) -> _LSEProblem:
-        """The problem on rows ``idx`` of the data: (P,) gives one problem, (R, P) gives R."""
-        z = None if self.z is None else self.z[idx]
-        return _LSEProblem(self.x[idx], z, self.y[idx], self.delta)
-
     def _parts(self, theta_SxU, rows=None):
         """Residuals (S, P) and d LSE / d theta [(S, P) per unknown]. With batched data,
         ``rows`` picks the problems that ``theta_SxU`` belongs to."""
@@ -335,13 +330,11 @@ class _LSEProblem:
         )
         return result.x, float(result.fun)
 
-    def grid_starts(self, grid) -> np.ndarray:
-        """Every combination of the grid's values, (S, U) in ``self.keys`` order."""
-        return np.array(list(itertools.product(*(grid[k] for k in self.keys))), dtype=float)
-
-    def best(self, starts_SxU) -> tuple[np.ndarray, list[np.ndarray]]:
-        """L-BFGS from every start at once, then the best few distinct ends polished by
-        scipy's L-BFGS-B. Returns (lowest, polished ends lowest first: ``bootstrap``'s restarts)."""
+    def best(self, grid) -> tuple[np.ndarray, list[np.ndarray]]:
+        """L-BFGS from every combination of the ``grid``'s values at once, then the best few
+        distinct ends polished by scipy's L-BFGS-B. Returns (lowest, polished ends lowest
+        first: ``bootstrap``'s restarts)."""
+        starts_SxU = np.array(list(itertools.product(*(grid[k] for k in self.keys))), dtype=float)
         theta, value = batched_lbfgs(self.values, starts_SxU)
         order = np.argsort(np.where(np.isfinite(value), value, np.inf))
         candidates: list[np.ndarray] = []
@@ -364,7 +357,9 @@ class _LSEProblem:
         count, k = len(starts), starts.shape[1]
         if len(resamples_RxP) == 0:
             return np.zeros((0, k))
-        batch = self.subset(np.repeat(resamples_RxP, count, axis=0))
+        idx = np.repeat(resamples_RxP, count, axis=0)
+        z = None if self.z is None else self.z[idx]
+        batch = _LSEProblem(self.x[idx], z, self.y[idx], self.delta)
         theta, value = batched_lbfgs(batch.values, np.tile(starts, (len(resamples_RxP), 1)))
         value = np.where(np.isfinite(value), value, np.inf).reshape(-1, count)
         best = np.argmin(value, axis=1)
