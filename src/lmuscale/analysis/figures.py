@@ -245,10 +245,9 @@ def figure5(results: Results, fits):
     return fig
 
 
-def smooth_log(values, factor: float | None = None):
+def smooth_log(values, factor: float = SMOOTH):
     """Mean of ``values`` (position 1, 2, ...) over positions [t / factor, t * factor] for each
     t: noise averages out at long context without blurring the first few tokens."""
-    factor = SMOOTH if factor is None else factor
     values = np.asarray(values, dtype=float)
     position = np.arange(1, len(values) + 1)
     low = np.clip(np.ceil(position / factor).astype(int), 1, len(values))
