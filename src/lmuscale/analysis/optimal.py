@@ -88,16 +88,12 @@ class OptimalReport:
             out += ["|---|---:|---:|---|---|---:|---|"]
             for frontier in self.frontiers:
                 for fit in frontier.fits:
+                    start = f"| {label(fit.family)} | {fit.budget:.3g} | {len(fit.runs)} |"
                     if fit.n_opt is None:
-                        out.append(
-                            f"| {label(fit.family)} | {fit.budget:.3g} | {len(fit.runs)} | — | — "
-                            f"| — | {fit.error} |"
-                        )
-                        continue
-                    out.append(
-                        f"| {label(fit.family)} | {fit.budget:.3g} | {len(fit.runs)} | "
-                        f"{_ci(fit.n_opt)} | {_ci(fit.d_opt)} | {fit.loss_opt:.4f} | |"
-                    )
+                        out.append(f"{start} — | — | — | {fit.error} |")
+                    else:
+                        optimum = f"{_ci(fit.n_opt)} | {_ci(fit.d_opt)} | {fit.loss_opt:.4f}"
+                        out.append(f"{start} {optimum} | |")
             out += ["", "| family | a (N_opt ∝ C^a) | b (D_opt ∝ C^b) | budgets fitted | note |"]
             out += ["|---|---|---|---:|---|"]
             for frontier in self.frontiers:
@@ -130,11 +126,8 @@ class OptimalReport:
                     f"validation loss of {eff.target:.4f} (geometric mean over {len(eff.n)} "
                     f"sizes of {a}; each {b} size interpolated in log N)."
                 )
-                out += [
-                    "",
-                    f"| N ({a}) | tokens, {a} | tokens, {b} | ratio |",
-                    "|---:|---:|---:|---:|",
-                ]
+                out += ["", f"| N ({a}) | tokens, {a} | tokens, {b} | ratio |"]
+                out += ["|---:|---:|---:|---:|"]
                 for n, ta, tb, r in zip(eff.n, eff.tokens_a, eff.tokens_b, eff.ratio, strict=True):
                     out.append(f"| {n:,.0f} | {ta:,.0f} | {tb:,.0f} | {r:.3g} |")
                 out.append("")
