@@ -1,11 +1,5 @@
-"""Figures and tables from a sweep's results (``python -m lmuscale.analysis RESULTS --out DIR``).
-
-``analyse`` reads a results table, fits every family (``lmuscale.scaling``) and writes
-``fig3``, ``fig4`` and ``fig5`` (PNG and PDF), ``fits.csv`` and ``fits.md``; then the
-compute-optimal analyses the table supports (``optimal``): ``isoflop`` and ``optimal``
-(N_opt and D_opt against compute), ``tokens_A_B`` (data efficiency) and ``learning_rate``
-with ``learning_rates.json``. fits.md says which analyses were left out and why.
-"""
+"""Figures and tables from a sweep's results (``python -m lmuscale.analysis RESULTS --out DIR``):
+Figures 3-5, ``fits.csv`` and ``fits.md``, and the compute-optimal analyses (``optimal``)."""
 
 from __future__ import annotations
 
@@ -45,10 +39,8 @@ def analyse(
     target_loss: float | None = None,
 ) -> Report:
     """Read ``results`` (a results.jsonl or .csv), fit, and write the figures and tables into
-    ``out``. ``target_loss`` is the loss the data-efficiency ratio is measured at (default:
-    the lowest loss every run reaches). Each file is replaced atomically. Raises
-    ``ResultsError`` for an unusable table and ``OutputError`` for an ``out`` that is not a
-    folder or cannot be written, before the (slow) fits when it can."""
+    ``out`` atomically; ``target_loss``: see ``data_efficiency``. Raises ``ResultsError`` or
+    ``OutputError``, before the (slow) fits when it can."""
     loaded = load_results(results, split)
     out = Path(out)
     try:

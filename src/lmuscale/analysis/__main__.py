@@ -1,11 +1,6 @@
 """``python -m lmuscale.analysis RESULTS --out DIR``: Figures 3, 4 and 5 and the fits table
-from a sweep's results (``WORKDIR/results.jsonl`` or ``results.csv``).
-
-The exit status is the outcome's in ``lmuscale.outcomes.Exit``: 0 on success; 6 for a results
-table that cannot be read or analysed (binary, not CSV or JSON lines, missing columns: the
-message names the file and line); 8 for an ``--out`` that is not a folder or cannot be
-written; 2 for bad arguments.
-"""
+from a sweep's results. Exit status: ``lmuscale.outcomes.Exit`` (6 for a bad table, 8 for an
+``--out`` that cannot be written)."""
 
 from __future__ import annotations
 

@@ -1,9 +1,5 @@
-"""Evaluation curves: each run's validation loss against the tokens (and FLOPs) trained on.
-
-A sweep's results table names each trial's folder (column ``folder``: beside the table, or in
-the ``trials/`` folder beside it, as a sweep writes them); its ``eval.jsonl`` holds one line
-per evaluation (``step``, ``val_loss``). The compute-optimal analyses read them here: tokens =
-step x the run's tokens per step, FLOPs = tokens x the run's training FLOPs per token."""
+"""Evaluation curves: each run's validation loss against the tokens (and FLOPs) trained on,
+from the ``eval.jsonl`` (``step``, ``val_loss``) of the trial folder the results table names."""
 
 from __future__ import annotations
 
@@ -35,9 +31,7 @@ class Curve:
 
 def load_curves(results: Results) -> tuple[dict[str, Curve], list[str]]:
     """The curve of every run that has one, by trial name, and one line for each run left
-    without: no folder column, no eval.jsonl, or fewer than two finite evaluations. A line
-    of eval.jsonl that is not JSON is named (file and line) and left out; the last line may
-    be torn by a kill."""
+    without (or each line of eval.jsonl left out: the last may be torn by a kill)."""
     curves, missing = {}, []
     for run in results.runs:
         if run.folder is None:

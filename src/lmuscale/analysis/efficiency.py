@@ -1,10 +1,6 @@
-"""Data efficiency: how many training tokens two families need to reach the same loss.
-
-The LMU paper (v1) says LMUs reach a transformer's accuracy with 10x fewer tokens. Measured
-here from the runs' evaluation curves: ``data_efficiency`` gives, at each size N of family a
-inside family b's measured sizes, b's tokens to a target loss over a's (a ratio of 10 is the
-paper's claim for a = LMU, b = transformer). The caller ensures both were evaluated on the
-same validation data and tokenizer.
+"""Data efficiency: how many training tokens two families need to reach the same loss, from
+the runs' evaluation curves. The LMU paper (v1) claims a ratio of 10 (transformer / LMU). The
+caller ensures both were evaluated on the same validation data and tokenizer.
 """
 
 from __future__ import annotations
@@ -23,13 +19,9 @@ RANGE_RTOL = 1e-9
 
 
 def tokens_to_target(curve: Curve, target: float) -> float | None:
-    """The training tokens at which ``curve`` first reaches ``target`` (nats), or None.
-
-    Between the last evaluation above the target and the first at or below it, the loss is
-    taken to be linear in log10(tokens). None when no evaluation reaches the target, and also
-    None when the first evaluation already does: the crossing happened before anything was
-    measured. Evaluations with a non-finite loss are passed over.
-    """
+    """The training tokens at which ``curve`` first reaches ``target`` (nats), the loss taken
+    as linear in log10(tokens) between evaluations; non-finite losses are passed over. None
+    when no evaluation reaches the target, or the first already does (unmeasured crossing)."""
     tokens = np.asarray(curve.tokens, dtype=float)
     loss = np.asarray(curve.loss, dtype=float)
     if tokens.ndim != 1 or tokens.shape != loss.shape:
@@ -72,17 +64,10 @@ class DataEfficiency:
 def data_efficiency(
     curves: list[Curve], a: str, b: str, target: float | None = None
 ) -> DataEfficiency:
-    """Compare the training tokens families ``a`` and ``b`` need to reach ``target`` (nats).
-
-    The default target is the lowest loss every run of both families reaches: the largest of
-    the curves' minima. A size's tokens come from ``_sizes`` (sizes it cannot give are listed
-    in ``left_out``); b's are interpolated linearly in (log10 N, log10 tokens) at a's sizes
-    inside b's range, never extrapolated.
-
-    Problems with the data (a family without curves, no measured size, no overlap) come back
-    as ``error``; a bad argument (``a == b``, a non-positive target, two curves of one trial)
-    raises ``ValueError``.
-    """
+    """Compare the training tokens families ``a`` and ``b`` need to reach ``target`` (nats;
+    default: the largest of the curves' minima). b's tokens are interpolated linearly in
+    (log10 N, log10 tokens) at a's sizes inside b's range, never extrapolated. Problems with
+    the data come back as ``error``; a bad argument raises ``ValueError``."""
     if a == b:
         raise ValueError(f"compare two different families, got {a!r} twice")
     if target is not None and not (math.isfinite(target) and target > 0):
@@ -92,11 +77,12 @@ def data_efficiency(
     repeated = sorted({t for t in trials if trials.count(t) > 1})
     if repeated:
         raise ValueError(f"two curves for trial(s) {', '.join(repeated)}; give one per run")
+    reached, left_out = {}, []
 
-    def failed(error, target=math.nan, reached=None, left_out=()):
+    def failed(error, target=math.nan):
         empty = np.zeros(0)
         return DataEfficiency(
-            target, (a, b), reached or {}, empty, empty, empty, empty, None, error, left_out
+            target, (a, b), reached, empty, empty, empty, empty, None, error, tuple(left_out)
         )
 
     for family in (a, b):
@@ -115,19 +101,13 @@ def data_efficiency(
         target = max(lows)
     target = float(target)
     reached = {c.run.trial: tokens_to_target(c, target) for c in mine}
-    left_out: list[str] = []
     sizes = {
         f: _sizes([c for c in mine if c.run.family == f], reached, target, left_out) for f in (a, b)
     }
-    left_out_t = tuple(left_out)
     for family in (b, a):
         if not sizes[family]:
-            return failed(
-                f"no {label(family)} size reaches loss {target:.4g} after its first evaluation",
-                target,
-                reached,
-                left_out_t,
-            )
+            why = f"no {label(family)} size reaches loss {target:.4g} after its first evaluation"
+            return failed(why, target)
     n_b = np.array(sorted(sizes[b]))
     lo, hi = n_b[0], n_b[-1]
     inside = [n for n in sorted(sizes[a]) if lo * (1 - RANGE_RTOL) <= n <= hi * (1 + RANGE_RTOL)]
@@ -137,8 +117,6 @@ def data_efficiency(
             f"no {label(a)} size lies inside the {label(b)}'s measured sizes "
             f"(N {lo:.3g} to {hi:.3g}; {label(a)} has N {have})",
             target,
-            reached,
-            left_out_t,
         )
     n = np.array(inside)
     tokens_a = np.array([sizes[a][x] for x in inside])
@@ -155,15 +133,14 @@ def data_efficiency(
         ratio=ratio,
         ratio_geomean=float(np.exp(np.mean(np.log(ratio)))),
         error=None,
-        left_out=left_out_t,
+        left_out=tuple(left_out),
     )
 
 
 def _sizes(curves, reached, target, left_out) -> dict[float, float]:
-    """N -> the tokens that size needs to reach ``target`` (``tokens_to_target``): per budget
-    (runs of the same N and tokens are seeds) the geometric mean of its runs', where every run
-    has one; then the fewest over the budgets (an IsoFLOP grid trains one N at several, each
-    schedule reaching the target at its own point). A line in ``left_out`` per size with none."""
+    """N -> the tokens that size needs to reach ``target``: per budget the geometric mean over
+    its runs (seeds), where every run has one; then the fewest over the budgets (an IsoFLOP
+    grid trains one N at several). A line in ``left_out`` per size with none."""
     by_n = defaultdict(lambda: defaultdict(list))
     for c in curves:
         by_n[c.run.n][c.run.tokens].append(c)

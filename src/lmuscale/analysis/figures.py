@@ -98,12 +98,15 @@ def figure3(results: Results, fits, *, size_range=None):
             for curve, family in ((LMU_PAPER, "lmu"), (LMU_G_PAPER, "lmu_g")):
                 ax.plot(grid, curve(grid), color=color(family), ls=":", lw=1.5, label=curve.label)
         else:
-            notes.append(_not_gpt2(results))
+            notes.append(
+                "Reference curves (Kaplan's transformer, the LSTM, the paper's LMU fits) are "
+                f"in nats per GPT-2 token; these losses are {results.unit}, so the curves are "
+                "left out."
+            )
         notes += _skipped(results)
         steps = _steps_at(results, base)
         ax.set_title(f"{_split(results)} loss after {human(base)} tokens ({steps:,.0f} steps)")
-        _axes_n(ax, lo, hi)
-        _axes_loss(ax, results)
+        _axes(ax, results, lo, hi)
         _legend(fig, ax)
         add_notes(fig, notes)
     return fig
@@ -236,17 +239,15 @@ def figure5(results: Results, fits):
             f"LMU at {human(base)} tokens vs. transformer at {human(ratio * base)} "
             f"({ratio:g}x the tokens)"
         )
-        _axes_n(ax, lo, hi)
-        _axes_loss(ax, results)
+        _axes(ax, results, lo, hi)
         _legend(fig, ax)
         add_notes(fig, notes)
     return fig
 
 
-def smooth_log(values, factor: float | None = None):
+def smooth_log(values, factor: float = SMOOTH):
     """Mean of ``values`` (position 1, 2, ...) over positions [t / factor, t * factor] for each
     t: noise averages out at long context without blurring the first few tokens."""
-    factor = SMOOTH if factor is None else factor
     values = np.asarray(values, dtype=float)
     position = np.arange(1, len(values) + 1)
     low = np.clip(np.ceil(position / factor).astype(int), 1, len(values))
@@ -318,12 +319,12 @@ def _measured(ax, runs, fits, text: str, notes: list[str], hollow=False) -> list
 
 
 def _draw_fit(ax, group_fit, n, notes, ls="-") -> None:
-    family = group_fit.family if group_fit else None
-    if group_fit is None or group_fit.fit is None:
-        if group_fit is not None:
-            notes.append(f"{group_fit.name}: no power-law fit ({group_fit.error}).")
+    if group_fit is None:
         return
-    fit = group_fit.fit
+    if group_fit.fit is None:
+        notes.append(f"{group_fit.name}: no power-law fit ({group_fit.error}).")
+        return
+    family, fit = group_fit.family, group_fit.fit
     grid = np.geomspace(min(n) / 1.15, max(n) * 1.15, 100)
     alpha = fit.params["alpha"]
     ci = ""
@@ -344,16 +345,14 @@ def _draw_fit(ax, group_fit, n, notes, ls="-") -> None:
         notes.append(f"{group_fit.name}: too few usable bootstrap resamples for a CI band.")
 
 
-def _axes_n(ax, lo, hi) -> None:
+def _axes(ax, results: Results, lo, hi) -> None:
+    """N from ``lo`` to ``hi`` on x and the loss on y, both log, with readable ticks."""
     ax.set_xscale("log")
     ax.set_xlim(lo / 1.3, hi * 1.3)
     ax.xaxis.set_major_locator(ticker.LogLocator(base=10, subs=(1.0, 2.0, 5.0)))
     ax.xaxis.set_major_formatter(ticker.FuncFormatter(lambda x, _: human(x)))
     ax.xaxis.set_minor_formatter(ticker.NullFormatter())
     ax.set_xlabel("Non-embedding parameters N")
-
-
-def _axes_loss(ax, results: Results) -> None:
     ax.set_yscale("log")
     ax.set_ylabel(f"{_split(results)} loss ({results.unit})")
     lo, hi = ax.get_ylim()
@@ -376,13 +375,6 @@ def _split(results: Results) -> str:
 
 def _steps_at(results: Results, tokens: float) -> float:
     return float(np.median([r.steps for r in results.runs if r.tokens == tokens]))
-
-
-def _not_gpt2(results: Results) -> str:
-    return (
-        "Reference curves (Kaplan's transformer, the LSTM, the paper's LMU fits) are in nats per "
-        f"GPT-2 token; these losses are {results.unit}, so the curves are left out."
-    )
 
 
 def _skipped(results: Results) -> list[str]:

@@ -42,8 +42,7 @@ class GroupFit:
 
 def fit_all(results: Results, *, n_boot: int, ci: float, seed: int, progress=False) -> list:
     """Power law and saturating fits per (family, budget); a Chinchilla fit per family that
-    has two or more budgets. A group too small for a form gets a ``GroupFit`` whose ``error``
-    says why. ``progress`` shows a bar on stderr."""
+    has two or more budgets. A group too small for a form gets a ``GroupFit`` with ``error``."""
     jobs = []
     for family in results.families:
         budgets = results.budgets(family)

@@ -1,20 +1,15 @@
 """Compute-optimal frontiers from a sweep: Hoffmann et al. (2022), approaches 1 and 2.
 
-Approach 2, iso-FLOP profiles: a family's runs are grouped by training FLOPs (``budgets``);
-at each budget C a parabola in x = log10 N is fitted to the final losses (``fit_isoflop``).
-Its vertex is N_opt(C), and D_opt(C) = C / f(N_opt) tokens (f: training FLOPs per token).
-``fit_frontier`` fits N_opt ∝ C^a and D_opt ∝ C^b across the budgets.
+Approach 2: at each training-FLOP budget C (``budgets``) a parabola in x = log10 N is fitted
+to the final losses (``fit_isoflop``); its vertex is N_opt(C), and D_opt(C) = C / f(N_opt)
+tokens (f: training FLOPs per token). ``fit_frontier`` fits N_opt ∝ C^a and D_opt ∝ C^b.
+Approach 1, ``envelope``: the lowest loss any evaluation curve reached at each FLOP count,
+and the size that reached it; N ∝ C^a along it.
 
-Approach 1, ``envelope``: the lowest loss any of the family's evaluation curves reached at
-each FLOP count, and the size that reached it; N ∝ C^a along it.
-
-Neither takes a minimum it cannot bracket: a profile whose lowest loss is at its smallest or
-largest size gets no N_opt, and envelope points reached by those sizes are left out of the
-exponent (the optimum there may lie beyond the sizes tried).
-
-Intervals are bootstrap percentile intervals, equal for equal seeds. Data that cannot support
-a fit is no exception: the result's ``error`` says why. ``ValueError`` is only for misuse:
-mixed families, runs without FLOPs, or a ``ci`` outside (0, 1).
+Neither takes a minimum it cannot bracket (at the smallest or largest size tried). Intervals
+are bootstrap percentile intervals, equal for equal seeds. Data that cannot support a fit
+gives a result whose ``error`` says why; ``ValueError`` is only for misuse (mixed families,
+runs without FLOPs, a ``ci`` outside (0, 1)).
 """
 
 from __future__ import annotations
@@ -74,12 +69,9 @@ class IsoFlopFit:
 
 @dataclass(frozen=True)
 class Frontier:
-    """Approach 2 across budgets for one family: N_opt ∝ C^a and D_opt ∝ C^b.
-
-    ``fits`` holds every budget, bracketed or not. The lines are (slope, intercept) of
-    log10 N_opt (log10 D_opt) against log10 C, fitted over the bracketed budgets. ``error``
-    says why there is no frontier.
-    """
+    """Approach 2 across budgets for one family: N_opt ∝ C^a and D_opt ∝ C^b. ``fits`` holds
+    every budget; the lines are (slope, intercept) of log10 N_opt (D_opt) on log10 C over the
+    bracketed ones."""
 
     family: str
     fits: tuple[IsoFlopFit, ...]
@@ -112,17 +104,14 @@ class Envelope:
 
 
 def budgets(runs: list[Run], rtol: float = 0.05) -> list[tuple[float, list[Run]]]:
-    """Group one family's runs by training FLOPs (``run.flops``): (budget, runs) pairs,
-    ascending by budget, with each group's runs ordered by N.
-
-    A group starts at its smallest FLOPs and takes every run up to (1 + rtol) times that, so
-    every pair in a group lies within ``rtol`` of each other. The budget is the geometric mean
-    of the group's FLOPs. Raises ``ValueError`` for a run without flops_per_token (naming the
-    trial) and for runs of more than one family.
-    """
+    """One family's runs grouped by training FLOPs (``groups_within`` ``rtol``): (budget, runs)
+    pairs by budget, each group's runs ordered by N; the budget is the group's geometric mean.
+    Raises ``ValueError`` for a run without flops_per_token or runs of several families."""
     if not rtol >= 0:
         raise ValueError(f"rtol must be >= 0, got {rtol}")
-    _one_family(runs)
+    families = sorted({r.family for r in runs})
+    if len(families) > 1:
+        raise ValueError(f"expected one family's runs, got {', '.join(families)}")
     for run in runs:
         _need_flops(run)
     return [
@@ -141,18 +130,76 @@ def fit_isoflop(
     *,
     n_boot: int = 1000,
     ci: float = 0.95,
-    seed: int = 0,
+    seed: int | np.random.Generator = 0,
 ) -> IsoFlopFit:
     """Fit a parabola in log10 N to the final losses of ``runs`` (one family, one budget) and
     take its vertex as N_opt.
 
-    The bootstrap resamples the distinct sizes with replacement. Each size drawn also has its
-    runs (seeds) resampled with replacement, so the interval reflects seed noise as well as the
-    spread between sizes. A replicate is dropped when it has fewer than 3 distinct sizes, when
-    its parabola is not convex, or when its vertex lies outside the sizes tried. ``kept``
-    counts the rest.
+    The bootstrap resamples the distinct sizes, and each size's runs (seeds), with
+    replacement. A replicate is dropped when it has fewer than 3 distinct sizes, a parabola
+    that is not convex, or a vertex outside the sizes tried; ``kept`` counts the rest.
     """
-    return _fit_isoflop(family, budget, runs, n_boot, ci, np.random.default_rng(seed))
+    _check_ci(ci)
+    if not (math.isfinite(budget) and budget > 0):
+        raise ValueError(f"budget must be a positive number of FLOPs, got {budget}")
+    for run in runs:
+        if run.family != family:
+            raise ValueError(f"{run.trial}: family {run.family}, not {family}")
+        _need_flops(run)
+    runs = tuple(sorted(runs, key=lambda r: (r.n, r.trial)))
+
+    def refused(error, coef=None) -> IsoFlopFit:
+        return IsoFlopFit(family, budget, runs, coef, None, None, None, np.zeros(0), error)
+
+    x_P = np.log10([r.n for r in runs])
+    loss_P = np.array([r.loss for r in runs], dtype=float)
+    sizes_S, size_P = np.unique(x_P, return_inverse=True)
+    if len(sizes_S) < MIN_SIZES:
+        return refused(f"needs {MIN_SIZES} sizes, has {len(sizes_S)}")
+    coef = tuple(float(c) for c in np.polyfit(x_P, loss_P, 2))
+    count_S = np.bincount(size_P)
+    mean_S = np.bincount(size_P, weights=loss_P) / count_S
+    lowest = int(np.argmin(mean_S))
+    if lowest in (0, len(sizes_S) - 1):
+        edge = "smallest" if lowest == 0 else "largest"
+        return refused(
+            f"not bracketed: the lowest loss is at the {edge} size tried "
+            f"(N={10 ** sizes_S[lowest]:.3g})",
+            coef,
+        )
+    c0, c1, _ = coef
+    if c0 <= 0:
+        return refused(f"not convex: the parabola in log10 N curves down (c0 = {c0:.3g})", coef)
+    vertex = -c1 / (2 * c0)
+    if not sizes_S[0] <= vertex <= sizes_S[-1]:
+        below = vertex < sizes_S[0]
+        edge = "below the smallest" if below else "above the largest"
+        return refused(
+            f"not bracketed: the parabola's minimum (N={10**vertex:.3g}) is {edge} size tried "
+            f"(N={10 ** sizes_S[0 if below else -1]:.3g})",
+            coef,
+        )
+    # f interpolated linearly in log-log between the sizes tried (one f per size)
+    logf_S = np.bincount(size_P, weights=np.log10([r.flops_per_token for r in runs])) / count_S
+    log_c = math.log10(budget)
+    n_S = _bootstrap_vertices(x_P, loss_P, size_P, n_boot, np.random.default_rng(seed))
+    d_S = log_c - np.interp(n_S, sizes_S, logf_S)
+    log_d = log_c - float(np.interp(vertex, sizes_S, logf_S))
+    n_lo, n_hi = _percentiles(n_S, ci)
+    d_lo, d_hi = _percentiles(d_S, ci)
+    return IsoFlopFit(
+        family,
+        budget,
+        runs,
+        coef,
+        Interval(10**vertex, 10**n_lo, 10**n_hi),
+        Interval(10**log_d, 10**d_lo, 10**d_hi),
+        float(np.polyval(coef, vertex)),
+        n_S,
+        None,
+        len(n_S),
+        d_S,
+    )
 
 
 def fit_frontier(
@@ -164,14 +211,9 @@ def fit_frontier(
     seed: int = 0,
     rtol: float = 0.05,
 ) -> Frontier:
-    """Approach 2 for the runs of ``family`` among ``runs``: group them into ``budgets``, fit
-    each budget, and fit log10 N_opt and log10 D_opt against log10 C by least squares over
-    the bracketed budgets.
-
-    Replicate i of the exponents uses each budget's i-th kept bootstrap vertex. Where the
-    budgets kept different numbers of replicates, ``n_boot`` are drawn with replacement from
-    each budget's replicates instead.
-    """
+    """Approach 2 for the runs of ``family`` among ``runs``: ``fit_isoflop`` at each of their
+    ``budgets``, then log10 N_opt and log10 D_opt on log10 C by least squares over the
+    bracketed budgets; the exponents' replicates pair the budgets' (``_paired_replicates``)."""
     _check_ci(ci)
     mine = [r for r in runs if r.family == family]
     if not mine:
@@ -179,7 +221,7 @@ def fit_frontier(
     groups = budgets(mine, rtol)
     rngs = np.random.default_rng(seed).spawn(len(groups) + 1)
     fits = tuple(
-        _fit_isoflop(family, budget, group, n_boot, ci, rng)
+        fit_isoflop(family, budget, group, n_boot=n_boot, ci=ci, seed=rng)
         for (budget, group), rng in zip(groups, rngs[:-1], strict=True)
     )
     good = [f for f in fits if f.n_opt is not None]
@@ -208,14 +250,9 @@ def envelope(
     seed: int = 0,
 ) -> Envelope:
     """Approach 1 for the curves of ``family`` among ``curves``: the lower envelope of their
-    losses on ``points`` log-spaced FLOP counts, from the smallest first evaluation to the
-    largest last one.
-
-    Each curve is interpolated linearly in log10 FLOPs, and only inside its own FLOP range.
-    The bootstrap resamples the curves with replacement and rebuilds the envelope on the same
-    grid. Raises ``ValueError`` for a curve whose run has no flops_per_token (naming the trial)
-    or whose evaluations are not finite losses in increasing order of tokens.
-    """
+    losses, each interpolated linearly in log10 FLOPs inside its own range, on ``points``
+    log-spaced FLOP counts spanning them all. The bootstrap resamples the curves. Raises
+    ``ValueError`` for a curve without flops_per_token or not finite and in token order."""
     _check_ci(ci)
     if points < 2:
         raise ValueError(f"points must be >= 2, got {points}")
@@ -273,70 +310,6 @@ def envelope(
     slopes = np.concatenate(slopes) if slopes else np.zeros(0)
     a = Interval(line[0], *_percentiles(slopes, ci))
     return Envelope(family, flops, loss, n, a, None, used_G, line, len(slopes))
-
-
-def _fit_isoflop(family, budget, runs, n_boot, ci, rng) -> IsoFlopFit:
-    _check_ci(ci)
-    if not (math.isfinite(budget) and budget > 0):
-        raise ValueError(f"budget must be a positive number of FLOPs, got {budget}")
-    for run in runs:
-        if run.family != family:
-            raise ValueError(f"{run.trial}: family {run.family}, not {family}")
-        _need_flops(run)
-    runs = tuple(sorted(runs, key=lambda r: (r.n, r.trial)))
-
-    def refused(error, coef=None) -> IsoFlopFit:
-        return IsoFlopFit(family, budget, runs, coef, None, None, None, np.zeros(0), error)
-
-    x_P = np.log10([r.n for r in runs])
-    loss_P = np.array([r.loss for r in runs], dtype=float)
-    sizes_S, size_P = np.unique(x_P, return_inverse=True)
-    if len(sizes_S) < MIN_SIZES:
-        return refused(f"needs {MIN_SIZES} sizes, has {len(sizes_S)}")
-    coef = tuple(float(c) for c in np.polyfit(x_P, loss_P, 2))
-    count_S = np.bincount(size_P)
-    mean_S = np.bincount(size_P, weights=loss_P) / count_S
-    lowest = int(np.argmin(mean_S))
-    if lowest in (0, len(sizes_S) - 1):
-        edge = "smallest" if lowest == 0 else "largest"
-        return refused(
-            f"not bracketed: the lowest loss is at the {edge} size tried "
-            f"(N={10 ** sizes_S[lowest]:.3g})",
-            coef,
-        )
-    c0, c1, _ = coef
-    if c0 <= 0:
-        return refused(f"not convex: the parabola in log10 N curves down (c0 = {c0:.3g})", coef)
-    vertex = -c1 / (2 * c0)
-    if not sizes_S[0] <= vertex <= sizes_S[-1]:
-        below = vertex < sizes_S[0]
-        edge = "below the smallest" if below else "above the largest"
-        return refused(
-            f"not bracketed: the parabola's minimum (N={10**vertex:.3g}) is {edge} size tried "
-            f"(N={10 ** sizes_S[0 if below else -1]:.3g})",
-            coef,
-        )
-    # f interpolated linearly in log-log between the sizes tried (one f per size)
-    logf_S = np.bincount(size_P, weights=np.log10([r.flops_per_token for r in runs])) / count_S
-    log_c = math.log10(budget)
-    n_S = _bootstrap_vertices(x_P, loss_P, size_P, n_boot, rng)
-    d_S = log_c - np.interp(n_S, sizes_S, logf_S)
-    log_d = log_c - float(np.interp(vertex, sizes_S, logf_S))
-    n_lo, n_hi = _percentiles(n_S, ci)
-    d_lo, d_hi = _percentiles(d_S, ci)
-    return IsoFlopFit(
-        family,
-        budget,
-        runs,
-        coef,
-        Interval(10**vertex, 10**n_lo, 10**n_hi),
-        Interval(10**log_d, 10**d_lo, 10**d_hi),
-        float(np.polyval(coef, vertex)),
-        n_S,
-        None,
-        len(n_S),
-        d_S,
-    )
 
 
 def _bootstrap_vertices(x_P, loss_P, size_P, n_boot, rng) -> np.ndarray:
@@ -439,12 +412,6 @@ def _percentiles(samples, ci) -> tuple[float, float]:
 def _check_ci(ci) -> None:
     if not 0 < ci < 1:
         raise ValueError(f"ci must be in (0, 1), got {ci}")
-
-
-def _one_family(runs) -> None:
-    families = sorted({r.family for r in runs})
-    if len(families) > 1:
-        raise ValueError(f"expected one family's runs, got {', '.join(families)}")
 
 
 def _need_flops(run: Run) -> None:

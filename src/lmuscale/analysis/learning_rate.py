@@ -1,10 +1,5 @@
-"""Choosing the learning rate at each model size, and the file a sweep reads the choices from.
-
-A learning-rate sweep trains each (family, size, token budget) at a grid of rates.
-``select_learning_rates`` picks one rate per such group: the loss is averaged over seeds at
-each rate, and the choice is the vertex of the parabola in log10(rate) through the best grid
-point and its two neighbours. ``write_learning_rates`` saves the choices as JSON;
-a sweep file reads them with ``read_learning_rates(path).lookup(family, n)``.
+"""Choosing the learning rate at each model size, and the file a sweep reads the choices from
+(``write_learning_rates``, then ``read_learning_rates(path).lookup(family, n)``).
 """
 
 from __future__ import annotations
@@ -60,13 +55,11 @@ class LearningRateChoice:
 
 
 def select_learning_rates(runs: list[Run]) -> tuple[list[LearningRateChoice], list[str]]:
-    """One ``LearningRateChoice`` per (family, size, token budget) with >= 2 distinct rates.
-
-    Runs whose N are within 5% of each other are one size; each token budget of a size is its
-    own group (the optimum can move with the budget; ``LearningRates.lookup`` takes the
-    largest). A rate whose runs all diverged is not in the results table, so a grid that ends
-    at one can look unbracketed. The second list says what was left out and why.
-    """
+    """One ``LearningRateChoice`` per (family, size, token budget) with >= 2 distinct rates:
+    the loss is averaged over seeds at each rate, and the choice is the vertex of the parabola
+    in log10(rate) through the best rate and its two neighbours. Runs whose N are within 5% are
+    one size. A rate whose runs all diverged is not in the results table, so a grid that ends
+    at one can look unbracketed. The second list says what was left out and why."""
     left_out = []
     no_rate = defaultdict(list)
     usable = []
@@ -130,13 +123,8 @@ def _vertex(x, y) -> float:
 
 
 def write_learning_rates(path, choices: list[LearningRateChoice]) -> None:
-    """Write ``choices`` to ``path`` as JSON, atomically, in the format
-    ``read_learning_rates`` reads::
-
-        {"format": "lmuscale learning rates", "version": 1,
-         "rates": [{"family", "N", "tokens", "learning_rate" (the choice's best), "bracketed",
-                    "grid", "loss"}, ...]}
-    """
+    """Write ``choices`` to ``path`` atomically as ``{"format": FORMAT, "version": 1, "rates":
+    [{"family", "N", "tokens", "learning_rate" (the best), "bracketed", "grid", "loss"}]}``."""
     rows = [
         {
             "family": c.family,
@@ -161,12 +149,8 @@ class _Rate:
 
 
 class LearningRates:
-    """A learning-rate file, read back with ``read_learning_rates(path)``.
-
-    ``lookup(family, n)`` gives the rate of ``family`` at the size nearest ``n``. Rows of one
-    family within 5% in N are one size; of a size's rows, the one with the largest token budget
-    counts (a row without tokens counts as the smallest).
-    """
+    """A learning-rate file (``read_learning_rates``). Rows of one family within 5% in N are one
+    size; of a size's rows, the one with the largest token budget counts (none: the smallest)."""
 
     def __init__(self, path: Path, rates: dict[str, tuple[_Rate, ...]]):
         self.path = path
@@ -184,11 +168,9 @@ class LearningRates:
         return np.array([r.n for r in self._rates.get(family, ())])
 
     def lookup(self, family: str, n: float, rtol: float = 0.1) -> float:
-        """The learning rate of ``family`` at the size nearest ``n`` in log N.
-
-        Raises ``LearningRateFileError`` (naming the file) for a family the file does not
-        have, or when the nearest size differs from ``n`` by more than ``rtol * n``.
-        """
+        """The learning rate of ``family`` at the size nearest ``n`` in log N. Raises
+        ``LearningRateFileError`` for a family the file does not have, or when the nearest
+        size differs from ``n`` by more than ``rtol * n``."""
         if isinstance(n, bool) or not (isinstance(n, numbers.Real) and math.isfinite(n) and n > 0):
             raise ValueError(f"n must be a positive number of parameters, got {n!r}")
         rates = self._rates.get(family)
@@ -219,10 +201,8 @@ class LearningRates:
 
 
 def read_learning_rates(path) -> LearningRates:
-    """Read a file ``write_learning_rates`` wrote. Raises ``LearningRateFileError`` naming the
-    file and what is wrong: missing, not JSON, not this format or version, a row without
-    family, N or learning_rate, a value that is not a positive number, or two rows of one
-    family, size and budget with different rates."""
+    """Read a file ``write_learning_rates`` wrote; ``LearningRateFileError`` names the file
+    and what is wrong with it."""
     path = Path(path)
     try:
         text = path.read_text(encoding="utf-8")

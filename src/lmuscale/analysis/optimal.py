@@ -1,15 +1,8 @@
-"""The compute-optimal analyses a results table supports, picked from what it holds.
-
-- IsoFLOP (Chinchilla's approach 2, ``isoflop``): a family with at least 3 sizes at each of
-  at least 2 compute budgets (runs whose training FLOPs agree within 5%).
-- Envelope (approach 1, ``isoflop.envelope``): a family with evaluation curves (the trial
-  folders beside the table) of at least 2 sizes.
-- Data efficiency (``efficiency``): two families with curves; each LMU family against the
-  transformer where the table has them.
-- Learning rates (``learning_rate``): a (family, size, budget) run at 2 or more rates; the
-  choices are also written as learning_rates.json for a sweep file to read.
-
-Each analysis left out gets one line saying why, in fits.md and on the figures.
+"""The compute-optimal analyses a results table supports: IsoFLOP (``isoflop``, 3 or more
+sizes at each of 2 or more budgets), the envelope (curves of 2 or more sizes), data
+efficiency (each LMU family against the transformer, else the first two families with
+curves) and learning rates (a size run at 2 or more rates). Each one left out gets a line
+saying why, in fits.md and on the figures.
 """
 
 from __future__ import annotations
@@ -95,16 +88,12 @@ class OptimalReport:
             out += ["|---|---:|---:|---|---|---:|---|"]
             for frontier in self.frontiers:
                 for fit in frontier.fits:
+                    start = f"| {label(fit.family)} | {fit.budget:.3g} | {len(fit.runs)} |"
                     if fit.n_opt is None:
-                        out.append(
-                            f"| {label(fit.family)} | {fit.budget:.3g} | {len(fit.runs)} | — | — "
-                            f"| — | {fit.error} |"
-                        )
-                        continue
-                    out.append(
-                        f"| {label(fit.family)} | {fit.budget:.3g} | {len(fit.runs)} | "
-                        f"{_ci(fit.n_opt)} | {_ci(fit.d_opt)} | {fit.loss_opt:.4f} | |"
-                    )
+                        out.append(f"{start} — | — | — | {fit.error} |")
+                    else:
+                        optimum = f"{_ci(fit.n_opt)} | {_ci(fit.d_opt)} | {fit.loss_opt:.4f}"
+                        out.append(f"{start} {optimum} | |")
             out += ["", "| family | a (N_opt ∝ C^a) | b (D_opt ∝ C^b) | budgets fitted | note |"]
             out += ["|---|---|---|---:|---|"]
             for frontier in self.frontiers:
@@ -137,11 +126,8 @@ class OptimalReport:
                     f"validation loss of {eff.target:.4f} (geometric mean over {len(eff.n)} "
                     f"sizes of {a}; each {b} size interpolated in log N)."
                 )
-                out += [
-                    "",
-                    f"| N ({a}) | tokens, {a} | tokens, {b} | ratio |",
-                    "|---:|---:|---:|---:|",
-                ]
+                out += ["", f"| N ({a}) | tokens, {a} | tokens, {b} | ratio |"]
+                out += ["|---:|---:|---:|---:|"]
                 for n, ta, tb, r in zip(eff.n, eff.tokens_a, eff.tokens_b, eff.ratio, strict=True):
                     out.append(f"| {n:,.0f} | {ta:,.0f} | {tb:,.0f} | {r:.3g} |")
                 out.append("")
@@ -163,8 +149,7 @@ def compute_optimal(
     results: Results, *, n_boot: int, ci: float, seed: int, target: float | None = None
 ) -> OptimalReport:
     """Every compute-optimal analysis ``results`` supports; the rest named in ``left_out``.
-    ``target``: the loss of the data-efficiency comparison (default: the lowest loss every
-    compared run reaches)."""
+    ``target``: the loss of the data-efficiency comparison."""
     report = OptimalReport()
     with_flops = [f for f in results.families if all(
         r.flops is not None for r in results.runs if r.family == f)]  # fmt: skip

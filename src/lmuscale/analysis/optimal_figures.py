@@ -1,9 +1,4 @@
-"""Figures of the compute-optimal analyses: IsoFLOP curves, N_opt(C) and D_opt(C), loss
-against tokens with the data-efficiency ratio, and loss against learning rate.
-
-Same style as Figures 3-5 (``figures``): one colour per family, log axes, the notes (what
-was left out and why) in a panel under the axes.
-"""
+"""Figures of the compute-optimal analyses, in the style of Figures 3-5 (``figures``)."""
 
 from __future__ import annotations
 
@@ -21,10 +16,8 @@ def isoflop_figure(frontiers, unit: str):
     with matplotlib.rc_context(STYLE):
         fig, axes = panels(len(frontiers))
         for ax, frontier in zip(axes, frontiers, strict=True):
-            budgets = [f.budget for f in frontier.fits]
-            shades = _shades(len(budgets))
-            for fit, shade in zip(frontier.fits, shades, strict=True):
-                tint = _tint(color(frontier.family), shade)
+            tints = _tints(frontier.family, len(frontier.fits))
+            for fit, tint in zip(frontier.fits, tints, strict=True):
                 n, mean, lo, hi = _spread(fit.runs)
                 ax.errorbar(
                     n, mean, yerr=[mean - lo, hi - mean], fmt=MARKERS.get(fit.family, "o"),
@@ -123,11 +116,10 @@ def tokens_figure(curves, efficiency, unit: str):
         families = sorted({c.run.family for c in curves}, key=lambda f: f != efficiency.families[0])
         for family in families:
             runs = sorted((c for c in curves if c.run.family == family), key=lambda c: c.run.n)
-            shades = _shades(len(runs))
-            for curve, shade in zip(runs, shades, strict=True):
+            for curve, tint in zip(runs, _tints(family, len(runs)), strict=True):
                 first = curve is runs[0]
                 ax.plot(
-                    curve.tokens, curve.loss, color=_tint(color(family), shade), lw=0.9,
+                    curve.tokens, curve.loss, color=tint, lw=0.9,
                     label=f"{label(family)} (N {human(runs[0].run.n)} to {human(runs[-1].run.n)})"
                     if first else None,
                 )  # fmt: skip
@@ -171,8 +163,7 @@ def learning_rate_figure(choices, unit: str):
         fig, axes = panels(len(families))
         for ax, family in zip(axes, families, strict=True):
             mine = sorted((c for c in choices if c.family == family), key=lambda c: c.n)
-            for choice, shade in zip(mine, _shades(len(mine)), strict=True):
-                tint = _tint(color(family), shade)
+            for choice, tint in zip(mine, _tints(family, len(mine)), strict=True):
                 ax.plot(choice.learning_rates, choice.loss, "-o", color=tint, ms=3, lw=0.9,
                         label=f"N = {human(choice.n)}")  # fmt: skip
                 best = np.interp(
@@ -194,14 +185,11 @@ def learning_rate_figure(choices, unit: str):
     return fig
 
 
-def _shades(k: int) -> np.ndarray:
-    return np.linspace(0.35, 1.0, k) if k > 1 else np.ones(1)
-
-
-def _tint(hex_color: str, shade: float):
-    """``hex_color`` mixed with white: shade 1 is the colour itself, lower is paler."""
-    rgb = np.array(matplotlib.colors.to_rgb(hex_color))
-    return tuple(1 - shade * (1 - rgb))
+def _tints(family: str, k: int) -> list[tuple]:
+    """``k`` shades of the family's colour, from pale (mixed with white) to the colour itself."""
+    rgb = np.array(matplotlib.colors.to_rgb(color(family)))
+    shades = np.linspace(0.35, 1.0, k) if k > 1 else np.ones(1)
+    return [tuple(1 - shade * (1 - rgb)) for shade in shades]
 
 
 def _spread(runs):

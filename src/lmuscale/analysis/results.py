@@ -75,10 +75,6 @@ class Results:
     columns: tuple[str, ...] = ()
 
     @property
-    def loss_key(self) -> str:
-        return LOSSES[self.split]
-
-    @property
     def families(self) -> list[str]:
         return sorted({r.family for r in self.runs}, key=family_key)
 

@@ -1,9 +1,5 @@
-"""Scaling laws: the published reference curves and fits to measured losses (no plotting).
-
-``lmuscale.scaling.reference``: Kaplan et al.'s L(N) and L(N, S), the LSTM and LMU fits quoted by
-the LMU paper, and the transformer steps needed to reach a loss. ``lmuscale.scaling.fits``: power
-law, saturating and Chinchilla fits with standard errors, bootstrap CIs and residuals.
-``python -m lmuscale.scaling`` prints the reference curves at Table 3's sizes.
+"""Scaling laws without plotting: the published reference curves (``reference``) and fits to
+measured losses (``fits``). ``python -m lmuscale.scaling`` prints the curves at Table 3's sizes.
 """
 
 from __future__ import annotations

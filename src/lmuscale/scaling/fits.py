@@ -1,12 +1,9 @@
 """Scaling-law fits with standard errors, bootstrap confidence intervals and residuals.
 
-Three forms (``FORMULAS``), all fitted to log L, so every point counts by its relative error:
-the power law by least squares of log L on log N; the saturating form by least squares on
-log L; Chinchilla's (Hoffmann et al. 2022, approach 3) by a Huber loss on log L. The nonlinear
-forms are log L = LSE(a - alpha log N, [b - beta log D,] e) with A = exp(a), B = exp(b),
-E = exp(e), fitted by L-BFGS from a grid of starts. Confidence intervals are percentile
-intervals over a case bootstrap; resamples with fewer distinct points than the form needs
-are dropped (``Fit.samples`` holds the rest).
+Three forms (``FORMULAS``), all fitted to log L so every point counts by its relative error.
+The nonlinear ones are log L = LSE(a - alpha log N, [b - beta log D,] e) with A = exp(a),
+B = exp(b), E = exp(e), fitted by L-BFGS from a grid of starts. CIs are percentile intervals
+over a case bootstrap; resamples with fewer distinct points than the form needs are dropped.
 """
 
 from __future__ import annotations
@@ -94,8 +91,7 @@ class Fit:
         return loss
 
     def band(self, n, tokens=None):
-        """(low, high): the CI of the prediction at each ``n`` over the bootstrap samples;
-        NaN when too few resamples were usable."""
+        """(low, high): the CI of the prediction at each ``n``; NaN with too few resamples."""
         n = np.asarray(n, dtype=float)
         if len(self.samples) < 10:
             nan = np.full(n.shape, np.nan)
@@ -143,16 +139,13 @@ def _power_law_stderr(x, y):
 def fit_saturating(
     n, loss, *, n_boot: int = 1000, ci: float = 0.95, seed: int = 0, grid=None
 ) -> Fit:
-    """L = E + A / N^alpha by least squares on log L (3 parameters).
-
-    L-BFGS from every start of ``grid`` (default ``SATURATING_GRID``, 150 starts). Standard
-    errors come from the Gauss-Newton covariance at the optimum (NaN with exactly 3 points,
-    or where the data cannot tell the parameters apart). Raises ``FitError`` with fewer than
-    3 distinct N.
-    """
+    """L = E + A / N^alpha by least squares on log L, from every start of ``grid`` (default
+    ``SATURATING_GRID``). Standard errors are Gauss-Newton's at the optimum (NaN with exactly 3
+    points, or where the data cannot tell the parameters apart). Raises ``FitError`` with fewer
+    than 3 distinct N."""
     n, loss = _check(n, loss, None, form="saturating")
     problem = _LSEProblem(np.log(n), None, np.log(loss), delta=None)
-    theta, restarts = problem.best(problem.grid_starts(grid or SATURATING_GRID))
+    theta, restarts = problem.best(grid or SATURATING_GRID)
     resamples = _resamples(np.stack([n], axis=1), 3, n_boot, seed)
     samples = _natural(problem.bootstrap(resamples, restarts))
     return _make_fit(
@@ -171,25 +164,19 @@ def fit_chinchilla(
     delta: float = HUBER_DELTA,
     grid=None,
 ) -> Fit:
-    """L = E + A / N^alpha + B / D^beta (Hoffmann et al. 2022, approach 3; 5 parameters).
-
-    Minimises the sum of Huber_delta(LSE(a - alpha log N, b - beta log D, e) - log L) by
-    L-BFGS from every point of ``grid`` (default ``CHINCHILLA_GRID``, 4,500 starts) and keeps
-    the best. ``stderr`` is the bootstrap standard deviation. Raises ``FitError`` with fewer
-    than 5 distinct (N, D) points, or fewer than 3 distinct N or D (with two budgets E, B and
-    beta are not identifiable: any beta fits equally well).
-    """
+    """L = E + A / N^alpha + B / D^beta (Hoffmann et al. 2022, approach 3): a Huber loss on
+    log L, from every start of ``grid`` (default ``CHINCHILLA_GRID``). ``stderr`` is the
+    bootstrap SD. Raises ``FitError`` with fewer than 5 distinct (N, D) points, or fewer than 3
+    distinct N or D (with two budgets any beta fits equally well)."""
     n, loss, tokens = _check(n, loss, tokens, form="chinchilla")
     problem = _LSEProblem(np.log(n), np.log(tokens), np.log(loss), delta=delta)
-    theta, restarts = problem.best(problem.grid_starts(grid or CHINCHILLA_GRID))
+    theta, restarts = problem.best(grid or CHINCHILLA_GRID)
     points = np.stack([n, tokens], axis=1)
-    resamples = _resamples(
-        points,
-        5,
-        n_boot,
-        seed,
-        need=lambda idx: len(set(tokens[idx])) > 2 and len(set(n[idx])) > 2,
-    )
+
+    def need(idx):
+        return len(set(tokens[idx])) > 2 and len(set(n[idx])) > 2
+
+    resamples = _resamples(points, 5, n_boot, seed, need)
     samples = _natural(problem.bootstrap(resamples, restarts))
     stderr = samples.std(axis=0, ddof=1) if len(samples) >= 10 else np.full(5, np.nan)
     return _make_fit("chinchilla", _natural(theta), stderr, samples, n_boot, ci, n, tokens, loss)
@@ -293,11 +280,6 @@ class _LSEProblem:
         self.x, self.z, self.y, self.delta = x, z, y, delta
         self.keys = ("a", "alpha", "e") if z is None else ("a", "alpha", "b", "beta", "e")
 
-    def subset(self, idx) -> _LSEProblem:
-        """The problem on rows ``idx`` of the data: (P,) gives one problem, (R, P) gives R."""
-        z = None if self.z is None else self.z[idx]
-        return _LSEProblem(self.x[idx], z, self.y[idx], self.delta)
-
     def _parts(self, theta_SxU, rows=None):
         """Residuals (S, P) and d LSE / d theta [(S, P) per unknown]. With batched data,
         ``rows`` picks the problems that ``theta_SxU`` belongs to."""
@@ -348,13 +330,11 @@ class _LSEProblem:
         )
         return result.x, float(result.fun)
 
-    def grid_starts(self, grid) -> np.ndarray:
-        """Every combination of the grid's values, (S, U) in ``self.keys`` order."""
-        return np.array(list(itertools.product(*(grid[k] for k in self.keys))), dtype=float)
-
-    def best(self, starts_SxU) -> tuple[np.ndarray, list[np.ndarray]]:
-        """L-BFGS from every start at once, then the best few distinct ends polished by
-        scipy's L-BFGS-B. Returns (lowest, polished ends lowest first: ``bootstrap``'s restarts)."""
+    def best(self, grid) -> tuple[np.ndarray, list[np.ndarray]]:
+        """L-BFGS from every combination of the ``grid``'s values at once, then the best few
+        distinct ends polished by scipy's L-BFGS-B. Returns (lowest, polished ends lowest
+        first: ``bootstrap``'s restarts)."""
+        starts_SxU = np.array(list(itertools.product(*(grid[k] for k in self.keys))), dtype=float)
         theta, value = batched_lbfgs(self.values, starts_SxU)
         order = np.argsort(np.where(np.isfinite(value), value, np.inf))
         candidates: list[np.ndarray] = []
@@ -377,7 +357,9 @@ class _LSEProblem:
         count, k = len(starts), starts.shape[1]
         if len(resamples_RxP) == 0:
             return np.zeros((0, k))
-        batch = self.subset(np.repeat(resamples_RxP, count, axis=0))
+        idx = np.repeat(resamples_RxP, count, axis=0)
+        z = None if self.z is None else self.z[idx]
+        batch = _LSEProblem(self.x[idx], z, self.y[idx], self.delta)
         theta, value = batched_lbfgs(batch.values, np.tile(starts, (len(resamples_RxP), 1)))
         value = np.where(np.isfinite(value), value, np.inf).reshape(-1, count)
         best = np.argmin(value, axis=1)

@@ -59,10 +59,9 @@ def min_steps(steps, loss, batch_tokens=BATCH_TOKENS):
 def transformer_loss(n, steps, batch_tokens=BATCH_TOKENS):
     """Kaplan eq 1.6: L(N, S) = (Nc/N)^alpha_N + (Sc/Smin(S))^alpha_S, solved for L.
 
-    L appears on both sides (Smin depends on Bcrit(L)). The right side falls as L rises, so
-    L - rhs(L) is increasing and has one root, bracketed by the infinite-training limit
-    (Nc/N)^alpha_N and rhs of that limit. ``steps`` may be ``inf`` (gives the limit).
-    Broadcasts over ``n`` and ``steps``; returns floats (nats per token).
+    Smin depends on Bcrit(L), and the right side falls as L rises, so L - rhs(L) has one root,
+    bracketed by the infinite-training limit (Nc/N)^alpha_N (``steps`` = inf) and rhs of it.
+    Broadcasts over ``n`` and ``steps``.
     """
     n, steps = np.broadcast_arrays(_positive(n, "N"), _positive(steps, "steps"))
     out = np.empty(n.shape)
@@ -91,13 +90,9 @@ def transformer_floor(n):
 
 
 def steps_to_match(loss, n, batch_tokens=BATCH_TOKENS):
-    """Steps a size-N transformer needs (eq 1.6, batch ``batch_tokens``) to reach ``loss``.
-
-    With L fixed, Bcrit(L) is known, so S follows in closed form:
-    Smin = Sc / (L - (Nc/N)^alpha_N)^(1/alpha_S), S = Smin (1 + Bcrit(L)/B).
-    Where ``loss`` is at or below the infinite-training limit (Nc/N)^alpha_N no number of
-    steps reaches it and the answer is ``inf`` (REFERENCE §3: the paper's LMU fit is below
-    that limit at every size from 55k to 1M).
+    """Steps a size-N transformer needs (eq 1.6, batch ``batch_tokens``) to reach ``loss``:
+    with L fixed, Smin = Sc / (L - (Nc/N)^alpha_N)^(1/alpha_S) and S = Smin (1 + Bcrit(L)/B).
+    ``inf`` at or below the infinite-training limit (as the paper's LMU fit is, REFERENCE §3).
     """
     loss, n = np.broadcast_arrays(_positive(loss, "loss"), _positive(n, "N"))
     gap = loss - transformer_floor(n)
