@@ -1,8 +1,5 @@
-"""Trial folders: what a trial's folder says about it, its lock, and the sweep's results table.
-
-A trial folder is a training workdir plus the sweep's records of the trial (its files are
-named, and its status read, in ``lmuscale.workdir``).
-"""
+"""Trial folders (a training workdir plus the sweep's records, see ``lmuscale.workdir``): what
+a trial's folder says about it, and the sweep's results table."""
 
 from __future__ import annotations
 
