@@ -47,14 +47,11 @@ def plan(trials, workdir: Path, throughput: Throughput) -> list[dict]:
         if row["flops_per_second"]:
             by_family.setdefault(row["family"], []).append(row["flops_per_second"])
     for row in rows:
-        if row["source"]:
-            continue
-        if row["family"] in by_family:
+        if not row["source"] and row["family"] in by_family:
             row["flops_per_second"] = statistics.median(by_family[row["family"]])
             row["source"] = "family"
-        else:
+        elif not row["source"]:
             row["flops_per_second"], row["source"] = throughput.lookup(row["family"], row["N"])
-    for row in rows:
         speed = row["flops_per_second"]
         row["seconds"] = row["total_flops"] / speed if speed else None
     return rows
