@@ -206,11 +206,10 @@ def _run_local(sweep, workdir, trials, todo, paths, parallel, show) -> None:
     from lmuscale.sweep.local import run_local
 
     progress = Progress(paths, trials, show)
-    by_folder = {paths[t.name]: t for t in trials}
 
     def on_end(folder: Path, _state: str) -> None:
-        table = {r["trial"]: r for r in results(workdir, sweep)}
-        progress.write(describe(table[by_folder[folder].name]))
+        rows = {r["folder"]: r for r in results(workdir, sweep)}
+        progress.write(describe(rows[folder.name]))
 
     try:
         run_local([paths[t.name] for t in todo], parallel, progress.update, on_end)

@@ -37,7 +37,7 @@ MAX_REQUEUES = 1000
 STOP_GRACE_SECONDS = 120
 POLL_SECONDS = 2.0
 REQUEUE_GRACE_SECONDS = 30.0
-JOBS = Path("slurm", "jobs.json")  # trial folder -> array task, of every submission
+JOBS = Path("slurm", "jobs.json")  # trial folder -> array task (JOB_TASK) of every submission
 
 
 class TrialJob(Checkpointable):
@@ -120,7 +120,6 @@ def queued(job_ids: list[str]) -> set[str]:
 
 
 def _recorded(workdir: Path) -> dict[str, str]:
-    """Trial folder -> array task id (``JOB_TASK``) of every recorded submission."""
     return (read_json(workdir / JOBS) or {}).get("tasks", {})
 
 

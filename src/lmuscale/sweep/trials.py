@@ -107,19 +107,14 @@ def result_row(trial: ResolvedTrial, folder: Path) -> dict:
 
 def write_results(workdir: Path, rows: list[dict]) -> None:
     """``results.jsonl`` and ``results.csv``, each replaced atomically (per-position losses
-    are JSON lists in the CSV)."""
+    are JSON lists in the CSV, and None an empty cell)."""
     lines = "".join(json.dumps(_clean(row)) + "\n" for row in rows)
     atomic_write_bytes(workdir / "results.jsonl", lines.encode())
     buffer = io.StringIO()
     writer = csv.DictWriter(buffer, fieldnames=RESULT_FIELDS, lineterminator="\n")
     writer.writeheader()
-    for row in rows:
-        writer.writerow(
-            {
-                k: json.dumps(v) if isinstance(v, list) else ("" if v is None else v)
-                for k, v in _clean(row).items()
-            }
-        )
+    for row in _clean(rows):
+        writer.writerow({k: json.dumps(v) if isinstance(v, list) else v for k, v in row.items()})
     atomic_write_bytes(workdir / "results.csv", buffer.getvalue().encode())
 
 
