@@ -1,13 +1,9 @@
 """How a run ends: one exception class and one exit status per outcome, in one table (``Exit``).
 
-Every command line runs its body through ``run_main``: an exception of an outcome's class
-becomes one line on stderr (its word, then the first line of its message, never a traceback)
-and that outcome's exit status. An exception that is in no row is a bug: it goes on up, and
-Python prints its traceback and exits with status 1.
-
-Classes that say more (``train.checkpoint.CheckpointError``, ``sweep.SweepError``, ...)
-subclass the outcome's class here. This module imports nothing from lmuscale, so every layer
-can raise these.
+Every command line runs its body through ``run_main``, which turns an outcome's exception into
+one line on stderr and its exit status; any other exception is a bug and keeps its traceback.
+Classes that say more (``CheckpointError``, ``SweepError``, ...) subclass these. This module
+imports nothing from lmuscale, so every layer can raise them.
 """
 
 from __future__ import annotations
@@ -35,13 +31,12 @@ class OutOfMemoryBudget(RuntimeError):
 
 
 class StorageError(RuntimeError):
-    """A file of the run (a checkpoint, a log, an output) that cannot be written, or that
-    cannot be read back as it was written; the message names the file."""
+    """A file of the run that cannot be written, or read back as written; the message names it."""
 
 
 class DamagedFile(StorageError):
-    """A file of a run folder (a summary, a config, a JSONL log) that does not parse: damaged
-    after it was written; the message names the file (and line) and what to do."""
+    """A run folder's file (summary, config, JSONL log) that does not parse: damaged after it
+    was written; the message names the file (and line) and what to do."""
 
 
 class LoggingServiceError(RuntimeError):
@@ -61,8 +56,8 @@ class TrainingInterrupted(RuntimeError):
 
 
 class LostProcess(RuntimeError):
-    """A multi-process run lost contact with another of its processes (it died, or its host
-    did): a collective or the coordinator failed. The checkpoints written are intact."""
+    """A multi-process run lost another of its processes (a collective or the coordinator
+    failed). The checkpoints written are intact."""
 
 
 @enum.unique
@@ -150,10 +145,8 @@ def one_line(error: BaseException, *, named: bool = False) -> str:
 
 
 def run_main(body: Callable[[], int], *, interrupted: str = "SIGINT received") -> int:
-    """``body()``'s exit status, or, when it raises an outcome's exception, that outcome's
-    after ``report``. ``interrupted`` is the line's text for a Ctrl-C that reached here as a
-    KeyboardInterrupt (during start-up, while modules are still importing, included). An
-    exception in no row goes on up: a bug's traceback is worth its lines."""
+    """``body()``'s exit status, or that of the outcome it raised (after ``report``);
+    ``interrupted``: the line for a KeyboardInterrupt (Ctrl-C, during start-up included)."""
     try:
         return body()
     except BaseException as error:

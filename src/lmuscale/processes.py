@@ -12,11 +12,9 @@ import sys
 def die_with_parent(parent: int | None) -> bool:
     """Ask Linux to SIGKILL this process when its parent dies (prctl PR_SET_PDEATHSIG).
 
-    ``parent`` is the pid of the process that started this one. It may have died while this
-    one was starting, before prctl took effect, and then no signal comes: the answer is False
-    when that happened (the caller should exit), True otherwise and where there is no prctl.
-    Linux signals when the *thread* that started this process ends, so start such children
-    from a thread that lives as long as they should (the main one).
+    ``parent``: the pid of the process that started this one; False when it died before prctl
+    took effect (no signal will come: the caller should exit). Linux signals when the *thread*
+    that started this process ends, so start such children from the main thread.
     """
     if not sys.platform.startswith("linux"):
         return True

@@ -1,21 +1,11 @@
 """A run's folder (its workdir): the one place that names its files and keeps their rules.
 
-Language-model training (``train``), the parallel-LMU task runs (``tasks``) and the sweep's
-trials (training workdirs plus the sweep's records) all keep these rules:
-
-- ``config.json`` holds the run's resolved config. A workdir that holds training (a
-  checkpoint, or a finished summary) resumes only the same config (``check``); one that
-  holds none (a run that failed or diverged before its first checkpoint) takes a new one.
-- ``summary.json`` with ``"status": "finished"`` is a finished run: running it again returns
-  that summary and trains nothing (``finished``), whatever checkpoints or data remain.
-  ``"status": "diverged"`` is a final result too (``DONE``).
-- ``lock`` is held (an flock) by the process that trains in the workdir, for the whole run:
-  a second process on the same workdir stops at once, naming the holder. The kernel drops
-  the lock when its holder dies, so a killed run never leaves the workdir locked.
-- JSON files are written whole (``lmuscale.files``); JSONL logs are appended a line at a
-  time, so a kill can tear only their last line. One policy for damage: a torn last line is
-  dropped; any other file or line that does not parse is a ``DamagedFile`` naming it (and
-  its line), never skipped in silence.
+``train``, ``tasks`` and the sweep's trials share them (the README lists them): a workdir that
+holds training resumes only the same config (``check``); a ``"finished"`` or ``"diverged"``
+summary is final (``DONE``); ``lock`` is an flock held for the whole run, which the kernel drops
+when its holder dies. JSON files are written whole (``lmuscale.files``), JSONL logs a line at a
+time. One policy for damage: a torn last line is dropped; any other file or line that does not
+parse is a ``DamagedFile`` naming it (and its line), never skipped in silence.
 
 This module imports nothing from training, so the analysis can read run folders through it.
 """
@@ -116,9 +106,8 @@ def has_checkpoint(workdir: Path) -> bool:
 
 
 def check(config, workdir: Path, has_training: bool) -> None:
-    """Refuse a workdir that holds training of another config (``has_training``: the caller's
-    own checkpoint, or a finished summary); keys that do not change the trained numbers
-    (``train.config.RESUMABLE_CHANGES``) may differ."""
+    """Refuse a workdir that holds training (``has_training``: the caller's own checkpoint; or
+    a finished summary) of another config, up to ``train.config.RESUMABLE_CHANGES``."""
     # Here, not at the top: the analysis reads run folders without importing training code.
     from lmuscale.train.config import differences, flatten, saved_flat
 
@@ -156,8 +145,7 @@ def folder_or_absent(workdir: Path) -> None:
 
 
 def usable(workdir: Path) -> Path:
-    """Create ``workdir`` (and its parents) if needed; a path that cannot be a workdir (a file,
-    a read-only filesystem, no permission) is a ``ConfigError`` that names it."""
+    """Create ``workdir`` (and its parents) if needed, else a ``ConfigError`` that names it."""
     workdir = Path(workdir)
     try:
         workdir.mkdir(parents=True, exist_ok=True)
@@ -210,8 +198,7 @@ def read_log(path: Path) -> list[dict]:
 
 
 def last_record(path: Path) -> dict | None:
-    """The last complete record of a JSONL log, read from its end (a torn last line is
-    skipped); None when there is none."""
+    """The last complete record of a JSONL log (read from its end), or None."""
     try:
         with open(path, "rb") as f:
             f.seek(0, os.SEEK_END)
@@ -269,9 +256,8 @@ def cut_log(path: Path, step: int) -> None:
 class Lock:
     """An exclusive flock on ``WORKDIR/lock`` holding its holder's pid, host and start time.
 
-    flock conflicts between two opens of the file even within one process, so code that
-    already holds a workdir's lock (a sweep worker, around the training of its trial) tells
-    ``train.run`` so rather than taking it twice.
+    Two opens of the file conflict even within one process, so code that already holds the
+    lock (a sweep worker) tells ``train.run`` so rather than taking it twice.
     """
 
     def __init__(self, workdir: Path):
@@ -279,7 +265,6 @@ class Lock:
         self.fd = None
 
     def acquire(self) -> bool:
-        """Take the lock if it is free."""
         try:
             fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
         except OSError as error:

@@ -1,9 +1,5 @@
-"""Sweeps: many training runs from one sweep file, run locally or on SLURM, and one table.
-
-``python -m lmuscale.sweep sweeps/owt2.py`` (see ``lmuscale.sweep.__main__``); a sweep file
-defines ``get_trials()`` returning ``Trial(name, config, overrides)`` items (see
-``lmuscale.sweep.spec``).
-"""
+"""Sweeps: many training runs from one sweep file (``lmuscale.sweep.spec``), run locally or on
+SLURM, and one table: ``python -m lmuscale.sweep sweeps/owt2.py``."""
 
 from __future__ import annotations
 

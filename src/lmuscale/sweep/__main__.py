@@ -1,13 +1,10 @@
 """``python -m lmuscale.sweep SWEEP_FILE [--workdir DIR] [--dry-run] [--only PATTERN]
 [--executor local|slurm] [--parallel K] [--detach]``.
 
-Runs every trial of a sweep file (``sweeps/owt2.py``), each in its own folder under
-``WORKDIR/trials/``, and writes ``WORKDIR/results.jsonl`` and ``results.csv``. Run the same
-command again at any time: finished trials are skipped and interrupted ones resume.
-
-The exit status is the outcome's in ``lmuscale.outcomes.Exit``: 0 when every selected trial
-finished, 10 when one failed, diverged or did not finish (the table says which), 1 for a bad
-sweep file, 2 for bad arguments, 130 when stopped (Ctrl-C, SIGTERM or SIGHUP).
+Runs every trial of a sweep file, each in ``WORKDIR/trials/NAME-HASH``, and writes
+``WORKDIR/results.jsonl`` and ``results.csv``. Run it again at any time: finished trials are
+skipped and interrupted ones resume. Exit status: ``lmuscale.outcomes.Exit`` (130 also for
+SIGTERM and SIGHUP).
 """
 
 from __future__ import annotations

@@ -1,15 +1,6 @@
-"""Grids of trials for compute-optimal studies, for sweep files to yield.
-
-- ``isoflop_grid``: per compute budget C, several sizes per family, each trained on the tokens
-  C buys at that model's own training FLOPs per token (``flops_per_token(model,
-  seq_len).train``, not 6N). The sizes are the family's candidates nearest a target
-  tokens-per-parameter ratio, so the window slides with C.
-- ``learning_rate_grid``: each size at each of several learning rates, at a short budget, for
-  ``python -m lmuscale.analysis`` to pick a rate per size.
-
-Either takes ``seeds``. Every trial's schedule scales with its own steps (``schedule``), so
-every run has an evaluation curve.
-"""
+"""Grids of trials for compute-optimal studies, for sweep files to yield: ``isoflop_grid`` (per
+compute budget, the sizes nearest a tokens-per-parameter ratio, each trained on the tokens the
+budget buys at its own training FLOPs per token, not 6N) and ``learning_rate_grid``."""
 
 from __future__ import annotations
 
@@ -50,13 +41,10 @@ def isoflop_points(
     tokens_per_param: float | Mapping[str, float] = 20.0,
     min_steps: int = 50,
 ) -> list[GridPoint]:
-    """The sizes each budget trains, per family.
-
-    ``models`` maps a family's label to its candidate models (any order); for each budget the
-    ``per_budget`` candidates with at least ``min_steps`` steps whose D / N lies nearest
-    ``tokens_per_param`` (in log; a number, or one per family) are kept, as a run of
-    consecutive sizes. Raises ValueError naming the family and budget when fewer than
-    ``per_budget`` candidates afford ``min_steps`` steps."""
+    """The sizes each budget trains, per family: of the candidates (any order) that afford
+    ``min_steps`` steps, the ``per_budget`` consecutive sizes whose D / N lies nearest
+    ``tokens_per_param`` (in log; a number, or one per family). ValueError when fewer afford
+    them."""
     points = []
     tokens_per_step = batch * seq_len
     for budget in budgets:
@@ -76,11 +64,9 @@ def isoflop_points(
                     f"{len(sized)} sizes afford {min_steps} steps of {tokens_per_step:,} "
                     f"tokens; {per_budget} are needed (add smaller sizes or raise the budget)"
                 )
-            target = (
-                tokens_per_param[family]
-                if isinstance(tokens_per_param, Mapping)
-                else tokens_per_param
-            )
+            target = tokens_per_param
+            if isinstance(tokens_per_param, Mapping):
+                target = tokens_per_param[family]
             ratio = [abs(math.log(p.tokens / p.n / target)) for p in usable]
             centre = ratio.index(min(ratio))
             start = min(max(0, centre - per_budget // 2), len(usable) - per_budget)
@@ -101,11 +87,9 @@ def isoflop_grid(
     learning_rate: Callable[[str, int], float] | None = None,
 ) -> list[Trial]:
     """The trials of an IsoFLOP study: ``isoflop_points`` (batch and sequence length from
-    ``make_config``'s config), each trained for its steps with ``schedule`` applied, at each
-    seed. ``learning_rate(family, n)``, if given, sets each size's rate (e.g. ``lookup`` of a
-    learning-rate file the analysis wrote). Trial names are FAMILY-N-C (N and C in short
-    form, e.g. ``lmu-29k-3e11``), with ``-sK`` for seed K when there are several seeds."""
-    budgets = list(budgets)
+    ``make_config``), each ``schedule``d for its steps, at each seed. ``learning_rate(family,
+    n)``, if given, sets each size's rate (e.g. ``lookup`` of the analysis's learning-rate
+    file). Trial names are FAMILY-N-C (``lmu-29k-3e11``), ``-sK`` added for several seeds."""
     probe = make_config(next(iter(next(iter(models.values())))))
     batch, seq_len = probe.train.global_batch, probe.data.seq_len
     points = isoflop_points(

@@ -1,8 +1,5 @@
-"""The local executor: each trial in a worker process, one at a time or K at a time.
-
-With K > 1 and GPUs visible, each worker gets its own share of them through
-CUDA_VISIBLE_DEVICES; on a CPU the workers share it.
-"""
+"""The local executor: each trial in a worker process, K at a time, each worker with its own
+share of the visible GPUs (CUDA_VISIBLE_DEVICES); on a CPU the workers share it."""
 
 from __future__ import annotations
 
@@ -10,7 +7,6 @@ import os
 import shutil
 import signal
 import subprocess
-import sys
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -18,8 +14,8 @@ from pathlib import Path
 from lmuscale.outcomes import Exit
 from lmuscale.sweep.spec import SweepError
 from lmuscale.sweep.trials import record_crash
-from lmuscale.sweep.worker import ENDED, PARENT
-from lmuscale.workdir import DONE, LOG, is_locked, status
+from lmuscale.sweep.worker import ENDED, start
+from lmuscale.workdir import DONE, is_locked, status
 
 POLL_SECONDS = 0.5
 STOP_GRACE_SECONDS = 120  # how long stopped workers get to write their checkpoint
@@ -74,7 +70,9 @@ def run_local(
                     waiting.append(folder)
                     continue
                 slot = free.pop(0)
-                running[folder] = (_start(folder, slot), slot)
+                # A session of its own: Ctrl-C reaches the runner, which stops the workers cleanly.
+                process = start(folder, "worker started", slot, start_new_session=True)
+                running[folder] = (process, slot)
             on_update({f: "running" for f in running} | {f: "waiting" for f in waiting})
             time.sleep(POLL_SECONDS)
             for folder, (process, slot) in list(running.items()):
@@ -92,21 +90,6 @@ def run_local(
     except BaseException:
         _stop(running)
         raise
-
-
-def _start(folder: Path, slot: dict) -> subprocess.Popen:
-    with open(folder / LOG, "ab") as log:
-        log.write(f"\n=== {time.strftime('%Y-%m-%d %H:%M:%S')} worker started\n".encode())
-        log.flush()
-        # A session of its own: Ctrl-C reaches the runner, which stops the workers cleanly.
-        return subprocess.Popen(
-            [sys.executable, "-m", "lmuscale.sweep.worker", str(folder)],
-            stdout=log,
-            stderr=subprocess.STDOUT,
-            stdin=subprocess.DEVNULL,
-            env=os.environ | slot | {PARENT: str(os.getpid())},
-            start_new_session=True,
-        )
 
 
 def _stop(running: dict) -> None:

@@ -1,10 +1,8 @@
 """``--dry-run``: the sweep as a table of sizes, tokens, FLOPs and an estimated time.
 
-A trial's time is its training FLOPs over a throughput in model FLOP/s, the first of:
-``measured`` (its own metrics.jsonl), ``family`` (the median of the sweep's other trials of
-its family), ``benchmark`` or ``benchmark family`` (the sweep file's GPU benchmark, see
-``Throughput.lookup``), ``configured`` (``--throughput`` or THROUGHPUT's number). Evaluation
-and compilation are not counted.
+A trial's time is its training FLOPs (not evaluation or compilation) over the first model
+FLOP/s of: ``measured`` (its metrics.jsonl), ``family`` (the median of its family's measured
+trials), then ``Throughput.lookup``.
 """
 
 from __future__ import annotations
@@ -49,14 +47,11 @@ def plan(trials, workdir: Path, throughput: Throughput) -> list[dict]:
         if row["flops_per_second"]:
             by_family.setdefault(row["family"], []).append(row["flops_per_second"])
     for row in rows:
-        if row["source"]:
-            continue
-        if row["family"] in by_family:
+        if not row["source"] and row["family"] in by_family:
             row["flops_per_second"] = statistics.median(by_family[row["family"]])
             row["source"] = "family"
-        else:
+        elif not row["source"]:
             row["flops_per_second"], row["source"] = throughput.lookup(row["family"], row["N"])
-    for row in rows:
         speed = row["flops_per_second"]
         row["seconds"] = row["total_flops"] / speed if speed else None
     return rows

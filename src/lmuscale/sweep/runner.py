@@ -1,9 +1,8 @@
 """Running a sweep: trial folders, embedded data, the executor, the results table.
 
-The runner keeps no state of its own: every trial's status is read from its folder (summary,
-error, lock, checkpoints), and the results table is rewritten from the folders after every
-change. So a runner killed at any moment, started again, picks up where things are: finished
-trials are skipped, interrupted ones resume from their last checkpoint.
+The runner keeps no state of its own: every trial's status is read from its folder, and the
+results table is rewritten from the folders after every change, so a runner killed at any
+moment, started again, picks up where things are.
 """
 
 from __future__ import annotations
@@ -59,12 +58,9 @@ def prepare_data(trials: list[ResolvedTrial], progress: bool) -> None:
             prepare_embedded(path, data.source, data.tokenizer, progress)
 
 
-def results(workdir: Path, sweep: Sweep, paths: dict[str, Path]) -> list[dict]:
+def results(workdir: Path, sweep: Sweep) -> list[dict]:
     """Rewrite results.jsonl and results.csv from the folders of every trial of the sweep."""
-    rows = []
-    for trial in sweep.trials:
-        folder = paths.get(trial.name, workdir / "trials" / trial.folder_name)
-        rows.append(result_row(trial, folder))
+    rows = [result_row(t, workdir / "trials" / t.folder_name) for t in sweep.trials]
     write_results(workdir, rows)
     return rows
 
@@ -169,7 +165,7 @@ def run_sweep(
     show = os.isatty(2) if show is None else show
     trials = select(sweep, only)
     paths = folders(sweep, workdir, trials)
-    rows = {r["trial"]: r for r in results(workdir, sweep, paths)}
+    rows = {r["trial"]: r for r in results(workdir, sweep)}
     todo = [t for t in trials if rows[t.name]["status"] not in DONE]
     print(
         f"sweep {sweep.path}: {len(trials)} trials, {len(trials) - len(todo)} already done, "
@@ -192,7 +188,7 @@ def run_sweep(
             wait(workdir, progress.update, progress.write)
         finally:
             progress.close()
-    final = results(workdir, sweep, paths)
+    final = results(workdir, sweep)
     chosen = [r for r in final if r["trial"] in paths]
     print(results_table(chosen), flush=True)
     for row in chosen:
@@ -210,16 +206,15 @@ def _run_local(sweep, workdir, trials, todo, paths, parallel, show) -> None:
     from lmuscale.sweep.local import run_local
 
     progress = Progress(paths, trials, show)
-    by_folder = {paths[t.name]: t for t in trials}
 
     def on_end(folder: Path, _state: str) -> None:
-        table = {r["trial"]: r for r in results(workdir, sweep, paths)}
-        progress.write(describe(table[by_folder[folder].name]))
+        rows = {r["folder"]: r for r in results(workdir, sweep)}
+        progress.write(describe(rows[folder.name]))
 
     try:
         run_local([paths[t.name] for t in todo], parallel, progress.update, on_end)
     except BaseException:
-        results(workdir, sweep, paths)  # the rows of the trials that were stopped
+        results(workdir, sweep)  # the rows of the trials that were stopped
         raise
     finally:
         progress.close()

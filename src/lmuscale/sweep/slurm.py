@@ -1,14 +1,10 @@
 """The SLURM executor: one job array through submitit, one trial per array task.
 
-Each task runs the trial's worker (``python -m lmuscale.sweep.worker FOLDER``), its output in
-the trial's train.log beside links to submitit's logs. On preemption or near the time limit
-SLURM signals the task (USR2); the worker writes a checkpoint and stops, and submitit requeues
-the task, which resumes. Jobs are recorded in ``WORKDIR/slurm/jobs.json``, so a second runner
-waits for trials already queued instead of submitting them again.
-
-A trial may span several processes (``SLURM = {"nodes": 2, "tasks_per_node": 8, ...}``):
-each task's worker joins the others through ``jax.distributed.initialize``; task 0 holds the
-trial's lock and writes train.log, the others ``train.rankN.log``.
+Each task runs the trial's worker, its output in the trial's train.log (``train.rankN.log`` for
+task N > 0 of a trial that spans several) beside links to submitit's logs. On USR2 (preemption,
+or near the time limit) the worker writes a checkpoint and stops, and submitit requeues the
+task. Jobs are recorded in ``WORKDIR/slurm/jobs.json``, so a second runner waits for trials
+already queued instead of submitting them again.
 """
 
 from __future__ import annotations
@@ -16,7 +12,6 @@ from __future__ import annotations
 import os
 import signal
 import subprocess
-import sys
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -25,7 +20,7 @@ from lmuscale.files import atomic_write_json
 from lmuscale.outcomes import Exit
 from lmuscale.sweep.spec import Sweep, SweepError
 from lmuscale.sweep.trials import record_crash
-from lmuscale.sweep.worker import ENDED, PARENT, TASK
+from lmuscale.sweep.worker import ENDED, TASK, start
 from lmuscale.workdir import DONE, LOG, is_locked, read_json, status
 
 try:
@@ -42,6 +37,7 @@ MAX_REQUEUES = 1000
 STOP_GRACE_SECONDS = 120
 POLL_SECONDS = 2.0
 REQUEUE_GRACE_SECONDS = 30.0
+JOBS = Path("slurm", "jobs.json")  # trial folder -> array task (JOB_TASK) of every submission
 
 
 class TrialJob(Checkpointable):
@@ -65,20 +61,10 @@ class TrialJob(Checkpointable):
             link = folder / f"slurm-{job.job_id}{tag}.{suffix}"
             if not link.is_symlink():
                 link.symlink_to(Path(str(source)).absolute())
-        log_path = folder / (LOG if rank == 0 else f"{Path(LOG).stem}.rank{rank}.log")
+        log = LOG if rank == 0 else f"{Path(LOG).stem}.rank{rank}.log"
         while True:
-            with open(log_path, "ab") as log:
-                stamp = time.strftime("%Y-%m-%d %H:%M:%S")
-                started = f"worker started by SLURM job {job.job_id}, task {rank} of {tasks}"
-                log.write(f"\n=== {stamp} {started}\n".encode())
-                log.flush()
-                self.process = subprocess.Popen(
-                    [sys.executable, "-m", "lmuscale.sweep.worker", str(folder)],
-                    stdout=log,
-                    stderr=subprocess.STDOUT,
-                    stdin=subprocess.DEVNULL,
-                    env=os.environ | {PARENT: str(os.getpid()), TASK: f"{rank}/{tasks}"},
-                )
+            started = f"worker started by SLURM job {job.job_id}, task {rank} of {tasks}"
+            self.process = start(folder, started, {TASK: f"{rank}/{tasks}"}, log)
             code = self.process.wait()
             if code != Exit.BUSY:
                 break
@@ -113,10 +99,6 @@ def _stop(pid: int) -> None:
     os.kill(pid, signal.SIGKILL)
 
 
-def _jobs_path(workdir: Path) -> Path:
-    return workdir / "slurm" / "jobs.json"
-
-
 def queued(job_ids: list[str]) -> set[str]:
     """The array tasks (``JOB_TASK``) of these jobs that SLURM still has queued or running."""
     if not job_ids:
@@ -138,8 +120,7 @@ def queued(job_ids: list[str]) -> set[str]:
 
 
 def _recorded(workdir: Path) -> dict[str, str]:
-    """Trial folder -> array task id (``JOB_TASK``) of every recorded submission."""
-    return (read_json(_jobs_path(workdir)) or {}).get("tasks", {})
+    return (read_json(workdir / JOBS) or {}).get("tasks", {})
 
 
 def run_slurm(
@@ -170,7 +151,7 @@ def run_slurm(
         raise SweepError(f"SLURM refused the job array: {type(error).__name__}: {error}") from None
     for folder, job in zip(todo, jobs, strict=True):
         recorded[folder.name] = job.job_id
-    atomic_write_json(_jobs_path(workdir), {"tasks": recorded})
+    atomic_write_json(workdir / JOBS, {"tasks": recorded})
     array = jobs[0].job_id.split("_")[0]
     return f"SLURM job array {array} ({len(jobs)} tasks)"
 

@@ -1,15 +1,9 @@
 """Sweep files: Python modules whose ``get_trials()`` lists the training runs of a sweep.
 
 A sweep file defines ``get_trials()``, an iterable of ``Trial(name, config, overrides)``, and
-optionally ``THROUGHPUT`` (model FLOP/s per trial for ``--dry-run``'s estimate: a number or
-``from_benchmarks(folder, default)``, see ``lmuscale.sweep.throughput``), ``SLURM`` (submitit
-parameters for ``--executor slurm``) and ``after(workdir)``, called once every trial has
-finished.
-
-A trial's folder is ``NAME-HASH``, HASH a sha256 of every config key that changes the trained
-numbers (not ``log.*`` or ``data.path``): editing a trial's config gives it a new folder, and
-nothing else does. A trial that logs to W&B and names no ``log.wandb_group`` is put in the
-group named after the sweep file's stem.
+optionally ``THROUGHPUT`` (``lmuscale.sweep.throughput``), ``SLURM`` (submitit parameters) and
+``after(workdir)``, called once every trial has finished. A trial's folder is ``NAME-HASH``,
+HASH a sha256 of the config keys that change the trained numbers (``config_hash``).
 """
 
 from __future__ import annotations
@@ -137,7 +131,6 @@ def load_sweep(path: str | Path) -> Sweep:
 
 
 def _throughput(path: Path, value) -> Throughput:
-    """THROUGHPUT as a Throughput: a plain number becomes its default."""
     if isinstance(value, Throughput):
         return value
     if value is None:
@@ -151,8 +144,7 @@ def _throughput(path: Path, value) -> Throughput:
 
 
 def _resolve(trial: Trial, folder: Path, where: str, group: str = "") -> ResolvedTrial:
-    """``trial``'s checked config (``group``: the W&B group of a trial that logs to W&B and
-    names none, the sweep's name) and its hash."""
+    """``trial``'s checked config and its hash; ``group``: the W&B group when it names none."""
     try:
         if isinstance(trial.config, str):
             file, sep, name = trial.config.partition(":")

@@ -65,10 +65,8 @@ class _Benchmark:
 def from_benchmarks(
     folder: str | Path, default: float | None = None, *, seq_len: int = 1024, batch: int = 512
 ) -> Throughput:
-    """The GPU benchmark in ``folder`` (see the module docstring), or just ``default`` with a
-    source that says it is a guess, and why: no ``gpu-*.json`` there, none with training rows
-    at ``batch`` x ``seq_len``, or one that cannot be read (the reason is in ``source``, which
-    ``--dry-run`` prints; a sweep still runs)."""
+    """The GPU benchmark in ``folder`` (see the module docstring), or else just ``default``,
+    with a ``source`` (which ``--dry-run`` prints) that says it is a guess, and why."""
     if default is not None and not (isinstance(default, int | float) and default > 0):
         raise BenchmarkError(f"from_benchmarks: default must be a positive FLOP/s, not {default!r}")
     default = default and float(default)
@@ -112,8 +110,7 @@ def _guess(default: float | None) -> str:
 
 
 def _read(path: Path, seq_len: int, batch: int) -> _Benchmark:
-    """A benchmark file, checked for the keys this module reads; its speeds are those of
-    ``batch`` x ``seq_len`` tokens per step."""
+    """A benchmark file, checked for the keys this module reads."""
     try:
         data = json.loads(path.read_text())
     except (OSError, UnicodeDecodeError, json.JSONDecodeError) as error:
@@ -161,11 +158,9 @@ def _auto_loss(machine: dict) -> str:
 def _speeds(
     path: Path, parts: dict, seq_len: int, batch: int, auto: str
 ) -> dict[tuple[str, int], float]:
-    """Model FLOP/s by (family, N) from the ``train/*`` parts' rows at ``batch`` x
-    ``seq_len``; failed rows (with ``error``), rows without a speed, rows of another shape
-    and rows of the cross-entropy that ``loss_impl="auto"`` would not take on that device
-    (rows from before it was recorded ran "xla") are left out, and a model benchmarked twice
-    takes the median."""
+    """Model FLOP/s by (family, N), the median of the ``train/*`` rows at ``batch`` x
+    ``seq_len`` that ran the cross-entropy ``loss_impl="auto"`` takes on that device (rows
+    that do not name it ran "xla"); rows without a speed, or with ``error``, are left out."""
     speeds: dict[tuple[str, int], list[float]] = {}
     for name, part in parts.items():
         if not name.startswith("train/"):
@@ -217,7 +212,7 @@ def _pick(
 
 
 def _short(path: Path) -> str:
-    """``path`` relative to the current folder where it lies under it, for a short line."""
+    """``path`` relative to the current folder where it lies under it."""
     try:
         return str(path.resolve().relative_to(Path.cwd().resolve()))
     except ValueError:

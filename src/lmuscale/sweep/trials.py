@@ -1,8 +1,5 @@
-"""Trial folders: what a trial's folder says about it, its lock, and the sweep's results table.
-
-A trial folder is a training workdir plus the sweep's records of the trial (its files are
-named, and its status read, in ``lmuscale.workdir``).
-"""
+"""Trial folders (a training workdir plus the sweep's records, see ``lmuscale.workdir``): what
+a trial's folder says about it, and the sweep's results table."""
 
 from __future__ import annotations
 
@@ -110,19 +107,14 @@ def result_row(trial: ResolvedTrial, folder: Path) -> dict:
 
 def write_results(workdir: Path, rows: list[dict]) -> None:
     """``results.jsonl`` and ``results.csv``, each replaced atomically (per-position losses
-    are JSON lists in the CSV)."""
+    are JSON lists in the CSV, and None an empty cell)."""
     lines = "".join(json.dumps(_clean(row)) + "\n" for row in rows)
     atomic_write_bytes(workdir / "results.jsonl", lines.encode())
     buffer = io.StringIO()
     writer = csv.DictWriter(buffer, fieldnames=RESULT_FIELDS, lineterminator="\n")
     writer.writeheader()
-    for row in rows:
-        writer.writerow(
-            {
-                k: json.dumps(v) if isinstance(v, list) else ("" if v is None else v)
-                for k, v in _clean(row).items()
-            }
-        )
+    for row in _clean(rows):
+        writer.writerow({k: json.dumps(v) if isinstance(v, list) else v for k, v in row.items()})
     atomic_write_bytes(workdir / "results.csv", buffer.getvalue().encode())
 
 

@@ -4,10 +4,8 @@ The runners (local and SLURM) start this process per trial. It holds the trial's
 long as it lives, so two runners never train the same trial at once, and on Linux it dies
 with the process that started it, so killing a runner leaves no orphan training behind.
 
-The exit status is the outcome's in ``lmuscale.outcomes.Exit``, with one line on stderr: 0
-finished (or already finished), 3 diverged, 4 (130 for SIGINT) stopped by a signal after a
-checkpoint, 75 the trial is locked by another process (or the runner died as this one
-started); any other status is a failure, and error.json has its traceback.
+The exit status is the outcome's in ``lmuscale.outcomes.Exit``; 75 also when the runner died as
+this one started. A status not in ``ENDED`` is a failure, and error.json has its traceback.
 """
 
 from __future__ import annotations
@@ -15,6 +13,7 @@ from __future__ import annotations
 import json
 import os
 import socket
+import subprocess
 import sys
 import time
 import traceback
@@ -23,7 +22,7 @@ from pathlib import Path
 from lmuscale.files import atomic_write_json
 from lmuscale.outcomes import DamagedFile, Exit, WorkdirBusy, run_main
 from lmuscale.processes import die_with_parent
-from lmuscale.workdir import ATTEMPTS, ERROR, TRIAL, Lock, read_json
+from lmuscale.workdir import ATTEMPTS, ERROR, LOG, TRIAL, Lock, read_json
 from lmuscale.workdir import outcome as final_outcome
 
 # How a worker that ended by itself says so: every other status is a failure (or a crash, when
@@ -46,6 +45,22 @@ def task() -> tuple[int, int]:
     if not 0 <= rank < tasks:
         raise ValueError(f"{TASK}={value!r}: the rank must be in 0..TASKS-1")
     return rank, tasks
+
+
+def start(folder: Path, started: str, env: dict, log: str = LOG, **popen) -> subprocess.Popen:
+    """Start a worker on ``folder``, its output appended to ``folder/log`` after a line that
+    says when it ``started``; ``env`` is added to this process's environment."""
+    with open(folder / log, "ab") as out:
+        out.write(f"\n=== {time.strftime('%Y-%m-%d %H:%M:%S')} {started}\n".encode())
+        out.flush()
+        return subprocess.Popen(
+            [sys.executable, "-m", "lmuscale.sweep.worker", str(folder)],
+            stdout=out,
+            stderr=subprocess.STDOUT,
+            stdin=subprocess.DEVNULL,
+            env=os.environ | env | {PARENT: str(os.getpid())},
+            **popen,
+        )
 
 
 def _attempt(folder: Path, record: dict) -> None:
