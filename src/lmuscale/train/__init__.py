@@ -3,9 +3,8 @@
 ``python -m lmuscale.train --config experiments/owt2.py:lmu-1M --workdir runs/lmu-1M``; in
 Python, ``run(load("experiments/owt2.py:tiny"), "runs/tiny")``.
 
-The names below are imported on first use: ``python -m lmuscale.train`` imports this package
-before its ``main`` runs, and ``main`` must hold the seconds of importing JAX, so that a
-Ctrl-C then is its one line rather than a traceback.
+The names below are imported on first use, so that ``main`` of ``python -m lmuscale.train``
+holds the seconds of importing JAX (a Ctrl-C then is one line, not a traceback).
 """
 
 from __future__ import annotations

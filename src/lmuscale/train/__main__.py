@@ -1,9 +1,7 @@
 """``python -m lmuscale.train --config FILE.py[:NAME] [--config.KEY=VALUE ...] --workdir DIR``.
 
 Runs (or resumes) one training run. The exit status is the outcome's in
-``lmuscale.outcomes.Exit`` (the README lists them all); among them 4 when SIGTERM, SIGUSR1 or
-SIGUSR2 stopped it after a checkpoint (run it again to resume), and 130 for Ctrl-C (SIGINT),
-which during training also stops after a checkpoint.
+``lmuscale.outcomes.Exit`` (the README lists them all).
 """
 
 from __future__ import annotations

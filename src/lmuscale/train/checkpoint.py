@@ -1,19 +1,12 @@
-"""Every checkpoint lmuscale writes or reads, through orbax: training's, the task runs' and
-the parameters ``generate`` samples from. ``CheckpointError`` is its one error.
+"""Every checkpoint lmuscale writes or reads, through orbax (training's, the task runs', and
+``generate``'s parameters). ``CheckpointError`` is its one error.
 
-A checkpoint is a folder ``checkpoints/STEP`` holding ``state/`` (the arrays), ``meta/`` (a
-little JSON, with a CRC-32 of every array that process 0 holds whole) and ``files.json`` (the
-size and CRC-32 of every file, written once the save is complete). Orbax writes each
-checkpoint under a temporary name and renames it when complete, so a run killed while saving
-leaves the previous checkpoints whole. Saves are asynchronous: the arrays are copied off the
-device before ``save`` returns and written while training goes on.
-
-Reading checks the files against ``files.json`` before orbax opens any of them, so a
-truncated or damaged file is named without orbax's failed reads (which report themselves
-from its threads), then checks the arrays against their CRC-32s. A checkpoint without
-``files.json`` (written before it existed, or killed between the rename and it) is read on
-its array checksums alone. A damaged checkpoint raises ``CheckpointError`` with ``damaged``
-set; training moves it to ``checkpoints.corrupt/`` and resumes from the one before.
+A checkpoint ``checkpoints/STEP`` holds ``state/`` (the arrays), ``meta/`` (JSON, with a
+CRC-32 of every array process 0 holds whole) and ``files.json`` (each file's size and CRC-32,
+written once the asynchronous save is complete). Reading checks the files against
+``files.json`` before orbax opens any (so a damaged file is named without orbax's failed reads
+reporting from its threads), then the arrays against their CRC-32s; a checkpoint without
+``files.json`` (older, or killed just before it) is read on its array checksums alone.
 """
 
 from __future__ import annotations
@@ -60,8 +53,8 @@ class CheckpointError(StorageError):
 
 
 def _reason(error: BaseException) -> str:
-    """One line for an error from orbax or tensorstore: the innermost error's first line
-    (the outer ones only say where it was reading), without tensorstore's internal details."""
+    """One line for an error from orbax or tensorstore: the innermost error's first line,
+    without tensorstore's internal details."""
     seen = set()
     while (error.__cause__ or error.__context__) is not None and id(error) not in seen:
         seen.add(id(error))
@@ -75,8 +68,7 @@ def _reason(error: BaseException) -> str:
 
 
 def _orbax_traceback(record: logging.LogRecord) -> bool:
-    """False for the traceback orbax logs when a background save fails: ``wait`` raises that
-    failure as one named error, and the traceback would bury it."""
+    """False for the traceback orbax logs when a background save fails (``wait`` names it)."""
     return not (
         record.exc_info
         and record.levelno >= logging.ERROR
@@ -85,14 +77,12 @@ def _orbax_traceback(record: logging.LogRecord) -> bool:
 
 
 def _whole(x) -> bool:
-    """Whether this process holds all of array ``x``: every array in a single-process run,
-    the replicated ones in a multi-process run."""
+    """Whether this process holds all of array ``x`` (with several processes: replicated)."""
     return getattr(x, "is_fully_addressable", True) or x.sharding.is_fully_replicated
 
 
 def checksums(state) -> dict:
-    """CRC-32 of the bytes of each array this process holds whole, by its path in the tree
-    (in a multi-process run, arrays split across processes are left out)."""
+    """CRC-32 of the bytes of each array this process holds whole, by its path in the tree."""
     leaves = [(path, x) for path, x in jax.tree_util.tree_leaves_with_path(state) if _whole(x)]
     local = [
         x if getattr(x, "is_fully_addressable", True) else x.addressable_data(0) for _, x in leaves
@@ -105,8 +95,7 @@ def checksums(state) -> dict:
 
 
 def _check_arrays(where: Path, saved: dict | None, restored, hint: str = "") -> None:
-    """``CheckpointError`` when an array of ``restored`` differs from its saved CRC-32 (none
-    saved: a checkpoint from before checksums, taken as it is)."""
+    """``CheckpointError`` when an array of ``restored`` differs from its saved CRC-32."""
     if not saved:
         return
     now = checksums(restored)
@@ -130,9 +119,8 @@ def _file_sums(folder: Path) -> dict:
 
 
 def verify_files(folder: Path, hint: str = "") -> bool:
-    """Check checkpoint ``folder``'s files against its ``files.json`` before anything reads
-    them: ``CheckpointError`` naming the first that is missing, of another size or damaged.
-    False when the folder has no ``files.json``."""
+    """``CheckpointError`` naming the first of ``folder``'s files that differs from its
+    ``files.json``; False when there is no ``files.json``."""
     try:
         saved = json.loads((folder / FILES).read_text())
     except FileNotFoundError:
@@ -162,8 +150,7 @@ def verify_files(folder: Path, hint: str = "") -> bool:
 
 
 def steps(folder: Path) -> list[int]:
-    """The steps of the complete checkpoints in ``folder``, oldest first (orbax writes each
-    under a temporary name and renames it to its step when complete)."""
+    """The steps of the complete checkpoints in ``folder``, oldest first."""
     try:
         return sorted(int(p.name) for p in folder.iterdir() if p.name.isdigit() and p.is_dir())
     except (FileNotFoundError, NotADirectoryError):
@@ -204,21 +191,15 @@ class Checkpoints:
         )
         self.manager = ocp.CheckpointManager(self.directory, options=options)
         self.writing: int | None = None  # the step of the last save, until it is checked
-        # Orbax logs a failed background save's traceback on the absl logger; ``wait`` names
-        # the failure in one line. The filter lives as long as this manager (``close``).
         logging.getLogger("absl").addFilter(_orbax_traceback)
 
     def latest_step(self) -> int | None:
         return self.manager.latest_step()
 
-    def all_steps(self) -> list[int]:
-        return sorted(self.manager.all_steps())
-
     def save(self, step: int, state, meta: dict) -> None:
-        """Save ``state`` at ``step``, first checking that the previous save was written and
-        that there is room for this one (a full disk or a read-only folder is named here, at
-        the save that needs it, before orbax starts threads that would wait for it forever;
-        the older checkpoints stay)."""
+        """Save ``state`` at ``step`` once the previous save is written and there is room (a
+        full disk or a read-only folder is named here, before orbax starts threads that
+        would wait for it forever)."""
         meta = {**meta, CHECKSUMS: checksums(state)}  # while the previous save is written
         self.wait()  # orbax would wait for it too; this names the step that failed
         self._check_room(step, sum(x.nbytes for x in jax.tree.leaves(state)))
@@ -228,11 +209,14 @@ class Checkpoints:
         try:
             self.manager.save(step, args=args, force=True)
         except Exception as error:
-            raise CheckpointError(
-                f"saving checkpoint {step} in {self.directory} failed ({_reason(error)}); the "
-                "checkpoints before it are kept"
-            ) from None
+            raise self._failed("saving", step, error) from None
         self.writing = step
+
+    def _failed(self, doing: str, step, error: Exception) -> CheckpointError:
+        return CheckpointError(
+            f"{doing} checkpoint {step} in {self.directory} failed ({_reason(error)}); the "
+            "checkpoints before it are kept"
+        )
 
     def _check_room(self, step: int, needed: int) -> None:
         no_room = f"no room for checkpoint {step} in {self.directory}: it needs about"
@@ -240,10 +224,7 @@ class Checkpoints:
         try:
             fd, probe = tempfile.mkstemp(dir=self.directory, prefix=".probe-")
         except OSError as error:
-            raise CheckpointError(
-                f"writing checkpoint {step} in {self.directory} failed ({_reason(error)}); "
-                "the checkpoints before it are kept"
-            ) from None
+            raise self._failed("writing", step, error) from None
         os.close(fd)
         os.unlink(probe)
         free = shutil.disk_usage(self.directory).free
@@ -262,8 +243,7 @@ class Checkpoints:
                 )
 
     def check(self) -> None:
-        """``CheckpointError`` if the last save has failed in the background (the loop calls
-        this at every logged step, so a failure is named soon after it happens)."""
+        """``CheckpointError`` if the last save has failed in the background."""
         if self.writing is not None and not self.manager.is_saving_in_progress():
             self.wait()
 
@@ -273,19 +253,15 @@ class Checkpoints:
         try:
             self.manager.wait_until_finished()
         except Exception as error:
-            raise CheckpointError(
-                f"writing checkpoint {self.writing} in {self.directory} failed "
-                f"({_reason(error)}); the checkpoints before it are kept"
-            ) from None
+            raise self._failed("writing", self.writing, error) from None
         folder = self.directory / str(self.writing)
         if self.writing is not None and jax.process_index() == 0 and folder.is_dir():
             atomic_write_json(folder / FILES, _file_sums(folder))
         self.writing = None
 
     def restore(self, step: int, abstract_state) -> tuple[dict, dict]:
-        """The state at ``step``, each array placed with the sharding in ``abstract_state``
-        (a tree of ``jax.ShapeDtypeStruct`` with shardings), and its JSON; a damaged
-        checkpoint is a ``CheckpointError`` with ``damaged`` set."""
+        """The state at ``step``, placed as ``abstract_state`` (``ShapeDtypeStruct``s with
+        shardings) says, and its JSON."""
         where = self.directory / str(step)
         verify_files(where)
         args = ocp.args.Composite(
@@ -304,7 +280,7 @@ class Checkpoints:
     def restore_latest(self, abstract_state) -> tuple[int, dict, dict] | None:
         """``(step, state, JSON)`` of the newest intact checkpoint, or None when there is none.
         A damaged one is set aside (by process 0), and said so, and the one before it tried."""
-        for step in reversed(self.all_steps()):
+        for step in sorted(self.manager.all_steps(), reverse=True):
             try:
                 state, meta = self.restore(step, abstract_state)
             except CheckpointError as error:
@@ -329,8 +305,7 @@ class Checkpoints:
         return target
 
     def close(self) -> None:
-        """Stop the manager's threads (whatever a save left behind: nothing may keep the
-        process from exiting)."""
+        """Stop the manager's threads, whatever a save left behind."""
         try:
             self.manager.wait_until_finished()
         except Exception:
@@ -342,16 +317,15 @@ class Checkpoints:
 
 @dataclasses.dataclass(frozen=True)
 class Found:
-    """The orbax folder to read parameters from, and the training workdir it belongs to (whose
-    config describes the model), or None for a folder saved outside one."""
+    """The orbax folder to read parameters from, and the training workdir it belongs to
+    (None for a folder saved outside one)."""
 
     state: Path
     workdir: Path | None
 
 
 def locate(path) -> Found:
-    """A training workdir (its newest checkpoint), its checkpoints folder, ``N``, ``N/state``,
-    or an orbax checkpoint of the variables alone."""
+    """The ``Found`` of any path ``EXPECTED`` names (a workdir: its newest checkpoint)."""
     path = Path(os.path.abspath(path))  # "." and ".." resolved, so the folder names can be read
     if path.name == STATE and path.parent.name.isdigit() and path.parent.is_dir():
         return _step(path.parent)
@@ -405,9 +379,9 @@ def _older(step_folder: Path) -> str:
 
 
 def read_variables(path: Path, model):
-    """The variables (``{"params": ...}``) of ``model`` from an orbax checkpoint of them, or of
-    a training state that holds them under ``"params"`` (only they are read, not the optimiser
-    state), each array on the default device, verified as ``Checkpoints.restore`` does."""
+    """The variables (``{"params": ...}``) of ``model`` from an orbax checkpoint of them or of
+    a training state (only they are read), on the default device, verified as
+    ``Checkpoints.restore`` does."""
     from etils import epath
 
     path = Path(path).absolute()

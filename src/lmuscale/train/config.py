@@ -1,10 +1,9 @@
 """Training configs: Python files of ml_collections ConfigDicts, checked before anything runs.
 
-A config file defines ``get_config(name)`` (``name`` is the part after ``:`` in
-``experiments/owt2.py:lmu-1M``, or None) and returns ``base_config(model)`` with its changes.
-Every key and its type come from ``base_config``; the ``model`` section's keys are the fields
-of the model's config dataclass plus ``family``. A file or command line that adds a key, or
-gives a value of the wrong type, is an error that names the key.
+A config file defines ``get_config(name)`` (``name``: the part after ``:`` in
+``experiments/owt2.py:lmu-1M``, or None) returning ``base_config(model)`` with its changes.
+Every key and its type come from ``base_config`` (the ``model`` section: the model config's
+fields plus ``family``); an unknown key or a value of the wrong type is an error naming it.
 """
 
 from __future__ import annotations
@@ -35,8 +34,7 @@ RESUMABLE_CHANGES = (
     "train.memory_budget_gb",
     "model.loss_impl",  # the same loss to rounding (models.fused_loss)
 )
-# Keys added after runs were saved, with the value those runs had in effect: ``upgrade``
-# fills them into a saved config.
+# Keys added after runs were saved, with the value those runs had in effect (``upgrade``).
 ADDED_KEYS = {
     "train.memory_budget_gb": 0.0,
     "distributed.heartbeat_timeout": 100,
@@ -48,9 +46,7 @@ ADDED_KEYS = {
     "log.profile_steps": 0,
     "log.profile_start": 10,
 }
-# Model config fields added after runs were saved, with the value those runs had in effect:
-# filled in only for a family whose config has the field (a family registered elsewhere may
-# not).
+# The same for model config fields, filled in only for a family whose config has the field.
 ADDED_MODEL_FIELDS = {"loss_impl": "xla"}
 POSITIVE = (
     "train.steps",
@@ -77,7 +73,7 @@ NON_NEGATIVE = (
     "peak_flops",
 )
 # Other keys' valid values: (test, the range as the error message says it). Floats must also
-# be finite (a NaN fails every test anyway).
+# be finite.
 RANGES = {
     # jax.random.key keeps only the low 32 bits (without x64): seed 2**32 would draw seed 0's
     # parameters, but other batches.
@@ -89,13 +85,11 @@ RANGES = {
     "optim.eps": (lambda v: v > 0, "> 0"),  # 0 would divide 0 by 0 where a gradient is 0
     "optim.plateau_factor": (lambda v: 0 < v < 1, "in (0, 1)"),
     "optim.plateau_rtol": (lambda v: 0 < v <= 1, "in (0, 1]"),  # optax's range when atol is 0
-    # optax cuts the scale when its count of evaluations without improvement equals patience;
-    # the count is 0 after an improvement, so 0 would cut it at every improvement and never on
-    # a plateau, and a negative patience would never cut it.
+    # optax cuts the scale when its count of evaluations without improvement equals patience,
+    # a count that is 0 after an improvement: 0 would cut at every improvement, below never.
     "optim.plateau_patience": (lambda v: v >= 1, ">= 1"),
     "optim.plateau_cooldown": (lambda v: v >= 0, ">= 0"),  # below 0 acts as 0
-    # The scale starts at 1 and is max(scale, min_scale) at every evaluation: above 1 would
-    # raise the learning rate at the first one.
+    # The scale starts at 1 and is max(scale, min_scale): above 1 would raise the rate.
     "optim.plateau_min_scale": (lambda v: 0 <= v <= 1, "in [0, 1]"),
     "distributed.process_id": (lambda v: v >= -1, ">= -1"),  # -1 = from the environment
     "log.wandb_mode": (
@@ -106,13 +100,7 @@ RANGES = {
 
 
 def base_config(model: ModelConfig) -> ConfigDict:
-    """Every key a training config has, with the paper's defaults (REFERENCE §2).
-
-    Adam with its default settings at peak learning rate 1e-3; linear warmup, cosine decay to
-    zero at ``train.steps``, and the learning rate halved when the validation loss has not
-    improved (by ``plateau_rtol``) for ``plateau_patience`` evaluations; 512 x 1024-token
-    sequences per step for 25,000 steps (13.1B tokens).
-    """
+    """Every key a training config has, with the paper's defaults (REFERENCE §2)."""
     c = ConfigDict()
     c.name = ""
     c.model = model_section(model)
@@ -281,18 +269,10 @@ def check_schema(config: ConfigDict, base: ConfigDict, where: str) -> None:
 
 
 def _check_values(c: ConfigDict, where: str) -> None:
-    def positive(key: str, value, allow_zero: bool = False):
-        low = 0 if allow_zero else 1
-        if value < low or (isinstance(value, float) and not math.isfinite(value)):
-            sign = ">= 0" if allow_zero else "> 0"
-            raise ConfigError(f"{where}: {key} must be {sign}, got {value!r}")
-
     values = flatten(c)
-    for key in POSITIVE:
-        positive(key, values[key])
-    for key in NON_NEGATIVE:
-        positive(key, values[key], allow_zero=True)
-    for key, (test, bounds) in RANGES.items():
+    ranges = [(key, (lambda v: v >= 1, "> 0")) for key in POSITIVE]
+    ranges += [(key, (lambda v: v >= 0, ">= 0")) for key in NON_NEGATIVE]
+    for key, (test, bounds) in ranges + list(RANGES.items()):
         value = values[key]
         if not test(value) or (isinstance(value, float) and not math.isfinite(value)):
             raise ConfigError(f"{where}: {key} must be {bounds}, got {value!r}")
@@ -410,7 +390,11 @@ def upgrade(saved: dict) -> dict:
     """A saved config (a config.json or a sweep trial's) with the keys it predates filled in
     as it ran (``ADDED_KEYS``; ``ADDED_MODEL_FIELDS`` and its model family's ``legacy``
     values), so that it resumes the same run."""
-    saved = _with_added_keys(saved)
+    saved = dict(saved)
+    for key, value in ADDED_KEYS.items():
+        section, leaf = key.split(".")
+        if isinstance(saved.get(section), dict) and leaf not in saved[section]:
+            saved[section] = {**saved[section], leaf: value}
     model = saved.get("model", {})
     record = families.REGISTRY.get(model.get("family"))
     if record is None:
@@ -418,15 +402,6 @@ def upgrade(saved: dict) -> dict:
     fields = {f.name for f in dataclasses.fields(record.config)}
     added = {k: v for k, v in ADDED_MODEL_FIELDS.items() if k in fields}
     return {**saved, "model": {**added, **record.legacy, **model}}
-
-
-def _with_added_keys(saved: dict) -> dict:
-    out = dict(saved)
-    for key, value in ADDED_KEYS.items():
-        section, leaf = key.split(".")
-        if isinstance(out.get(section), dict) and leaf not in out[section]:
-            out[section] = {**out[section], leaf: value}
-    return out
 
 
 def saved_flat(saved: dict) -> dict:

@@ -1,39 +1,18 @@
 """A training run: check everything, restore or initialise, train on a schedule, summarise.
 
-``run(config, workdir)`` is the whole job. Before anything is compiled it checks the config,
-checks the workdir (``lmuscale.workdir``: the same config, or a finished run whose summary it
-returns), finds (or, for an embedded corpus, prepares) the dataset, and checks the dataset
-against the model and the batch sizes against the mesh. Then ``restore_or_init`` gives the
-state, the step loop runs its schedule of (when, action) pairs: log, evaluate, checkpoint,
-stop on a signal; and ``finish`` evaluates the final model and writes the summary. A workdir
-with a checkpoint resumes from the latest one; since batches are a function of (seed, step)
-and the checkpoint holds the rest, the resumed run computes the same numbers as an
-uninterrupted one.
+``run(config, workdir)`` checks the config, the workdir (``lmuscale.workdir``), the dataset
+and the batch sizes before compiling anything; then the step loop runs its hooks (log,
+evaluate, checkpoint) and stops on a signal, and ``summarise`` writes summary.json. Batches
+are a function of (seed, step) and a checkpoint holds the rest, so a resumed run computes the
+same numbers as an uninterrupted one. The README lists the workdir's files.
 
-Workdir:
-  config.json     the resolved config
-  plan.json       the micro-batch count and XLA's memory estimate of the train step
-  checkpoints/    orbax, the last ``checkpoint.keep`` steps
-  metrics.jsonl   one line per logged step (train loss, lr, grad norm, tokens, tokens/s, MFU)
-  eval.jsonl      one line per validation (val loss, plateau scale)
-  tensorboard/    the same scalars as event files
-  summary.json    at the end: final val/test loss, per-position loss, bits per byte, sizes
-  wandb.json      with log.wandb: the W&B run's id, so that a resumed run continues it
-  wandb/          with log.wandb: W&B's own files, offline runs included (unless WANDB_DIR is set)
-
-SIGTERM, SIGUSR1 or SIGUSR2 (a scheduler's notice of preemption or time limit) makes a run
-write a checkpoint at the end of the current step and raise ``TrainingInterrupted``, so a
-requeued run loses nothing. Schedulers often send more than one of them at once, so further
-signals change nothing; SIGKILL stops a run at once.
-
-Several processes (``distributed.initialize``; one per host, or several on one machine): each
-reads only its rows of every batch, process 0 alone writes the workdir's files (orbax saves
-checkpoints from all of them), and a stop signal sent to any one process stops every process
-after the same step. Each step exchanges the processes' signal flags in a tiny all-reduce, read
-one step later so that the host never waits for the step it has just dispatched: a signal
-received during step s stops all processes after step s + 1 (or s + 2). When a collective
-fails because another process died, the run raises ``LostProcess``; the command line then exits
-at once instead of waiting for the coordinator's heartbeat timeout.
+A stop signal (``STOP_SIGNALS``) makes a run checkpoint after the current step and raise
+``TrainingInterrupted``; schedulers often send several at once, so further ones change
+nothing. With several processes, process 0 alone writes the workdir's files (orbax saves
+from all) and a signal sent to any one stops all after the same step (``_StopAgreement``: a
+signal during step s stops them after step s + 1 or s + 2). A collective that fails because
+another process died raises ``LostProcess``, so the command line exits at once instead of
+waiting for the coordinator's heartbeat timeout.
 """
 
 from __future__ import annotations
@@ -102,9 +81,8 @@ class _StopSignals:
 
 
 class _StopAgreement:
-    """Every process's stop flag (a signal's number, 0 for none), combined across processes
-    by a max all-reduce launched each step and read at the next one, so that all of them see
-    the same value after the same step without the host waiting on the step just dispatched."""
+    """The processes' stop flags (a signal's number, 0 for none), combined by a max
+    all-reduce launched each step and read at the next, so the host never waits for it."""
 
     def __init__(self, mesh):
         self.sharding = NamedSharding(mesh, PartitionSpec(step_lib.AXES))
@@ -121,9 +99,8 @@ class _StopAgreement:
 
 
 def initialize_distributed(section) -> None:
-    """``jax.distributed.initialize`` for multi-host runs (arguments left out are detected
-    from the cluster environment: SLURM, Open MPI, TPU pods). ``heartbeat_timeout``: seconds
-    after which the coordinator declares a silent process dead and ends the others."""
+    """``jax.distributed.initialize``; arguments left out are detected from the cluster
+    environment (SLURM, Open MPI, TPU pods)."""
     if not section.initialize:
         return
     kwargs = {"heartbeat_timeout_seconds": section.heartbeat_timeout}
@@ -219,14 +196,12 @@ def run(
 ) -> dict:
     """Train (or resume) ``config`` in ``workdir``; returns the summary (also summary.json).
 
-    The workdir is locked for the run (``workdir.Lock``; ``locked``: the caller holds the lock
-    already), so a second process on it stops at once with ``workdir.WorkdirBusy``.
-
-    Raises ``ConfigError`` before compiling anything when the config, the dataset or the
-    workdir is wrong; ``memory.OutOfMemoryBudget`` when, compiled, no micro-batch count fits
-    the memory budget, before any step; ``DamagedFile`` when a resumed run's metrics.jsonl or
-    eval.jsonl has a bad line before its last or steps out of order, before any step; and
-    ``TrainingDiverged`` when the loss becomes NaN or infinite.
+    The workdir is locked for the run (``locked``: the caller holds the lock already), so a
+    second process on it stops at once with ``workdir.WorkdirBusy``. Raises ``ConfigError``
+    before compiling anything when the config, the dataset or the workdir is wrong;
+    ``OutOfMemoryBudget`` when no micro-batch count fits the memory budget and
+    ``DamagedFile`` when a resumed run's metrics.jsonl or eval.jsonl is damaged, both before
+    any step; ``TrainingDiverged`` when the loss becomes NaN or infinite.
     """
     c = config
     config_lib.check(c)
@@ -280,10 +255,8 @@ def _train(c, workdir: Path, model_config, dataset, mesh, primary: bool, show: b
 def restore_or_init(
     init, mesh, shardings, checkpoints: Checkpoints
 ) -> tuple[dict, dict, int | None]:
-    """``(state, meta, step)`` of the latest intact checkpoint, each array placed with its
-    sharding (a tree like the state's), ``meta`` its JSON (``"elapsed"``: the run's seconds;
-    ``LOG_WINDOW``); the initial state, ``{}`` and None when there is none. A checkpoint
-    that cannot be read or fails its checksums is set aside, and said so."""
+    """``(state, meta, step)`` of the latest intact checkpoint (``meta``: its JSON, with
+    ``"elapsed"`` and ``LOG_WINDOW``), or the initial state, ``{}`` and None."""
     target = jax.tree.map(
         lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s),
         jax.eval_shape(init),
@@ -298,8 +271,7 @@ def restore_or_init(
 
 class Clock:
     """The run's wall-clock seconds across sessions, and the training speed since the last
-    ``restart`` (the loop restarts it after compiling and after any periodic action, so
-    evaluations and checkpoints do not count as training time)."""
+    ``restart``."""
 
     def __init__(self, elapsed_before: float):
         self.before, self.t0 = elapsed_before, time.perf_counter()
@@ -318,30 +290,16 @@ class Clock:
         return steps / seconds if steps and seconds > 0 else None
 
 
-@dataclasses.dataclass(frozen=True)
-class Hook:
-    """An action of the schedule: ``action(done)`` after every ``every``-th step (``done``:
-    the number of steps done) and after the run's last step."""
-
-    every: int
-    action: Callable[[int], None]
-
-    def due(self, done: int, last: int) -> bool:
-        return done % self.every == 0 or done == last
-
-
 def train(session: Session, stop: _StopSignals) -> None:
-    """The step loop: each step, then the hooks that are due, in order, then a stop signal.
-
-    The first step of a session is waited for, so that the clock starts after it; the clock
-    restarts after any hook, so that the tokens/s and MFU logged count only training. A
-    signal that arrives during a hook is seen after it, at the same step.
-    """
+    """The step loop: each step, then the hooks that are due (every ``every`` steps and after
+    the last), in order, then a stop signal (one that arrives during a hook is seen at the same
+    step). The clock starts after the first step and restarts after any hook, so tokens/s and
+    MFU count only training."""
     c, start, last = session.c, session.start, session.c.train.steps
-    hooks = [
-        Hook(c.log.every, session.log_step),
-        Hook(c.eval.every, session.validate),
-        Hook(c.checkpoint.every, session.checkpoint),
+    hooks = [  # (every, action), each action called with the number of steps done
+        (c.log.every, session.log_step),
+        (c.eval.every, session.validate),
+        (c.checkpoint.every, session.checkpoint),
     ]
     agree = _StopAgreement(session.mesh) if jax.process_count() > 1 else None
     agreed = 0  # with several processes: the stop signal's number once all have seen it
@@ -369,9 +327,9 @@ def train(session: Session, stop: _StopSignals) -> None:
             first = done == start + 1
             if first:
                 session.fetch()  # the clock starts once the first step is done
-            due = [hook for hook in hooks if hook.due(done, last)]
-            for hook in due:
-                hook.action(done)
+            due = [action for every, action in hooks if done % every == 0 or done == last]
+            for action in due:
+                action(done)
             if first or due:
                 session.clock.restart(done)
             signum = agreed if agree else stop.received
@@ -382,8 +340,7 @@ def train(session: Session, stop: _StopSignals) -> None:
 
 @dataclasses.dataclass(frozen=True)
 class Program:
-    """The run's model compiled for the mesh: the train step (for the micro-batch plan) and
-    the eval step, the initial state's function and shardings, and the FLOPs per token."""
+    """The run's model compiled for the mesh: its steps, initial state and FLOPs per token."""
 
     model_config: object
     seq_len: int  # T: tokens a window predicts
@@ -426,9 +383,8 @@ def compile_program(c, workdir: Path, model_config, mesh, primary: bool) -> Prog
 
 
 class Session:
-    """One process's part of a run: the state from the restored (or initial) step on, the
-    checkpoints, the logs, and the actions that ``train``'s hooks run. Each action is called
-    with the number of steps done."""
+    """One process's part of a run: the state, the checkpoints, the logs, and the actions
+    that ``train``'s hooks run."""
 
     def __init__(self, c, workdir: Path, dataset, mesh, program: Program, primary, show):
         self.c, self.workdir, self.dataset, self.mesh = c, workdir, dataset, mesh
@@ -492,16 +448,8 @@ class Session:
 
     def validate(self, done: int) -> None:
         self.fetch()
-        c, program = self.c, self.program
-        result = evaluate(
-            program,
-            self.dataset,
-            self.mesh,
-            self.state["params"],
-            "val",
-            global_batch=c.eval.global_batch,
-            max_batches=c.eval.batches,
-        )
+        result = self.evaluate("val", self.c.eval.batches)
+        program = self.program
         plateau = optim.plateau_update_jit(program.plateau, self.state["plateau"], result.loss)
         self.state["plateau"] = jax.device_put(plateau, program.shardings["plateau"])
         scale = float(jax.device_get(plateau.scale))
@@ -533,6 +481,42 @@ class Session:
             name,
         )
 
+    def evaluate(self, split: str, max_batches: int) -> Evaluation:
+        """Mean loss over the split's windows in order, in batches of ``eval.global_batch``
+        windows (the first ``max_batches`` batches, or all with 0), and at each position."""
+        seq_len = self.program.seq_len
+        tokens_sharding = step_lib.batch_sharding(self.mesh, 2)
+        valid_sharding = step_lib.batch_sharding(self.mesh, 1)
+        outputs = []
+        batches = eval_batches(
+            self.dataset,
+            split,
+            seq_len=seq_len,
+            global_batch=self.c.eval.global_batch,
+            process_index=jax.process_index(),
+            process_count=jax.process_count(),
+        )
+        for i, batch in enumerate(batches):
+            if max_batches and i >= max_batches:
+                break
+            outputs.append(
+                self.program.eval_step(
+                    self.state["params"],
+                    step_lib.to_global(batch.tokens, tokens_sharding),
+                    step_lib.to_global(batch.valid, valid_sharding),
+                )
+            )
+        total, per_position, rows = 0.0, np.zeros(seq_len), 0.0
+        for out in jax.device_get(outputs):
+            total += float(out["sum"])
+            per_position += np.asarray(out["per_position"], np.float64)
+            rows += float(out["rows"])
+        return Evaluation(
+            loss=total / (rows * seq_len),
+            per_position=(per_position / rows).tolist(),
+            tokens=int(rows) * seq_len,
+        )
+
     def close(self) -> None:
         try:
             self.bar.close()
@@ -540,48 +524,6 @@ class Session:
                 self.checkpoints.close()
         finally:
             self.log.close()
-
-
-# -- evaluation and the end of the run ---------------------------------------------------------
-
-
-def evaluate(
-    program: Program, dataset, mesh, params, split: str, *, global_batch: int, max_batches: int
-) -> Evaluation:
-    """Mean loss over the split's windows in order, in batches of ``global_batch`` windows
-    (the first ``max_batches`` batches, or all with 0), and the mean loss at each position."""
-    seq_len = program.seq_len
-    tokens_sharding = step_lib.batch_sharding(mesh, 2)
-    valid_sharding = step_lib.batch_sharding(mesh, 1)
-    outputs = []
-    batches = eval_batches(
-        dataset,
-        split,
-        seq_len=seq_len,
-        global_batch=global_batch,
-        process_index=jax.process_index(),
-        process_count=jax.process_count(),
-    )
-    for i, batch in enumerate(batches):
-        if max_batches and i >= max_batches:
-            break
-        outputs.append(
-            program.eval_step(
-                params,
-                step_lib.to_global(batch.tokens, tokens_sharding),
-                step_lib.to_global(batch.valid, valid_sharding),
-            )
-        )
-    total, per_position, rows = 0.0, np.zeros(seq_len), 0.0
-    for out in jax.device_get(outputs):
-        total += float(out["sum"])
-        per_position += np.asarray(out["per_position"], np.float64)
-        rows += float(out["rows"])
-    return Evaluation(
-        loss=total / (rows * seq_len),
-        per_position=(per_position / rows).tolist(),
-        tokens=int(rows) * seq_len,
-    )
 
 
 def sizes(c, program: Program) -> dict:
@@ -606,19 +548,11 @@ def sizes(c, program: Program) -> dict:
 
 def summarise(session: Session) -> dict:
     """The final validation and test losses: the summary, written as summary.json."""
-    c, program = session.c, session.program
-    summary = {**sizes(c, program), "status": "finished", "steps": c.train.steps}
+    c = session.c
+    summary = {**sizes(c, session.program), "status": "finished", "steps": c.train.steps}
     summary["tokens"] = c.train.steps * session.tokens_per_step
     for split in ("val", "test"):
-        result = evaluate(
-            program,
-            session.dataset,
-            session.mesh,
-            session.state["params"],
-            split,
-            global_batch=c.eval.global_batch,
-            max_batches=c.eval.final_batches,
-        )
+        result = session.evaluate(split, c.eval.final_batches)
         tokens_per_byte = 1.0 / session.dataset.bytes_per_token(split)
         summary[f"{split}_loss"] = result.loss
         summary[f"{split}_bits_per_byte"] = result.loss * tokens_per_byte / math.log(2)

@@ -1,28 +1,11 @@
 """How many micro-batches a train step needs: compile it, read XLA's memory analysis, fit a budget.
 
-``train.microbatches = 0`` asks for the plan: the fewest micro-batches whose compiled train
-step fits in the memory budget. The candidates are the divisors of the per-device batch (so
-every micro-batch still splits evenly over the mesh's data axis). A step's estimate is what XLA
-assigns for one device: its arguments, outputs and temporaries, less the outputs that reuse
-donated arguments (the new state takes the old state's buffers). The estimate shrinks as the
-count grows (the temporaries scale with the sequences of one micro-batch), so the search
-compiles the fewest count, guesses from its temporaries, and walks to the boundary (see
-``search``); the compiled step it ends on is the one the run uses.
-
-The budget, per device, is ``train.memory_budget_gb`` when it is above 0, else:
-
-- on an accelerator, ``DEVICE_FRACTION`` of the memory JAX may allocate on it
-  (``memory_stats()["bytes_limit"]``), leaving room for the evaluation step and the
-  allocator's fragmentation (a device that reports no limit needs the key set);
-- on CPU, which reports no memory size, ``HOST_FRACTION`` of the machine's physical memory,
-  shared by the process's local devices.
-
-The plan is written to ``plan.json`` in the workdir. A resumed run on the same kind of device,
-with the same number of devices and the same budget, reuses its count (while its estimate
-still fits: a new JAX can change it), so it computes the same numbers as an uninterrupted run.
-Anything else plans again and says so; if the count changes, the sums are accumulated in
-another grouping and the numbers differ by float rounding. In a multi-process run process 0
-decides and the other processes compile its count.
+``train.microbatches = 0`` asks for the fewest micro-batches (a divisor of the per-device
+batch) whose compiled train step fits the per-device budget (see ``budget``). A step's estimate
+is XLA's for one device: arguments, outputs and temporaries, less the outputs that reuse
+donated arguments. The plan is written to ``plan.json``; a resumed run with the same kind and
+number of devices and the same budget reuses its count while it still fits, so it computes
+the same numbers as an uninterrupted run (a new count changes them by float rounding).
 """
 
 from __future__ import annotations
@@ -93,8 +76,9 @@ class Device:
 
 
 def budget(configured_gb: float, device=None) -> Budget:
-    """The per-device budget: ``configured_gb`` when > 0, else a fraction of what the device
-    (or, on CPU, the machine) has; see the module docstring."""
+    """The per-device budget: ``configured_gb`` when > 0, else ``DEVICE_FRACTION`` of what JAX
+    may allocate on the device (room for the eval step and fragmentation), or on CPU
+    ``HOST_FRACTION`` of the machine's memory, shared by the local devices."""
     if configured_gb > 0:
         return Budget(int(configured_gb * GB), "train.memory_budget_gb")
     device = device or jax.local_devices()[0]
@@ -127,21 +111,14 @@ def candidates(global_batch: int, data_axis: int) -> list[int]:
     return [m for m in range(1, per_device + 1) if per_device % m == 0]
 
 
-def _out_of_memory(error: Exception) -> bool:
-    """A compilation that failed for lack of memory (XLA on TPU checks while compiling)."""
-    return "RESOURCE_EXHAUSTED" in str(error)
-
-
 def search(compile_for: Callable[[int], object], counts: list[int], limit: Budget):
-    """The fewest of ``counts`` whose compiled step's estimate is within ``limit``.
+    """``(count, compiled, estimates made)`` for the fewest of ``counts`` whose compiled step's
+    estimate is within ``limit``; ``OutOfMemoryBudget`` when none fits.
 
-    Returns ``(count, compiled, estimates)`` with every estimate made, or raises
-    ``OutOfMemoryBudget`` when even the most micro-batches do not fit. Assumes, as holds for
-    a train step, that the estimate does not grow with the count. The first count is tried
-    first; if it does not fit, its temporaries divided by the count give a first guess (the
-    arguments and outputs do not change with the count), and the search walks from there:
-    up while a count does not fit, down while the one below fits. Usually three
-    compilations. A count whose compilation runs out of memory does not fit.
+    Assumes, as holds for a train step, that the estimate does not grow with the count. If the
+    first count does not fit, its temporaries scaled by 1 / count give a first guess, and the
+    search walks up while a count does not fit, then down while the one below fits: usually
+    three compilations.
     """
     estimates: dict[int, Estimate | None] = {}  # None: the compilation ran out of memory
     compiled: dict[int, object] = {}
@@ -152,7 +129,7 @@ def search(compile_for: Callable[[int], object], counts: list[int], limit: Budge
             try:
                 compiled[count] = compile_for(count)
             except Exception as error:
-                if not _out_of_memory(error):
+                if "RESOURCE_EXHAUSTED" not in str(error):  # out of memory compiling (TPU)
                     raise
                 estimates[count] = None
             else:
@@ -199,9 +176,6 @@ def search(compile_for: Callable[[int], object], counts: list[int], limit: Budge
         index += 1
     while index > 1 and fits(index - 1):
         index -= 1
-    for count in list(compiled):  # free the executables that will not run
-        if count != counts[index]:
-            del compiled[count]
     return result(index)
 
 
@@ -247,13 +221,9 @@ def plan(
     device: Device,
     workdir: Path | None = None,
 ) -> tuple[Plan, object]:
-    """The micro-batch count of a run and its compiled train step (``compile_for(count)``).
-
-    ``microbatches > 0`` is taken as given (its estimate is still reported). With 0, a plan in
-    ``workdir`` made on the same device, device count and budget is reused while it still
-    fits; otherwise the count is searched for (see ``search``). In a multi-process run,
-    process 0 decides and the others compile its count.
-    """
+    """The micro-batch count of a run and its compiled train step (``compile_for(count)``):
+    ``microbatches`` when > 0, else the workdir's plan while it holds, else a ``search``. In
+    a multi-process run, process 0 decides and the others compile its count."""
     if microbatches > 0:
         compiled = compile_for(microbatches)
         estimate = Estimate.of(microbatches, compiled)
@@ -322,8 +292,7 @@ def _decide_on_process_0(compile_for, counts, limit, device, workdir):
 
 
 def plan_train_step(train_step, abstract_state, config, mesh, workdir: Path | None = None):
-    """``plan`` for a jitted ``step.make_train_step`` of ``config`` (its ``train`` section
-    and ``data.seq_len``) on ``mesh``: ``(plan, compiled step)``."""
+    """``plan`` for a jitted ``step.make_train_step`` of ``config`` on ``mesh``."""
     train, seq_len = config.train, config.data.seq_len
 
     def compile_for(count: int):

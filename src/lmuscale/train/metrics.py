@@ -1,10 +1,8 @@
 """What a run records: metrics.jsonl and eval.jsonl (data first), TensorBoard, W&B, MFU.
 
 Only process 0 writes. A resumed run first cuts both JSONL files back to the restored step
-(dropping lines a killed run wrote after its last checkpoint, and a torn last line), and
-starts TensorBoard with ``purge_step`` so that TensorBoard hides the old events past it: each
-step appears once. The cut truncates the file in place: only a suffix goes, so a kill during
-it loses nothing, and a long log costs one read and no copy.
+(``workdir.cut_log``), and starts TensorBoard with ``purge_step`` so that TensorBoard hides
+the old events past it: each step appears once.
 """
 
 from __future__ import annotations
@@ -33,22 +31,20 @@ PEAK_FLOPS = (
 )
 
 
-def peak_flops(device_kind: str, dtype: str) -> float | None:
-    """Peak FLOP/s of one device for ``dtype`` compute, or None for an unknown device."""
+def device_peak(dtype: str, configured: float = 0.0) -> float | None:
+    """Peak FLOP/s of one device for ``dtype`` compute: ``configured`` when > 0, else from
+    ``PEAK_FLOPS``, or None for an unknown device."""
+    if configured > 0:
+        return configured
+    device_kind = jax.devices()[0].device_kind.lower()
     for name, peaks in PEAK_FLOPS:
-        if name.lower() in device_kind.lower():
+        if name.lower() in device_kind:
             return peaks[dtype]
     return None
 
 
-def device_peak(dtype: str, configured: float = 0.0) -> float | None:
-    if configured > 0:
-        return configured
-    return peak_flops(jax.devices()[0].device_kind, dtype)
-
-
 def mfu(tokens_per_second: float, train_flops_per_token: float, devices: int, peak) -> float:
-    """Model FLOPs utilisation: achieved model FLOP/s over the devices' peak (None if unknown)."""
+    """Achieved model FLOP/s over the devices' peak (None if unknown)."""
     if not peak:
         return None
     return tokens_per_second * train_flops_per_token / (devices * peak)
@@ -126,12 +122,10 @@ class MetricsLog:
 
 
 class StepMetrics:
-    """The train steps' metrics on their way from the devices to the log.
+    """The train steps' metrics on their way from the devices (``add``) to the log (``fetch``).
 
-    ``add`` takes a dispatched step's metrics, still on the device; ``fetch`` waits for them.
-    The losses fetched since the last log line are its window: the next line logs their mean
-    (``loss_mean``). A checkpoint holds the window (``window``, in its JSON meta), and a
-    resumed run starts from it, so a stop between two log lines changes no logged number.
+    The losses fetched since the last log line are its window, whose mean the next line logs;
+    a checkpoint holds it, so a stop between two log lines changes no logged number.
     """
 
     def __init__(self, window: list[float] = ()):

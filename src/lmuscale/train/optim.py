@@ -1,10 +1,9 @@
 """The paper's optimisation: Adam, warmup then cosine decay to zero, reduce-on-plateau.
 
-The step-wise part (optional clipping, Adam's moments, the scheduled learning rate) is one optax
-chain applied in the train step. Reduce-on-plateau (optax.contrib) is kept apart because it
-reads the validation loss, which exists only every ``eval.every`` steps: its state lives in the
-train state, the train step multiplies the updates by its ``scale``, and ``plateau_update``
-feeds it each validation loss. The learning rate at step s is ``schedule(s) * scale``.
+Clipping, Adam and the schedule are one optax chain. Reduce-on-plateau reads the validation
+loss, so it is kept apart: its state lives in the train state, the train step multiplies the
+updates by its ``scale`` (the learning rate at step s is ``schedule(s) * scale``), and
+``plateau_update`` feeds it each validation loss.
 """
 
 from __future__ import annotations

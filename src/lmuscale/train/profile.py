@@ -1,10 +1,5 @@
-"""A jax.profiler trace of chosen train steps (``log.profile_steps``), into the workdir.
-
-The trace holds what the host dispatched and what the devices ran for steps
-``profile_start .. profile_start + profile_steps - 1`` (step numbers as in metrics.jsonl: the
-count of steps done after it), each step marked by a ``StepTraceAnnotation`` named "train".
-The folder holds TensorBoard's profile-plugin files (``plugins/profile/<time>/*.xplane.pb``)
-and ``perfetto_trace.json.gz``, which ui.perfetto.dev opens with no install.
+"""A jax.profiler trace of train steps ``profile_start .. profile_start + profile_steps - 1``
+(numbered as in metrics.jsonl) into the workdir, each marked by a ``StepTraceAnnotation``.
 """
 
 from __future__ import annotations
@@ -20,16 +15,9 @@ STEP_NAME = "train"  # the annotation of each traced step (TensorBoard's step-ti
 
 
 class StepTrace:
-    """Starts the trace before the first chosen step and stops it once the last has run.
-
-    Args:
-      workdir: the run's folder; the trace goes to ``workdir/profile`` (``process_<i>`` below
-        it when several processes each trace their own devices).
-      start, count: the first step traced and how many (0: none).
-      resumed_at: the step this session starts after; steps already done are not traced.
-      last: the run's last step.
-      primary: whether this process says where the trace went.
-    """
+    """Starts the trace before step ``start`` and stops it once ``count`` steps have run,
+    in ``workdir/profile`` (``process_<i>`` below it with several processes); steps up to
+    ``resumed_at`` (done before this session) and after ``last`` are not traced."""
 
     def __init__(self, workdir: Path, start: int, count: int, resumed_at: int, last: int, primary):
         self.folder = workdir / workdir_lib.PROFILE

@@ -2,13 +2,9 @@
 
 The state is a dict pytree ``{"step", "params", "opt_state", "plateau"}``: everything a resumed
 run needs, since the batch at a step is a function of (seed, step) and the models draw no
-random numbers while training.
-
-Sharding: one ``Mesh`` over all devices with axes ("data", "model"). Batches are split over
-"data". Parameters and optimiser moments are replicated when the model axis has size 1;
-otherwise each array is split over "model" along its largest dimension that the axis size
-divides (ZeRO-3 style: XLA gathers what each op needs). The train step is a ``jax.jit`` with
-these shardings given explicitly and the old state donated.
+random numbers while training. Batches are split over the mesh's "data" axis; each state array
+over "model" along its largest dimension that axis divides (ZeRO-3 style: XLA gathers what each
+op needs).
 """
 
 from __future__ import annotations
@@ -79,12 +75,10 @@ def microbatch_sharding(mesh: Mesh) -> NamedSharding:
 @dataclasses.dataclass(frozen=True)
 class MicroBatches:
     """How the train step takes a global batch of B windows of T + 1 tokens: as M = ``count``
-    micro-batches of B / M windows, one (M, B/M, T+1) int32 array whose axis 1 is split over
-    the mesh's "data" axis, so that every device holds its rows of each micro-batch.
+    micro-batches, one (M, B/M, T+1) int32 array whose axis 1 is split over "data".
 
-    Each process reads a contiguous block of the B windows (``data.TrainBatches``) and cuts
-    it into M equal runs in order; micro-batch m is the processes' runs m, in process order.
-    With one process, micro-batch m is windows m B/M .. (m + 1) B/M - 1.
+    Each process cuts its contiguous block of the B windows (``data.TrainBatches``) into M
+    equal runs in order; micro-batch m is the processes' runs m, in process order.
     """
 
     mesh: Mesh
@@ -126,17 +120,10 @@ def init_fn(model: LanguageModel, tx, plateau, seed: int, seq_len: int):
 
 
 def init_state(init, mesh: Mesh, shardings=None):
-    """The initial state, each array created directly with its sharding (``shardings``, when
-    the caller has them already, else ``state_shardings``)."""
+    """The initial state, each array created directly with its sharding."""
     if shardings is None:
         shardings = state_shardings(mesh, jax.eval_shape(init))
     return jax.jit(init, out_shardings=shardings)()
-
-
-def mean_loss(model: LanguageModel, params, tokens_BxT1):
-    """Mean next-token loss in nats of a batch of seq_len + 1 token windows."""
-    mean, _ = model.apply(params, tokens_BxT1[:, :-1], tokens_BxT1[:, 1:], method=model.loss)
-    return mean
 
 
 def norm(tree) -> jax.Array:
@@ -148,13 +135,16 @@ def norm(tree) -> jax.Array:
 def make_train_step(model: LanguageModel, tx, lr_schedule, mesh: Mesh, abstract_state):
     """``(state, tokens_MxBxT1) -> (state, metrics)``, jitted with the state donated.
 
-    M micro-batches of B windows each (laid out as ``MicroBatches`` says): gradients are
-    summed over them in a ``lax.scan`` and divided by M (gradient accumulation: the update
-    equals that of one batch of M * B). The updates are scaled by the plateau scale.
-    ``metrics["finite"]`` is False when the loss or the new parameters hold a NaN or an
-    infinity.
+    Gradients are summed over the M micro-batches in a ``lax.scan`` and divided by M, and the
+    updates scaled by the plateau scale. ``metrics["finite"]``: the loss and the new
+    parameters hold no NaN or infinity.
     """
-    grad = jax.value_and_grad(lambda p, t: mean_loss(model, p, t))
+
+    def mean_loss(params, tokens_BxT1):  # nats per token
+        mean, _ = model.apply(params, tokens_BxT1[:, :-1], tokens_BxT1[:, 1:], method=model.loss)
+        return mean
+
+    grad = jax.value_and_grad(mean_loss)
 
     def step(state, tokens_MxBxT1):
         params = state["params"]
@@ -183,12 +173,7 @@ def make_train_step(model: LanguageModel, tx, lr_schedule, mesh: Mesh, abstract_
             "lr": lr_schedule(state["step"]) * scale,
             "finite": jnp.isfinite(loss) & jnp.isfinite(param_norm),
         }
-        new_state = {
-            "step": state["step"] + 1,
-            "params": params,
-            "opt_state": opt_state,
-            "plateau": state["plateau"],
-        }
+        new_state = {**state, "step": state["step"] + 1, "params": params, "opt_state": opt_state}
         return new_state, metrics
 
     shardings = state_shardings(mesh, abstract_state)
@@ -201,11 +186,8 @@ def make_train_step(model: LanguageModel, tx, lr_schedule, mesh: Mesh, abstract_
 
 
 def make_eval_step(model: LanguageModel, mesh: Mesh, abstract_params):
-    """``(params, tokens_BxT1, valid_B) -> sums``: summed loss over valid rows, per position.
-
-    Returns float32 ``{"sum": (), "per_position": (T,), "rows": ()}``; the caller adds them up
-    in float64 across batches.
-    """
+    """``(params, tokens_BxT1, valid_B) -> {"sum": (), "per_position": (T,), "rows": ()}``:
+    the float32 loss summed over valid rows, and at each position."""
 
     def evaluate(params, tokens_BxT1, valid_B):
         # Gather the parameters first: with model-sharded parameters, XLA:CPU otherwise gives

@@ -1,33 +1,16 @@
 """Weights & Biases (``log.wandb``): the run's logs, config and summary, mirrored to a W&B run.
 
-Off by default; ``wandb`` is imported only when it is on (``pip install -e '.[wandb]'``), and
-only process 0 talks to W&B, through ``metrics.MetricsLog``:
+``wandb`` is imported only when it is on, and only process 0 talks to W&B, through
+``metrics.MetricsLog``. One training run is one W&B run, however often it resumes: the first
+session writes the run id to ``WORKDIR/wandb.json`` before it starts W&B, and every session
+opens that id with ``resume="allow"``. A run that ends without a finished summary is finished
+in W&B with exit code 1.
 
-- each line of metrics.jsonl and eval.jsonl is logged at its step as ``train/KEY`` and
-  ``eval/KEY`` (TensorBoard's tags; a None, such as an unknown MFU, is left out);
-- the W&B config is the resolved config, flattened (``train.steps``);
-- at the end the W&B summary gets summary.json's values, nested keys flattened
-  (``params.total``), and the per-position losses as a table (``per_position``: position,
-  val_loss, test_loss in nats) and a line plot (``per_position_loss``). A run that ends
-  without a finished summary (interrupted, diverged, failed) is finished in W&B with exit
-  code 1; the session that completes it marks it finished.
-
-One training run is one W&B run, however often it resumes: the first session picks the W&B
-run id and writes it to ``WORKDIR/wandb.json`` before it starts W&B, and every session opens
-that id with ``resume="allow"``. W&B's own files go to ``WORKDIR/wandb/`` unless ``WANDB_DIR``
-is set (an offline run is uploaded with ``wandb sync WORKDIR/wandb/offline-run-*``).
-
-Steps after a resume: W&B's step only goes up, and it drops, with a warning, anything logged
-below the highest step it holds. A resumed run restarts at its checkpoint's step, so it logs
-again the steps between that checkpoint and where the last session stopped (metrics.jsonl is
-cut back to the checkpoint for the same reason). Those steps are recomputed bit for bit (the
-batch and the keys are functions of (seed, step), the checkpoint holds the rest): the losses
-and learning rates W&B already holds for them are the ones it would be sent again, and only
-the timings differ. So when W&B says where the run's history ends (``starting_step``, on an
-online resume) the steps below it are not sent. An offline session cannot know what the
-server holds and records every step from the checkpoint on; W&B deals with the overlap when
-the offline runs are synced. (W&B's rewind, ``resume_from``, would cut W&B's history back as
-metrics.jsonl is cut, but it is a server-side feature with no offline form.)
+A resumed run recomputes, bit for bit, the steps between its checkpoint and where the last
+session stopped; W&B's step only goes up (it drops anything logged below its highest), so
+the steps below W&B's ``starting_step`` (known on an online resume) are not sent again. An
+offline session records them all, and W&B deals with the overlap when it is synced
+(``resume_from``, W&B's rewind, is server-side only).
 """
 
 from __future__ import annotations
@@ -87,14 +70,12 @@ def stored_id(workdir: Path) -> str | None:
     return run_id
 
 
-def new_id() -> str:
-    """A W&B run id: 8 lowercase letters and digits, as W&B makes them."""
-    alphabet = string.ascii_lowercase + string.digits
-    return "".join(secrets.choice(alphabet) for _ in range(8))
-
-
 def _is_number(value) -> bool:
     return isinstance(value, int | float) and not isinstance(value, bool)
+
+
+def _failed(what: str, error: Exception) -> WandbError:
+    return WandbError(f"log.wandb: W&B could not {what} ({one_line(error, named=True)}); {REMEDY}")
 
 
 class WandbRun:
@@ -106,7 +87,8 @@ class WandbRun:
         workdir = Path(workdir)
         run_id = stored_id(workdir)
         if run_id is None:
-            run_id = new_id()
+            alphabet = string.ascii_lowercase + string.digits  # W&B's ids: 8 of these
+            run_id = "".join(secrets.choice(alphabet) for _ in range(8))
             # Before W&B starts: a session killed at any moment after this resumes this id.
             atomic_write_json(workdir / WANDB, {"id": run_id})
         self.id = run_id
@@ -127,10 +109,7 @@ class WandbRun:
             # Where W&B's history of a resumed run ends (online; 0 for a new or offline run).
             self.first_step = int(self.run.starting_step or 0)
         except Exception as error:
-            raise WandbError(
-                f"log.wandb: W&B could not start run {run_id} "
-                f"({one_line(error, named=True)}); {REMEDY}"
-            ) from None
+            raise _failed(f"start run {run_id}", error) from None
         self.finished = False
 
     def log(self, kind: str, record: dict) -> None:
@@ -142,10 +121,7 @@ class WandbRun:
         try:
             self.run.log(data, step=step)
         except Exception as error:
-            raise WandbError(
-                f"log.wandb: W&B could not log step {step} of run {self.id} "
-                f"({one_line(error, named=True)}); {REMEDY}"
-            ) from None
+            raise _failed(f"log step {step} of run {self.id}", error) from None
 
     def summary(self, summary: dict) -> None:
         """The run's summary (summary.json's dict): scalars, and per-position losses as a table
@@ -161,10 +137,7 @@ class WandbRun:
             if curves:
                 self.run.log(self._per_position(curves))
         except Exception as error:
-            raise WandbError(
-                f"log.wandb: W&B could not take the summary of run {self.id} "
-                f"({one_line(error, named=True)}); {REMEDY}"
-            ) from None
+            raise _failed(f"take the summary of run {self.id}", error) from None
         self.finished = summary.get("status") == "finished"
 
     def _per_position(self, curves: dict[str, list[float]]) -> dict:
@@ -183,9 +156,8 @@ class WandbRun:
         return {"per_position": table, "per_position_loss": plot}
 
     def finish(self) -> None:
-        """End the W&B session: exit code 0 after a finished summary, else 1. A failure here
-        is said on stderr and not raised: the run's own files are complete, and raising would
-        hide how the run ended."""
+        """End the W&B session: exit code 0 after a finished summary, else 1. A failure is
+        said on stderr, not raised: it would hide how the run ended."""
         try:
             self.run.finish(exit_code=0 if self.finished else 1)
         except Exception as error:
