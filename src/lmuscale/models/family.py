@@ -18,14 +18,11 @@ class Family:
     Attributes:
       name: the config's ``model.family`` and the prefix of its named models ("lmu-1M").
       config: a frozen dataclass; its fields, less ``fixed``, are the model section's keys.
-      model: the Flax ``LanguageModel`` class, built as ``model(config)``.
-      sized: ``(size, **overrides) -> config`` at a row of Table 3 (``sizes.TABLE3``).
-      params: ``config -> sizes.ParamCount``, in closed form.
-      flops: ``(config, seq_len) -> sizes.FlopCount``, forward FLOPs per token.
+      model: the ``LanguageModel`` class; sized: ``(size, **overrides) -> config``.
+      params, flops: ``config -> sizes.ParamCount``, ``(config, seq_len) -> sizes.FlopCount``.
       shape: ``config -> dict`` of the shape columns of ``python -m lmuscale.models``.
-      fixed: config fields that the family's name decides: LMU_G is the LMU config with
-        ``global_attention=True``. They are left out of the model section and restored from
-        the name, so the flag survives every round trip.
+      fixed: config fields the family's name decides (LMU_G: ``global_attention=True``),
+        left out of the model section and restored from the name.
       legacy: fields added after runs were saved, with the values those runs used; a saved
         config that lacks one resumes with it (``train.config.upgrade``).
     """
