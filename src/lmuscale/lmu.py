@@ -1,13 +1,11 @@
 """The Legendre memory: the continuous system, its exact discretisation, the memory in every mode.
 
-Plain functions. The frozen constants (A, B, Abar, Bbar, H) are computed in float64 with
-numpy/scipy, cached, and cast to the compute dtype where a JAX function takes them (REFERENCE §1).
-
-``theta`` is the window in time steps, discretised by zero-order hold with dt = 1 (``u_t`` held
-over (t - 1, t]): ``m_t = Abar m_{t-1} + Bbar u_t`` with ``m_{-1} = 0``, so
-``m_t = sum_{j<=t} H[t-j] u_j``, ``H[k] = Abar^k Bbar``. Each channel has its own memory:
-``u_BxTxC`` gives ``m_BxTxCxQ``. Every mode agrees with ``memory_reference``, the float64
-recurrence, to float32 rounding (tests/test_lmu.py).
+The frozen constants (A, B, Abar, Bbar, H) are computed in float64 with numpy/scipy, cached,
+and cast to the compute dtype where a JAX function takes them (REFERENCE §1). ``theta`` is the
+window in time steps, discretised by zero-order hold with dt = 1 (``u_t`` held over (t - 1, t]):
+``m_t = Abar m_{t-1} + Bbar u_t`` with ``m_{-1} = 0``, so ``m_t = sum_{j<=t} H[t-j] u_j``,
+``H[k] = Abar^k Bbar``; ``u_BxTxC`` gives ``m_BxTxCxQ``. Every mode agrees with
+``memory_reference``, the float64 recurrence, to float32 rounding (tests/test_lmu.py).
 """
 
 from __future__ import annotations
@@ -64,12 +62,9 @@ def _read_only(array: np.ndarray) -> np.ndarray:
 
 
 def legendre_ab(order: int, theta: float) -> tuple[np.ndarray, np.ndarray]:
-    """The continuous Legendre delay system (REFERENCE §1, parallel-LMU eqs 8-9).
-
-    ``A[i, j] = (2i+1)/theta * (-1 if i < j else (-1)^(i-j+1))`` and
-    ``B[i] = (2i+1) (-1)^i / theta``, for q = ``order`` coefficients and a window of
-    ``theta`` time steps. Returns ``(A_QxQ, B_Q)``, float64 numpy arrays.
-    """
+    """The continuous Legendre delay system (REFERENCE §1, parallel-LMU eqs 8-9), float64
+    ``(A_QxQ, B_Q)``: ``A[i, j] = (2i+1)/theta * (-1 if i < j else (-1)^(i-j+1))``,
+    ``B[i] = (2i+1) (-1)^i / theta``."""
     order, theta = _check_count("order", order), _check_theta(theta)
     i = np.arange(order)[:, None]
     j = np.arange(order)[None, :]
@@ -198,11 +193,9 @@ def fft_length(n: int) -> int:
 
 
 def causal_conv(u_BxTxC, kernel_TxK, *, time_last: bool = False):
-    """Causal convolution by FFT: ``y[b, t, c, k] = sum_{j<=t} kernel[t-j, k] u[b, j, c]``.
-
-    Rows of ``kernel_TxK`` past T are ignored. Returns ``y_BxTxCxK`` in the compute dtype (at
-    least float32), or with ``time_last`` ``y_BxCxKxT``, the layout the inverse FFT writes.
-    """
+    """Causal convolution by FFT, ``y[b, t, c, k] = sum_{j<=t} kernel[t-j, k] u[b, j, c]``
+    (rows of ``kernel_TxK`` past T ignored): ``y_BxTxCxK`` in the compute dtype, or with
+    ``time_last`` ``y_BxCxKxT``, the layout the inverse FFT writes."""
     _check_input(u_BxTxC)
     n = u_BxTxC.shape[1]
     kernel_TxK = _kernel_for(u_BxTxC, kernel_TxK)
@@ -222,11 +215,9 @@ def memory_fft(u_BxTxC, h_TxQ):
 
 
 def memory_reduced(u_BxTxC, h_TxQ, l_KxQ, *, time_last: bool = False):
-    """The reduced-order memory of appendix A.1, ``y_BxTxCxK = L m`` as ``u * (L H)``.
-
-    L is folded into the kernel, so the FFT work scales with K = q', not q; stacking several
-    projections (Q, K, V) in ``l_KxQ`` shares the input's FFT. ``y_BxCxKxT`` with ``time_last``.
-    """
+    """The reduced-order memory of appendix A.1, ``y_BxTxCxK = L m`` as ``u * (L H)``: the FFT
+    work scales with K = q', not q, and stacking projections (Q, K, V) in ``l_KxQ`` shares the
+    input's FFT. ``y_BxCxKxT`` with ``time_last``."""
     _check_input(u_BxTxC)
     h_TxQ = _kernel_for(u_BxTxC, h_TxQ, name="h_TxQ")
     l_KxQ = jnp.asarray(l_KxQ)
@@ -318,10 +309,9 @@ def _abar_power(order: int, theta: float, steps: int) -> np.ndarray:
 
 
 def _exact_precision(dtype=jnp.float32):
-    # True float32 (or float64) on CPU. On a GPU, HIGHEST would run float32 matmuls off the
-    # tensor cores; three bf16 passes (hi*hi + hi*lo + lo*hi) keep float32 accuracy on them
-    # (1.1e-5 of max|m| at most at the paper's largest layer on an H100, and 1.7x faster than
-    # HIGHEST there: benchmarks/lmu_precision.py, lmu_memory.py). float64 stays float64.
+    # True float32 (or float64) on CPU. On a GPU, three bf16 passes (hi*hi + hi*lo + lo*hi)
+    # keep float32 accuracy on the tensor cores that HIGHEST would leave: 1.1e-5 of max|m| at
+    # the paper's largest layer on an H100, 1.7x faster (benchmarks/lmu_precision.py).
     if jax.default_backend() == "cpu" or jnp.dtype(dtype) == jnp.float64:
         return lax.Precision.HIGHEST
     return lax.DotAlgorithmPreset.BF16_BF16_F32_X3
@@ -343,14 +333,11 @@ def chunk_operands(
     chunk: int = DEFAULT_CHUNK,
     dtype=None,
 ):
-    """The operand of ``memory_chunked``, shared by any number of projections L.
-
-    T is cut into J chunks of c = min(chunk, T) steps (the last zero-padded). The state passing
-    runs at float32 accuracy whatever the product's precision, since the state runs through the
-    whole sequence. ``dtype`` is the operand's (default the compute dtype; bfloat16 for a "fast"
-    product, which rounds to it anyway). Returns ``(x_BxJxCxZ, m_BxCxQ)``: Z = c + Q rows
-    ``[u_{j,0..c-1}; m_j]`` per chunk, and the state after the last input (compute dtype).
-    """
+    """The operand of ``memory_chunked``, shared by any number of projections L:
+    ``(x_BxJxCxZ, m_BxCxQ)``, Z = c + Q rows ``[u_{j,0..c-1}; m_j]`` for each of J chunks of
+    c = min(chunk, T) steps (the last zero-padded), and the state after the last input. The
+    state passing runs at float32 accuracy whatever the product's ``dtype`` (default the
+    compute dtype; bfloat16 for a "fast" product, which rounds to it anyway)."""
     _check_input(u_BxTxC)
     order, theta = _check_count("order", order), _check_theta(theta)
     batch, n, channels = u_BxTxC.shape
@@ -393,13 +380,11 @@ def chunk_operands(
 
 
 def chunk_weights(order: int, theta: float, chunk: int, l_KxQ=None, dtype=jnp.float32):
-    """The chunk product's matrix ``w_ZxKxc = [T; R]`` for a projection L, in ``dtype``.
-
+    """The chunk product's matrix ``w_ZxKxc = [T; R]`` for a projection L, in ``dtype``:
     ``T[s, :, t] = G[t - s]`` for s <= t (zero above), the Toeplitz matrix of ``G[k] = L H[k]``;
     ``R[:, :, t] = (L Abar^{t+1})^T`` reads out the carried state, built from ``L Abar`` by
     log2(c) doublings at float32 accuracy, so gradients reach L. The chunk's step is the last
-    column axis (``chunk_product``). ``l_KxQ`` None is the full memory (L = I).
-    """
+    column axis (``chunk_product``). ``l_KxQ`` None is the full memory (L = I)."""
     order, theta = _check_count("order", order), _check_theta(theta)
     c = _check_count("chunk", chunk)
     h_cxQ = jnp.asarray(impulse_response(order, theta, c), dtype)
@@ -476,11 +461,9 @@ _chunk_matmul.defvjp(_chunk_matmul_fwd, _chunk_matmul_bwd)
 
 def chunk_product(x_BxJxCxZ, w_ZxKxc, precision: str = "exact", out_dtype=None):
     """Every chunk's outputs in one matrix product, ``y_BxJxCxKxc = [u_j; m_j]^T [T; R]``.
-
     ``y`` stays in the layout the product writes (``sequence_from_chunks`` orders it by
     position), rounded to ``out_dtype`` (default the operand's, at least float32; bfloat16
-    halves the bytes for a bfloat16 consumer). ``precision`` is as in ``memory_chunked``.
-    """
+    halves the bytes for a bfloat16 consumer). ``precision`` is as in ``memory_chunked``."""
     if precision not in PRECISIONS:
         raise ValueError(f"precision must be one of {PRECISIONS}, got {precision!r}")
     if x_BxJxCxZ.ndim != 4 or w_ZxKxc.ndim != 3 or x_BxJxCxZ.shape[-1] != w_ZxKxc.shape[0]:
@@ -521,11 +504,9 @@ def memory_chunked(
     - end states ``s_j = sum_s H[c-1-s] u_{j,s}``, passed on as ``m_{j+1} = Abar^c m_j + s_j``
       by a ``lax.scan`` over J (``chunk_operands``).
 
-    ``precision`` is that of the output products (the state is always at float32 accuracy).
-    "exact": float32 accuracy (true float32 on CPU, three bf16 passes on a GPU), within 1e-6
-    (CPU) and 1.1e-5 (H100) of max|m| at the paper's largest layer. "fast": one bf16 pass, for
-    bf16 models, about 3e-3 of max|m| (benchmarks/lmu_precision.py).
-
+    ``precision`` is the output products': "exact", float32 accuracy (1e-6 of max|m| at the
+    paper's largest layer on CPU, 1.1e-5 on an H100), or "fast", one bf16 pass for bf16 models
+    (about 3e-3, benchmarks/lmu_precision.py); the state is always at float32 accuracy.
     Returns ``(y_BxTxCxK, m_BxCxQ)`` (K = Q without L), float32 (float64 for float64 input).
     """
     operand = jnp.bfloat16 if precision == "fast" else None  # chunk_product checks the name
