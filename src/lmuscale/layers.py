@@ -5,8 +5,7 @@ sequence in parallel, and ``step(state, x_BxD, ...)``, one position with a carri
 
 Choices the paper leaves open (papers/lmu-implicit-self-attention.md §4), made here:
 - gelu is the exact (erf) form everywhere.
-- Eq 8 "ignores the bias vectors": each L_i gets one bias per row (q' values), shared by the
-  d channels.
+- Eq 8 "ignores the bias vectors": each L_i gets one bias per row, shared by the d channels.
 - Eq 9 has no temperature, but Q K^T sums d products of gelu outputs and saturates the
   softmax at d ~ 200, so the scores are divided by sqrt(d) as in Vaswani et al.
 - The recurrent memory stays float32 in a bfloat16 model: a bfloat16 state would accumulate

@@ -1,8 +1,5 @@
-"""The registry of model families: one record per family, registered next to its model.
-
-Every entry point (build, the sizes table, the training config, the sweep) asks this registry,
-so a new family is one file that calls ``register`` plus its import in ``models/__init__.py``.
-"""
+"""The registry of model families, one record each: every entry point asks it, so a new family
+is one file that calls ``register`` plus its import in ``models/__init__.py``."""
 
 from __future__ import annotations
 

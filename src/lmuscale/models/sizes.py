@@ -103,8 +103,8 @@ def attention_params(d: int) -> int:
 
 
 def row(size: str | int) -> Table3Row:
-    """A row of Table 3 by name ("55k"), or the grid point of any N (an int): d = round(sqrt(N
-    / 24)) with q / d and q' / q interpolated in log N (held at the end rows' ratios)."""
+    """A row of Table 3 by name ("55k"), or the grid point of any N (an int): the LMU's width,
+    with q / d and q' / q interpolated in log N (held at the end rows' ratios)."""
     if isinstance(size, str):
         for table_row in TABLE3:
             if table_row.size == size:
@@ -135,14 +135,12 @@ def _name(n: int) -> str:
 
 
 def nearest(n_of, target: int, candidates) -> int:
-    """The candidate whose parameter count ``n_of(candidate)`` is nearest ``target`` (the
-    smaller on a tie)."""
+    """The candidate whose ``n_of(candidate)`` is nearest ``target`` (the smaller on a tie)."""
     return min(candidates, key=lambda k: (abs(n_of(k) - target), k))
 
 
 def deepened(make, size: str):
-    """``make(d=..., n_layers=...)`` at the LMU's width, with the depth whose N is nearest the
-    row's N."""
+    """``make(d=..., n_layers=...)`` at the LMU's width, of the depth whose N is nearest."""
     target = row(size)
     d = width(target.n)
     n_layers = nearest(
