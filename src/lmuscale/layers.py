@@ -1,19 +1,15 @@
 """Flax modules on the Legendre memory: FFN, implicit and global self-attention, ParallelLMU.
 
-Every sequence module has two modes that compute the same function:
-- ``__call__(x_BxTxD)``: the whole sequence in parallel (training, evaluation);
-- ``step(state, x_BxD, ...)``: one position with an explicit carried state (decoding).
-Parameters live in the usual ``params`` collection; the frozen LMU constants (H, Abar, Bbar)
-are not parameters but float64 numpy constants from ``lmuscale.lmu``, cast at trace time.
+Each sequence module computes one function in two modes: ``__call__(x_BxTxD)``, the whole
+sequence in parallel, and ``step(state, x_BxD, ...)``, one position with a carried state.
 
 Choices the paper leaves open (papers/lmu-implicit-self-attention.md §4), made here:
 - gelu is the exact (erf) form everywhere.
-- Eq 8 "ignores the bias vectors": each L_i gets one bias per reduced-order row (q' values),
-  broadcast over the d channels.
-- Eq 9 prints softmax(Q K^T) with no temperature. Q K^T sums d products of gelu outputs, which
-  saturates the softmax at d ~ 200, so the scores are divided by sqrt(d) as in Vaswani et al.
-- The recurrent memory is kept in float32 even when the model computes in bfloat16: a
-  bfloat16 state would accumulate rounding over thousands of steps.
+- Eq 8 "ignores the bias vectors": each L_i gets one bias per row, shared by the d channels.
+- Eq 9 has no temperature, but Q K^T sums d products of gelu outputs and saturates the
+  softmax at d ~ 200, so the scores are divided by sqrt(d) as in Vaswani et al.
+- The recurrent memory stays float32 in a bfloat16 model: a bfloat16 state would accumulate
+  rounding over thousands of steps.
 """
 
 from __future__ import annotations
@@ -117,25 +113,13 @@ def _attend(q_xDxKxc, k_xDxKxc, v_xDxKxc, bias_3xK, p_K, dtype):
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(5,))
 def implicit_attention(q_xDxKxc, k_xDxKxc, v_xDxKxc, bias_3xK, p_K, dtype):
-    """Eqs 8-10 after the memory: ``m = p softmax(Q K^T / sqrt(d)) V`` for every position.
-
-    ``Q = gelu(L1 M + b1)``, and K, V likewise. The read-out is collapsed:
-    ``w = p softmax(Q K^T / sqrt(d))`` is a q'-vector and ``m = V^T w``, so the q' x d matrix
-    ``M' = softmax(...) V`` of eq 9 is never formed.
-
-    The inputs ``L_i M`` are in the layout the chunked memory's product writes: channels d,
-    reduced order q', then a run of positions last (a chunk's c steps, a whole sequence from
-    the FFT memory, one step when decoding). Every sum runs over d or q' and leaves that axis
-    in place, so nothing the size of Q, K or V is moved; the caller reorders only the output.
-
-    The backward pass is written by hand: of the (positions x d x q')-sized arrays it keeps
-    only the inputs (which exist anyway), with the softmax weights and w, and recomputes the
-    gelus where their gradients are formed. (A custom VJP has no forward-mode derivative.)
-
-    ``bias_3xK`` is one bias per row of each L_i, ``p_K`` the readout p of eq 10, ``dtype``
-    that of Q, K, V (scores, softmax, w and all sums are at least float32). Returns
-    ``m_xDxc``, one d-vector per position, in ``dtype``.
-    """
+    """Eqs 8-10 after the memory: ``m_xDxc = p softmax(Q K^T / sqrt(d)) V`` in ``dtype``, with
+    ``Q = gelu(L1 M + b1)``, K and V likewise (``bias_3xK`` the b_i, ``p_K`` eq 10's p, every
+    sum at least float32). ``w = p softmax(...)`` is a q'-vector and ``m = V^T w``, so eq 9's
+    q' x d ``M'`` is never formed. The inputs ``L_i M`` are in the layout the memory writes (d,
+    q', then positions), and every sum runs over d or q' in place, so nothing the size of Q, K
+    or V is moved. The backward pass, by hand, keeps of the (positions x d x q') arrays only
+    the inputs and recomputes the gelus (a custom VJP has no forward-mode derivative)."""
     return _attend(q_xDxKxc, k_xDxKxc, v_xDxKxc, bias_3xK, p_K, dtype)[0]
 
 
@@ -187,26 +171,13 @@ MEMORY_MODES = ("chunked", "fft")
 
 
 class ImplicitSelfAttention(nn.Module):
-    """The LMU memory (theta, q) of a d-channel input, read by implicit self-attention.
-
-    Each position's memory M_t (q x d) is reduced along the order axis by three learned
-    ``L_i`` (q' x q) to Q, K, V (q' x d); then eqs 9-10 give one d-vector. In parallel mode the
-    (batch, n, d, q) memory is never formed: only ``L M_t``, in chunks of matrix products
-    (``lmu.chunk_product``, the default) or by FFT with the L_i folded into the impulse
-    response (appendix A.1, ``lmu.memory_reduced``), left in the layout
-    ``implicit_attention`` reads. In step mode the state is the memory ``m_BxDxQ`` in float32,
-    whose size does not depend on how many tokens came before.
-
-    Attributes:
-      q, q_prime, theta: the order q, the reduced order q' and the window θ in tokens.
-      memory_mode: "chunked" or "fft" (the same function; see ``lmu``).
-      memory_chunk: steps per chunk in "chunked" mode. The chunked memory runs at float32
-        accuracy in a float32 model and as one bf16 pass in a bf16 one (its state stays
-        float32 in both).
-      batch_chunk: sequences per chunk in parallel mode; 0 means the whole batch at once.
-        Chunks are rematerialised in the backward pass, so the temporaries of only one chunk
-        are alive at a time.
-    """
+    """The LMU memory (window ``theta``, order ``q``) of a d-channel input, read by implicit
+    self-attention through three learned ``L_i`` (``q_prime`` x q) to Q, K, V. In parallel
+    mode only ``L M_t`` is formed, by chunked matrix products (``memory_mode`` "chunked",
+    ``memory_chunk`` steps each; one bf16 pass in a bf16 model) or by FFT with the L_i folded
+    into the impulse response ("fft"). In step mode the state is the float32 memory
+    ``m_BxDxQ``. ``batch_chunk`` sequences (0: all) run at a time in parallel mode, each chunk
+    rematerialised in the backward pass, so only one chunk's temporaries are alive."""
 
     q: int
     q_prime: int
@@ -229,7 +200,6 @@ class ImplicitSelfAttention(nn.Module):
         self.p = self.param("p", nn.initializers.normal(1.0 / math.sqrt(k)), (k,))
 
     def _attend(self, x_BxTxD):
-        """Q, K, V pre-activations of the whole sequence, then the attention."""
         length = x_BxTxD.shape[1]
         if self.memory_mode == "fft":
             h_TxQ = lmu.impulse_response(self.q, self.theta, length, np.float32)
@@ -238,10 +208,8 @@ class ImplicitSelfAttention(nn.Module):
             qkv_3xBxDxKxT = jnp.split(y_BxDx3KxT, 3, axis=2)
             m_BxDxT = implicit_attention(*qkv_3xBxDxKxT, self.bias, self.p, self.dtype)
             return jnp.swapaxes(m_BxDxT, 1, 2)
-        # One chunk operand, built once (in bf16 for a bf16 model, whose products are one
-        # bf16 pass), and one product per projection: Q, K and V each come out whole and in
-        # the layout the attention reads. (A single product for all three, sliced after,
-        # had XLA's CPU backend copy each slice and read the whole output for each.)
+        # One chunk operand, and one product per projection (a single product for all three,
+        # sliced after, had XLA's CPU backend copy each slice and read the whole output each).
         fast = jnp.dtype(self.dtype) == jnp.bfloat16
         x_BxJxDxZ, _ = lmu.chunk_operands(
             x_BxTxD.astype(jnp.float32),
@@ -301,30 +269,32 @@ def attention_implementation(dtype, device=None) -> str:
     return "cudnn" if (major, minor) >= (8, 0) else "xla"
 
 
+def cached_attention(cache, q_Bx1xHxA, k_Bx1xHxA, v_Bx1xHxA, index):
+    """Position ``index`` attends to 0..index: its k and v written into ``cache``
+    (``kv_cache``), then ``(y_Bx1xHxA, cache)``."""
+    cache = {
+        name: lax.dynamic_update_slice_in_dim(cache[name], new.astype(cache[name].dtype), index, 1)
+        for name, new in (("k", k_Bx1xHxA), ("v", v_Bx1xHxA))
+    }
+    visible_T = jnp.arange(cache["k"].shape[1]) <= index
+    keys, values = (cache[name].astype(q_Bx1xHxA.dtype) for name in ("k", "v"))
+    return jax.nn.dot_product_attention(q_Bx1xHxA, keys, values, mask=visible_T), cache
+
+
 # cuDNN's flash attention wants a head width that is a multiple of 8 (Table 3's are 13 to 36).
 CUDNN_HEAD_MULTIPLE = 8
 
 
 def causal_attention(q_BxTxHxA, k_BxTxHxA, v_BxTxHxA, implementation: str = "xla"):
-    """softmax(q k^T / sqrt(A)) v over positions <= each query's, per head.
-
-    For ``"cudnn"`` the head width A is padded with zeros up to a multiple of 8: zero columns
-    add nothing to q k^T, the scale stays 1/sqrt(A), and the padded output columns are dropped.
-    """
+    """softmax(q k^T / sqrt(A)) v over positions <= each query's, per head. For ``"cudnn"`` A is
+    zero-padded to a multiple of 8 (adding nothing to q k^T) and the padding dropped after."""
     width = q_BxTxHxA.shape[-1]
     pad = -width % CUDNN_HEAD_MULTIPLE if implementation == "cudnn" else 0
+    qkv_3xBxTxHxA = (q_BxTxHxA, k_BxTxHxA, v_BxTxHxA)
     if pad:
-        widths = ((0, 0), (0, 0), (0, 0), (0, pad))
-        q_BxTxHxA, k_BxTxHxA, v_BxTxHxA = (
-            jnp.pad(x, widths) for x in (q_BxTxHxA, k_BxTxHxA, v_BxTxHxA)
-        )
+        qkv_3xBxTxHxA = [jnp.pad(x, ((0, 0), (0, 0), (0, 0), (0, pad))) for x in qkv_3xBxTxHxA]
     y_BxTxHxA = jax.nn.dot_product_attention(
-        q_BxTxHxA,
-        k_BxTxHxA,
-        v_BxTxHxA,
-        is_causal=True,
-        scale=1.0 / math.sqrt(width),
-        implementation=implementation,
+        *qkv_3xBxTxHxA, is_causal=True, scale=1.0 / math.sqrt(width), implementation=implementation
     )
     return y_BxTxHxA[..., :width]
 
@@ -359,15 +329,7 @@ class GlobalSelfAttention(nn.Module):
 
     def step(self, cache, x_BxD, index):
         """Attend from position ``index`` to positions 0..index: returns ``(y_BxD, cache)``."""
-        q, k, v = self._heads(x_BxD[:, None])
-        cache = {
-            "k": lax.dynamic_update_slice_in_dim(cache["k"], k.astype(cache["k"].dtype), index, 1),
-            "v": lax.dynamic_update_slice_in_dim(cache["v"], v.astype(cache["v"].dtype), index, 1),
-        }
-        visible_T = jnp.arange(cache["k"].shape[1]) <= index
-        y = jax.nn.dot_product_attention(
-            q, cache["k"].astype(q.dtype), cache["v"].astype(q.dtype), mask=visible_T
-        )
+        y, cache = cached_attention(cache, *self._heads(x_BxD[:, None]), index)
         return self.out(y.reshape(x_BxD.shape)), cache
 
 
@@ -390,21 +352,14 @@ def activation(name: str) -> Callable:
 class ParallelLMU(nn.Module):
     """The parallel LMU of papers/parallel-lmu.txt eqs 18-20, a general sequence layer.
 
-        u_t = f1(U_x x_t + b_u)              memory_dim channels (eq 18)
+        u_t = f1(U_x x_t + b_u)              memory_dim channels (eq 18; 0 drops it, u = x)
         m_t = Abar m_{t-1} + Bbar u_t        order q per channel, window theta (eq 19)
-        o_t = f2(W_m m_t + W_x x_t + b_o)    units (eq 20)
+        o_t = f2(W_m m_t + W_x x_t + b_o)    units (eq 20; W_x x_t only if input_to_output)
 
-    The same function in every mode: ``mode="fft"`` (eq 26) or ``"scan"`` (the paper's "LTI
-    version"); ``return_sequences=False``, the last step alone by one contraction (eq 25);
-    ``step(m_BxCxQ, x_BxD)``, one position at a time.
-
-    Attributes:
-      units: width of o. 0 drops eq 20: the layer returns the memory itself, flattened to
-        C * q features (the paper's "DN only" IMDB model).
-      order, theta: q and the window θ in steps.
-      memory_dim: channels of u. 0 drops eq 18: u = x (d_u = d_x).
-      input_activation, output_activation: f1 and f2, by name (``ACTIVATIONS``).
-      input_to_output: include the W_x x_t term of eq 20.
+    ``units`` 0 drops eq 20: the layer returns the memory, flattened to C * q features (the
+    paper's "DN only" IMDB model). f1 and f2 are ``ACTIVATIONS`` by name. The same function by
+    FFT (eq 26) or scan (``mode``), for the last step only (``return_sequences=False``, eq 25),
+    or one position at a time (``step``).
     """
 
     units: int
@@ -437,7 +392,6 @@ class ParallelLMU(nn.Module):
         return self.f2(self.readout(features))
 
     def __call__(self, x_BxTxD):
-        """``o_BxTxO`` (``o_BxO``, the last step, when return_sequences is False)."""
         u_BxTxC = self._encode(x_BxTxD)
         length = x_BxTxD.shape[1]
         if not self.return_sequences:

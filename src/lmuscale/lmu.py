@@ -1,20 +1,11 @@
 """The Legendre memory: the continuous system, its exact discretisation, the memory in every mode.
 
-Everything here is a plain function. The frozen constants (A, B, Abar, Bbar, H) are computed
-in float64 with numpy/scipy, cached, and cast to the compute dtype only where a JAX function
-uses them (REFERENCE §1); the JAX functions take them as arguments.
-
-Conventions: ``theta`` is the window in time steps, discretised by zero-order hold with
-dt = 1, the sample ``u_t`` held over (t - 1, t]. ``m_t = Abar m_{t-1} + Bbar u_t`` with
-``m_{-1} = 0``, so ``m_t = sum_{j<=t} H[t-j] u_j`` with ``H[k] = Abar^k Bbar`` (lag 0
-included). Every channel has its own memory: ``u_BxTxC`` gives ``m_BxTxCxQ``.
-
-The modes (``memory_fft``, ``memory_scan``, ``memory_step``, ``memory_final``,
-``memory_reduced``, ``memory_chunked``) agree to float32 rounding; tests/test_lmu.py checks
-each against ``memory_reference``, the float64 recurrence. The parts of ``memory_chunked``
-(the training default: ``chunk_operands``, ``chunk_weights``, ``chunk_product``) leave the
-outputs in the layout the product writes, ``y_BxJxCxKxc``, where the implicit attention
-reads them.
+The frozen constants (A, B, Abar, Bbar, H) are computed in float64 with numpy/scipy, cached,
+and cast to the compute dtype where a JAX function takes them (REFERENCE §1). ``theta`` is the
+window in time steps, discretised by zero-order hold with dt = 1 (``u_t`` held over (t - 1, t]):
+``m_t = Abar m_{t-1} + Bbar u_t`` with ``m_{-1} = 0``, so ``m_t = sum_{j<=t} H[t-j] u_j``,
+``H[k] = Abar^k Bbar``; ``u_BxTxC`` gives ``m_BxTxCxQ``. Every mode agrees with
+``memory_reference``, the float64 recurrence, to float32 rounding (tests/test_lmu.py).
 """
 
 from __future__ import annotations
@@ -71,12 +62,9 @@ def _read_only(array: np.ndarray) -> np.ndarray:
 
 
 def legendre_ab(order: int, theta: float) -> tuple[np.ndarray, np.ndarray]:
-    """The continuous Legendre delay system (REFERENCE §1, parallel-LMU eqs 8-9).
-
-    ``A[i, j] = (2i+1)/theta * (-1 if i < j else (-1)^(i-j+1))`` and
-    ``B[i] = (2i+1) (-1)^i / theta``, for q = ``order`` coefficients and a window of
-    ``theta`` time steps. Returns ``(A_QxQ, B_Q)``, float64 numpy arrays.
-    """
+    """The continuous Legendre delay system (REFERENCE §1, parallel-LMU eqs 8-9), float64
+    ``(A_QxQ, B_Q)``: ``A[i, j] = (2i+1)/theta * (-1 if i < j else (-1)^(i-j+1))``,
+    ``B[i] = (2i+1) (-1)^i / theta``."""
     order, theta = _check_count("order", order), _check_theta(theta)
     i = np.arange(order)[:, None]
     j = np.arange(order)[None, :]
@@ -105,11 +93,8 @@ def _zoh(order: int, theta: float) -> tuple[np.ndarray, np.ndarray]:
 
 
 def discretize(order: int, theta: float, dtype=np.float64) -> tuple[np.ndarray, np.ndarray]:
-    """Zero-order-hold discretisation with dt = 1: ``Abar = e^A``, ``Bbar = A^-1 (e^A - I) B``.
-
-    Computed in float64 (cached per (order, theta)) and cast to ``dtype`` at the end. Returns
-    ``(Abar_QxQ, Bbar_Q)`` as numpy arrays of ``dtype`` (read-only when float64).
-    """
+    """Zero-order hold with dt = 1: ``(Abar_QxQ, Bbar_Q)``, ``Abar = e^A``,
+    ``Bbar = A^-1 (e^A - I) B``, in float64 (cached) cast to ``dtype`` (read-only if float64)."""
     abar_QxQ, bbar_Q = _zoh(_check_count("order", order), _check_theta(theta))
     return abar_QxQ.astype(dtype, copy=False), bbar_Q.astype(dtype, copy=False)
 
@@ -130,11 +115,8 @@ def _impulse_response(order: int, theta: float, length: int) -> np.ndarray:
 
 
 def impulse_response(order: int, theta: float, length: int, dtype=np.float64) -> np.ndarray:
-    """The impulse response ``H_TxQ``, ``H[t] = Abar^t Bbar`` for t = 0..T-1 (lag 0 included).
-
-    T = ``length``, at least the sequence length it will convolve. Computed in float64 and
-    cast to ``dtype`` (read-only when float64).
-    """
+    """The impulse response ``H_TxQ``, ``H[t] = Abar^t Bbar`` for t < T = ``length`` (lag 0
+    included), in float64 cast to ``dtype`` (read-only if float64)."""
     order, theta = _check_count("order", order), _check_theta(theta)
     h_TxQ = _impulse_response(order, theta, _check_count("length", length))
     return h_TxQ.astype(dtype, copy=False)
@@ -143,16 +125,12 @@ def impulse_response(order: int, theta: float, length: int, dtype=np.float64) ->
 def legendre_decoder(order: int, theta: float, delay) -> np.ndarray:
     """Weights that read ``u(t - delay)`` out of the memory ``m_t`` (parallel-LMU eq 14).
 
-    ``C_i(delay) = (-1)^i sum_l C(i, l) C(i+l, l) (-delay/theta)^l``, the shifted Legendre
-    polynomial ``P_i(2 delay/theta - 1)``. (The paper prints the second binomial as C(i+l, j);
-    that is a misprint, REFERENCE §1.) It is evaluated by the Legendre three-term recurrence,
-    which stays accurate at orders where the alternating binomial sum cancels catastrophically.
-
-    With ZOH the sample ``u_{t-k}`` is held over delays [k, k+1), so ``delay = k + 1/2`` is the
-    centre of sample k; ``delay = k`` is its leading edge.
-
-    ``delay`` is a scalar or array of delays in [0, theta] time steps; returns float64 weights
-    of shape ``delay.shape + (Q,)``.
+    ``C_i(delay) = (-1)^i sum_l C(i, l) C(i+l, l) (-delay/theta)^l`` (the paper's C(i+l, j)
+    is a misprint, REFERENCE §1), the shifted Legendre polynomial ``P_i(2 delay/theta - 1)``,
+    evaluated by the three-term recurrence: the alternating sum cancels catastrophically at
+    high orders. With ZOH, sample ``u_{t-k}`` is held over delays [k, k+1): its centre is
+    ``delay = k + 1/2``. ``delay`` (any shape) lies in [0, theta] time steps; returns float64
+    weights of shape ``delay.shape + (Q,)``.
     """
     order, theta = _check_count("order", order), _check_theta(theta)
     delay = np.asarray(delay, dtype=np.float64)
@@ -165,11 +143,8 @@ def legendre_decoder(order: int, theta: float, delay) -> np.ndarray:
 
 
 def decode(m_xQ, theta: float, delay):
-    """Read ``u(t - delay)`` out of a memory ``m_xQ`` (e.g. ``m_BxTxCxQ``) of window ``theta``.
-
-    ``delay`` (time steps) is a scalar, giving ``(...)``, or a 1-D array, giving
-    ``(..., len(delay))``.
-    """
+    """Read ``u(t - delay)`` out of a memory ``m_xQ`` of window ``theta``: ``(...)`` for a
+    scalar ``delay`` (time steps), ``(..., len(delay))`` for a 1-D array."""
     weights = legendre_decoder(m_xQ.shape[-1], theta, delay)
     if weights.ndim > 2:
         raise ValueError(f"delay must be a scalar or a 1-D array, got shape {weights.shape[:-1]}")
@@ -201,10 +176,7 @@ def _kernel_for(u_BxTxC, kernel_TxK, name: str = "kernel"):
 
 
 def fft_length(n: int) -> int:
-    """The smallest 5-smooth number (2^a 3^b 5^c) >= 2n - 1: a linear, not circular, convolution.
-
-    For n a power of two this is 2n.
-    """
+    """The smallest 5-smooth number (2^a 3^b 5^c) >= 2n - 1: a linear, not circular, convolution."""
     target = max(2 * n - 1, 1)
     best = 1 << (target - 1).bit_length()  # a power of two always qualifies
     power5 = 1
@@ -221,21 +193,13 @@ def fft_length(n: int) -> int:
 
 
 def causal_conv(u_BxTxC, kernel_TxK, *, time_last: bool = False):
-    """Causal convolution of every input channel with every kernel column, by FFT.
-
-    ``y[b, t, c, k] = sum_{j<=t} kernel[t-j, k] u[b, j, c]``. Both signals are zero-padded to
-    ``fft_length(T) >= 2T - 1``, so nothing wraps around. Rows of ``kernel_TxK`` past T are
-    ignored.
-
-    Returns:
-      ``y_BxTxCxK`` in the compute dtype (the input's float dtype, at least float32); with
-      ``time_last``, ``y_BxCxKxT``, the layout the inverse FFT writes.
-    """
+    """Causal convolution by FFT, ``y[b, t, c, k] = sum_{j<=t} kernel[t-j, k] u[b, j, c]``
+    (rows of ``kernel_TxK`` past T ignored): ``y_BxTxCxK`` in the compute dtype, or with
+    ``time_last`` ``y_BxCxKxT``, the layout the inverse FFT writes."""
     _check_input(u_BxTxC)
     n = u_BxTxC.shape[1]
     kernel_TxK = _kernel_for(u_BxTxC, kernel_TxK)
     nfft = fft_length(n)
-    # Time on the last axis, where the FFT runs.
     u_BxCxT = jnp.swapaxes(u_BxTxC.astype(kernel_TxK.dtype), 1, 2)
     u_BxCxF = jnp.fft.rfft(u_BxCxT, n=nfft, axis=-1)
     kernel_KxF = jnp.fft.rfft(kernel_TxK.T, n=nfft, axis=-1)
@@ -251,16 +215,9 @@ def memory_fft(u_BxTxC, h_TxQ):
 
 
 def memory_reduced(u_BxTxC, h_TxQ, l_KxQ, *, time_last: bool = False):
-    """The reduced-order memory ``u * (L H)`` of appendix A.1: ``L m_t`` without ``m_t``.
-
-    The q-channel memory is never formed: L is folded into the kernel (T x K) before the
-    convolution, so the FFT work and the output scale with K = q', not q. Stacking several
-    projections (e.g. L1, L2, L3 for Q, K, V) into one ``l_KxQ`` shares the input's FFT.
-    ``h_TxQ`` has at least T rows.
-
-    Returns:
-      ``y_BxTxCxK`` with ``y[b, t, c] = L m[b, t, c]`` (``y_BxCxKxT`` with ``time_last``).
-    """
+    """The reduced-order memory of appendix A.1, ``y_BxTxCxK = L m`` as ``u * (L H)``: the FFT
+    work scales with K = q', not q, and stacking projections (Q, K, V) in ``l_KxQ`` shares the
+    input's FFT. ``y_BxCxKxT`` with ``time_last``."""
     _check_input(u_BxTxC)
     h_TxQ = _kernel_for(u_BxTxC, h_TxQ, name="h_TxQ")
     l_KxQ = jnp.asarray(l_KxQ)
@@ -273,12 +230,7 @@ def memory_reduced(u_BxTxC, h_TxQ, l_KxQ, *, time_last: bool = False):
 
 
 def memory_step(m_BxCxQ, u_BxC, abar_QxQ, bbar_Q):
-    """One recurrent step for every channel: ``m_t = Abar m_{t-1} + Bbar u_t``.
-
-    ``m_BxCxQ`` is the previous state (zeros before the first input), ``abar_QxQ`` and
-    ``bbar_Q`` come from ``discretize``. Returns the new state in the compute dtype (at least
-    float32).
-    """
+    """One step for every channel, ``m_t = Abar m_{t-1} + Bbar u_t``, in the compute dtype."""
     dtype = _compute_dtype(m_BxCxQ.dtype, u_BxC.dtype)
     abar_QxQ = jnp.asarray(abar_QxQ, dtype=dtype)
     bbar_Q = jnp.asarray(bbar_Q, dtype=dtype)
@@ -298,9 +250,8 @@ def _initial_state(m0_BxCxQ, shape: tuple[int, int, int], dtype):
 
 
 def memory_scan(u_BxTxC, abar_QxQ, bbar_Q, m0_BxCxQ=None):
-    """``m_BxTxCxQ`` by the recurrence in ``lax.scan`` (O(T) sequential steps), in the compute
-    dtype (at least float32). ``m0_BxCxQ`` is the state before the first input (default
-    zeros), to continue a sequence; the last step is the state to carry on with."""
+    """``m_BxTxCxQ`` by the recurrence in ``lax.scan``, in the compute dtype, from the state
+    ``m0_BxCxQ`` (default zeros); the last step is the state to carry on with."""
     _check_input(u_BxTxC)
     batch, _, channels = u_BxTxC.shape
     order = np.shape(bbar_Q)[0]
@@ -316,8 +267,7 @@ def memory_scan(u_BxTxC, abar_QxQ, bbar_Q, m0_BxCxQ=None):
 
 
 def memory_final(u_BxTxC, h_TxQ):
-    """Only the last state ``m_BxCxQ``, ``m_{T-1} = sum_j H[T-1-j] u_j``, by one contraction
-    over time with ``h_TxQ`` (at least T rows): ``memory_fft(u, H)[:, -1]`` without a scan."""
+    """Only the last state ``m_BxCxQ = sum_j H[T-1-j] u_j``, by one contraction over time."""
     _check_input(u_BxTxC)
     h_TxQ = _kernel_for(u_BxTxC, h_TxQ, name="h_TxQ")
     u_BxTxC = u_BxTxC.astype(h_TxQ.dtype)
@@ -325,8 +275,7 @@ def memory_final(u_BxTxC, h_TxQ):
 
 
 def memory_reference(u_BxTxC, order: int, theta: float) -> np.ndarray:
-    """``m_BxTxCxQ`` by the recurrence in numpy float64: the yardstick for every other mode
-    (a Python loop over time, for tests, demos and accuracy checks)."""
+    """``m_BxTxCxQ`` by the recurrence in numpy float64: the yardstick for every other mode."""
     u_BxTxC = np.asarray(u_BxTxC, dtype=np.float64)
     _check_input(u_BxTxC)
     abar_QxQ, bbar_Q = discretize(order, theta)
@@ -339,10 +288,9 @@ def memory_reference(u_BxTxC, order: int, theta: float) -> np.ndarray:
     return m_BxTxCxQ
 
 
-# The chunk length c of ``memory_chunked``: intra-chunk work grows with c, state passing
-# shrinks. At the paper's largest layer (benchmarks/lmu_memory.py, reduced memory, forward +
-# backward) c = 64 is within 5% of the best of 32 / 64 / 128 on an H100 (exact and fast) and
-# a 2-core CPU, with half the sequential state-passing steps of 32.
+# The chunk length c of ``memory_chunked``: at the paper's largest layer (benchmarks/lmu_memory.py)
+# 64 is within 5% of the best of 32 / 64 / 128 on an H100 and a 2-core CPU, with half the
+# sequential state-passing steps of 32.
 DEFAULT_CHUNK = 64
 PRECISIONS = ("exact", "fast")
 
@@ -361,10 +309,9 @@ def _abar_power(order: int, theta: float, steps: int) -> np.ndarray:
 
 
 def _exact_precision(dtype=jnp.float32):
-    # True float32 (or float64) on CPU. On a GPU, HIGHEST would run float32 matmuls off the
-    # tensor cores; three bf16 passes (hi*hi + hi*lo + lo*hi) keep float32 accuracy on them
-    # (1.1e-5 of max|m| at most at the paper's largest layer on an H100, and 1.7x faster than
-    # HIGHEST there: benchmarks/lmu_precision.py, lmu_memory.py). float64 stays float64.
+    # True float32 (or float64) on CPU. On a GPU, three bf16 passes (hi*hi + hi*lo + lo*hi)
+    # keep float32 accuracy on the tensor cores that HIGHEST would leave: 1.1e-5 of max|m| at
+    # the paper's largest layer on an H100, 1.7x faster (benchmarks/lmu_precision.py).
     if jax.default_backend() == "cpu" or jnp.dtype(dtype) == jnp.float64:
         return lax.Precision.HIGHEST
     return lax.DotAlgorithmPreset.BF16_BF16_F32_X3
@@ -386,19 +333,11 @@ def chunk_operands(
     chunk: int = DEFAULT_CHUNK,
     dtype=None,
 ):
-    """The operand of ``memory_chunked``: each chunk's inputs and the state carried into it.
-
-    Cuts T into J chunks of c = min(chunk, T) steps (the last zero-padded) and passes the
-    state across them (the equations are in ``memory_chunked``), at float32 accuracy whatever
-    the product's precision, since the state runs through the whole sequence. One operand
-    serves any number of projections L: the implicit attention's Q, K and V share it.
-    ``dtype`` is the operand's (default the compute dtype); a "fast" product takes bfloat16,
-    half the bytes and the rounding it would apply anyway.
-
-    Returns:
-      ``(x_BxJxCxZ, m_BxCxQ)``: the operand, Z = c + Q rows ``[u_{j,0..c-1}; m_j]``, and the
-      state after the last input in the compute dtype (float32; float64 for float64 input).
-    """
+    """The operand of ``memory_chunked``, shared by any number of projections L:
+    ``(x_BxJxCxZ, m_BxCxQ)``, Z = c + Q rows ``[u_{j,0..c-1}; m_j]`` for each of J chunks of
+    c = min(chunk, T) steps (the last zero-padded), and the state after the last input. The
+    state passing runs at float32 accuracy whatever the product's ``dtype`` (default the
+    compute dtype; bfloat16 for a "fast" product, which rounds to it anyway)."""
     _check_input(u_BxTxC)
     order, theta = _check_count("order", order), _check_theta(theta)
     batch, n, channels = u_BxTxC.shape
@@ -427,13 +366,8 @@ def chunk_operands(
 
     m_last_BxCxQ, carried_JxBxCxQ = lax.scan(pass_state, m0_BxCxQ, ends_JxBxCxQ)
     carried_BxJxCxQ = jnp.swapaxes(jnp.concatenate([carried_JxBxCxQ, m_last_BxCxQ[None]]), 0, 1)
-    x_BxJxCxZ = jnp.concatenate(
-        [
-            jnp.swapaxes(u_BxJxcxC, 2, 3).astype(operand_dtype),
-            carried_BxJxCxQ.astype(operand_dtype),
-        ],
-        axis=-1,
-    )
+    parts = (jnp.swapaxes(u_BxJxcxC, 2, 3), carried_BxJxCxQ)
+    x_BxJxCxZ = jnp.concatenate([part.astype(operand_dtype) for part in parts], axis=-1)
 
     # The state after the last input, from the last chunk's `last` real steps.
     hlast_cxQ = np.zeros_like(h_cxQ)
@@ -446,18 +380,11 @@ def chunk_operands(
 
 
 def chunk_weights(order: int, theta: float, chunk: int, l_KxQ=None, dtype=jnp.float32):
-    """The chunk product's matrix for a projection L: ``[T; R]`` with Z = c + Q rows.
-
-    ``T[s, :, t] = G[t - s]`` for s <= t (zero above), the Toeplitz matrix of the reduced kernel
-    ``G[k] = L H[k]``, k < c; ``R[:, :, t] = (L Abar^{t+1})^T``, the read-out of the carried
-    state. Its columns are (K, c) with the chunk's step last, so the product writes every
-    output channel's c steps next to each other (``chunk_product``). H and the powers of Abar
-    are float64 constants, cast; R is built from ``L Abar`` by log2(c) doublings
-    ``R[k:2k] = R[:k] Abar^k`` at float32 accuracy, so gradients reach L.
-
-    ``chunk`` is the operand's c (``x.shape[-1] - order``); ``l_KxQ`` None is the full memory
-    (L = I, K = Q). Returns ``w_ZxKxc`` in ``dtype``, the operand's (float64 under x64).
-    """
+    """The chunk product's matrix ``w_ZxKxc = [T; R]`` for a projection L, in ``dtype``:
+    ``T[s, :, t] = G[t - s]`` for s <= t (zero above), the Toeplitz matrix of ``G[k] = L H[k]``;
+    ``R[:, :, t] = (L Abar^{t+1})^T`` reads out the carried state, built from ``L Abar`` by
+    log2(c) doublings at float32 accuracy, so gradients reach L. The chunk's step is the last
+    column axis (``chunk_product``). ``l_KxQ`` None is the full memory (L = I)."""
     order, theta = _check_count("order", order), _check_theta(theta)
     c = _check_count("chunk", chunk)
     h_cxQ = jnp.asarray(impulse_response(order, theta, c), dtype)
@@ -484,26 +411,24 @@ def chunk_weights(order: int, theta: float, chunk: int, l_KxQ=None, dtype=jnp.fl
     )
 
 
-def _product_dots(precision: str, dtype):
-    """How the chunk product's three matmuls run: ``(operand dtype, dot options)``."""
+def _product_operands(precision: str, x_BxJxCxZ, w_ZxKxc):
+    """The chunk product's operands as its matmuls take them, and the matmuls' options."""
     if precision == "fast":
-        return jnp.bfloat16, {}
-    return None, {"precision": _exact_precision(dtype)}
+        return x_BxJxCxZ.astype(jnp.bfloat16), w_ZxKxc.astype(jnp.bfloat16), {}
+    dtype = _compute_dtype(x_BxJxCxZ.dtype, w_ZxKxc.dtype)
+    return x_BxJxCxZ, w_ZxKxc, {"precision": _exact_precision(dtype)}
 
 
 # The contractions of the chunk product, on (B, J, C, Z) operands and (B, J, C, K, c) outputs:
 # y = x w over Z; dx = dy w over (K, c); dw = x dy over (B, J, C).
-_ROWS, _Z, _OUT = (0, 1, 2), 3, (1, 2)
-_FORWARD = (((_Z,), (0,)), ((), ()))
-_INPUT_GRAD = (((3, 4), _OUT), ((), ()))
-_WEIGHT_GRAD = ((_ROWS, _ROWS), ((), ()))
+_FORWARD = (((3,), (0,)), ((), ()))
+_INPUT_GRAD = (((3, 4), (1, 2)), ((), ()))
+_WEIGHT_GRAD = (((0, 1, 2), (0, 1, 2)), ((), ()))
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(2, 3))
 def _chunk_matmul(x_BxJxCxZ, w_ZxKxc, precision: str, out_dtype):
-    operands, options = _product_dots(precision, _compute_dtype(x_BxJxCxZ.dtype, w_ZxKxc.dtype))
-    if operands is not None:
-        x_BxJxCxZ, w_ZxKxc = x_BxJxCxZ.astype(operands), w_ZxKxc.astype(operands)
+    x_BxJxCxZ, w_ZxKxc, options = _product_operands(precision, x_BxJxCxZ, w_ZxKxc)
     return lax.dot_general(
         x_BxJxCxZ, w_ZxKxc, _FORWARD, preferred_element_type=out_dtype, **options
     )
@@ -514,17 +439,13 @@ def _chunk_matmul_fwd(x_BxJxCxZ, w_ZxKxc, precision, out_dtype):
 
 
 def _chunk_matmul_bwd(precision, out_dtype, residuals, dy_BxJxCxKxc):
-    # Written out so that both products read dy in the layout the forward product wrote it:
-    # dx = dy w^T contracts its minor axes, dw = x^T dy its major ones (a transposed operand
-    # of a matmul, not a copy of dy), each accumulated in float32.
+    # Written out so that both products read dy in the layout the forward product wrote it
+    # (JAX's own transpose had XLA copy it first): dx = dy w^T contracts its minor axes,
+    # dw = x^T dy its major ones, each accumulated in float32.
     del out_dtype
     x_BxJxCxZ, w_ZxKxc = residuals
     wide = _compute_dtype(x_BxJxCxZ.dtype, w_ZxKxc.dtype)
-    operands, options = _product_dots(precision, wide)
-    # The operands as the forward product took them (bf16 for "fast").
-    in_x_BxJxCxZ, in_w_ZxKxc = x_BxJxCxZ, w_ZxKxc
-    if operands is not None:
-        in_x_BxJxCxZ, in_w_ZxKxc = x_BxJxCxZ.astype(operands), w_ZxKxc.astype(operands)
+    in_x_BxJxCxZ, in_w_ZxKxc, options = _product_operands(precision, x_BxJxCxZ, w_ZxKxc)
     dy_BxJxCxKxc = dy_BxJxCxKxc.astype(in_w_ZxKxc.dtype)
     dx_BxJxCxZ = lax.dot_general(
         dy_BxJxCxKxc, in_w_ZxKxc, _INPUT_GRAD, preferred_element_type=wide, **options
@@ -539,22 +460,10 @@ _chunk_matmul.defvjp(_chunk_matmul_fwd, _chunk_matmul_bwd)
 
 
 def chunk_product(x_BxJxCxZ, w_ZxKxc, precision: str = "exact", out_dtype=None):
-    """The outputs of every chunk in one matrix product: ``y = [u_j; m_j]^T [T; R]``.
-
-    The result stays in the layout the matrix product writes, one row per (sequence, chunk,
-    channel) and the chunk's c steps last; ``sequence_from_chunks`` orders it by position.
-    The product's gradient is written by hand (both of its matmuls read the output's
-    cotangent as it lies; JAX's own transpose had XLA copy it into another layout first).
-
-    Args:
-      x_BxJxCxZ, w_ZxKxc: from ``chunk_operands`` and ``chunk_weights``.
-      precision: as in ``memory_chunked``.
-      out_dtype: the dtype the sums are rounded to (default: the operand's, at least float32);
-        bfloat16 halves the bytes where the consumer computes in bfloat16 anyway.
-
-    Returns:
-      ``y_BxJxCxKxc`` in ``out_dtype``.
-    """
+    """Every chunk's outputs in one matrix product, ``y_BxJxCxKxc = [u_j; m_j]^T [T; R]``.
+    ``y`` stays in the layout the product writes (``sequence_from_chunks`` orders it by
+    position), rounded to ``out_dtype`` (default the operand's, at least float32; bfloat16
+    halves the bytes for a bfloat16 consumer). ``precision`` is as in ``memory_chunked``."""
     if precision not in PRECISIONS:
         raise ValueError(f"precision must be one of {PRECISIONS}, got {precision!r}")
     if x_BxJxCxZ.ndim != 4 or w_ZxKxc.ndim != 3 or x_BxJxCxZ.shape[-1] != w_ZxKxc.shape[0]:
@@ -567,11 +476,7 @@ def chunk_product(x_BxJxCxZ, w_ZxKxc, precision: str = "exact", out_dtype=None):
 
 
 def sequence_from_chunks(y_BxJx___xc, length: int):
-    """Positions back in order: the chunk axis J and the trailing step axis c become T.
-
-    ``y_BxJx...xc`` (any axes between J and c) -> ``y_BxTx...``, the padding of the last chunk
-    cut off (T = ``length``).
-    """
+    """``y_BxJx...xc`` -> ``y_BxTx...``: chunks J and steps c become T = ``length`` positions."""
     batch, chunks, *middle, c = y_BxJx___xc.shape
     y_BxJxcx___ = jnp.moveaxis(y_BxJx___xc, -1, 2)
     return y_BxJxcx___.reshape(batch, chunks * c, *middle)[:, :length]
@@ -587,31 +492,22 @@ def memory_chunked(
     chunk: int = DEFAULT_CHUNK,
     precision: str = "exact",
 ):
-    """The memory in chunks of c steps, by matrix products: ``L m_t`` (or ``m_t``) for every t.
+    """The memory in chunks of c steps by matrix products: ``L m_t`` (or ``m_t``) for every t.
 
-    The same function as ``memory_reduced`` (with ``l_KxQ``) or ``memory_fft`` (without), with
-    the carried state in and out, so a sequence processed in pieces equals the whole. With
-    J chunks of c steps, ``G[k] = L H[k]`` for k < c and ``m_j`` the state carried into chunk j:
+    The function of ``memory_reduced`` (with ``l_KxQ``) or ``memory_fft`` (without), with the
+    state ``m0_BxCxQ`` carried in (default zeros) and out, so a sequence processed in pieces
+    equals the whole; any T works. With ``G[k] = L H[k]`` (k < c) and ``m_j`` the state carried
+    into chunk j:
 
-    - outputs: ``y_{j,t} = sum_{s<=t} G[t-s] u_{j,s} + (L Abar^{t+1}) m_j``, a c x c Toeplitz
-      product plus the read-out of the carried state, in one product (``chunk_product``);
-    - chunk-local end state ``s_j = sum_s H[c-1-s] u_{j,s}``, and state passing
-      ``m_{j+1} = Abar^c m_j + s_j``, a ``lax.scan`` over J (``chunk_operands``).
+    - outputs ``y_{j,t} = sum_{s<=t} G[t-s] u_{j,s} + (L Abar^{t+1}) m_j``, a c x c Toeplitz
+      product plus the carried state's read-out, in one product (``chunk_product``);
+    - end states ``s_j = sum_s H[c-1-s] u_{j,s}``, passed on as ``m_{j+1} = Abar^c m_j + s_j``
+      by a ``lax.scan`` over J (``chunk_operands``).
 
-    The constants are float64, cast. The carried state is float32 (float64 for float64 input)
-    at float32 accuracy in either precision; ``precision`` applies to the output products.
-
-    Args:
-      l_KxQ: the projection L on the order axis (K = q' rows); None for the full memory.
-      m0_BxCxQ: the state before the first input (default zeros).
-      chunk: c, steps per chunk; any T works (a ragged last chunk, or T < c).
-      precision: "exact": float32 accuracy (true float32 on CPU, three bf16 passes on a GPU),
-        within 1e-6 (CPU) and 1.1e-5 (H100) of max|m| at the paper's largest layer. "fast":
-        one bf16 pass, for bf16 models, about 3e-3 of max|m| (benchmarks/lmu_precision.py).
-
-    Returns:
-      ``(y_BxTxCxK, m_BxCxQ)``: the outputs (K = Q without L) and the state after the last
-      input, from which a later call continues; float32 (float64 for float64 input).
+    ``precision`` is the output products': "exact", float32 accuracy (1e-6 of max|m| at the
+    paper's largest layer on CPU, 1.1e-5 on an H100), or "fast", one bf16 pass for bf16 models
+    (about 3e-3, benchmarks/lmu_precision.py); the state is always at float32 accuracy.
+    Returns ``(y_BxTxCxK, m_BxCxQ)`` (K = Q without L), float32 (float64 for float64 input).
     """
     operand = jnp.bfloat16 if precision == "fast" else None  # chunk_product checks the name
     x_BxJxCxZ, final_BxCxQ = chunk_operands(

@@ -1,10 +1,5 @@
 """Language models: the LMU (and its _G variant), the transformer, and the recurrent
-baselines SRU, SRU++ and LSTM.
-
-Each family registers one record (``family.Family``) next to its model; importing this package
-registers them all. ``build(config)`` gives the Flax module for a config; ``sizes`` holds Table
-3's grid and the named configs, and looks up each family's parameter counter and FLOPs.
-"""
+baselines SRU, SRU++ and LSTM; importing this package registers every family."""
 
 from __future__ import annotations
 

@@ -1,15 +1,9 @@
 """What every language model here shares: tied logits, the chunked cross-entropy, the step API.
 
-A model subclasses ``LanguageModel``. ``LanguageModel.setup`` defines ``embed`` (an
-``nn.Embed``, also the output projection), ``blocks`` and the final ``norm``; the family gives
-its ``block_class`` and, where a block takes more than the config, ``block_fields(i)``. It provides
-- ``embed_tokens(tokens, index)`` where the block input is more than ``embed(tokens)`` (the
-  transformer adds positions): tokens at positions 0..T-1 (index None) or one token at
-  position ``index`` (decoding);
-- ``decode_state(batch_size, max_len) -> state``: the decode state before the first token,
-  from the config alone (no parameters), so an unbound module can make it: ``{"layers": [one
-  per block], "index": position}``, the index only where a block needs it.
-Each block has ``__call__(x_BxTxD)`` and ``step(layer_state, x_BxD, index)``.
+A family subclasses ``LanguageModel`` with its ``block_class`` and, where a block takes more
+than the config, ``block_fields(i)``. Each block has ``__call__(x_BxTxD)``, ``step(layer_state,
+x_BxD, index)`` and ``decode_state(batch_size, max_len)``, its state before the first token,
+from its fields alone (an unbound block makes it).
 """
 
 from __future__ import annotations
@@ -72,16 +66,10 @@ def check_positive(config, name: str) -> None:
 
 @dataclasses.dataclass(frozen=True)
 class RecurrentConfig(Registered):
-    """A language model of ``n_layers`` recurrent layers of width ``d`` (SRU, LSTM).
-
-    Attributes:
-      d: embedding and state width. n_layers: layers (each family sets its default).
-      vocab_size: tokens (GPT-2: 50257).
-      dtype: compute dtype, "float32" or "bfloat16"; parameters and the state are float32.
-      remat: rematerialise each layer in the backward pass.
-      loss_impl: the cross-entropy's implementation, "auto", "xla" or "pallas"
-        (``fused_loss.resolve``).
-    """
+    """``n_layers`` recurrent layers of width ``d`` (SRU, LSTM). ``dtype`` is the compute
+    dtype, "float32" or "bfloat16" (parameters and the state are float32); ``remat``
+    rematerialises each layer in the backward pass; ``loss_impl`` is "auto", "xla" or "pallas"
+    (``fused_loss.resolve``)."""
 
     d: int
     n_layers: int
@@ -95,11 +83,8 @@ class RecurrentConfig(Registered):
 
 
 def default_heads(width: int, head_dim: int = 32) -> int:
-    """Attention heads for width d: the divisor of d whose head size is nearest ``head_dim``.
-
-    Table 3's widths (48, 65, 91, 112, 144, 204) have few divisors, so a fixed head size is
-    impossible; e.g. 65 -> 5 heads of 13, 204 -> 6 heads of 34. Ties go to fewer heads.
-    """
+    """Attention heads for width d: the divisor of d whose head size is nearest ``head_dim``
+    (fewer heads on a tie); Table 3's widths have few divisors, e.g. 65 -> 5 heads of 13."""
     divisors = [h for h in range(1, width + 1) if width % h == 0]
     return min(divisors, key=lambda h: (abs(width / h - head_dim), h))
 
@@ -112,23 +97,15 @@ def logits_from_hidden(h_xD, w_VxD):
 
 
 def cross_entropy(h_BxTxD, w_VxD, targets_BxT, chunk: int = LOSS_CHUNK, impl: str = "xla"):
-    """Next-token cross-entropy in nats at every position, without the full logits.
+    """Next-token cross-entropy in nats at every position, without the full logits: float32
+    ``loss_BxT = logsumexp(logits) - logits[target]``.
 
-    ``impl`` is a config's ``loss_impl``: "xla" (this function's own path, below), "pallas"
-    (``fused_loss``: the logits never leave the chip; any cotangent has exact gradients) or
-    "auto" (``fused_loss.resolve``). ``chunk`` concerns the XLA path only.
-
-    The (B*T) positions are cut into J chunks of c = ``chunk`` tokens, and one pass over them
-    computes each chunk's logits (c x V, in h's dtype accumulating in float32), the loss, and
-    already the gradients with respect to h and the tied embedding w. The backward pass only
-    scales them: no logits are stored for it, and none are computed again.
-
-    That needs the cotangent of the losses to be the same at every position, as it is for
-    their mean or sum (training). For any other cotangent (per-position weights) the gradient
-    with respect to w is NaN, never silently wrong; the one with respect to h stays exact.
-
-    Returns:
-      ``loss_BxT`` in float32: ``logsumexp(logits) - logits[target]``.
+    ``impl`` is a config's ``loss_impl``: "pallas" (``fused_loss``), "auto"
+    (``fused_loss.resolve``) or "xla", where one pass over chunks of ``chunk`` tokens computes
+    each chunk's logits (in h's dtype, accumulated in float32), the loss and already the
+    gradients in h and the tied w: the backward pass only scales them, and stores or recomputes
+    no logits. That needs the same cotangent at every position, as for the mean or sum; for any
+    other, the gradient in w is NaN, never silently wrong (the one in h stays exact).
     """
     if fused_loss.resolve(impl) == "pallas":
         return fused_loss.cross_entropy(h_BxTxD, w_VxD, targets_BxT)
@@ -136,8 +113,8 @@ def cross_entropy(h_BxTxD, w_VxD, targets_BxT, chunk: int = LOSS_CHUNK, impl: st
 
 
 def _chunked(h_BxTxD, w_VxD, targets_BxT, chunk: int, gradients: bool):
-    """One ``lax.scan`` over chunks of positions: ``loss_BxT``, and with ``gradients`` also
-    the gradients of the losses' sum, ``dh_BxTxD`` (h's dtype) and ``dw_VxD`` (float32)."""
+    """``loss_BxT`` by one ``lax.scan`` over chunks, and with ``gradients`` the gradients of
+    its sum, ``dh_BxTxD`` (h's dtype) and ``dw_VxD`` (float32)."""
     batch, length, width = h_BxTxD.shape
     count = batch * length
     chunk = max(1, min(chunk, count))
@@ -202,8 +179,6 @@ class LanguageModel(nn.Module):
     block_class: ClassVar[type[nn.Module]]
 
     def setup(self):
-        """The parts every family has: ``embed``, ``blocks`` (``block_0`` ... , each
-        rematerialised in the backward pass where the config says ``remat``) and ``norm``."""
         c = self.config
         dtype = compute_dtype(c.dtype)
         self.embed = nn.Embed(c.vocab_size, c.d, embedding_init=embedding_init, dtype=dtype)
@@ -212,30 +187,36 @@ class LanguageModel(nn.Module):
         self.norm = layer_norm(dtype)
 
     def block_fields(self, layer: int) -> dict:
-        """The fields of block ``layer`` (from 0): the model's config, unless a family says
-        otherwise."""
+        """The fields of block ``layer`` (from 0): by default the model's config."""
         del layer
         return {"config": self.config}
 
     def embed_tokens(self, tokens, index):
-        """The token embedding alone: the recurrent families need no positions (their state
-        carries the order); the transformer overrides this to add its learned positions."""
+        """The blocks' input: tokens at positions 0..T-1 (``index`` None) or one token at
+        position ``index``. The transformer overrides this to add its learned positions."""
         del index
         return self.embed(tokens)
 
-    def output_embedding(self):
-        return self.embed.embedding
-
-    def perturb_embedded(self, x_BxTxD):
-        """A no-op unless the caller passes a ``perturbations`` collection, whose gradient is
-        then the gradient with respect to the embedded inputs (the causality tests use it)."""
-        if self.is_initializing():  # init returns only the params collection
-            return x_BxTxD
-        return self.perturb("embedded", x_BxTxD)
+    def decode_state(self, batch_size: int, max_len: int | None = None):
+        """The decode state before the first token, from the config alone (call it unbound):
+        ``{"layers": [one per block], "index": position}``, the index only where a layer keeps
+        a KV cache (``"kv"``)."""
+        layers = [
+            self.block_class(**self.block_fields(i), parent=None).decode_state(batch_size, max_len)
+            for i in range(self.config.n_layers)
+        ]
+        state = {"layers": layers}
+        if any("kv" in layer for layer in layers):
+            state["index"] = jnp.zeros((), jnp.int32)
+        return state
 
     def hidden(self, tokens_BxT):
-        """The parallel forward up to and including the final norm: ``h_BxTxD``."""
-        x_BxTxD = self.perturb_embedded(self.embed_tokens(tokens_BxT, None))
+        """The parallel forward up to and including the final norm: ``h_BxTxD``. A
+        ``perturbations`` collection, if passed, gets the gradient with respect to the embedded
+        inputs (the causality tests use it)."""
+        x_BxTxD = self.embed_tokens(tokens_BxT, None)
+        if not self.is_initializing():  # init returns only the params collection
+            x_BxTxD = self.perturb("embedded", x_BxTxD)
         for block in self.blocks:
             x_BxTxD = block(x_BxTxD)
         return self.norm(x_BxTxD)
@@ -251,25 +232,22 @@ class LanguageModel(nn.Module):
         new_state = {"layers": layers}
         if index is not None:
             new_state["index"] = index + 1
-        return logits_from_hidden(self.norm(x_BxD), self.output_embedding()), new_state
+        return logits_from_hidden(self.norm(x_BxD), self.embed.embedding), new_state
 
     def __call__(self, tokens_BxT):
         """The parallel forward: float32 ``logits_BxTxV``. Training uses ``loss`` instead."""
-        return logits_from_hidden(self.hidden(tokens_BxT), self.output_embedding())
+        return logits_from_hidden(self.hidden(tokens_BxT), self.embed.embedding)
 
     def loss(self, inputs_BxT, targets_BxT, chunk: int = LOSS_CHUNK):
-        """Next-token cross-entropy in nats: ``(mean, per_position_BxT)``.
-
-        ``targets_BxT`` is usually ``inputs`` shifted by one (a window of n + 1 tokens gives
-        both). The mean is over every position of every sequence.
-        """
+        """Next-token cross-entropy in nats: ``(mean, per_position_BxT)``, ``targets_BxT``
+        usually ``inputs`` shifted by one."""
         if inputs_BxT.shape != targets_BxT.shape:
             raise ValueError(
                 f"inputs {inputs_BxT.shape} and targets {targets_BxT.shape} differ in shape"
             )
         per_position = cross_entropy(
             self.hidden(inputs_BxT),
-            self.output_embedding(),
+            self.embed.embedding,
             targets_BxT,
             chunk,
             loss_impl_of(self.config),
@@ -288,11 +266,8 @@ def _decode_jit(model, params, state, tokens_TxB):
 
 
 def decode(model: LanguageModel, params, tokens_BxT, state=None):
-    """Feed ``tokens_BxT`` one at a time through ``model.step``: ``(logits_BxTxV, state)``.
-
-    With ``state=None`` it starts from the model's empty state, sized for exactly these tokens.
-    This is the recurrent mode; its logits equal ``model.apply(params, tokens_BxT)``.
-    """
+    """Feed ``tokens_BxT`` one at a time through ``model.step``: ``(logits_BxTxV, state)``,
+    from ``state`` or the empty state sized for these tokens. Equals ``model.apply``."""
     tokens_BxT = jnp.asarray(tokens_BxT)
     if state is None:
         state = model.decode_state(tokens_BxT.shape[0], max_len=tokens_BxT.shape[1])

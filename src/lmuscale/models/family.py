@@ -1,8 +1,5 @@
-"""The registry of model families: one record per family, registered next to its model.
-
-Every entry point (build, the sizes table, the training config, the sweep) asks this registry,
-so a new family is one file that calls ``register`` plus its import in ``models/__init__.py``.
-"""
+"""The registry of model families, one record each: every entry point asks it, so a new family
+is one file that calls ``register`` plus its import in ``models/__init__.py``."""
 
 from __future__ import annotations
 
@@ -18,14 +15,11 @@ class Family:
     Attributes:
       name: the config's ``model.family`` and the prefix of its named models ("lmu-1M").
       config: a frozen dataclass; its fields, less ``fixed``, are the model section's keys.
-      model: the Flax ``LanguageModel`` class, built as ``model(config)``.
-      sized: ``(size, **overrides) -> config`` at a row of Table 3 (``sizes.TABLE3``).
-      params: ``config -> sizes.ParamCount``, in closed form.
-      flops: ``(config, seq_len) -> sizes.FlopCount``, forward FLOPs per token.
+      model: the ``LanguageModel`` class; sized: ``(size, **overrides) -> config``.
+      params, flops: ``config -> sizes.ParamCount``, ``(config, seq_len) -> sizes.FlopCount``.
       shape: ``config -> dict`` of the shape columns of ``python -m lmuscale.models``.
-      fixed: config fields that the family's name decides: LMU_G is the LMU config with
-        ``global_attention=True``. They are left out of the model section and restored from
-        the name, so the flag survives every round trip.
+      fixed: config fields the family's name decides (LMU_G: ``global_attention=True``),
+        left out of the model section and restored from the name.
       legacy: fields added after runs were saved, with the values those runs used; a saved
         config that lacks one resumes with it (``train.config.upgrade``).
     """

@@ -1,24 +1,15 @@
 """The cross-entropy as fused Pallas kernels: the logits live only in on-chip tiles.
 
-``base.cross_entropy``, the XLA path, writes each token chunk's float32 logits to memory.
-These three kernels never do:
-
-- forward, per tile of tokens: walks the vocabulary in tiles with an online log-sum-exp and
-  the target's logit, and writes two floats per token;
-- dh, per tile of tokens: recomputes each logits tile, forms ``g * (softmax - onehot)`` on
-  chip and accumulates ``dh += dlogits w``;
-- dw, per tile of the vocabulary: the same, walking the tokens, ``dw += dlogitsᵀ h``.
-
-The backward recomputes the logits twice (5 logits-sized products against the XLA path's 3)
-to write nothing V-sized but dw; the per-token cotangent ``g`` enters exactly, so any
-weighting of the losses has exact gradients (the XLA path's dw needs one weight for all).
+Unlike ``base.cross_entropy`` (the XLA path), no kernel writes logits to memory. The forward
+walks the vocabulary per tile of tokens with an online log-sum-exp and writes two floats per
+token; dh (per tile of tokens) and dw (per tile of the vocabulary) recompute each logits tile
+and form ``g * (softmax - onehot)`` on chip: 5 logits-sized products against the XLA path's 3,
+but nothing V-sized is written but dw, and the per-token cotangent ``g`` enters exactly, so
+any weighting of the losses has exact gradients.
 
 Written for Pallas's Triton lowering (NVIDIA GPUs): d is zero-padded to a power of two, the
-vocabulary to whole tiles (the padded logits are masked; their zero rows of w add nothing)
-and the tokens to whole tiles with a zero cotangent. ``interpret=True`` runs the same kernels
-on any backend (the tests, on CPU). A config's ``loss_impl`` picks the path (``resolve``):
-"xla", "pallas", or "auto", the kernel only where a committed benchmark measured it faster
-(``FASTER_THAN_XLA``).
+vocabulary to whole tiles (padded logits masked) and the tokens to whole tiles with a zero
+cotangent. ``interpret=True`` runs the kernels on any backend (the tests, on CPU).
 """
 
 from __future__ import annotations
@@ -233,42 +224,6 @@ def _operands(h_BxTxD, w_VxD, targets_BxT, token_tile, vocab_tile):
     return h_NxD, w_VxD, targets_N
 
 
-def _forward(h_NxD, w_VxD, targets_N, vocab, token_tile, vocab_tile, interpret):
-    n, wide = h_NxD.shape
-    per_token = jax.ShapeDtypeStruct((n,), jnp.float32)
-    return _call(
-        functools.partial(_forward_kernel, vocab=vocab, tile=vocab_tile),
-        (n // token_tile,),
-        [_rows(token_tile, wide), _whole(w_VxD.shape), _rows(token_tile)],
-        [_rows(token_tile), _rows(token_tile)],
-        [per_token, per_token],
-        interpret,
-    )(h_NxD, w_VxD, targets_N)
-
-
-def _backward(h_NxD, w_VxD, targets_N, lse_N, g_N, vocab, token_tile, vocab_tile, interpret):
-    n, wide = h_NxD.shape
-    per_token = [_rows(token_tile), _rows(token_tile), _rows(token_tile)]
-    dh_NxD = _call(
-        functools.partial(_dh_kernel, vocab=vocab, tile=vocab_tile),
-        (n // token_tile,),
-        [_rows(token_tile, wide), _whole(w_VxD.shape), *per_token],
-        _rows(token_tile, wide),
-        jax.ShapeDtypeStruct(h_NxD.shape, h_NxD.dtype),
-        interpret,
-    )(h_NxD, w_VxD, targets_N, lse_N, g_N)
-    everything = [_whole((n,)), _whole((n,)), _whole((n,))]
-    dw_VxD = _call(
-        functools.partial(_dw_kernel, vocab=vocab, tile=token_tile),
-        (w_VxD.shape[0] // vocab_tile,),
-        [_whole(h_NxD.shape), _rows(vocab_tile, wide), *everything],
-        _rows(vocab_tile, wide),
-        jax.ShapeDtypeStruct(w_VxD.shape, jnp.float32),
-        interpret,
-    )(h_NxD, w_VxD, targets_N, lse_N, g_N)
-    return dh_NxD, dw_VxD
-
-
 def tiles(width: int, dtype) -> tuple[int, int]:
     """The default ``(token_tile, vocab_tile)`` on a GPU for d = ``width`` in ``dtype``: the
     largest power of two up to MAX_TILE whose tile of an operand, at the padded width, fits in
@@ -287,11 +242,8 @@ def cross_entropy(
     vocab_tile: int | None = None,
     interpret: bool = False,
 ):
-    """``base.cross_entropy`` by the fused kernels: ``loss_BxT`` in float32 nats.
-
-    Differentiable in h and w for any cotangent of the losses. Tiles are powers of two, at
-    least MIN_TILE on a GPU (any size in interpret mode); None takes ``tiles``.
-    """
+    """``base.cross_entropy`` by the fused kernels, exact gradients for any cotangent. Tiles
+    are powers of two, at least MIN_TILE on a GPU (any in interpret mode); None: ``tiles``."""
     if h_BxTxD.shape[:-1] != targets_BxT.shape or h_BxTxD.shape[-1] != w_VxD.shape[-1]:
         raise ValueError(
             f"h {h_BxTxD.shape}, w {w_VxD.shape} and targets {targets_BxT.shape} do not fit: "
@@ -317,9 +269,16 @@ def _fused_fwd(h_BxTxD, w_VxD, targets_BxT, token_tile, vocab_tile, interpret):
     if count == 0:
         return jnp.zeros(targets_BxT.shape, jnp.float32), (h_BxTxD, w_VxD, targets_BxT, None)
     h_NxD, w_pad, targets_N = _operands(h_BxTxD, w_VxD, targets_BxT, token_tile, vocab_tile)
-    lse_N, target_N = _forward(
-        h_NxD, w_pad, targets_N, w_VxD.shape[0], token_tile, vocab_tile, interpret
-    )
+    n, wide = h_NxD.shape
+    per_token = jax.ShapeDtypeStruct((n,), jnp.float32)
+    lse_N, target_N = _call(
+        functools.partial(_forward_kernel, vocab=w_VxD.shape[0], tile=vocab_tile),
+        (n // token_tile,),
+        [_rows(token_tile, wide), _whole(w_pad.shape), _rows(token_tile)],
+        [_rows(token_tile), _rows(token_tile)],
+        [per_token, per_token],
+        interpret,
+    )(h_NxD, w_pad, targets_N)
     loss_BxT = (lse_N - target_N)[:count].reshape(targets_BxT.shape)
     return loss_BxT, (h_BxTxD, w_VxD, targets_BxT, lse_N)
 
@@ -332,9 +291,23 @@ def _fused_bwd(token_tile, vocab_tile, interpret, residuals, g_BxT):
     h_NxD, w_pad, targets_N = _operands(h_BxTxD, w_VxD, targets_BxT, token_tile, vocab_tile)
     # The padded tokens get a zero cotangent: they add nothing to dw.
     g_N = jnp.pad(g_BxT.reshape(count).astype(jnp.float32), (0, lse_N.shape[0] - count))
-    dh_NxD, dw_VxD = _backward(
-        h_NxD, w_pad, targets_N, lse_N, g_N, vocab, token_tile, vocab_tile, interpret
-    )
+    n, wide = h_NxD.shape
+    dh_NxD = _call(
+        functools.partial(_dh_kernel, vocab=vocab, tile=vocab_tile),
+        (n // token_tile,),
+        [_rows(token_tile, wide), _whole(w_pad.shape), *[_rows(token_tile)] * 3],
+        _rows(token_tile, wide),
+        jax.ShapeDtypeStruct(h_NxD.shape, h_NxD.dtype),
+        interpret,
+    )(h_NxD, w_pad, targets_N, lse_N, g_N)
+    dw_VxD = _call(
+        functools.partial(_dw_kernel, vocab=vocab, tile=token_tile),
+        (w_pad.shape[0] // vocab_tile,),
+        [_whole(h_NxD.shape), _rows(vocab_tile, wide), *[_whole((n,))] * 3],
+        _rows(vocab_tile, wide),
+        jax.ShapeDtypeStruct(w_pad.shape, jnp.float32),
+        interpret,
+    )(h_NxD, w_pad, targets_N, lse_N, g_N)
     dh_BxTxD = dh_NxD[:count, :width].reshape(h_BxTxD.shape)
     return dh_BxTxD, dw_VxD[:vocab, :width].astype(w_VxD.dtype), None
 

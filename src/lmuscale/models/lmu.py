@@ -1,11 +1,8 @@
 """The LMU language model with implicit self-attention (papers/lmu-implicit-self-attention.md §4).
 
-token embedding (tied with the output) -> n_layers x LMUBlock -> final LayerNorm -> logits.
-No positional embeddings: the memory sees order through its Legendre basis. The _G variant
+Tied token embedding -> n_layers x LMUBlock -> final LayerNorm -> logits; no positional
+embeddings (the memory sees order through its Legendre basis). The _G variant
 (``global_attention=True``) replaces each block's pre-FFN with causal multi-head attention.
-
-Decoding carries, per layer, the memory ``m_BxDxQ`` (and, in the _G variant only, a KV cache
-and the position index), so the plain LMU's state has the same size after any number of tokens.
 """
 
 from __future__ import annotations
@@ -43,29 +40,13 @@ PRE_FFN_RATIO = 1.5
 
 @dataclasses.dataclass(frozen=True)
 class LMUConfig(Registered):
-    """Everything that fixes an LMU language model's function and parameter shapes.
-
-    Attributes:
-      d: embedding width. q: memory order. q_prime: reduced order of each L_i.
-      theta: memory window, in tokens. n_layers: LMU blocks.
-      pre_ffn_dim, post_ffn_dim: inner widths of the two FFNs (the _G variant has no pre-FFN:
-        global attention replaces it, and pre_ffn_dim is ignored).
-      global_attention: the LMU_G variant. n_heads: its attention heads.
-      vocab_size: tokens (GPT-2: 50257).
-      dtype: compute dtype, "float32" or "bfloat16"; parameters are always float32.
-      memory_mode: how the parallel mode computes the memory: "chunked" (matrix products in
-        chunks of ``memory_chunk`` steps, on tensor cores) or "fft" (FFT convolution). Both are
-        the same function; a bf16 model runs the chunked products as one bf16 pass.
-      memory_chunk: steps per chunk of the chunked memory.
-      remat: rematerialise each block in the backward pass (less memory, ~1/3 more compute).
-      batch_chunk: sequences per chunk of the implicit attention in parallel mode (0 = the
-        whole batch at once), each chunk rematerialised in the backward pass. XLA's buffers
-        for a (16, 1024) Adam step of lmu-1M on CPU are 2.1 GB with chunks of 2 and 7.7 GB
-        without. On an accelerator, 0 with micro-batches is faster: the chunks run one after
-        another.
-      loss_impl: the cross-entropy's implementation, "auto", "xla" or "pallas"
-        (``fused_loss.resolve``).
-    """
+    """Everything that fixes an LMU language model's function and parameter shapes. ``theta``
+    is in tokens; ``q_prime`` is the rows of each L_i. The _G variant (``global_attention``,
+    with ``n_heads``) ignores ``pre_ffn_dim``: attention replaces the pre-FFN. ``memory_mode``,
+    ``memory_chunk`` and ``batch_chunk`` are as in ``layers.ImplicitSelfAttention``: XLA's
+    buffers for a (16, 1024) Adam step of lmu-1M on CPU are 2.1 GB with batch chunks of 2 and
+    7.7 GB without; on an accelerator 0 with micro-batches is faster (the chunks run one after
+    another). The rest is as in ``base.RecurrentConfig``."""
 
     d: int
     q: int
@@ -104,11 +85,9 @@ class LMUConfig(Registered):
 
 
 class LMUBlock(nn.Module):
-    """One layer of the LMU language model (paper Figure 2), pre-norm with residuals.
-
-    ``x += pre(LN(x))`` with pre = FFN (ratio 1.5) or, in the _G variant, global attention;
-    ``x += implicit_attention(memory(LN(x)))``; ``x += FFN_post(LN(x))``.
-    """
+    """One layer (paper Figure 2), pre-norm with residuals: ``x += pre(LN(x))`` (an FFN, or
+    global attention in the _G variant); ``x += implicit_attention(memory(LN(x)))``;
+    ``x += FFN_post(LN(x))``."""
 
     config: LMUConfig
 
@@ -133,7 +112,6 @@ class LMUBlock(nn.Module):
         return x_BxTxD + self.post(self.norm_post(x_BxTxD))
 
     def decode_state(self, batch_size: int, max_len: int | None = None):
-        """The zero state before the first token (needs no parameters: call it unbound)."""
         c = self.config
         state = {"memory": jnp.zeros((batch_size, c.d, c.q), jnp.float32)}
         if c.global_attention:
@@ -159,15 +137,6 @@ class LMULanguageModel(LanguageModel):
     config: LMUConfig
     block_class = LMUBlock
 
-    def decode_state(self, batch_size: int, max_len: int | None = None):
-        block = LMUBlock(self.config, parent=None)
-        state = {
-            "layers": [block.decode_state(batch_size, max_len) for _ in range(self.config.n_layers)]
-        }
-        if self.config.global_attention:
-            state["index"] = jnp.zeros((), jnp.int32)
-        return state
-
 
 def lmu_params(config: LMUConfig) -> sizes.ParamCount:
     d = config.d
@@ -181,13 +150,10 @@ def lmu_params(config: LMUConfig) -> sizes.ParamCount:
 
 
 def lmu_flops(config: LMUConfig, seq_len: int = 1024) -> sizes.FlopCount:
-    """Table 2 of the LMU paper, per layer, plus the unembedding (2 d V).
-
-    LMU + Q + K + V (reduced order, FFT): 3d[5(q'+1)(log2 n + 1) + 6q'] + 6qq'; QK^T: 2dq'^2;
-    M': 2dq'^2 + dq'; m: 2dq'; each FFN: 4dd'. The _G variant's global attention replaces the
-    pre-FFN: 8d^2 for its four projections and 4nd for scores and values, counted over the
-    full n as for the transformer.
-    """
+    """Table 2 of the LMU paper per layer, plus the unembedding (2 d V): LMU + Q + K + V
+    (reduced order, FFT) 3d[5(q'+1)(log2 n + 1) + 6q'] + 6qq'; QK^T 2dq'^2; M' 2dq'^2 + dq';
+    m 2dq'; each FFN 4dd'. The _G variant's attention replaces the pre-FFN: 8d^2 for its four
+    projections and 4nd for scores and values over the full n, as for the transformer."""
     d, q, k, n = config.d, config.q, config.q_prime, seq_len
     terms = {"memory_qkv": 3 * d * (5 * (k + 1) * (math.log2(n) + 1) + 6 * k) + 6 * q * k}
     terms["scores"] = 2 * d * k * k
@@ -202,12 +168,8 @@ def lmu_flops(config: LMUConfig, seq_len: int = 1024) -> sizes.FlopCount:
 
 
 def lmu_config(size: str, *, global_attention: bool = False, **overrides) -> LMUConfig:
-    """A Table 3 row as a config, the post-FFN width solved so that N hits the row's N.
-
-    d = round(sqrt(N/24)), q and q' from the table, theta = 350, 3 layers, pre-FFN 1.5 d. The
-    _G variant has the same d, q, q' and solves its own post-FFN width. ``overrides`` replace
-    any field afterwards (e.g. dtype, remat), without re-solving.
-    """
+    """A Table 3 row as a config (theta = 350, 3 layers, pre-FFN 1.5 d), the post-FFN width
+    solved so that N hits the row's N; ``overrides`` replace fields afterwards, unsolved."""
     row = sizes.row(size)
     d = sizes.width(row.n)
     base = LMUConfig(

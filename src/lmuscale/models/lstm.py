@@ -1,20 +1,12 @@
 """The LSTM language model: the recurrent baseline of Kaplan et al.'s LSTM curve (Figure 7).
 
-token embedding (tied with the output) -> n_layers x LSTM layer -> final LayerNorm -> logits.
-No positional embeddings: the recurrence carries the order.
-
-One layer, for the layer input x_t and x̃_t = LayerNorm(x_t) (pre-norm, with a residual, as
-every other family here, so that depth means the same thing across families):
-  [z_i; z_f; z_g; z_o] = W x̃_t + b + U h_{t-1};
-  i, f, o = sigmoid(z_i), sigmoid(z_f), sigmoid(z_o);  g = tanh(z_g);
+One layer, pre-norm with a residual as in every family here (so depth means the same thing
+across families), for x̃_t = LayerNorm(x_t):
+  [z_i; z_f; z_g; z_o] = W x̃_t + b + U h_{t-1};  i, f, o = sigmoid(z_i, z_f, z_o);  g = tanh(z_g);
   c_t = f ⊙ c_{t-1} + i ⊙ g;  h_t = o ⊙ tanh(c_t);  layer output x_t + h_t.
-W x̃_t + b is one matmul for every position at once; only U h_{t-1} is inside the
-``lax.scan`` over time, in ``lstm_cell``, the step both the scan and decoding call.
-
-Initialisation: W lecun-normal, U orthogonal, b zero except the forget gate's, which is 1
-(Gers et al. 2000; Jozefowicz et al. 2015): the cell remembers from the first step.
-The state (h, c) is float32 in every compute dtype; U h runs in the compute dtype with float32
-accumulation. Decoding state per layer: ``{"h": h_BxD, "c": c_BxD}``, constant size.
+W x̃_t + b is one matmul for every position; only U h_{t-1} is inside the scan (``lstm_cell``).
+W is lecun-normal, U orthogonal, b zero but for the forget gate's 1 (Gers et al. 2000;
+Jozefowicz et al. 2015). The state (h, c) is float32 in every compute dtype.
 """
 
 from __future__ import annotations
@@ -52,13 +44,8 @@ def forget_bias_init(key, shape, dtype=jnp.float32):
 
 
 def lstm_cell(carry, zx_Bx4D, u_Dx4D, dtype):
-    """One LSTM step: ``((h_BxD, c_BxD), h_BxD)`` at time t.
-
-    Args:
-      carry: (h_{t-1}, c_{t-1}), float32.
-      zx_Bx4D: W x̃_t + b for the gates [i, f, g, o], float32.
-      u_Dx4D: the recurrent kernel U, applied in ``dtype`` with float32 accumulation.
-    """
+    """One LSTM step from ``carry`` = (h_{t-1}, c_{t-1}) and ``zx_Bx4D`` = W x̃_t + b (float32),
+    with U in ``dtype`` accumulated in float32: ``((h_BxD, c_BxD), h_BxD)``."""
     h_BxD, c_BxD = carry
     z_Bx4D = zx_Bx4D + jnp.dot(
         h_BxD.astype(dtype), u_Dx4D.astype(dtype), preferred_element_type=jnp.float32
@@ -67,17 +54,6 @@ def lstm_cell(carry, zx_Bx4D, u_Dx4D, dtype):
     c_BxD = jax.nn.sigmoid(zf) * c_BxD + jax.nn.sigmoid(zi) * jnp.tanh(zg)
     h_BxD = jax.nn.sigmoid(zo) * jnp.tanh(c_BxD)
     return (h_BxD, c_BxD), h_BxD
-
-
-def lstm_recurrence(zx_BxTx4D, u_Dx4D, carry, dtype):
-    """``lstm_cell`` over every position with ``lax.scan``: ``(h_BxTxD, (h_BxD, c_BxD))``."""
-    u_Dx4D = u_Dx4D.astype(dtype)  # once, not at every step
-
-    def one(carry, zx_Bx4D):
-        return lstm_cell(carry, zx_Bx4D, u_Dx4D, dtype)
-
-    carry, h_TxBxD = lax.scan(one, carry, jnp.moveaxis(zx_BxTx4D.astype(jnp.float32), 1, 0))
-    return jnp.moveaxis(h_TxBxD, 0, 1), carry
 
 
 class LSTMLayer(nn.Module):
@@ -95,13 +71,17 @@ class LSTMLayer(nn.Module):
         self.recurrent = self.param("recurrent", nn.initializers.orthogonal(), (self.d, 4 * self.d))
 
     def __call__(self, x_BxTxD):
-        zx_BxTx4D = self.input(self.norm(x_BxTxD))
+        zx_TxBx4D = jnp.moveaxis(self.input(self.norm(x_BxTxD)).astype(jnp.float32), 1, 0)
+        u_Dx4D = self.recurrent.astype(self.dtype)  # once, not at every step
+
+        def one(carry, zx_Bx4D):
+            return lstm_cell(carry, zx_Bx4D, u_Dx4D, self.dtype)
+
         zeros = jnp.zeros((x_BxTxD.shape[0], self.d), jnp.float32)
-        h_BxTxD, _ = lstm_recurrence(zx_BxTx4D, self.recurrent, (zeros, zeros), self.dtype)
-        return x_BxTxD + h_BxTxD.astype(x_BxTxD.dtype)
+        _, h_TxBxD = lax.scan(one, (zeros, zeros), zx_TxBx4D)
+        return x_BxTxD + jnp.moveaxis(h_TxBxD, 0, 1).astype(x_BxTxD.dtype)
 
     def decode_state(self, batch_size: int, max_len: int | None = None):
-        """The zero state before the first token (needs no parameters: call it unbound)."""
         del max_len  # constant size
         zeros = jnp.zeros((batch_size, self.d), jnp.float32)
         return {"h": zeros, "c": zeros}
@@ -120,11 +100,6 @@ class LSTMLanguageModel(LanguageModel):
     def block_fields(self, layer: int) -> dict:
         del layer
         return {"d": self.config.d, "dtype": compute_dtype(self.config.dtype)}
-
-    def decode_state(self, batch_size: int, max_len: int | None = None):
-        c = self.config
-        layer = LSTMLayer(**self.block_fields(0), parent=None)
-        return {"layers": [layer.decode_state(batch_size, max_len) for _ in range(c.n_layers)]}
 
 
 def lstm_layer_params(d: int) -> int:
@@ -158,12 +133,6 @@ def lstm_config(size: str, **overrides) -> LSTMConfig:
 
 register(
     Family(
-        "lstm",
-        LSTMConfig,
-        LSTMLanguageModel,
-        sized=lstm_config,
-        params=lstm_params,
-        flops=lstm_flops,
-        shape=lambda c: {},
+        "lstm", LSTMConfig, LSTMLanguageModel, lstm_config, lstm_params, lstm_flops, lambda c: {}
     )
 )

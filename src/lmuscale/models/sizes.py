@@ -1,17 +1,9 @@
 """Model sizes: Table 3's grid, the parameter and FLOP records, and lookups by family.
 
-Nothing here builds a model or touches a device: each family's counter and FLOPs are
-closed-form functions of its config, registered with the family (``models.family``);
-tests/test_models.py checks the counts against ``jax.eval_shape`` of ``init``.
-
-Conventions (Kaplan et al. 2020, REFERENCE §2-3):
-- N is the non-embedding parameter count: everything except the token embedding (tied with
-  the output) and the transformer's learned positions. Biases and LayerNorms count in N.
-- FLOPs are per token, a multiply-add being 2; training is 3x the forward pass.
-
-Every family sits on the same grid: the LMU's width d = round(sqrt(N / 24)) at every row,
-and the family's own rule for the rest (its ``sized``), e.g. one free integer solved so that
-N is nearest the row's N (``nearest``).
+N is the non-embedding parameter count (Kaplan et al. 2020, REFERENCE §2-3): all but the tied
+token embedding and the transformer's positions. FLOPs are per token, a multiply-add being 2.
+Every family has the LMU's width d = round(sqrt(N / 24)) at every row, and its own rule
+(``sized``) for the rest.
 """
 
 from __future__ import annotations
@@ -111,10 +103,8 @@ def attention_params(d: int) -> int:
 
 
 def row(size: str | int) -> Table3Row:
-    """A row of Table 3 by name ("55k"), or the grid point of any N (an int): the table's row
-    where N is one of its own, else d = round(sqrt(N / 24)) with q / d and q' / q interpolated
-    in log N between the rows around it (held at the end rows' ratios outside the table).
-    Compute-optimal grids use this to size every family between and beyond Table 3's rows."""
+    """A row of Table 3 by name ("55k"), or the grid point of any N (an int): the LMU's width,
+    with q / d and q' / q interpolated in log N (held at the end rows' ratios)."""
     if isinstance(size, str):
         for table_row in TABLE3:
             if table_row.size == size:
@@ -145,14 +135,12 @@ def _name(n: int) -> str:
 
 
 def nearest(n_of, target: int, candidates) -> int:
-    """The candidate whose parameter count ``n_of(candidate)`` is nearest ``target`` (the
-    smaller on a tie)."""
+    """The candidate whose ``n_of(candidate)`` is nearest ``target`` (the smaller on a tie)."""
     return min(candidates, key=lambda k: (abs(n_of(k) - target), k))
 
 
 def deepened(make, size: str):
-    """``make(d=..., n_layers=...)`` at the LMU's width, with the depth whose N is nearest the
-    row's N."""
+    """``make(d=..., n_layers=...)`` at the LMU's width, of the depth whose N is nearest."""
     target = row(size)
     d = width(target.n)
     n_layers = nearest(

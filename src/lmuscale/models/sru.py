@@ -1,34 +1,24 @@
 """SRU and SRU++ language models (REFERENCE §5, papers/sru-notes.txt), recurrent baselines.
 
-token embedding (tied with the output) -> n_layers x SRU layer -> final LayerNorm -> logits.
-No positional embeddings: the recurrence carries the order.
-
-One SRU layer, for the layer input x_t (the residual stream) and x̃_t = LayerNorm(x_t):
-  [W x̃_t; W_f x̃_t; W_r x̃_t] = U_t, one matmul for every position at once;
+One SRU layer, for the layer input x_t and x̃_t = LayerNorm(x_t):
+  U_t = [W x̃_t; W_f x̃_t; W_r x̃_t], one matmul for every position at once;
   f_t = sigmoid(W_f x̃_t + v_f ⊙ c_{t-1} + b_f);  r_t = sigmoid(W_r x̃_t + v_r ⊙ c_{t-1} + b_r);
   c_t = f_t ⊙ c_{t-1} + (1 - f_t) ⊙ W x̃_t;  h_t = r_t ⊙ c_t + (1 - r_t) ⊙ x_t.
-The gates see c_{t-1}, so the recurrence is not linear in c (no FFT, no associative scan): it
-runs in ``lax.scan`` over time, element-wise per channel. ``sru_cell`` is that element-wise
-step, the one function both the scan and the decoding ``step`` call.
+The gates see c_{t-1}, so the recurrence is not linear in c: it runs in ``lax.scan`` over
+``sru_cell``, the element-wise step that decoding calls too.
 
 Choices the equations leave open, made here:
-- Pre-LayerNorm: the matmul (or SRU++'s attention) sees x̃ = LN(x), the highway carries the
-  raw x. The highway is then the layer's skip connection (no extra residual), and the final
-  LayerNorm normalises the stream as in the other families.
-- W x̃ has no bias; b_f and b_r are the only biases. v_f, v_r, b_f, b_r start at zero.
-- No scaling correction of the highway term (the SRU paper's optional √3).
-- c is float32 in every compute dtype: a bfloat16 state would accumulate rounding over
-  thousands of steps. Only the matmuls run in the compute dtype.
+- Pre-LayerNorm: the matmul (or attention) sees LN(x), the highway the raw x, so the highway
+  is the layer's skip connection (no extra residual).
+- W x̃ has no bias; v_f, v_r, b_f, b_r start at zero. The highway has no √3 scaling correction.
+- c is float32 in every compute dtype (a bfloat16 state would accumulate rounding over
+  thousands of steps); only the matmuls run in the compute dtype.
 
-SRU++ (``SRUPPConfig``): in the layers i with (i + 1) % attention_every == 0, U comes from
-single-head causal self-attention on a reduced width d' instead of one matmul:
-  Q = W1 x̃ (d -> d');  [K; V] = W2 Q (d' -> 2d');  A = softmax(Q Kᵀ / √d') V (causal);
-  U = W3 LN(Q + alpha A) (d' -> 3d), alpha a learned scalar that starts at 0,
-so at initialisation an attention layer is an SRU layer with a factorised (rank d')
-projection. The other layers are plain SRU layers.
-
-Decoding state per layer: ``{"c": c_BxD}`` (float32, constant size); SRU++'s attention
-layers add a key/value cache of d' per position, and the model carries ``state["index"]``.
+SRU++ (``SRUPPConfig``): in layers i with (i + 1) % attention_every == 0, U comes from
+single-head causal attention on a reduced width d' instead of one matmul:
+  Q = W1 x̃ (d -> d');  [K; V] = W2 Q (d' -> 2d');  A = softmax(Q Kᵀ / √d') V;
+  U = W3 LN(Q + alpha A) (d' -> 3d), alpha a learned scalar starting at 0,
+so at initialisation an attention layer is an SRU layer with a rank-d' projection.
 """
 
 from __future__ import annotations
@@ -42,14 +32,9 @@ import jax.numpy as jnp
 from jax import lax
 
 from lmuscale import GPT2_VOCAB
-from lmuscale.layers import DEFAULT_INIT, kv_cache, layer_norm
+from lmuscale.layers import DEFAULT_INIT, cached_attention, kv_cache, layer_norm
 from lmuscale.models import sizes
-from lmuscale.models.base import (
-    LanguageModel,
-    RecurrentConfig,
-    check_config,
-    compute_dtype,
-)
+from lmuscale.models.base import LanguageModel, RecurrentConfig, check_config, compute_dtype
 from lmuscale.models.family import Family, Registered, register
 
 # Per-channel element-wise FLOPs of one step (each multiply, add, sigmoid or tanh counts 1):
@@ -71,14 +56,8 @@ class SRUConfig(RecurrentConfig):
 
 @dataclasses.dataclass(frozen=True)
 class SRUPPConfig(Registered):
-    """An SRU++ language model: SRU layers, every ``attention_every``-th one with attention.
-
-    Attributes:
-      d: embedding and state width. d_prime: the attention width d'.
-      n_layers: layers. attention_every: k; layer i (from 0) has attention iff (i + 1) % k == 0,
-        so k = n_layers puts attention in the last layer only, k = 1 in every layer.
-      vocab_size, dtype, remat, loss_impl: as in ``SRUConfig``.
-    """
+    """SRU layers, every ``attention_every``-th one (k = n_layers: the last only) with
+    attention of width ``d_prime``; the other fields as in ``SRUConfig``."""
 
     d: int
     d_prime: int
@@ -102,14 +81,8 @@ class SRUPPConfig(Registered):
 
 
 def sru_cell(c_BxD, u_Bx3xD, x_BxD, v_2xD, b_2xD):
-    """One SRU step, element-wise (REFERENCE §5): ``(c_BxD, h_BxD)`` at time t.
-
-    Args:
-      c_BxD: c_{t-1}, float32.
-      u_Bx3xD: [W x̃_t, W_f x̃_t, W_r x̃_t] stacked on axis -2.
-      x_BxD: the layer input x_t, for the highway.
-      v_2xD, b_2xD: [v_f, v_r] and [b_f, b_r].
-    """
+    """One SRU step, element-wise: ``(c_BxD, h_BxD)`` at time t from c_{t-1} (float32),
+    ``u_Bx3xD`` = [W x̃_t, W_f x̃_t, W_r x̃_t], the highway's x_t, [v_f, v_r] and [b_f, b_r]."""
     wx_BxD, fx_BxD, rx_BxD = u_Bx3xD[..., 0, :], u_Bx3xD[..., 1, :], u_Bx3xD[..., 2, :]
     f_BxD = jax.nn.sigmoid(fx_BxD + v_2xD[0][None] * c_BxD + b_2xD[0][None])
     r_BxD = jax.nn.sigmoid(rx_BxD + v_2xD[1][None] * c_BxD + b_2xD[1][None])
@@ -117,34 +90,10 @@ def sru_cell(c_BxD, u_Bx3xD, x_BxD, v_2xD, b_2xD):
     return c_BxD, r_BxD * c_BxD + (1.0 - r_BxD) * x_BxD
 
 
-def sru_recurrence(u_BxTx3xD, x_BxTxD, v_2xD, b_2xD, c_BxD):
-    """``sru_cell`` over every position with ``lax.scan``, in float32: ``(h_BxTxD, c_BxD)``.
-
-    ``c_BxD`` is the state before the first position; the returned one is after the last.
-    """
-    f32 = jnp.float32
-    v_2xD, b_2xD = v_2xD.astype(f32), b_2xD.astype(f32)
-
-    def one(c, inputs):
-        u, x = inputs
-        return sru_cell(c, u, x, v_2xD, b_2xD)
-
-    time_major = (
-        jnp.moveaxis(u_BxTx3xD.astype(f32), 1, 0),
-        jnp.moveaxis(x_BxTxD.astype(f32), 1, 0),
-    )
-    c_BxD, h_TxBxD = lax.scan(one, c_BxD.astype(f32), time_major)
-    return jnp.moveaxis(h_TxBxD, 0, 1), c_BxD
-
-
 class SRULayer(nn.Module):
-    """One SRU layer; with ``d_prime > 0`` an SRU++ layer (U from attention on width d').
-
-    Parameters: ``norm`` (pre-LN), ``v`` = [v_f; v_r] and ``b`` = [b_f; b_r] of shape (2, d), and
-    either ``projection`` (kernel (d, 3d), columns [W | W_f | W_r]) or ``query`` (W1, (d, d')),
-    ``key_value`` (W2, (d', 2d'), columns [K | V]), ``alpha``, ``norm_attention`` (LN on d')
-    and ``output`` (W3, (d', 3d), columns [W | W_f | W_r]). No matmul has a bias.
-    """
+    """One SRU layer; with ``d_prime > 0`` an SRU++ layer. Parameters: ``norm``, ``v`` and
+    ``b`` ([v_f; v_r], [b_f; b_r]), and ``projection`` ([W | W_f | W_r]) or ``query`` (W1),
+    ``key_value`` (W2, [K | V]), ``alpha``, ``norm_attention`` and ``output`` (W3)."""
 
     d: int
     d_prime: int = 0
@@ -164,31 +113,40 @@ class SRULayer(nn.Module):
         self.v = self.param("v", nn.initializers.zeros, (2, self.d))
         self.b = self.param("b", nn.initializers.zeros, (2, self.d))
 
-    def _u(self, q_xDp, a_xDp):
-        """SRU++'s U = W3 LN(Q + alpha A), split into (..., 3, d)."""
+    def _u(self, xn_xD, index=None, cache=None):
+        """U split into (..., 3, d): the projection, or SRU++'s W3 LN(Q + alpha A) with the
+        attention over the whole sequence (``index`` None) or from position ``index``, which
+        also returns the updated KV ``cache``."""
+        if not self.d_prime:
+            u = self.projection(xn_xD)
+            return u.reshape(*u.shape[:-1], 3, self.d), cache
+        q_xDp = self.query(xn_xD)
+        k_xDp, v_xDp = jnp.split(self.key_value(q_xDp), 2, axis=-1)
+        if index is None:  # single head: (B, T, 1, d'); the default scale is 1/sqrt(d')
+            qkv_BxTx1xDp = (x[:, :, None] for x in (q_xDp, k_xDp, v_xDp))
+            a_xDp = jax.nn.dot_product_attention(*qkv_BxTx1xDp, is_causal=True)[:, :, 0]
+        else:
+            qkv_Bx1x1xDp = (x[:, None, None] for x in (q_xDp, k_xDp, v_xDp))
+            a_Bx1x1xDp, cache = cached_attention(cache, *qkv_Bx1x1xDp, index)
+            a_xDp = a_Bx1x1xDp[:, 0, 0]
         mixed = q_xDp + self.alpha.astype(self.dtype) * a_xDp.astype(self.dtype)
         u = self.output(self.norm_attention(mixed))
-        return u.reshape(*u.shape[:-1], 3, self.d)
+        return u.reshape(*u.shape[:-1], 3, self.d), cache
 
     def __call__(self, x_BxTxD):
-        xn_BxTxD = self.norm(x_BxTxD)
-        if self.d_prime:
-            q_BxTxDp = self.query(xn_BxTxD)
-            k_BxTxDp, v_BxTxDp = jnp.split(self.key_value(q_BxTxDp), 2, axis=-1)
-            # Single head: (B, T, 1, d'); the default scale is 1/sqrt(d').
-            a = jax.nn.dot_product_attention(
-                q_BxTxDp[:, :, None], k_BxTxDp[:, :, None], v_BxTxDp[:, :, None], is_causal=True
-            )
-            u_BxTx3xD = self._u(q_BxTxDp, a[:, :, 0])
-        else:
-            u = self.projection(xn_BxTxD)
-            u_BxTx3xD = u.reshape(*u.shape[:-1], 3, self.d)
-        c_BxD = jnp.zeros((x_BxTxD.shape[0], self.d), jnp.float32)
-        h_BxTxD, _ = sru_recurrence(u_BxTx3xD, x_BxTxD, self.v, self.b, c_BxD)
-        return h_BxTxD.astype(x_BxTxD.dtype)
+        u_BxTx3xD, _ = self._u(self.norm(x_BxTxD))
+        f32 = jnp.float32
+        v_2xD, b_2xD = self.v.astype(f32), self.b.astype(f32)
+
+        def one(c_BxD, inputs):
+            u_Bx3xD, x_BxD = inputs
+            return sru_cell(c_BxD, u_Bx3xD, x_BxD, v_2xD, b_2xD)
+
+        time_major = tuple(jnp.moveaxis(a.astype(f32), 1, 0) for a in (u_BxTx3xD, x_BxTxD))
+        _, h_TxBxD = lax.scan(one, jnp.zeros((x_BxTxD.shape[0], self.d), f32), time_major)
+        return jnp.moveaxis(h_TxBxD, 0, 1).astype(x_BxTxD.dtype)
 
     def decode_state(self, batch_size: int, max_len: int | None = None):
-        """The state before the first token (needs no parameters: call it unbound)."""
         state = {"c": jnp.zeros((batch_size, self.d), jnp.float32)}
         if self.d_prime:
             if max_len is None:
@@ -198,37 +156,12 @@ class SRULayer(nn.Module):
 
     def step(self, state, x_BxD, index):
         """Position ``index``: ``(h_BxD, state)``, the same function as ``__call__``."""
-        xn_BxD = self.norm(x_BxD)
-        new_state = {}
+        u_Bx3xD, cache = self._u(self.norm(x_BxD), index, state.get("kv"))
+        inputs = (u_Bx3xD, x_BxD, self.v, self.b)
+        c_BxD, h_BxD = sru_cell(state["c"], *(a.astype(jnp.float32) for a in inputs))
+        new_state = {"c": c_BxD}
         if self.d_prime:
-            q_BxDp = self.query(xn_BxD)
-            k_BxDp, v_BxDp = jnp.split(self.key_value(q_BxDp), 2, axis=-1)
-            cache = state["kv"]
-            new_state["kv"] = cache = {
-                name: lax.dynamic_update_slice_in_dim(
-                    cache[name], new[:, None, None].astype(cache[name].dtype), index, 1
-                )
-                for name, new in (("k", k_BxDp), ("v", v_BxDp))
-            }
-            visible_T = jnp.arange(cache["k"].shape[1]) <= index
-            a = jax.nn.dot_product_attention(
-                q_BxDp[:, None, None],
-                cache["k"].astype(q_BxDp.dtype),
-                cache["v"].astype(q_BxDp.dtype),
-                mask=visible_T,
-            )
-            u_Bx3xD = self._u(q_BxDp, a[:, 0, 0])
-        else:
-            u = self.projection(xn_BxD)
-            u_Bx3xD = u.reshape(*u.shape[:-1], 3, self.d)
-        f32 = jnp.float32
-        new_state["c"], h_BxD = sru_cell(
-            state["c"],
-            u_Bx3xD.astype(f32),
-            x_BxD.astype(f32),
-            self.v.astype(f32),
-            self.b.astype(f32),
-        )
+            new_state["kv"] = cache
         return h_BxD.astype(x_BxD.dtype), new_state
 
 
@@ -240,17 +173,6 @@ class SRULanguageModel(LanguageModel):
 
     def block_fields(self, layer: int) -> dict:
         return _layer_fields(self.config, layer)
-
-    def decode_state(self, batch_size: int, max_len: int | None = None):
-        c = self.config
-        layers = [
-            SRULayer(**_layer_fields(c, i), parent=None).decode_state(batch_size, max_len)
-            for i in range(c.n_layers)
-        ]
-        state = {"layers": layers}
-        if any(c.has_attention(i) for i in range(c.n_layers)):
-            state["index"] = jnp.zeros((), jnp.int32)
-        return state
 
 
 def _layer_fields(c: SRUConfig | SRUPPConfig, layer: int) -> dict:
@@ -277,14 +199,9 @@ def sru_params(config: SRUConfig | SRUPPConfig) -> sizes.ParamCount:
 
 
 def sru_flops(config: SRUConfig | SRUPPConfig, seq_len: int = 1024) -> sizes.FlopCount:
-    """2 per weight of each matmul, plus the element-wise recurrence (16 d per layer).
-
-    A plain layer's matmul is [W, W_f, W_r]: 6 d^2. An SRU++ attention layer has W1, W2, W3
-    (2 d d' + 4 d'^2 + 6 d d'), scores and values 4 n d' over the full n as the transformer
-    counter does, and Q + alpha A (2 d'). LayerNorms are not counted (as in ``lmu_flops``).
-    The layers of SRU++ differ, so ``per_layer`` holds the mean over its layers: ``layers``
-    is exactly the sum.
-    """
+    """2 per weight of each matmul (6 d^2; in an SRU++ attention layer 2 d d' + 4 d'^2 + 6 d d',
+    plus 4 n d' for scores and values over the full n, and 2 d' for Q + alpha A), plus 16 d
+    element-wise, no LayerNorms. ``per_layer`` is the mean over SRU++'s differing layers."""
     d, n_layers = config.d, config.n_layers
     attention = sum(config.has_attention(i) for i in range(n_layers))
     terms = {"projection": 6.0 * d * d * (n_layers - attention) / n_layers}

@@ -1,14 +1,9 @@
-"""The transformer baseline: GPT-2 style, in the same framework as the LMU models.
+"""The transformer baseline, GPT-2 style: learned positions, pre-LN blocks of causal multi-head
+attention and a 4d gelu MLP, std 0.02 with residual projections scaled by 1/sqrt(2 n_layers).
 
-token + learned position embeddings -> n_layers x [x += attn(LN(x)); x += MLP(LN(x))] -> LN
--> tied logits. Causal multi-head attention, a 4d gelu MLP, GPT-2's initialisation (std 0.02,
-residual projections scaled by 1/sqrt(2 n_layers)).
-
-Aspect ratio: the LMU paper sizes its models by d = sqrt(N / 24) "to facilitate a fair
-comparison to the transformer models". A transformer has N ~= 12 n_layers d^2 non-embedding
-parameters, so that rule is exactly a 2-layer transformer: the baseline at each grid point has
-2 layers and the LMU's width d (aspect ratio d / n_layers = 24 .. 102 over Table 3, inside the
-range where Kaplan et al. find the loss insensitive to shape).
+The LMU paper's width d = sqrt(N / 24) "to facilitate a fair comparison to the transformer
+models" is exactly a 2-layer transformer (N ~= 12 n_layers d^2), so the baseline has 2 layers
+of the LMU's width (aspect ratio 24 .. 102, where Kaplan et al. find the loss insensitive).
 """
 
 from __future__ import annotations
@@ -22,12 +17,7 @@ import jax.numpy as jnp
 from lmuscale import GPT2_VOCAB
 from lmuscale.layers import FFN, GlobalSelfAttention, kv_cache, layer_norm
 from lmuscale.models import sizes
-from lmuscale.models.base import (
-    LanguageModel,
-    check_config,
-    compute_dtype,
-    default_heads,
-)
+from lmuscale.models.base import LanguageModel, check_config, compute_dtype, default_heads
 from lmuscale.models.family import Family, Registered, register
 
 POSITION_INIT = nn.initializers.normal(0.01)
@@ -125,11 +115,9 @@ def transformer_params(config: TransformerConfig) -> sizes.ParamCount:
 
 
 def transformer_flops(config: TransformerConfig, seq_len: int = 1024) -> sizes.FlopCount:
-    """2 per non-embedding weight, plus 4 n d per layer for the attention scores and values.
-
-    This is the forward third of the common "6N + 12 n_layers n d" training count (Kaplan et
-    al. §2.1; Chowdhery et al. appendix B), with the full n (no discount for the causal mask).
-    """
+    """2 per non-embedding weight, plus 4 n d per layer for the attention scores and values over
+    the full n: the forward third of the common "6N + 12 n_layers n d" training count (Kaplan
+    et al. §2.1; Chowdhery et al. appendix B)."""
     d = config.d
     one_layer = dataclasses.replace(config, n_layers=1)
     per_layer = transformer_params(one_layer).non_embedding - 2 * d
