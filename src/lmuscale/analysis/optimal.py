@@ -60,8 +60,11 @@ class OptimalReport:
             common = _row(f"{label(env.family)}, envelope", env.family, "envelope")
             common.update(formula="N along the lower envelope ∝ C^a", ci=ci)
             common["n_points"] = len(env.flops)
-            rows.append({**common, "error": env.error} if env.a is None else
-                        {**common, **_interval("a", env.a)})  # fmt: skip
+            rows.append(
+                {**common, "error": env.error}
+                if env.a is None
+                else {**common, **_interval("a", env.a)}
+            )
         for eff in self.efficiency:
             a, b = eff.families
             common = _row(f"{label(b)} / {label(a)} tokens", f"{a},{b}", "data_efficiency")
@@ -74,8 +77,14 @@ class OptimalReport:
         for choice in self.rates:
             common = _row(f"{label(choice.family)}, N = {choice.n:,.0f}", choice.family, "lr")
             common.update(formula="parabola in log10 LR", n_points=len(choice.learning_rates))
-            rows.append({**common, "parameter": "learning_rate", "estimate": choice.best,
-                         "error": None if choice.bracketed else "not bracketed"})  # fmt: skip
+            rows.append(
+                {
+                    **common,
+                    "parameter": "learning_rate",
+                    "estimate": choice.best,
+                    "error": None if choice.bracketed else "not bracketed",
+                }
+            )
         return rows
 
     def markdown(self, ci: float) -> list[str]:
@@ -151,8 +160,11 @@ def compute_optimal(
     """Every compute-optimal analysis ``results`` supports; the rest named in ``left_out``.
     ``target``: the loss of the data-efficiency comparison."""
     report = OptimalReport()
-    with_flops = [f for f in results.families if all(
-        r.flops is not None for r in results.runs if r.family == f)]  # fmt: skip
+    with_flops = [
+        f
+        for f in results.families
+        if all(r.flops is not None for r in results.runs if r.family == f)
+    ]
     for family in results.families:
         if family not in with_flops:
             report.left_out.append(

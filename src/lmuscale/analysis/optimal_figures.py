@@ -20,18 +20,32 @@ def isoflop_figure(frontiers, unit: str):
             for fit, tint in zip(frontier.fits, tints, strict=True):
                 n, mean, lo, hi = _spread(fit.runs)
                 ax.errorbar(
-                    n, mean, yerr=[mean - lo, hi - mean], fmt=MARKERS.get(fit.family, "o"),
-                    color=tint, ms=4, capsize=2, lw=0.8, label=f"C = {fit.budget:.2g} FLOPs",
-                )  # fmt: skip
+                    n,
+                    mean,
+                    yerr=[mean - lo, hi - mean],
+                    fmt=MARKERS.get(fit.family, "o"),
+                    color=tint,
+                    ms=4,
+                    capsize=2,
+                    lw=0.8,
+                    label=f"C = {fit.budget:.2g} FLOPs",
+                )
                 if fit.coef is not None and fit.n_opt is not None:
                     x = np.linspace(np.log10(n.min()), np.log10(n.max()), 100)
                     ax.plot(10**x, np.polyval(fit.coef, x), color=tint, lw=1)
                     best = fit.n_opt
                     ax.errorbar(
-                        [best.estimate], [fit.loss_opt],
+                        [best.estimate],
+                        [fit.loss_opt],
                         xerr=[[best.estimate - best.lo], [best.hi - best.estimate]],
-                        fmt="*", color=tint, ms=9, mec="black", mew=0.5, capsize=3, zorder=5,
-                    )  # fmt: skip
+                        fmt="*",
+                        color=tint,
+                        ms=9,
+                        mec="black",
+                        mew=0.5,
+                        capsize=3,
+                        zorder=5,
+                    )
                 if fit.error:
                     notes.append(f"{label(fit.family)}, C = {fit.budget:.2g}: {fit.error}.")
             ax.set_title(f"{label(frontier.family)}: IsoFLOP curves (* = N_opt, 95% CI)")
@@ -67,17 +81,26 @@ def optimal_figure(frontiers, envelopes=()):
                 est = np.array([v.estimate for v in value])
                 err = [est - [v.lo for v in value], [v.hi for v in value] - est]
                 ax.errorbar(
-                    budget, est, yerr=err, fmt=MARKERS.get(frontier.family, "o"), color=c,
-                    capsize=3, ms=5, label=f"{label(frontier.family)}, IsoFLOP minima",
-                )  # fmt: skip
+                    budget,
+                    est,
+                    yerr=err,
+                    fmt=MARKERS.get(frontier.family, "o"),
+                    color=c,
+                    capsize=3,
+                    ms=5,
+                    label=f"{label(frontier.family)}, IsoFLOP minima",
+                )
                 if line is not None and exponent is not None:
                     grid = np.geomspace(budget.min() / 1.5, budget.max() * 1.5, 50)
                     symbol = "a" if which == "n_opt" else "b"
                     ax.plot(
-                        grid, 10 ** (line[0] * np.log10(grid) + line[1]), color=c, lw=1.2,
+                        grid,
+                        10 ** (line[0] * np.log10(grid) + line[1]),
+                        color=c,
+                        lw=1.2,
                         label=f"{label(frontier.family)} fit: {symbol} = "
                         f"{exponent.estimate:.2f} [{exponent.lo:.2f}, {exponent.hi:.2f}]",
-                    )  # fmt: skip
+                    )
         for envelope in envelopes:
             if envelope.error or len(envelope.flops) == 0:
                 if envelope.error:
@@ -89,10 +112,14 @@ def optimal_figure(frontiers, envelopes=()):
             # largest size, where the optimum may lie beyond the sizes tried
             used = np.asarray(envelope.used, bool)
             ax_n.plot(
-                envelope.flops[used], envelope.n[used], color=color(envelope.family), lw=0.8,
-                ls=":", drawstyle="steps-post",
+                envelope.flops[used],
+                envelope.n[used],
+                color=color(envelope.family),
+                lw=0.8,
+                ls=":",
+                drawstyle="steps-post",
                 label=f"{label(envelope.family)}, lower envelope{text}",
-            )  # fmt: skip
+            )
         for ax, what in ((ax_n, "N_opt (non-embedding parameters)"), (ax_d, "D_opt (tokens)")):
             ax.set_xscale("log")
             ax.set_yscale("log")
@@ -119,10 +146,14 @@ def tokens_figure(curves, efficiency, unit: str):
             for curve, tint in zip(runs, _tints(family, len(runs)), strict=True):
                 first = curve is runs[0]
                 ax.plot(
-                    curve.tokens, curve.loss, color=tint, lw=0.9,
+                    curve.tokens,
+                    curve.loss,
+                    color=tint,
+                    lw=0.9,
                     label=f"{label(family)} (N {human(runs[0].run.n)} to {human(runs[-1].run.n)})"
-                    if first else None,
-                )  # fmt: skip
+                    if first
+                    else None,
+                )
                 reached = efficiency.reached.get(curve.run.trial)
                 if reached is not None:
                     ax.plot([reached], [efficiency.target], "o", ms=3, color=color(family))
@@ -164,13 +195,28 @@ def learning_rate_figure(choices, unit: str):
         for ax, family in zip(axes, families, strict=True):
             mine = sorted((c for c in choices if c.family == family), key=lambda c: c.n)
             for choice, tint in zip(mine, _tints(family, len(mine)), strict=True):
-                ax.plot(choice.learning_rates, choice.loss, "-o", color=tint, ms=3, lw=0.9,
-                        label=f"N = {human(choice.n)}")  # fmt: skip
+                ax.plot(
+                    choice.learning_rates,
+                    choice.loss,
+                    "-o",
+                    color=tint,
+                    ms=3,
+                    lw=0.9,
+                    label=f"N = {human(choice.n)}",
+                )
                 best = np.interp(
                     np.log10(choice.best), np.log10(choice.learning_rates), choice.loss
                 )
-                ax.plot([choice.best], [best], "*", ms=9, mec="black", mew=0.5,
-                        color=tint if choice.bracketed else "white", zorder=5)  # fmt: skip
+                ax.plot(
+                    [choice.best],
+                    [best],
+                    "*",
+                    ms=9,
+                    mec="black",
+                    mew=0.5,
+                    color=tint if choice.bracketed else "white",
+                    zorder=5,
+                )
                 if not choice.bracketed:
                     notes.append(
                         f"{label(family)}, N = {human(choice.n)}: the best rate is at the edge "
