@@ -94,12 +94,12 @@ def _pre_activations(inputs, bias_3xK, dtype):
     ]
 
 
-def _attend(q_xDxKxc, k_xDxKxc, v_xDxKxc, bias_3xK, p_K, dtype):
-    """The forward pass of ``implicit_attention``: ``(m_xDxc, (weights_xKxKxc, w_xKxc))``."""
+def _implicit_attention_fwd(q_xDxKxc, k_xDxKxc, v_xDxKxc, bias_3xK, p_K, dtype):
+    """The forward pass of ``implicit_attention``: ``m_xDxc`` and the backward pass's
+    residuals, the inputs and the softmax's ``weights_xKxKxc`` and ``w_xKxc``."""
     wide = _wide(dtype)
-    gq, gk, gv = (
-        gelu(x) for x in _pre_activations((q_xDxKxc, k_xDxKxc, v_xDxKxc), bias_3xK, dtype)
-    )
+    inputs = (q_xDxKxc, k_xDxKxc, v_xDxKxc)
+    gq, gk, gv = (gelu(x) for x in _pre_activations(inputs, bias_3xK, dtype))
     # scores[i, k] = sum over the d channels of gelu(Q)[d, i] gelu(K)[d, k], at every step.
     scores_xKxKxc = jnp.sum(
         gq.astype(wide)[..., :, :, None, :] * gk.astype(wide)[..., :, None, :, :], axis=-4
@@ -108,7 +108,7 @@ def _attend(q_xDxKxc, k_xDxKxc, v_xDxKxc, bias_3xK, p_K, dtype):
     p_Kx1x1 = lax.broadcast_to_rank(p_K.astype(wide)[:, None, None], weights_xKxKxc.ndim)
     w_xKxc = jnp.sum(weights_xKxKxc * p_Kx1x1, axis=-3)
     m_xDxc = _sum_of_products(gv.astype(wide), w_xKxc[..., None, :, :], axis=-2)
-    return m_xDxc.astype(dtype), (weights_xKxKxc, w_xKxc)
+    return m_xDxc.astype(dtype), (*inputs, bias_3xK, p_K, weights_xKxKxc, w_xKxc)
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(5,))
@@ -120,12 +120,7 @@ def implicit_attention(q_xDxKxc, k_xDxKxc, v_xDxKxc, bias_3xK, p_K, dtype):
     q', then positions), and every sum runs over d or q' in place, so nothing the size of Q, K
     or V is moved. The backward pass, by hand, keeps of the (positions x d x q') arrays only
     the inputs and recomputes the gelus (a custom VJP has no forward-mode derivative)."""
-    return _attend(q_xDxKxc, k_xDxKxc, v_xDxKxc, bias_3xK, p_K, dtype)[0]
-
-
-def _implicit_attention_fwd(q_xDxKxc, k_xDxKxc, v_xDxKxc, bias_3xK, p_K, dtype):
-    m_xDxc, (weights_xKxKxc, w_xKxc) = _attend(q_xDxKxc, k_xDxKxc, v_xDxKxc, bias_3xK, p_K, dtype)
-    return m_xDxc, (q_xDxKxc, k_xDxKxc, v_xDxKxc, bias_3xK, p_K, weights_xKxKxc, w_xKxc)
+    return _implicit_attention_fwd(q_xDxKxc, k_xDxKxc, v_xDxKxc, bias_3xK, p_K, dtype)[0]
 
 
 def _implicit_attention_bwd(dtype, residuals, dm_xDxc):
@@ -210,23 +205,16 @@ class ImplicitSelfAttention(nn.Module):
             return jnp.swapaxes(m_BxDxT, 1, 2)
         # One chunk operand, and one product per projection (a single product for all three,
         # sliced after, had XLA's CPU backend copy each slice and read the whole output each).
-        fast = jnp.dtype(self.dtype) == jnp.bfloat16
+        precision = "fast" if jnp.dtype(self.dtype) == jnp.bfloat16 else "exact"
+        operand = jnp.bfloat16 if precision == "fast" else None
         x_BxJxDxZ, _ = lmu.chunk_operands(
-            x_BxTxD.astype(jnp.float32),
-            self.q,
-            self.theta,
-            chunk=self.memory_chunk,
-            dtype=jnp.bfloat16 if fast else None,
+            x_BxTxD.astype(jnp.float32), self.q, self.theta, chunk=self.memory_chunk, dtype=operand
         )
         c = x_BxJxDxZ.shape[-1] - self.q
+        weights = (lmu.chunk_weights(self.q, self.theta, c, l_KxQ) for l_KxQ in self.l)
         qkv_3xBxJxDxKxc = [
-            lmu.chunk_product(
-                x_BxJxDxZ,
-                lmu.chunk_weights(self.q, self.theta, c, l_KxQ),
-                "fast" if fast else "exact",
-                out_dtype=self.dtype,
-            )
-            for l_KxQ in self.l
+            lmu.chunk_product(x_BxJxDxZ, w_ZxKxc, precision, out_dtype=self.dtype)
+            for w_ZxKxc in weights
         ]
         m_BxJxDxc = implicit_attention(*qkv_3xBxJxDxKxc, self.bias, self.p, self.dtype)
         return lmu.sequence_from_chunks(m_BxJxDxc, length)
@@ -393,17 +381,13 @@ class ParallelLMU(nn.Module):
 
     def __call__(self, x_BxTxD):
         u_BxTxC = self._encode(x_BxTxD)
-        length = x_BxTxD.shape[1]
-        if not self.return_sequences:
-            h_TxQ = lmu.impulse_response(self.order, self.theta, length, dtype=np.float32)
-            return self._output(lmu.memory_final(u_BxTxC, h_TxQ), x_BxTxD[:, -1])
-        if self.mode == "fft":
-            h_TxQ = lmu.impulse_response(self.order, self.theta, length, dtype=np.float32)
-            m_BxTxCxQ = lmu.memory_fft(u_BxTxC, h_TxQ)
-        else:
+        if self.return_sequences and self.mode == "scan":
             abar, bbar = lmu.discretize(self.order, self.theta, dtype=np.float32)
-            m_BxTxCxQ = lmu.memory_scan(u_BxTxC, abar, bbar)
-        return self._output(m_BxTxCxQ, x_BxTxD)
+            return self._output(lmu.memory_scan(u_BxTxC, abar, bbar), x_BxTxD)
+        h_TxQ = lmu.impulse_response(self.order, self.theta, x_BxTxD.shape[1], dtype=np.float32)
+        if not self.return_sequences:
+            return self._output(lmu.memory_final(u_BxTxC, h_TxQ), x_BxTxD[:, -1])
+        return self._output(lmu.memory_fft(u_BxTxC, h_TxQ), x_BxTxD)
 
     def decode_state(self, batch_size: int, input_dim: int):
         """The zero memory before the first input (call it unbound: it needs no parameters)."""

@@ -177,28 +177,25 @@ def _kernel_for(u_BxTxC, kernel_TxK, name: str = "kernel"):
 
 def fft_length(n: int) -> int:
     """The smallest 5-smooth number (2^a 3^b 5^c) >= 2n - 1: a linear, not circular, convolution."""
-    target = max(2 * n - 1, 1)
-    best = 1 << (target - 1).bit_length()  # a power of two always qualifies
-    power5 = 1
-    while power5 < best:
-        power35 = power5
-        while power35 < best:
-            candidate = power35
-            while candidate < target:
-                candidate *= 2
-            best = min(best, candidate)
-            power35 *= 3
-        power5 *= 5
-    return best
+    length = max(2 * n - 1, 1)
+    while True:
+        rest = length
+        for prime in (2, 3, 5):
+            while rest % prime == 0:
+                rest //= prime
+        if rest == 1:
+            return length
+        length += 1
 
 
-def causal_conv(u_BxTxC, kernel_TxK, *, time_last: bool = False):
-    """Causal convolution by FFT, ``y[b, t, c, k] = sum_{j<=t} kernel[t-j, k] u[b, j, c]``
-    (rows of ``kernel_TxK`` past T ignored): ``y_BxTxCxK`` in the compute dtype, or with
-    ``time_last`` ``y_BxCxKxT``, the layout the inverse FFT writes."""
+def memory_fft(u_BxTxC, h_TxQ, *, time_last: bool = False):
+    """``m_BxTxCxQ`` in parallel, ``m_t = sum_{j<=t} H[t-j] u_j``, by FFT convolution with the
+    impulse response ``h_TxQ`` (at least T rows: ``impulse_response(q, theta, T)``; any kernel
+    works, rows past T ignored), in the compute dtype; ``time_last`` gives ``m_BxCxQxT``, the
+    layout the inverse FFT writes."""
     _check_input(u_BxTxC)
     n = u_BxTxC.shape[1]
-    kernel_TxK = _kernel_for(u_BxTxC, kernel_TxK)
+    kernel_TxK = _kernel_for(u_BxTxC, h_TxQ)
     nfft = fft_length(n)
     u_BxCxT = jnp.swapaxes(u_BxTxC.astype(kernel_TxK.dtype), 1, 2)
     u_BxCxF = jnp.fft.rfft(u_BxCxT, n=nfft, axis=-1)
@@ -206,12 +203,6 @@ def causal_conv(u_BxTxC, kernel_TxK, *, time_last: bool = False):
     y_BxCxKxF = u_BxCxF[:, :, None, :] * kernel_KxF[None, None, :, :]
     y_BxCxKxT = jnp.fft.irfft(y_BxCxKxF, n=nfft, axis=-1)[..., :n]
     return y_BxCxKxT if time_last else jnp.transpose(y_BxCxKxT, (0, 3, 1, 2))
-
-
-def memory_fft(u_BxTxC, h_TxQ):
-    """``m_BxTxCxQ`` in parallel, ``m_t = sum_{j<=t} H[t-j] u_j``, by FFT convolution with the
-    impulse response ``h_TxQ`` (at least T rows: ``impulse_response(q, theta, T)``)."""
-    return causal_conv(u_BxTxC, h_TxQ)
 
 
 def memory_reduced(u_BxTxC, h_TxQ, l_KxQ, *, time_last: bool = False):
@@ -226,7 +217,7 @@ def memory_reduced(u_BxTxC, h_TxQ, l_KxQ, *, time_last: bool = False):
             f"L must have shape (reduced order, order={h_TxQ.shape[1]}), got {l_KxQ.shape}"
         )
     kernel_TxK = jnp.matmul(h_TxQ, l_KxQ.astype(h_TxQ.dtype).T, precision=_PRECISION)
-    return causal_conv(u_BxTxC, kernel_TxK, time_last=time_last)
+    return memory_fft(u_BxTxC, kernel_TxK, time_last=time_last)
 
 
 def memory_step(m_BxCxQ, u_BxC, abar_QxQ, bbar_Q):
@@ -447,12 +438,9 @@ def _chunk_matmul_bwd(precision, out_dtype, residuals, dy_BxJxCxKxc):
     wide = _compute_dtype(x_BxJxCxZ.dtype, w_ZxKxc.dtype)
     in_x_BxJxCxZ, in_w_ZxKxc, options = _product_operands(precision, x_BxJxCxZ, w_ZxKxc)
     dy_BxJxCxKxc = dy_BxJxCxKxc.astype(in_w_ZxKxc.dtype)
-    dx_BxJxCxZ = lax.dot_general(
-        dy_BxJxCxKxc, in_w_ZxKxc, _INPUT_GRAD, preferred_element_type=wide, **options
-    )
-    dw_ZxKxc = lax.dot_general(
-        in_x_BxJxCxZ, dy_BxJxCxKxc, _WEIGHT_GRAD, preferred_element_type=wide, **options
-    )
+    product = functools.partial(lax.dot_general, preferred_element_type=wide, **options)
+    dx_BxJxCxZ = product(dy_BxJxCxKxc, in_w_ZxKxc, _INPUT_GRAD)
+    dw_ZxKxc = product(in_x_BxJxCxZ, dy_BxJxCxKxc, _WEIGHT_GRAD)
     return dx_BxJxCxZ.astype(x_BxJxCxZ.dtype), dw_ZxKxc.astype(w_ZxKxc.dtype)
 
 
@@ -492,17 +480,15 @@ def memory_chunked(
     chunk: int = DEFAULT_CHUNK,
     precision: str = "exact",
 ):
-    """The memory in chunks of c steps by matrix products: ``L m_t`` (or ``m_t``) for every t.
+    """The memory in chunks of c steps by matrix products: ``L m_t`` (or ``m_t``) for every t,
+    the function of ``memory_reduced`` (``memory_fft`` without L) for any T, with the state
+    ``m0_BxCxQ`` carried in (default zeros) and out, so a sequence in pieces equals the whole.
 
-    The function of ``memory_reduced`` (with ``l_KxQ``) or ``memory_fft`` (without), with the
-    state ``m0_BxCxQ`` carried in (default zeros) and out, so a sequence processed in pieces
-    equals the whole; any T works. With ``G[k] = L H[k]`` (k < c) and ``m_j`` the state carried
-    into chunk j:
-
-    - outputs ``y_{j,t} = sum_{s<=t} G[t-s] u_{j,s} + (L Abar^{t+1}) m_j``, a c x c Toeplitz
-      product plus the carried state's read-out, in one product (``chunk_product``);
-    - end states ``s_j = sum_s H[c-1-s] u_{j,s}``, passed on as ``m_{j+1} = Abar^c m_j + s_j``
-      by a ``lax.scan`` over J (``chunk_operands``).
+    With ``G[k] = L H[k]`` (k < c) and ``m_j`` the state carried into chunk j, the outputs
+    ``y_{j,t} = sum_{s<=t} G[t-s] u_{j,s} + (L Abar^{t+1}) m_j`` (a c x c Toeplitz product plus
+    the state's read-out) are one product (``chunk_product``); the end states
+    ``s_j = sum_s H[c-1-s] u_{j,s}`` are passed on as ``m_{j+1} = Abar^c m_j + s_j`` by a
+    ``lax.scan`` over J (``chunk_operands``).
 
     ``precision`` is the output products': "exact", float32 accuracy (1e-6 of max|m| at the
     paper's largest layer on CPU, 1.1e-5 on an H100), or "fast", one bf16 pass for bf16 models
