@@ -245,13 +245,9 @@ class LanguageModel(nn.Module):
             raise ValueError(
                 f"inputs {inputs_BxT.shape} and targets {targets_BxT.shape} differ in shape"
             )
-        per_position = cross_entropy(
-            self.hidden(inputs_BxT),
-            self.embed.embedding,
-            targets_BxT,
-            chunk,
-            loss_impl_of(self.config),
-        )
+        h_BxTxD = self.hidden(inputs_BxT)
+        impl = loss_impl_of(self.config)
+        per_position = cross_entropy(h_BxTxD, self.embed.embedding, targets_BxT, chunk, impl)
         return per_position.mean(), per_position
 
 

@@ -92,13 +92,14 @@ def _tile_logits(h_txD, w_vxD):
     )
 
 
-def _dlogits(logits_txv, lse_t, targets_t, g_t, first_column, vocab, dtype):
-    """``g * (softmax - onehot)`` of one tile, in the operands' dtype for the next product;
-    zero in the padded columns (whose exp(0 - lse) could overflow where lse is very low)."""
+def _dlogits(h_txD, w_vxD, lse_t, targets_t, g_t, first_column, vocab):
+    """One tile's ``g * (softmax - onehot)``, logits recomputed, in h's dtype for the next
+    product; zero in padded columns (whose exp(0 - lse) could overflow where lse is very low)."""
+    logits_txv = _tile_logits(h_txD, w_vxD)
     columns_txv = first_column + lax.broadcasted_iota(jnp.int32, logits_txv.shape, 1)
     p_txv = jnp.where(columns_txv < vocab, jnp.exp(logits_txv - lse_t[:, None]), 0.0)
     p_txv = jnp.where(columns_txv == targets_t[:, None], p_txv - 1.0, p_txv)
-    return (p_txv * g_t[:, None]).astype(dtype)
+    return (p_txv * g_t[:, None]).astype(h_txD.dtype)
 
 
 def _forward_kernel(h_ref, w_ref, targets_ref, lse_ref, target_logit_ref, *, vocab, tile):
@@ -122,11 +123,8 @@ def _forward_kernel(h_ref, w_ref, targets_ref, lse_ref, target_logit_ref, *, voc
         )
         return new_max_t, sum_t, target_t
 
-    start = (
-        jnp.full((rows,), -jnp.inf, jnp.float32),
-        jnp.zeros((rows,), jnp.float32),
-        jnp.zeros((rows,), jnp.float32),
-    )
+    zeros_t = jnp.zeros((rows,), jnp.float32)
+    start = (jnp.full((rows,), -jnp.inf, jnp.float32), zeros_t, zeros_t)
     # Every tile holds at least one real column, so the max is finite after the first.
     max_t, sum_t, target_t = lax.fori_loop(0, w_ref.shape[0] // tile, one_tile, start)
     lse_ref[...] = max_t + jnp.log(sum_t)
@@ -140,9 +138,7 @@ def _dh_kernel(h_ref, w_ref, targets_ref, lse_ref, g_ref, dh_ref, *, vocab, tile
     def one_tile(j, dh_txD):
         first = j * tile
         w_vxD = w_ref[pl.ds(first, tile), :]
-        dlogits_txv = _dlogits(
-            _tile_logits(h_txD, w_vxD), lse_t, targets_t, g_t, first, vocab, h_txD.dtype
-        )
+        dlogits_txv = _dlogits(h_txD, w_vxD, lse_t, targets_t, g_t, first, vocab)
         return dh_txD + jnp.dot(dlogits_txv, w_vxD, preferred_element_type=jnp.float32)
 
     dh_txD = lax.fori_loop(0, w_ref.shape[0] // tile, one_tile, jnp.zeros(h_txD.shape, jnp.float32))
@@ -157,13 +153,7 @@ def _dw_kernel(h_ref, w_ref, targets_ref, lse_ref, g_ref, dw_ref, *, vocab, tile
         rows = pl.ds(i * tile, tile)
         h_txD = h_ref[rows, :]
         dlogits_txv = _dlogits(
-            _tile_logits(h_txD, w_vxD),
-            lse_ref[rows],
-            targets_ref[rows],
-            g_ref[rows],
-            first,
-            vocab,
-            h_txD.dtype,
+            h_txD, w_vxD, lse_ref[rows], targets_ref[rows], g_ref[rows], first, vocab
         )
         return dw_vxD + lax.dot_general(
             dlogits_txv, h_txD, (((0,), (0,)), ((), ())), preferred_element_type=jnp.float32
@@ -172,10 +162,6 @@ def _dw_kernel(h_ref, w_ref, targets_ref, lse_ref, g_ref, dw_ref, *, vocab, tile
     dw_ref[...] = lax.fori_loop(
         0, h_ref.shape[0] // tile, one_tile, jnp.zeros(w_vxD.shape, jnp.float32)
     )
-
-
-def _round_up(n: int, multiple: int) -> int:
-    return -(-n // multiple) * multiple
 
 
 def padded_width(width: int) -> int:
@@ -211,15 +197,9 @@ def _operands(h_BxTxD, w_VxD, targets_BxT, token_tile, vocab_tile):
     """h as (N', D') and w as (V', D') in h's dtype, zero-padded; targets as (N',) int32."""
     count, width = targets_BxT.size, h_BxTxD.shape[-1]
     wide = padded_width(width)
-    h_NxD = jnp.pad(
-        h_BxTxD.reshape(count, width),
-        ((0, _round_up(count, token_tile) - count), (0, wide - width)),
-    )
+    h_NxD = jnp.pad(h_BxTxD.reshape(count, width), ((0, -count % token_tile), (0, wide - width)))
     vocab = w_VxD.shape[0]
-    w_VxD = jnp.pad(
-        w_VxD.astype(h_BxTxD.dtype),
-        ((0, _round_up(vocab, vocab_tile) - vocab), (0, wide - width)),
-    )
+    w_VxD = jnp.pad(w_VxD.astype(h_BxTxD.dtype), ((0, -vocab % vocab_tile), (0, wide - width)))
     targets_N = jnp.pad(targets_BxT.reshape(count).astype(jnp.int32), (0, h_NxD.shape[0] - count))
     return h_NxD, w_VxD, targets_N
 
