@@ -102,14 +102,10 @@ class LSTMLanguageModel(LanguageModel):
         return {"d": self.config.d, "dtype": compute_dtype(self.config.dtype)}
 
 
-def lstm_layer_params(d: int) -> int:
-    """One LSTM layer: pre-LN 2d, W (4d^2) with bias 4d, U (4d^2)."""
-    return 2 * d + 4 * d * d + 4 * d + 4 * d * d
-
-
 def lstm_params(config: LSTMConfig) -> sizes.ParamCount:
     d = config.d
-    return sizes.ParamCount(config.n_layers * lstm_layer_params(d) + 2 * d, config.vocab_size * d)
+    per_layer = 2 * d + 4 * d * d + 4 * d + 4 * d * d  # pre-LN 2d, W (4d^2) with bias 4d, U (4d^2)
+    return sizes.ParamCount(config.n_layers * per_layer + 2 * d, config.vocab_size * d)
 
 
 def lstm_flops(config: LSTMConfig, seq_len: int = 1024) -> sizes.FlopCount:

@@ -106,10 +106,9 @@ def row(size: str | int) -> Table3Row:
     """A row of Table 3 by name ("55k"), or the grid point of any N (an int): the LMU's width,
     with q / d and q' / q interpolated in log N (held at the end rows' ratios)."""
     if isinstance(size, str):
-        for table_row in TABLE3:
-            if table_row.size == size:
-                return table_row
-        raise ValueError(f"unknown size {size!r}; Table 3 has {', '.join(SIZES)}")
+        if size not in SIZES:
+            raise ValueError(f"unknown size {size!r}; Table 3 has {', '.join(SIZES)}")
+        return TABLE3[SIZES.index(size)]
     if isinstance(size, bool) or not isinstance(size, int) or size < 1_000:
         raise ValueError(f"a size is a Table 3 name or a whole N >= 1000, got {size!r}")
     for table_row in TABLE3:
@@ -117,13 +116,9 @@ def row(size: str | int) -> Table3Row:
             return table_row
     log_n = [math.log(r.n) for r in TABLE3]
     d = width(size)
-    q = max(1, round(d * _interpolate(math.log(size), log_n, [r.q / r.d for r in TABLE3])))
-    q_prime_ratio = _interpolate(math.log(size), log_n, [r.q_prime / r.q for r in TABLE3])
+    q = max(1, round(d * float(np.interp(math.log(size), log_n, [r.q / r.d for r in TABLE3]))))
+    q_prime_ratio = float(np.interp(math.log(size), log_n, [r.q_prime / r.q for r in TABLE3]))
     return Table3Row(_name(size), size, math.nan, d, q, max(1, round(q * q_prime_ratio)))
-
-
-def _interpolate(x: float, xs: list[float], ys: list[float]) -> float:
-    return float(np.interp(x, xs, ys))  # constant beyond the ends
 
 
 def _name(n: int) -> str:

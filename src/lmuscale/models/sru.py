@@ -172,30 +172,21 @@ class SRULanguageModel(LanguageModel):
     block_class = SRULayer
 
     def block_fields(self, layer: int) -> dict:
-        return _layer_fields(self.config, layer)
-
-
-def _layer_fields(c: SRUConfig | SRUPPConfig, layer: int) -> dict:
-    d_prime = c.d_prime if c.has_attention(layer) else 0
-    return dict(d=c.d, d_prime=d_prime, dtype=compute_dtype(c.dtype))
-
-
-def sru_layer_params(d: int, d_prime: int = 0) -> int:
-    """One SRU layer (pre-LN 2d, v and b 4d, no matmul bias); with d' > 0 an SRU++ layer,
-    whose projection is W1 (d d'), W2 (2 d'^2), alpha (1), its LN (2 d') and W3 (3 d' d)."""
-    if d_prime:
-        projection = d * d_prime + 2 * d_prime * d_prime + 1 + 2 * d_prime + 3 * d_prime * d
-    else:
-        projection = 3 * d * d
-    return 2 * d + projection + 4 * d
+        c = self.config
+        d_prime = c.d_prime if c.has_attention(layer) else 0
+        return dict(d=c.d, d_prime=d_prime, dtype=compute_dtype(c.dtype))
 
 
 def sru_params(config: SRUConfig | SRUPPConfig) -> sizes.ParamCount:
-    d = config.d
-    layers = sum(
-        sru_layer_params(d, _layer_fields(config, i)["d_prime"]) for i in range(config.n_layers)
-    )
-    return sizes.ParamCount(layers + 2 * d, config.vocab_size * d)
+    """Per layer: pre-LN 2d, v and b 4d (no matmul bias) and the projection, 3 d^2, or in an
+    SRU++ attention layer W1 (d d'), W2 (2 d'^2), alpha (1), its LN (2 d') and W3 (3 d' d)."""
+    d, n_layers = config.d, config.n_layers
+    attention = sum(config.has_attention(i) for i in range(n_layers))
+    projections = 3 * d * d * (n_layers - attention)
+    if attention:
+        k = config.d_prime
+        projections += (d * k + 2 * k * k + 1 + 2 * k + 3 * k * d) * attention
+    return sizes.ParamCount(n_layers * 6 * d + projections + 2 * d, config.vocab_size * d)
 
 
 def sru_flops(config: SRUConfig | SRUPPConfig, seq_len: int = 1024) -> sizes.FlopCount:
