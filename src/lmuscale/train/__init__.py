@@ -1,10 +1,7 @@
 """Training: configs, the sharded train step, checkpoints, evaluation and metrics.
 
-``python -m lmuscale.train --config experiments/owt2.py:lmu-1M --workdir runs/lmu-1M``; in
-Python, ``run(load("experiments/owt2.py:tiny"), "runs/tiny")``.
-
-The names below are imported on first use, so that ``main`` of ``python -m lmuscale.train``
-holds the seconds of importing JAX (a Ctrl-C then is one line, not a traceback).
+In Python: ``run(load("experiments/owt2.py:tiny"), "runs/tiny")``. The names below are imported
+on first use, so that a Ctrl-C while ``python -m lmuscale.train`` imports JAX is one line.
 """
 
 from __future__ import annotations

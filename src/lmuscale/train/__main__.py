@@ -1,8 +1,4 @@
-"""``python -m lmuscale.train --config FILE.py[:NAME] [--config.KEY=VALUE ...] --workdir DIR``.
-
-Runs (or resumes) one training run. The exit status is the outcome's in
-``lmuscale.outcomes.Exit`` (the README lists them all).
-"""
+"""``python -m lmuscale.train``: run or resume one training run; exit status: ``outcomes.Exit``."""
 
 from __future__ import annotations
 

@@ -3,10 +3,9 @@
 
 A checkpoint ``checkpoints/STEP`` holds ``state/`` (the arrays), ``meta/`` (JSON, with a
 CRC-32 of every array process 0 holds whole) and ``files.json`` (each file's size and CRC-32,
-written once the asynchronous save is complete). Reading checks the files against
-``files.json`` before orbax opens any (so a damaged file is named without orbax's failed reads
-reporting from its threads), then the arrays against their CRC-32s; a checkpoint without
-``files.json`` (older, or killed just before it) is read on its array checksums alone.
+written once the save is complete). Reading checks the files before orbax opens any (so no
+failed read reports from orbax's threads), then the arrays; without ``files.json`` (older, or
+killed just before it), the arrays alone.
 """
 
 from __future__ import annotations
@@ -53,8 +52,7 @@ class CheckpointError(StorageError):
 
 
 def _reason(error: BaseException) -> str:
-    """One line for an error from orbax or tensorstore: the innermost error's first line,
-    without tensorstore's internal details."""
+    """The innermost error's first line, without tensorstore's internal details."""
     seen = set()
     while (error.__cause__ or error.__context__) is not None and id(error) not in seen:
         seen.add(id(error))
@@ -118,13 +116,13 @@ def _file_sums(folder: Path) -> dict:
     return sums
 
 
-def verify_files(folder: Path, hint: str = "") -> bool:
+def verify_files(folder: Path, hint: str = "") -> None:
     """``CheckpointError`` naming the first of ``folder``'s files that differs from its
-    ``files.json``; False when there is no ``files.json``."""
+    ``files.json`` (if it has one)."""
     try:
         saved = json.loads((folder / FILES).read_text())
     except FileNotFoundError:
-        return False
+        return
     except (OSError, ValueError) as error:
         raise CheckpointError(f"{folder / FILES}: cannot be read ({error})", damaged=True) from None
     for name, (size, crc) in saved.items():
@@ -146,7 +144,6 @@ def verify_files(folder: Path, hint: str = "") -> bool:
             f"{folder}: cannot be read: {name} {problem}: its files were damaged{hint}",
             damaged=True,
         )
-    return True
 
 
 def steps(folder: Path) -> list[int]:
@@ -197,9 +194,8 @@ class Checkpoints:
         return self.manager.latest_step()
 
     def save(self, step: int, state, meta: dict) -> None:
-        """Save ``state`` at ``step`` once the previous save is written and there is room (a
-        full disk or a read-only folder is named here, before orbax starts threads that
-        would wait for it forever)."""
+        """Save ``state`` at ``step`` once the previous save is written and there is room (named
+        here: orbax's threads would wait forever for a full disk or a read-only folder)."""
         meta = {**meta, CHECKSUMS: checksums(state)}  # while the previous save is written
         self.wait()  # orbax would wait for it too; this names the step that failed
         self._check_room(step, sum(x.nbytes for x in jax.tree.leaves(state)))
@@ -317,8 +313,7 @@ class Checkpoints:
 
 @dataclasses.dataclass(frozen=True)
 class Found:
-    """The orbax folder to read parameters from, and the training workdir it belongs to
-    (None for a folder saved outside one)."""
+    """The orbax folder to read parameters from, and its training workdir (or None)."""
 
     state: Path
     workdir: Path | None
@@ -379,9 +374,8 @@ def _older(step_folder: Path) -> str:
 
 
 def read_variables(path: Path, model):
-    """The variables (``{"params": ...}``) of ``model`` from an orbax checkpoint of them or of
-    a training state (only they are read), on the default device, verified as
-    ``Checkpoints.restore`` does."""
+    """``model``'s variables (``{"params": ...}``) from an orbax checkpoint of them or of a
+    training state, on the default device, verified as ``Checkpoints.restore`` does."""
     from etils import epath
 
     path = Path(path).absolute()

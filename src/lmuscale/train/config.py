@@ -1,9 +1,8 @@
 """Training configs: Python files of ml_collections ConfigDicts, checked before anything runs.
 
 A config file defines ``get_config(name)`` (``name``: the part after ``:`` in
-``experiments/owt2.py:lmu-1M``, or None) returning ``base_config(model)`` with its changes.
-Every key and its type come from ``base_config`` (the ``model`` section: the model config's
-fields plus ``family``); an unknown key or a value of the wrong type is an error naming it.
+``experiments/owt2.py:lmu-1M``, or None) returning ``base_config(model)`` with its changes:
+every key and its type come from ``base_config``.
 """
 
 from __future__ import annotations
@@ -48,33 +47,31 @@ ADDED_KEYS = {
 }
 # The same for model config fields, filled in only for a family whose config has the field.
 ADDED_MODEL_FIELDS = {"loss_impl": "xla"}
-POSITIVE = (
-    "train.steps",
-    "train.global_batch",
-    "data.seq_len",
-    "eval.every",
-    "eval.global_batch",
-    "checkpoint.every",
-    "checkpoint.keep",
-    "log.every",
-    "log.profile_start",
-    "mesh.model",
-    "distributed.heartbeat_timeout",
-)
-NON_NEGATIVE = (
-    "train.microbatches",
-    "train.memory_budget_gb",
-    "log.profile_steps",
-    "optim.warmup_steps",
-    "optim.grad_clip",
-    "eval.batches",
-    "eval.final_batches",
-    "distributed.num_processes",  # 0 = from the cluster's environment
-    "peak_flops",
-)
-# Other keys' valid values: (test, the range as the error message says it). Floats must also
-# be finite.
+POSITIVE = (lambda v: v >= 1, "> 0")
+NON_NEGATIVE = (lambda v: v >= 0, ">= 0")
+# Each checked key's valid values: (test, the range as the error message says it). Floats must
+# also be finite.
 RANGES = {
+    "train.steps": POSITIVE,
+    "train.global_batch": POSITIVE,
+    "data.seq_len": POSITIVE,
+    "eval.every": POSITIVE,
+    "eval.global_batch": POSITIVE,
+    "checkpoint.every": POSITIVE,
+    "checkpoint.keep": POSITIVE,
+    "log.every": POSITIVE,
+    "log.profile_start": POSITIVE,
+    "mesh.model": POSITIVE,
+    "distributed.heartbeat_timeout": POSITIVE,
+    "train.microbatches": NON_NEGATIVE,
+    "train.memory_budget_gb": NON_NEGATIVE,
+    "log.profile_steps": NON_NEGATIVE,
+    "optim.warmup_steps": NON_NEGATIVE,
+    "optim.grad_clip": NON_NEGATIVE,
+    "eval.batches": NON_NEGATIVE,
+    "eval.final_batches": NON_NEGATIVE,
+    "distributed.num_processes": NON_NEGATIVE,  # 0 = from the cluster's environment
+    "peak_flops": NON_NEGATIVE,
     # jax.random.key keeps only the low 32 bits (without x64): seed 2**32 would draw seed 0's
     # parameters, but other batches.
     "train.seed": (lambda v: 0 <= v < 2**32, "in [0, 2**32)"),
@@ -101,13 +98,14 @@ RANGES = {
 
 def base_config(model: ModelConfig) -> ConfigDict:
     """Every key a training config has, with the paper's defaults (REFERENCE §2)."""
+    record = families.of(model)
+    fields = {k: v for k, v in dataclasses.asdict(model).items() if k not in record.fixed}
     c = ConfigDict()
     c.name = ""
-    c.model = model_section(model)
+    c.model = ConfigDict({"family": record.name, **fields})  # less what the family fixes
     c.data = ConfigDict(
         {
-            # A folder made by ``python -m lmuscale.data prepare``. When it does not exist and
-            # ``source`` is an embedded corpus (shakespeare), training prepares it first.
+            # Made by ``python -m lmuscale.data prepare``, or by training for an embedded source.
             "path": "",
             "source": "",
             "tokenizer": "gpt2",
@@ -120,9 +118,7 @@ def base_config(model: ModelConfig) -> ConfigDict:
             "seed": 0,
             "steps": 25_000,
             "global_batch": 512,
-            # Micro-batches per step (gradient accumulation); 0 = as few as fit in the memory
-            # budget, found by compiling the step (lmuscale.train.memory).
-            "microbatches": 1,
+            "microbatches": 1,  # per step; 0 = as few as fit the budget (train.memory)
             "memory_budget_gb": 0.0,  # per device; 0 = a fraction of the device's memory
         }
     )
@@ -155,16 +151,13 @@ def base_config(model: ModelConfig) -> ConfigDict:
             "every": 50,
             "progress": True,
             "tensorboard": True,
-            # Weights & Biases (lmuscale.train.wandb_log): off unless asked; "" leaves W&B's
-            # default (WANDB_PROJECT, WANDB_MODE), the config's name, or no group.
+            # Weights & Biases (train.wandb_log); "" = W&B's default, the config's name, no group
             "wandb": False,
             "wandb_project": "",
             "wandb_name": "",
             "wandb_mode": "",  # online, offline or disabled
             "wandb_group": "",  # a sweep's trials get the sweep's name
-            # A jax.profiler trace of profile_steps train steps from step profile_start (the
-            # step count after it, as in metrics.jsonl), into WORKDIR/profile: TensorBoard's
-            # profile tab, or perfetto_trace.json.gz in ui.perfetto.dev. 0 = no trace.
+            # A jax.profiler trace of profile_steps steps from profile_start into WORKDIR/profile
             "profile_steps": 0,
             "profile_start": 10,
         }
@@ -182,13 +175,6 @@ def base_config(model: ModelConfig) -> ConfigDict:
     )
     c.peak_flops = 0.0  # per device, for MFU; 0 = from the table of known devices
     return c
-
-
-def model_section(model: ModelConfig) -> ConfigDict:
-    """``family`` and the config's fields, less those its family fixes (``Family.fixed``)."""
-    record = families.of(model)
-    fields = {k: v for k, v in dataclasses.asdict(model).items() if k not in record.fixed}
-    return ConfigDict({"family": record.name, **fields})
 
 
 def model_config(section) -> ModelConfig:
@@ -244,16 +230,16 @@ def _unknown(key: str, known) -> str:
 
 def check(config: ConfigDict, where: str = "config") -> None:
     """Every key of ``config`` exists in the base config of its model, with the same type."""
-    model = config.get("model")
-    if not isinstance(model, ConfigDict) or "family" not in model:
+    section = config.get("model")
+    if not isinstance(section, ConfigDict) or "family" not in section:
         raise ConfigError(f"{where}: no model section; build configs with base_config(model)")
-    check_schema(config, base_config(model_config(model)), where)
-    _check_values(config, where)
+    model = model_config(section)
+    check_schema(config, base_config(model), where)
+    _check_values(config, model, where)
 
 
 def check_schema(config: ConfigDict, base: ConfigDict, where: str) -> None:
-    """``config`` has exactly the keys of ``base``, each of the same type (an int for a float
-    is fine)."""
+    """``config`` has exactly the keys of ``base``, each of its type (or an int for a float)."""
     schema = flatten(base)
     values = flatten(config)
     for key, value in values.items():
@@ -268,11 +254,9 @@ def check_schema(config: ConfigDict, base: ConfigDict, where: str) -> None:
         raise ConfigError(f"{where}: missing keys {', '.join(missing)}")
 
 
-def _check_values(c: ConfigDict, where: str) -> None:
+def _check_values(c: ConfigDict, model: ModelConfig, where: str) -> None:
     values = flatten(c)
-    ranges = [(key, (lambda v: v >= 1, "> 0")) for key in POSITIVE]
-    ranges += [(key, (lambda v: v >= 0, ">= 0")) for key in NON_NEGATIVE]
-    for key, (test, bounds) in ranges + list(RANGES.items()):
+    for key, (test, bounds) in RANGES.items():
         value = values[key]
         if not test(value) or (isinstance(value, float) and not math.isfinite(value)):
             raise ConfigError(f"{where}: {key} must be {bounds}, got {value!r}")
@@ -291,7 +275,6 @@ def _check_values(c: ConfigDict, where: str) -> None:
             f"{where}: log.profile_start ({c.log.profile_start}) is after the last step "
             f"(train.steps = {c.train.steps}): nothing would be traced"
         )
-    model = model_config(c.model)
     max_len = getattr(model, "max_len", None)
     if max_len is not None and c.data.seq_len > max_len:
         raise ConfigError(
@@ -372,12 +355,8 @@ def override(config: ConfigDict, overrides: list[str], checker=check) -> ConfigD
             raise ConfigError(f"--config.{item}: expected --config.KEY=VALUE")
         if key not in values:
             raise ConfigError(f"--config.{key}: {_unknown(key, values)}")
-        node = config
-        *parents, leaf = key.split(".")
-        for part in parents:
-            node = node[part]
         with config.unlocked():
-            node[leaf] = _parse(key, text, values[key])
+            config.update_from_flattened_dict({key: _parse(key, text, values[key])})
     checker(config, where="command line")
     return config
 
@@ -387,9 +366,8 @@ def to_json(config: ConfigDict) -> str:
 
 
 def upgrade(saved: dict) -> dict:
-    """A saved config (a config.json or a sweep trial's) with the keys it predates filled in
-    as it ran (``ADDED_KEYS``; ``ADDED_MODEL_FIELDS`` and its model family's ``legacy``
-    values), so that it resumes the same run."""
+    """A saved config (config.json, a sweep trial's) with the keys it predates filled in as it
+    ran (``ADDED_KEYS``, ``ADDED_MODEL_FIELDS``, its family's ``legacy``), to resume the run."""
     saved = dict(saved)
     for key, value in ADDED_KEYS.items():
         section, leaf = key.split(".")

@@ -1,24 +1,20 @@
 """A training run: check everything, restore or initialise, train on a schedule, summarise.
 
-``run(config, workdir)`` checks the config, the workdir (``lmuscale.workdir``), the dataset
-and the batch sizes before compiling anything; then the step loop runs its hooks (log,
-evaluate, checkpoint) and stops on a signal, and ``summarise`` writes summary.json. Batches
-are a function of (seed, step) and a checkpoint holds the rest, so a resumed run computes the
-same numbers as an uninterrupted one. The README lists the workdir's files.
+Everything is checked before anything is compiled. Batches are a function of (seed, step) and
+a checkpoint holds the rest, so a resumed run computes the same numbers as an uninterrupted one.
 
-A stop signal (``STOP_SIGNALS``) makes a run checkpoint after the current step and raise
-``TrainingInterrupted``; schedulers often send several at once, so further ones change
-nothing. With several processes, process 0 alone writes the workdir's files (orbax saves
-from all) and a signal sent to any one stops all after the same step (``_StopAgreement``: a
-signal during step s stops them after step s + 1 or s + 2). A collective that fails because
-another process died raises ``LostProcess``, so the command line exits at once instead of
-waiting for the coordinator's heartbeat timeout.
+A stop signal (``STOP_SIGNALS``; schedulers often send several) checkpoints after the current
+step and raises ``TrainingInterrupted``. With several processes, process 0 alone writes the
+workdir's files (orbax saves from all), a signal to any one stops all after the same step
+(``_StopAgreement``), and a collective that fails because another process died raises
+``LostProcess`` at once instead of after the coordinator's heartbeat timeout.
 """
 
 from __future__ import annotations
 
 import contextlib
 import dataclasses
+import itertools
 import math
 import signal
 import threading
@@ -99,18 +95,15 @@ class _StopAgreement:
 
 
 def initialize_distributed(section) -> None:
-    """``jax.distributed.initialize``; arguments left out are detected from the cluster
-    environment (SLURM, Open MPI, TPU pods)."""
+    """``jax.distributed.initialize``; arguments left out come from the cluster (SLURM, ...)."""
     if not section.initialize:
         return
-    kwargs = {"heartbeat_timeout_seconds": section.heartbeat_timeout}
-    if section.coordinator_address:
-        kwargs["coordinator_address"] = section.coordinator_address
-    if section.num_processes > 0:
-        kwargs["num_processes"] = section.num_processes
-    if section.process_id >= 0:
-        kwargs["process_id"] = section.process_id
-    jax.distributed.initialize(**kwargs)
+    jax.distributed.initialize(
+        coordinator_address=section.coordinator_address or None,
+        num_processes=section.num_processes or None,
+        process_id=section.process_id if section.process_id >= 0 else None,
+        heartbeat_timeout_seconds=section.heartbeat_timeout,
+    )
 
 
 def open_data(c: ConfigDict, primary: bool, progress: bool):
@@ -160,23 +153,19 @@ def check_dataset(c: ConfigDict, model_config, dataset) -> None:
 
 
 def check_batches(c: ConfigDict, mesh) -> None:
+    """Each batch (a micro-batch, if given) splits evenly over the mesh's data axis."""
     data_axis = step_lib.data_parallel_size(mesh)
-    if c.train.microbatches == 0 and c.train.global_batch % data_axis:
-        raise config_lib.ConfigError(
-            f"train.global_batch ({c.train.global_batch}) must be a multiple of the mesh's "
-            f"data axis ({data_axis} devices)"
-        )
-    per_micro = c.train.global_batch // max(1, c.train.microbatches)
-    if c.train.microbatches and per_micro % data_axis:
-        raise config_lib.ConfigError(
-            f"train.global_batch / train.microbatches = {per_micro} sequences must be a "
-            f"multiple of the mesh's data axis ({data_axis} devices)"
-        )
-    if c.eval.global_batch % data_axis:
-        raise config_lib.ConfigError(
-            f"eval.global_batch ({c.eval.global_batch}) must be a multiple of the mesh's data "
-            f"axis ({data_axis} devices)"
-        )
+    if c.train.microbatches:
+        per_micro = c.train.global_batch // c.train.microbatches
+        train_batch = per_micro, f"train.global_batch / train.microbatches = {per_micro} sequences"
+    else:
+        train_batch = c.train.global_batch, f"train.global_batch ({c.train.global_batch})"
+    eval_batch = c.eval.global_batch, f"eval.global_batch ({c.eval.global_batch})"
+    for size, what in (train_batch, eval_batch):
+        if size % data_axis:
+            raise config_lib.ConfigError(
+                f"{what} must be a multiple of the mesh's data axis ({data_axis} devices)"
+            )
 
 
 def check_workdir(c: ConfigDict, workdir: Path) -> None:
@@ -196,12 +185,9 @@ def run(
 ) -> dict:
     """Train (or resume) ``config`` in ``workdir``; returns the summary (also summary.json).
 
-    The workdir is locked for the run (``locked``: the caller holds the lock already), so a
-    second process on it stops at once with ``workdir.WorkdirBusy``. Raises ``ConfigError``
-    before compiling anything when the config, the dataset or the workdir is wrong;
-    ``OutOfMemoryBudget`` when no micro-batch count fits the memory budget and
-    ``DamagedFile`` when a resumed run's metrics.jsonl or eval.jsonl is damaged, both before
-    any step; ``TrainingDiverged`` when the loss becomes NaN or infinite.
+    The workdir is locked (``locked``: by the caller already): a second process on it raises
+    ``workdir.WorkdirBusy``. Before any step: ``ConfigError`` (config, dataset or workdir),
+    ``OutOfMemoryBudget``, ``DamagedFile`` (a resumed run's logs); ``TrainingDiverged`` later.
     """
     c = config
     config_lib.check(c)
@@ -252,26 +238,8 @@ def _train(c, workdir: Path, model_config, dataset, mesh, primary: bool, show: b
         session.close()
 
 
-def restore_or_init(
-    init, mesh, shardings, checkpoints: Checkpoints
-) -> tuple[dict, dict, int | None]:
-    """``(state, meta, step)`` of the latest intact checkpoint (``meta``: its JSON, with
-    ``"elapsed"`` and ``LOG_WINDOW``), or the initial state, ``{}`` and None."""
-    target = jax.tree.map(
-        lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s),
-        jax.eval_shape(init),
-        shardings,
-    )
-    restored = checkpoints.restore_latest(target)
-    if restored is None:
-        return step_lib.init_state(init, mesh, shardings), {}, None
-    step, state, meta = restored
-    return state, meta, step
-
-
 class Clock:
-    """The run's wall-clock seconds across sessions, and the training speed since the last
-    ``restart``."""
+    """Wall-clock seconds across sessions, and the training speed since the last ``restart``."""
 
     def __init__(self, elapsed_before: float):
         self.before, self.t0 = elapsed_before, time.perf_counter()
@@ -291,10 +259,9 @@ class Clock:
 
 
 def train(session: Session, stop: _StopSignals) -> None:
-    """The step loop: each step, then the hooks that are due (every ``every`` steps and after
-    the last), in order, then a stop signal (one that arrives during a hook is seen at the same
-    step). The clock starts after the first step and restarts after any hook, so tokens/s and
-    MFU count only training."""
+    """Each step, then the hooks due (every ``every`` steps and after the last), then a stop
+    signal (one during a hook counts for that step). The clock restarts after the first step
+    and any hook, so tokens/s and MFU count only training."""
     c, start, last = session.c, session.start, session.c.train.steps
     hooks = [  # (every, action), each action called with the number of steps done
         (c.log.every, session.log_step),
@@ -343,7 +310,6 @@ class Program:
     """The run's model compiled for the mesh: its steps, initial state and FLOPs per token."""
 
     model_config: object
-    seq_len: int  # T: tokens a window predicts
     loss_impl: str  # the cross-entropy's implementation
     init: Callable[[], dict]
     shardings: dict  # the state's, a tree like it
@@ -370,7 +336,6 @@ def compile_program(c, workdir: Path, model_config, mesh, primary: bool) -> Prog
         print(f"train step: {memory.describe(plan)}; cross-entropy: {loss_impl}", flush=True)
     return Program(
         model_config=model_config,
-        seq_len=c.data.seq_len,
         loss_impl=loss_impl,
         init=init,
         shardings=step_lib.state_shardings(mesh, abstract),
@@ -383,17 +348,23 @@ def compile_program(c, workdir: Path, model_config, mesh, primary: bool) -> Prog
 
 
 class Session:
-    """One process's part of a run: the state, the checkpoints, the logs, and the actions
-    that ``train``'s hooks run."""
+    """One process's part of a run: state, checkpoints, logs, and ``train``'s hook actions."""
 
     def __init__(self, c, workdir: Path, dataset, mesh, program: Program, primary, show):
         self.c, self.workdir, self.dataset, self.mesh = c, workdir, dataset, mesh
         self.program, self.primary = program, primary
         self.checkpoints = Checkpoints(workdir / workdir_lib.CHECKPOINTS, c.checkpoint.keep)
         try:
-            self.state, meta, self.last_checkpoint = restore_or_init(
-                program.init, mesh, program.shardings, self.checkpoints
+            target = jax.tree.map(
+                lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s),
+                jax.eval_shape(program.init),
+                program.shardings,
             )
+            # meta: the checkpoint's JSON, with "elapsed" and LOG_WINDOW
+            restored = self.checkpoints.restore_latest(target)
+            if restored is None:
+                restored = None, step_lib.init_state(program.init, mesh, program.shardings), {}
+            self.last_checkpoint, self.state, meta = restored
             self.start = int(jax.device_get(self.state["step"]))
             self.log = MetricsLog(
                 workdir,
@@ -484,21 +455,14 @@ class Session:
     def evaluate(self, split: str, max_batches: int) -> Evaluation:
         """Mean loss over the split's windows in order, in batches of ``eval.global_batch``
         windows (the first ``max_batches`` batches, or all with 0), and at each position."""
-        seq_len = self.program.seq_len
+        seq_len = self.c.data.seq_len
         tokens_sharding = step_lib.batch_sharding(self.mesh, 2)
         valid_sharding = step_lib.batch_sharding(self.mesh, 1)
         outputs = []
         batches = eval_batches(
-            self.dataset,
-            split,
-            seq_len=seq_len,
-            global_batch=self.c.eval.global_batch,
-            process_index=jax.process_index(),
-            process_count=jax.process_count(),
+            self.dataset, split, seq_len=seq_len, global_batch=self.c.eval.global_batch
         )
-        for i, batch in enumerate(batches):
-            if max_batches and i >= max_batches:
-                break
+        for batch in itertools.islice(batches, max_batches or None):
             outputs.append(
                 self.program.eval_step(
                     self.state["params"],
@@ -567,9 +531,8 @@ def summarise(session: Session) -> dict:
 
 
 def diverged(session: Session, step: int, metrics: dict) -> None:
-    """Write the diverged summary and raise ``TrainingDiverged``; or, right after a restore,
-    name the restored checkpoint as suspect and write no summary (so that a sweep tries the
-    trial again)."""
+    """Write the diverged summary and raise ``TrainingDiverged``; right after a restore, name
+    the checkpoint as suspect instead, with no summary (so that a sweep tries again)."""
     session.checkpoints.wait()
     c, start, last_checkpoint = session.c, session.start, session.last_checkpoint
     where = session.workdir / workdir_lib.CHECKPOINTS

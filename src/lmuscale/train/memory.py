@@ -1,11 +1,9 @@
 """How many micro-batches a train step needs: compile it, read XLA's memory analysis, fit a budget.
 
 ``train.microbatches = 0`` asks for the fewest micro-batches (a divisor of the per-device
-batch) whose compiled train step fits the per-device budget (see ``budget``). A step's estimate
-is XLA's for one device: arguments, outputs and temporaries, less the outputs that reuse
-donated arguments. The plan is written to ``plan.json``; a resumed run with the same kind and
-number of devices and the same budget reuses its count while it still fits, so it computes
-the same numbers as an uninterrupted run (a new count changes them by float rounding).
+batch) whose compiled step fits the per-device ``budget``. The plan is written to
+``plan.json``; a resume on the same kind and number of devices with the same budget reuses its
+count while it fits, so it computes the same numbers (a new count changes them by rounding).
 """
 
 from __future__ import annotations
@@ -31,7 +29,8 @@ GB = 1e9
 
 @dataclasses.dataclass(frozen=True)
 class Estimate:
-    """XLA's buffers for one device of a compiled step, in bytes."""
+    """XLA's buffers for one device of a compiled step, in bytes (``aliased``: outputs that
+    reuse donated arguments)."""
 
     microbatches: int
     temp: int
@@ -230,10 +229,8 @@ def plan(
         return Plan(microbatches, estimate, None, device, "train.microbatches"), compiled
     limit = budget(budget_gb)
     counts = candidates(global_batch, data_axis)
-    if jax.process_count() == 1:
-        count, compiled, note = _decide(compile_for, counts, limit, device, workdir)
-    else:
-        count, compiled, note = _decide_on_process_0(compile_for, counts, limit, device, workdir)
+    decide = _decide if jax.process_count() == 1 else _decide_on_process_0
+    count, compiled, note = decide(compile_for, counts, limit, device, workdir)
     return Plan(count, Estimate.of(count, compiled), limit, device, note), compiled
 
 

@@ -1,8 +1,7 @@
 """What a run records: metrics.jsonl and eval.jsonl (data first), TensorBoard, W&B, MFU.
 
-Only process 0 writes. A resumed run first cuts both JSONL files back to the restored step
-(``workdir.cut_log``), and starts TensorBoard with ``purge_step`` so that TensorBoard hides
-the old events past it: each step appears once.
+Only process 0 writes. A resumed run cuts both JSONL files back to the restored step and starts
+TensorBoard with ``purge_step`` (which hides the old events past it): each step appears once.
 """
 
 from __future__ import annotations
@@ -32,8 +31,7 @@ PEAK_FLOPS = (
 
 
 def device_peak(dtype: str, configured: float = 0.0) -> float | None:
-    """Peak FLOP/s of one device for ``dtype`` compute: ``configured`` when > 0, else from
-    ``PEAK_FLOPS``, or None for an unknown device."""
+    """Peak FLOP/s of one device: ``configured`` when > 0, else ``PEAK_FLOPS``'s (or None)."""
     if configured > 0:
         return configured
     device_kind = jax.devices()[0].device_kind.lower()
@@ -57,9 +55,9 @@ def _json_value(value):
 
 
 class MetricsLog:
-    """Append-only JSONL logs plus TensorBoard scalars and, with ``wandb`` (the run's config
-    when ``log.wandb`` is on), the same records in W&B (``wandb_log``); for process 0 (no-ops
-    elsewhere). W&B starts last, after the logs are cut: a damaged log stops the run first."""
+    """Append-only JSONL logs, TensorBoard scalars and, with ``wandb`` (the run's config), W&B;
+    no-ops unless ``enabled``. W&B starts last, after the logs are cut: a damaged log stops the
+    run first."""
 
     def __init__(
         self, workdir: Path, resume_step: int, *, enabled: bool, tensorboard: bool, wandb=None
@@ -105,7 +103,7 @@ class MetricsLog:
             self.wandb.log(kind, record)
 
     def summary(self, summary: dict) -> None:
-        """The run's summary (summary.json's dict), for W&B; the caller writes the file."""
+        """summary.json's dict, for W&B; the caller writes the file."""
         if self.wandb is not None:
             self.wandb.summary(summary)
 
@@ -122,11 +120,8 @@ class MetricsLog:
 
 
 class StepMetrics:
-    """The train steps' metrics on their way from the devices (``add``) to the log (``fetch``).
-
-    The losses fetched since the last log line are its window, whose mean the next line logs;
-    a checkpoint holds it, so a stop between two log lines changes no logged number.
-    """
+    """The train steps' metrics on their way from the devices (``add``) to the log (``fetch``),
+    and the losses fetched since the last log line (``window``; a checkpoint holds it)."""
 
     def __init__(self, window: list[float] = ()):
         self.pending = []  # (step, metrics on the device) not yet fetched

@@ -1,9 +1,8 @@
 """The paper's optimisation: Adam, warmup then cosine decay to zero, reduce-on-plateau.
 
 Clipping, Adam and the schedule are one optax chain. Reduce-on-plateau reads the validation
-loss, so it is kept apart: its state lives in the train state, the train step multiplies the
-updates by its ``scale`` (the learning rate at step s is ``schedule(s) * scale``), and
-``plateau_update`` feeds it each validation loss.
+loss (``plateau_update``), so it is kept apart in the train state, whose step multiplies the
+updates by its ``scale``: the learning rate at step s is ``schedule(s) * scale``.
 """
 
 from __future__ import annotations

@@ -1,6 +1,4 @@
-"""A jax.profiler trace of train steps ``profile_start .. profile_start + profile_steps - 1``
-(numbered as in metrics.jsonl) into the workdir, each marked by a ``StepTraceAnnotation``.
-"""
+"""A jax.profiler trace of chosen train steps (``log.profile_steps``), each step annotated."""
 
 from __future__ import annotations
 

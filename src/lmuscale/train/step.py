@@ -1,10 +1,9 @@
 """The train state, the mesh and its shardings, and the jitted train and eval steps.
 
-The state is a dict pytree ``{"step", "params", "opt_state", "plateau"}``: everything a resumed
-run needs, since the batch at a step is a function of (seed, step) and the models draw no
-random numbers while training. Batches are split over the mesh's "data" axis; each state array
-over "model" along its largest dimension that axis divides (ZeRO-3 style: XLA gathers what each
-op needs).
+The state ``{"step", "params", "opt_state", "plateau"}`` is all a resume needs: batches are a
+function of (seed, step) and the models draw no random numbers. Batches are split over the
+mesh's "data" axis; each state array over "model" along its largest dimension that axis
+divides (ZeRO-3 style: XLA gathers what each op needs).
 """
 
 from __future__ import annotations
@@ -37,10 +36,8 @@ def make_mesh(model_axis: int = 1, devices=None) -> Mesh:
 
 def spec_for(shape: tuple[int, ...], model_axis: int) -> P:
     """Replicated, or split over "model" along the largest dimension it divides."""
-    if model_axis == 1 or not shape:
-        return P()
     candidates = [i for i, n in enumerate(shape) if n % model_axis == 0]
-    if not candidates:
+    if model_axis == 1 or not candidates:
         return P()
     axis = max(candidates, key=lambda i: shape[i])
     return P(*[("model" if i == axis else None) for i in range(len(shape))])
@@ -67,11 +64,6 @@ def to_global(local_rows: np.ndarray, sharding: NamedSharding) -> jax.Array:
     return jax.make_array_from_process_local_data(sharding, local_rows)
 
 
-def microbatch_sharding(mesh: Mesh) -> NamedSharding:
-    """The train step's batch (``MicroBatches``): each micro-batch's rows split over "data"."""
-    return batch_sharding(mesh, 3, axis=1)
-
-
 @dataclasses.dataclass(frozen=True)
 class MicroBatches:
     """How the train step takes a global batch of B windows of T + 1 tokens: as M = ``count``
@@ -86,7 +78,7 @@ class MicroBatches:
 
     @property
     def sharding(self) -> NamedSharding:
-        return microbatch_sharding(self.mesh)
+        return batch_sharding(self.mesh, 3, axis=1)
 
     def shape(self, rows: int, seq_len: int) -> tuple[int, int, int]:
         """(M, rows / M, T + 1): ``rows`` windows (a process's block, or all B) as M runs."""
@@ -179,7 +171,7 @@ def make_train_step(model: LanguageModel, tx, lr_schedule, mesh: Mesh, abstract_
     shardings = state_shardings(mesh, abstract_state)
     return jax.jit(
         step,
-        in_shardings=(shardings, microbatch_sharding(mesh)),
+        in_shardings=(shardings, MicroBatches(mesh, 1).sharding),
         out_shardings=(shardings, replicated(mesh)),
         donate_argnums=0,
     )

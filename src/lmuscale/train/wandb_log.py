@@ -1,16 +1,10 @@
 """Weights & Biases (``log.wandb``): the run's logs, config and summary, mirrored to a W&B run.
 
-``wandb`` is imported only when it is on, and only process 0 talks to W&B, through
-``metrics.MetricsLog``. One training run is one W&B run, however often it resumes: the first
-session writes the run id to ``WORKDIR/wandb.json`` before it starts W&B, and every session
-opens that id with ``resume="allow"``. A run that ends without a finished summary is finished
-in W&B with exit code 1.
-
-A resumed run recomputes, bit for bit, the steps between its checkpoint and where the last
-session stopped; W&B's step only goes up (it drops anything logged below its highest), so
-the steps below W&B's ``starting_step`` (known on an online resume) are not sent again. An
-offline session records them all, and W&B deals with the overlap when it is synced
-(``resume_from``, W&B's rewind, is server-side only).
+``wandb`` is imported only when it is on; only process 0 talks to W&B (``metrics.MetricsLog``).
+One training run is one W&B run however often it resumes: its id is kept in ``wandb.json``.
+A resume recomputes the steps after its checkpoint, and W&B drops anything logged below its
+highest step, so steps below ``starting_step`` (known online) are not sent again; an offline
+session sends them all (W&B's rewind, ``resume_from``, is server-side only).
 """
 
 from __future__ import annotations
@@ -35,8 +29,7 @@ REMEDY = (
 
 
 class WandbError(LoggingServiceError):
-    """W&B could not start or log a run, or ``wandb.json`` is unreadable; the message names
-    ``log.wandb`` (or the file) and says what to do."""
+    """W&B could not start or log a run, or ``wandb.json`` is unreadable."""
 
 
 def import_wandb():
@@ -79,8 +72,7 @@ def _failed(what: str, error: Exception) -> WandbError:
 
 
 class WandbRun:
-    """The W&B run of the training run in ``workdir``, started (or resumed) on construction
-    from the run's ``config``."""
+    """The W&B run of the training run in ``workdir``, started or resumed on construction."""
 
     def __init__(self, config, workdir: Path):
         self.wandb = import_wandb()
@@ -124,8 +116,7 @@ class WandbRun:
             raise _failed(f"log step {step} of run {self.id}", error) from None
 
     def summary(self, summary: dict) -> None:
-        """The run's summary (summary.json's dict): scalars, and per-position losses as a table
-        and a line plot."""
+        """summary.json's dict: scalars, and per-position losses as a table and a line plot."""
         curves = {
             key.removesuffix("_per_position"): value
             for key, value in summary.items()
