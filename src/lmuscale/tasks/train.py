@@ -1,9 +1,8 @@
 """One task run: load the data, train epoch by epoch, keep the best epoch, test it.
 
-The workdir holds the config, a checkpoint after every epoch (parameters, Adam state, the best
-parameters so far), a metrics line per epoch and at the end the summary. Batches are a function
-of (seed, epoch) and the checkpoint holds the rest, so a resumed run computes the same numbers
-as one never stopped. A finished workdir returns its summary without training again.
+A checkpoint after every epoch holds parameters, Adam state and the best parameters so far;
+batches are a function of (seed, epoch), so a resumed run computes the same numbers as one never
+stopped. A finished workdir returns its summary without training again.
 """
 
 from __future__ import annotations
