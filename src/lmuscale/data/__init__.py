@@ -1,10 +1,5 @@
-"""Data: tokenizers, sources, preparing token files once, and the deterministic loader.
-
-python -m lmuscale.data prepare shakespeare --out data/shakespeare
-dataset = open_dataset("data/shakespeare")
-batches = TrainBatches(dataset, seq_len=1024, global_batch=512, seed=0)
-tokens_BxT1 = batches(step)  # this process's rows; inputs [:, :-1], targets [:, 1:]
-"""
+"""Tokenizers, sources, preparing token files once, and the deterministic loader (README,
+"Data", shows their use)."""
 
 from lmuscale.data.loader import (
     EvalBatch,

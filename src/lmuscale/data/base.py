@@ -86,5 +86,18 @@ def folder_files(folder: Path, suffixes: tuple[str, ...]) -> tuple[list[Path], l
     return found, skipped
 
 
+def input_files(inputs: Iterable[str], files_of) -> tuple[list[Path], tuple[Path, ...]]:
+    """The files that ``files_of(path) -> (found, others)`` finds for each path the inputs name
+    (paths or globs), each once, in order; and the others in the folders given, not read."""
+    files: dict[Path, None] = {}
+    skipped: dict[Path, None] = {}
+    for given in inputs:
+        for path in existing_paths(given):
+            found, others = files_of(path)
+            files.update(dict.fromkeys(found))
+            skipped.update(dict.fromkeys(others))
+    return list(files), tuple(p for p in skipped if p not in files)
+
+
 def sized(paths: Iterable[Path]) -> tuple[tuple[str, int], ...]:
     return tuple((str(p), p.stat().st_size) for p in paths)

@@ -1,17 +1,10 @@
-"""Parquet and Arrow tables: ``parquet PATH_OR_GLOB...`` (README, "Data").
+"""Parquet and Arrow tables: ``parquet PATH_OR_GLOB...`` (what it reads: README, "Data").
 
-It reads, in the order given: ``.parquet`` files and folders of them (recursive, sorted);
-folders of ``datasets``' ``Dataset.save_to_disk`` (the Arrow files that ``state.json`` lists, in
-order; other ``.arrow`` files there, such as a ``map``'s caches, are not the dataset) and of
-``DatasetDict.save_to_disk`` (every split ``dataset_dict.json`` names); ``.arrow`` files (IPC
-stream or file). pyarrow alone reads them all.
-
-Each row's ``text_column`` value is a document named ``FILE:row N`` (N from 0 through the file,
-as pandas counts). A parquet row group is a shard, and so is an Arrow file. Memory does not grow
-with the file: parquet pages stream through BUFFER_BYTES and BATCH_ROWS rows are decoded at a
-time; an Arrow stream is read a record batch at a time from a plain file (a memory map's pages
-would count as resident). A null, non-string or non-UTF-8 value is a ``BadLine``; a binary
-column is read as UTF-8 text.
+A parquet row group is a shard, and so is an Arrow file. Memory does not grow with the file:
+parquet pages stream through BUFFER_BYTES and BATCH_ROWS rows are decoded at a time; an Arrow
+stream is read a record batch at a time from a plain file (a memory map's pages would count as
+resident). A binary column is read as UTF-8 text. In a save_to_disk folder only the Arrow files
+``state.json`` lists are the dataset (others there may be a ``map``'s caches).
 """
 
 from __future__ import annotations
@@ -31,8 +24,8 @@ from lmuscale.data.base import (
     Document,
     Shard,
     Source,
-    existing_paths,
     folder_files,
+    input_files,
     sized,
     utf8_error,
 )
@@ -265,13 +258,7 @@ def parquet_source(inputs: list[str], text_column: str) -> Source:
             "parquet needs at least one path or glob: .parquet files, folders of them, or a "
             "folder written by datasets' save_to_disk"
         )
-    files: dict[Path, None] = {}
-    skipped: dict[Path, None] = {}
-    for given in inputs:
-        for path in existing_paths(given):
-            found, others = _table_files(path)
-            files.update(dict.fromkeys(found))
-            skipped.update(dict.fromkeys(others))
+    files, skipped = input_files(inputs, _table_files)
 
     def shards() -> Iterator[Shard]:
         for path in files:
@@ -280,5 +267,4 @@ def parquet_source(inputs: list[str], text_column: str) -> Source:
             else:
                 yield Shard(str(path), lambda path=path: _arrow_documents(path, text_column))
 
-    skipped_files = tuple(p for p in skipped if p not in files)
-    return Source("parquet", sized(files), shards, text_column, skipped_files)
+    return Source("parquet", sized(files), shards, text_column, skipped)

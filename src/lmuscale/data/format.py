@@ -1,9 +1,6 @@
-"""The on-disk format of a prepared folder, shared by prepare and the loader.
-
-``OUT/meta.json`` (source, tokenizer, dtype, split rule and seed, counts and sha256 per split)
-and ``OUT/{train,val,test}.bin``: flat token ids (uint16, or uint32 when the vocab needs it), an
-end-of-text id after each document. A prepare builds it all in ``OUT.partial/`` and renames it.
-"""
+"""The on-disk format of a prepared folder (README, "Data"), shared by prepare and the loader:
+``meta.json`` and ``{train,val,test}.bin``, flat token ids with an end-of-text id after each
+document."""
 
 from __future__ import annotations
 

@@ -39,10 +39,6 @@ class TokenDataset:
         return self.meta["vocab_size"]
 
     @property
-    def eot(self) -> int:
-        return self.meta["tokenizer"]["eot"]
-
-    @property
     def tokenizer(self) -> str:
         return self.meta["tokenizer"]["name"]
 

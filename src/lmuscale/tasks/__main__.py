@@ -1,9 +1,8 @@
-"""``python -m lmuscale.tasks FILE.py[:NAME] --workdir DIR [--config.KEY=VALUE ...]``.
+"""``python -m lmuscale.tasks FILE.py[:NAME] --workdir DIR [--config.KEY=VALUE ...]`` (README,
+"Tasks from the parallel-LMU paper").
 
-Trains every model the experiment file lists in ``NAMES`` (or only NAME), each in DIR/NAME
-(finished ones are read back, interrupted ones resume), prints the test metrics beside the
-paper's and writes DIR/results.json. Exit statuses (``lmuscale.outcomes.Exit``): 0 done, 1 bad
-config, 6 missing or unreadable data, 2 bad arguments, 3 a training loss diverged.
+Exit statuses (``lmuscale.outcomes.Exit``): 0 done, 1 bad config, 6 missing or unreadable data,
+2 bad arguments, 3 a training loss diverged.
 """
 
 from __future__ import annotations

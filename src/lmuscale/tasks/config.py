@@ -60,8 +60,7 @@ def model_config(config: ConfigDict) -> TaskModelConfig:
 def check(config: ConfigDict, where: str = "config") -> None:
     """The config has its task's keys with the right types, and sensible values."""
     model = model_config(config)
-    fields = {k: v for k, v in dataclasses.asdict(model).items() if k not in TASK_FIELDS}
-    check_schema(config, base_config(config.task, **fields), where)
+    check_schema(config, base_config(config.task, **dict(config.model)), where)
     if config.train.seed < 0:
         raise ConfigError(f"{where}: train.seed must be >= 0, got {config.train.seed!r}")
     for key in ("epochs", "batch_size", "eval_batch_size"):

@@ -80,13 +80,6 @@ def series(
     return x[skip::every].T.copy()
 
 
-def windows(x_BxT, horizon: int) -> tuple[np.ndarray, np.ndarray]:
-    """Inputs x_t and targets x_{t + horizon} for every t, each (B, T - horizon, 1)."""
-    if not 0 < horizon < x_BxT.shape[1]:
-        raise ValueError(f"horizon must be in 1..{x_BxT.shape[1] - 1}, got {horizon}")
-    return x_BxT[:, :-horizon, None], x_BxT[:, horizon:, None]
-
-
 def load(data: ConfigDict) -> Splits:
     """Independent series for train, val and test (histories x0 from one generator seeded by
     ``data.seed``), standardised by the training series' mean and std (NRMSE does not depend
@@ -105,10 +98,13 @@ def load(data: ConfigDict) -> Splits:
             dt=data.dt,
             washout=data.washout,
         )
-        mean, std = x[: data.train].mean(), x[: data.train].std()
-        inputs, targets = windows(((x - mean) / std).astype(np.float32), data.horizon)
-    except ValueError as error:  # dt or horizon: the message names the value
+    except ValueError as error:  # dt: the message names the value
         raise ConfigError(f"data: {error}") from None
+    if not 0 < data.horizon < x.shape[1]:
+        raise ConfigError(f"data: horizon must be in 1..{x.shape[1] - 1}, got {data.horizon}")
+    mean, std = x[: data.train].mean(), x[: data.train].std()
+    x_BxT = ((x - mean) / std).astype(np.float32)
+    inputs, targets = x_BxT[:, : -data.horizon, None], x_BxT[:, data.horizon :, None]
     edges = np.cumsum(counts)[:-1]
     parts = [
         Split(i, t) for i, t in zip(np.split(inputs, edges), np.split(targets, edges), strict=True)

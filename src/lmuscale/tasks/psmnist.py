@@ -97,10 +97,6 @@ def _from_tfds(folder: Path) -> dict[str, np.ndarray] | None:
     return out
 
 
-def permutation(seed: int) -> np.ndarray:
-    return np.random.default_rng(seed).permutation(PIXELS)
-
-
 def load(data: ConfigDict) -> Splits:
     folder = Path(data.path)
     arrays = (_from_idx(folder) or _from_tfds(folder)) if folder.is_dir() else None
@@ -118,7 +114,7 @@ def load(data: ConfigDict) -> Splits:
         raise ConfigError(f"data.permutation_seed must be >= 0, got {data.permutation_seed}")
     if not 0 < data.val < len(train_x):
         raise ConfigError(f"data.val must be in 1..{len(train_x) - 1}, got {data.val}")
-    order = permutation(data.permutation_seed)
+    order = np.random.default_rng(data.permutation_seed).permutation(PIXELS)
 
     def split(x, y) -> Split:
         pixels = x.reshape(len(x), PIXELS)[:, order].astype(np.float32) / 255.0

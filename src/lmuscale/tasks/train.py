@@ -1,9 +1,8 @@
 """One task run: load the data, train epoch by epoch, keep the best epoch, test it.
 
-The workdir holds the config, a checkpoint after every epoch (parameters, Adam state, the best
-parameters so far), a metrics line per epoch and at the end the summary. Batches are a function
-of (seed, epoch) and the checkpoint holds the rest, so a resumed run computes the same numbers
-as one never stopped. A finished workdir returns its summary without training again.
+A checkpoint after every epoch holds parameters, Adam state and the best parameters so far;
+batches are a function of (seed, epoch), so a resumed run computes the same numbers as one never
+stopped. A finished workdir returns its summary without training again.
 """
 
 from __future__ import annotations
@@ -29,16 +28,12 @@ from lmuscale.tasks.config import model_config, task_of
 from lmuscale.tasks.models import TaskModel, tree_params
 from lmuscale.train.checkpoint import CheckpointError, Checkpoints
 
-
-def loss_of(kind: str):
-    """Mean loss of a batch: predictions ``y_Bx...xO`` against targets."""
-    if kind == "mse":
-        return lambda y, t: jnp.mean((y - t) ** 2)
-    if kind == "softmax":
-        return lambda y, t: optax.softmax_cross_entropy_with_integer_labels(y, t).mean()
-    if kind == "sigmoid":
-        return lambda y, t: optax.sigmoid_binary_cross_entropy(y[..., 0], t).mean()
-    raise ValueError(f"unknown loss {kind!r}")
+# Task.loss -> the mean loss of a batch: predictions ``y_Bx...xO`` against targets.
+LOSSES = {
+    "mse": lambda y, t: jnp.mean((y - t) ** 2),
+    "softmax": lambda y, t: optax.softmax_cross_entropy_with_integer_labels(y, t).mean(),
+    "sigmoid": lambda y, t: optax.sigmoid_binary_cross_entropy(y[..., 0], t).mean(),
+}
 
 
 def metric(task: Task, predictions: np.ndarray, targets: np.ndarray) -> float:
@@ -67,7 +62,7 @@ class Trainer:
         self.optimizer = optax.adam(config.train.learning_rate)  # otherwise Adam's defaults
         self.batch_size = config.train.batch_size
         self.eval_batch_size = config.train.eval_batch_size
-        loss = loss_of(self.task.loss)
+        loss = LOSSES[self.task.loss]
 
         def train_step(params, opt_state, inputs, targets):
             value, grads = jax.value_and_grad(lambda p: loss(self.model.apply(p, inputs), targets))(
