@@ -72,7 +72,6 @@ class Results:
     split: str  # "test" or "val"
     runs: list[Run]
     skipped: list[str] = field(default_factory=list)  # one line per row left out, with why
-    columns: tuple[str, ...] = ()
 
     @property
     def families(self) -> list[str]:
@@ -151,12 +150,10 @@ def load_results(path, split: str = "test") -> Results:
         raise ResultsError(f"{path}: a folder; give the results table in it (results.jsonl)")
     if not path.is_file():
         raise ResultsError(f"{path}: no such results file (a sweep writes WORKDIR/results.jsonl)")
-    if path.suffix == ".jsonl":
-        rows, columns = _read_jsonl(path, _text(path))
-    elif path.suffix == ".csv":
-        rows, columns = _read_csv(path, _text(path))
-    else:
+    read = {".jsonl": _read_jsonl, ".csv": _read_csv}.get(path.suffix)
+    if read is None:
         raise ResultsError(f"{path}: expected a .jsonl or .csv results table")
+    rows, columns = read(path, _text(path))
     if not rows:
         raise ResultsError(f"{path}: the table has no rows")
     loss_key = LOSSES[split]
@@ -166,7 +163,7 @@ def load_results(path, split: str = "test") -> Results:
             f"{path}: missing column{'s' if len(missing) > 1 else ''} {', '.join(missing)} "
             f"(the table has: {', '.join(columns) or 'nothing'})"
         )
-    results = Results(path, split, [], [], tuple(columns))
+    results = Results(path, split, [])
     for line, row in rows:
         run = _run(path, line, row, split, results.skipped)
         if run is not None:
