@@ -7,7 +7,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from lmuscale.analysis import figures, optimal, tables
-from lmuscale.analysis.fitting import GroupFit, find, fit_all
+from lmuscale.analysis.fitting import GroupFit, fit_all
 from lmuscale.analysis.optimal import OptimalReport
 from lmuscale.analysis.results import Results, ResultsError, Run, load_results
 from lmuscale.files import atomic_write_bytes
@@ -78,7 +78,6 @@ __all__ = [
     "ResultsError",
     "Run",
     "analyse",
-    "find",
     "fit_all",
     "load_results",
 ]

@@ -43,11 +43,8 @@ def tokens_to_target(curve: Curve, target: float) -> float | None:
 
 @dataclass(frozen=True)
 class DataEfficiency:
-    """Tokens to a target loss, family a against family b, at a's sizes.
-
-    Arrays are aligned and follow ``n`` (ascending). When ``error`` is set, nothing could be
-    compared: the arrays are empty and ``ratio_geomean`` is None.
-    """
+    """Tokens to a target loss, family a against family b, at a's sizes. The arrays follow
+    ``n`` (ascending); with ``error`` set they are empty and ``ratio_geomean`` is None."""
 
     target: float  # the loss the comparison is made at (nats)
     families: tuple[str, str]  # (a, b)

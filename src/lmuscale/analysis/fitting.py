@@ -17,6 +17,8 @@ from lmuscale.scaling import (
     fit_saturating,
 )
 
+FITTERS = {"power_law": fit_power_law, "saturating": fit_saturating, "chinchilla": fit_chinchilla}
+
 
 @dataclass(frozen=True)
 class GroupFit:
@@ -60,14 +62,9 @@ def fit_all(results: Results, *, n_boot: int, ci: float, seed: int, progress=Fal
         n = np.array([r.n for r in runs])
         loss = np.array([r.loss for r in runs])
         steps = None if tokens is None else float(np.median([r.steps for r in runs]))
+        data = (n, loss) if form != "chinchilla" else (n, np.array([r.tokens for r in runs]), loss)
         try:
-            if form == "power_law":
-                fit = fit_power_law(n, loss, n_boot=n_boot, ci=ci, seed=seed)
-            elif form == "saturating":
-                fit = fit_saturating(n, loss, n_boot=n_boot, ci=ci, seed=seed)
-            else:
-                tokens_each = np.array([r.tokens for r in runs])
-                fit = fit_chinchilla(n, tokens_each, loss, n_boot=n_boot, ci=ci, seed=seed)
+            fit = FITTERS[form](*data, n_boot=n_boot, ci=ci, seed=seed)
             error = None
         except FitError as e:
             fit, error = None, str(e)
@@ -77,7 +74,4 @@ def fit_all(results: Results, *, n_boot: int, ci: float, seed: int, progress=Fal
 
 
 def find(fits, family: str, tokens: float | None, form: str) -> GroupFit | None:
-    for f in fits:
-        if f.family == family and f.tokens == tokens and f.form == form:
-            return f
-    return None
+    return next((f for f in fits if (f.family, f.tokens, f.form) == (family, tokens, form)), None)

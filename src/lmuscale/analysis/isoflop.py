@@ -1,15 +1,13 @@
 """Compute-optimal frontiers from a sweep: Hoffmann et al. (2022), approaches 1 and 2.
 
-Approach 2: at each training-FLOP budget C (``budgets``) a parabola in x = log10 N is fitted
-to the final losses (``fit_isoflop``); its vertex is N_opt(C), and D_opt(C) = C / f(N_opt)
-tokens (f: training FLOPs per token). ``fit_frontier`` fits N_opt ∝ C^a and D_opt ∝ C^b.
-Approach 1, ``envelope``: the lowest loss any evaluation curve reached at each FLOP count,
-and the size that reached it; N ∝ C^a along it.
+Approach 2: at each training-FLOP budget C a parabola in log10 N fitted to the final losses
+(``fit_isoflop``) has its vertex at N_opt(C), and D_opt(C) = C / f(N_opt) tokens (f: training
+FLOPs per token); ``fit_frontier`` fits N_opt ∝ C^a and D_opt ∝ C^b. Approach 1
+(``envelope``): the size reaching the lowest loss at each FLOP count; N ∝ C^a along it.
 
-Neither takes a minimum it cannot bracket (at the smallest or largest size tried). Intervals
-are bootstrap percentile intervals, equal for equal seeds. Data that cannot support a fit
-gives a result whose ``error`` says why; ``ValueError`` is only for misuse (mixed families,
-runs without FLOPs, a ``ci`` outside (0, 1)).
+Neither takes a minimum it cannot bracket. Intervals are bootstrap percentile intervals.
+Data that cannot support a fit gives a result whose ``error`` says why; ``ValueError`` is
+only for misuse (mixed families, runs without FLOPs, a ``ci`` outside (0, 1)).
 """
 
 from __future__ import annotations
@@ -21,17 +19,16 @@ import numpy as np
 
 from lmuscale.analysis.curves import Curve
 from lmuscale.analysis.results import Run, groups_within
+from lmuscale.scaling.fits import check_ci, percentile_interval
 
 MIN_SIZES = 3  # distinct sizes a parabola needs
 MIN_BUDGETS = 2  # bracketed budgets a frontier needs
-MIN_REPLICATES = 10  # kept bootstrap replicates below which an interval is NaN
 _CHUNK = 128  # envelope bootstrap replicates evaluated at once (memory: chunk x curves x points)
 
 
 @dataclass(frozen=True)
 class Interval:
-    """A point estimate with its percentile confidence interval; ``lo`` and ``hi`` are NaN
-    when fewer than ``MIN_REPLICATES`` bootstrap replicates were usable."""
+    """A point estimate with its percentile confidence interval (NaN with under 10 replicates)."""
 
     estimate: float
     lo: float
@@ -43,13 +40,12 @@ class Interval:
 
 @dataclass(frozen=True)
 class IsoFlopFit:
-    """Approach 2 for one family at one compute budget ``budget`` (training FLOPs).
+    """Approach 2 for one family at one ``budget`` (training FLOPs).
 
-    ``coef`` is (c0, c1, c2) of loss = c0 x^2 + c1 x + c2, x = log10 N, fitted to every run
-    (None with fewer than 3 sizes). ``n_opt`` is 10^vertex, ``d_opt`` = budget / f(N_opt)
-    tokens, ``loss_opt`` (nats) the parabola's minimum; all None, with ``error`` saying why,
+    ``coef``: (c0, c1, c2) of loss = c0 x^2 + c1 x + c2, x = log10 N (None with under 3
+    sizes). ``n_opt``, ``d_opt`` and ``loss_opt`` (nats) are None, with ``error`` saying why,
     when the minimum is not bracketed or the parabola not convex. ``n_opt_samples`` and
-    ``d_opt_samples`` are the ``kept`` bootstrap replicates of log10 N_opt and log10 D_opt.
+    ``d_opt_samples``: the ``kept`` bootstrap replicates of log10 N_opt and log10 D_opt.
     """
 
     family: str
@@ -86,10 +82,10 @@ class Frontier:
 class Envelope:
     """Approach 1 for one family: the lowest loss over its runs at each FLOP count.
 
-    ``flops`` (G,) is a log-spaced grid, ``loss`` (G,) the envelope in nats and ``n`` (G,) the
-    N of the run reaching it, NaN where no curve covers the point. ``a`` is the slope of
-    log10 n on log10 flops over ``used``, the points reached by a size strictly between the
-    family's smallest and largest; ``line`` is that fit, ``kept`` its bootstrap replicates.
+    ``flops`` (G,) is a log-spaced grid, ``loss`` (G,) the envelope (nats) and ``n`` (G,) the
+    N reaching it, NaN where no curve covers the point. ``a`` is the slope (``line``) of log10
+    n on log10 flops over ``used``: the points reached by neither the smallest nor the
+    largest size.
     """
 
     family: str
@@ -105,8 +101,7 @@ class Envelope:
 
 def budgets(runs: list[Run], rtol: float = 0.05) -> list[tuple[float, list[Run]]]:
     """One family's runs grouped by training FLOPs (``groups_within`` ``rtol``): (budget, runs)
-    pairs by budget, each group's runs ordered by N; the budget is the group's geometric mean.
-    Raises ``ValueError`` for a run without flops_per_token or runs of several families."""
+    pairs, the budget the group's geometric mean and its runs ordered by N."""
     if not rtol >= 0:
         raise ValueError(f"rtol must be >= 0, got {rtol}")
     families = sorted({r.family for r in runs})
@@ -132,14 +127,11 @@ def fit_isoflop(
     ci: float = 0.95,
     seed: int | np.random.Generator = 0,
 ) -> IsoFlopFit:
-    """Fit a parabola in log10 N to the final losses of ``runs`` (one family, one budget) and
-    take its vertex as N_opt.
-
-    The bootstrap resamples the distinct sizes, and each size's runs (seeds), with
-    replacement. A replicate is dropped when it has fewer than 3 distinct sizes, a parabola
-    that is not convex, or a vertex outside the sizes tried; ``kept`` counts the rest.
+    """Fit a parabola in log10 N to the final losses of ``runs`` (one family, one budget); its
+    vertex is N_opt. The bootstrap resamples the sizes, and each size's runs (seeds), and
+    drops replicates with under 3 sizes, a parabola not convex or a vertex outside the sizes.
     """
-    _check_ci(ci)
+    check_ci(ci)
     if not (math.isfinite(budget) and budget > 0):
         raise ValueError(f"budget must be a positive number of FLOPs, got {budget}")
     for run in runs:
@@ -212,9 +204,8 @@ def fit_frontier(
     rtol: float = 0.05,
 ) -> Frontier:
     """Approach 2 for the runs of ``family`` among ``runs``: ``fit_isoflop`` at each of their
-    ``budgets``, then log10 N_opt and log10 D_opt on log10 C by least squares over the
-    bracketed budgets; the exponents' replicates pair the budgets' (``_paired_replicates``)."""
-    _check_ci(ci)
+    ``budgets``, then log10 N_opt and log10 D_opt on log10 C over the bracketed budgets."""
+    check_ci(ci)
     mine = [r for r in runs if r.family == family]
     if not mine:
         return Frontier(family, (), None, None, None, None, f"no runs of family {family}")
@@ -250,10 +241,9 @@ def envelope(
     seed: int = 0,
 ) -> Envelope:
     """Approach 1 for the curves of ``family`` among ``curves``: the lower envelope of their
-    losses, each interpolated linearly in log10 FLOPs inside its own range, on ``points``
-    log-spaced FLOP counts spanning them all. The bootstrap resamples the curves. Raises
-    ``ValueError`` for a curve without flops_per_token or not finite and in token order."""
-    _check_ci(ci)
+    losses (each linear in log10 FLOPs inside its own range) at ``points`` log-spaced FLOP
+    counts spanning them all. The bootstrap resamples the curves."""
+    check_ci(ci)
     if points < 2:
         raise ValueError(f"points must be >= 2, got {points}")
     mine = [c for c in curves if c.run.family == family]
@@ -401,17 +391,8 @@ def _slopes(x_J, y_RxJ) -> np.ndarray:
 
 def _percentiles(samples, ci) -> tuple[float, float]:
     samples = np.asarray(samples, dtype=float)
-    samples = samples[np.isfinite(samples)]
-    if len(samples) < MIN_REPLICATES:
-        return math.nan, math.nan
-    tail = 50 * (1 - ci)
-    lo, hi = np.percentile(samples, [tail, 100 - tail])
+    lo, hi = percentile_interval(samples[np.isfinite(samples)], ci)
     return float(lo), float(hi)
-
-
-def _check_ci(ci) -> None:
-    if not 0 < ci < 1:
-        raise ValueError(f"ci must be in (0, 1), got {ci}")
 
 
 def _need_flops(run: Run) -> None:

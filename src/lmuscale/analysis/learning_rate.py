@@ -56,10 +56,9 @@ class LearningRateChoice:
 
 def select_learning_rates(runs: list[Run]) -> tuple[list[LearningRateChoice], list[str]]:
     """One ``LearningRateChoice`` per (family, size, token budget) with >= 2 distinct rates:
-    the loss is averaged over seeds at each rate, and the choice is the vertex of the parabola
-    in log10(rate) through the best rate and its two neighbours. Runs whose N are within 5% are
-    one size. A rate whose runs all diverged is not in the results table, so a grid that ends
-    at one can look unbracketed. The second list says what was left out and why."""
+    the vertex of the parabola in log10(rate) through the best rate (loss averaged over seeds)
+    and its neighbours. A rate whose runs all diverged is not in the results table, so a grid
+    that ends at one can look unbracketed. The second list says what was left out and why."""
     left_out = []
     no_rate = defaultdict(list)
     usable = []
@@ -123,8 +122,7 @@ def _vertex(x, y) -> float:
 
 
 def write_learning_rates(path, choices: list[LearningRateChoice]) -> None:
-    """Write ``choices`` to ``path`` atomically as ``{"format": FORMAT, "version": 1, "rates":
-    [{"family", "N", "tokens", "learning_rate" (the best), "bracketed", "grid", "loss"}]}``."""
+    """Write ``choices`` to ``path`` atomically (the ``learning_rate`` of each is its best)."""
     rows = [
         {
             "family": c.family,
@@ -148,16 +146,13 @@ class _Rate:
     index: int  # its place in the file's "rates"
 
 
+@dataclass(eq=False)  # compared and hashed by identity, as a plain class
 class LearningRates:
     """A learning-rate file (``read_learning_rates``). Rows of one family within 5% in N are one
     size; of a size's rows, the one with the largest token budget counts (none: the smallest)."""
 
-    def __init__(self, path: Path, rates: dict[str, tuple[_Rate, ...]]):
-        self.path = path
-        self._rates = rates
-
-    def __repr__(self) -> str:
-        return f"LearningRates({str(self.path)!r}, families={list(self.families)})"
+    path: Path
+    _rates: dict[str, tuple[_Rate, ...]]
 
     @property
     def families(self) -> tuple[str, ...]:
@@ -168,9 +163,8 @@ class LearningRates:
         return np.array([r.n for r in self._rates.get(family, ())])
 
     def lookup(self, family: str, n: float, rtol: float = 0.1) -> float:
-        """The learning rate of ``family`` at the size nearest ``n`` in log N. Raises
-        ``LearningRateFileError`` for a family the file does not have, or when the nearest
-        size differs from ``n`` by more than ``rtol * n``."""
+        """The learning rate of ``family`` at the size nearest ``n`` in log N, which must be
+        within ``rtol * n`` of ``n``."""
         if isinstance(n, bool) or not (isinstance(n, numbers.Real) and math.isfinite(n) and n > 0):
             raise ValueError(f"n must be a positive number of parameters, got {n!r}")
         rates = self._rates.get(family)

@@ -1,8 +1,6 @@
-"""The compute-optimal analyses a results table supports: IsoFLOP (``isoflop``, 3 or more
-sizes at each of 2 or more budgets), the envelope (curves of 2 or more sizes), data
-efficiency (each LMU family against the transformer, else the first two families with
-curves) and learning rates (a size run at 2 or more rates). Each one left out gets a line
-saying why, in fits.md and on the figures.
+"""The compute-optimal analyses a results table supports: IsoFLOP (3 or more sizes at each
+of 2 or more budgets), the envelope (curves of 2 or more sizes), data efficiency (``_pairs``)
+and learning rates (a size run at 2 or more rates); each one left out gets a line saying why.
 """
 
 from __future__ import annotations
@@ -160,18 +158,15 @@ def compute_optimal(
     """Every compute-optimal analysis ``results`` supports; the rest named in ``left_out``.
     ``target``: the loss of the data-efficiency comparison."""
     report = OptimalReport()
-    with_flops = [
-        f
-        for f in results.families
-        if all(r.flops is not None for r in results.runs if r.family == f)
-    ]
+    with_flops = []
     for family in results.families:
-        if family not in with_flops:
+        runs = [r for r in results.runs if r.family == family]
+        if any(r.flops is None for r in runs):
             report.left_out.append(
                 f"{label(family)}: IsoFLOP and envelope: the table has no flops_per_token"
             )
             continue
-        runs = [r for r in results.runs if r.family == family]
+        with_flops.append(family)
         groups = [g for _, g in budgets(runs) if len({r.n for r in g}) >= 3]
         if len(groups) >= 2:
             # only the budgets that train 3 or more sizes: a learning-rate sweep's runs (one
@@ -229,9 +224,8 @@ def write(report: OptimalReport, results: Results, out: Path) -> list[Path]:
     unit = results.unit
     if report.frontiers:
         files += save(figures.isoflop_figure(report.frontiers, unit), out / "isoflop")
+    if report.frontiers or report.envelopes:
         files += save(figures.optimal_figure(report.frontiers, report.envelopes), out / "optimal")
-    elif report.envelopes:
-        files += save(figures.optimal_figure([], report.envelopes), out / "optimal")
     for eff in report.efficiency:
         curves = [c for c in report.curves.values() if c.run.family in eff.families]
         name = f"tokens_{eff.families[0]}_{eff.families[1]}"

@@ -8,6 +8,8 @@ import numpy as np
 from lmuscale.analysis.figures import MARKERS, NOTE_WIDTH, STYLE, add_notes, color, human, panels
 from lmuscale.analysis.results import label
 
+STAR = {"ms": 9, "mec": "black", "mew": 0.5, "zorder": 5}  # a chosen optimum
+
 
 def isoflop_figure(frontiers, unit: str):
     """Loss against N at each budget, one panel per family: the runs (the spread of seeds
@@ -40,11 +42,8 @@ def isoflop_figure(frontiers, unit: str):
                         xerr=[[best.estimate - best.lo], [best.hi - best.estimate]],
                         fmt="*",
                         color=tint,
-                        ms=9,
-                        mec="black",
-                        mew=0.5,
                         capsize=3,
-                        zorder=5,
+                        **STAR,
                     )
                 if fit.error:
                     notes.append(f"{label(fit.family)}, C = {fit.budget:.2g}: {fit.error}.")
@@ -208,14 +207,7 @@ def learning_rate_figure(choices, unit: str):
                     np.log10(choice.best), np.log10(choice.learning_rates), choice.loss
                 )
                 ax.plot(
-                    [choice.best],
-                    [best],
-                    "*",
-                    ms=9,
-                    mec="black",
-                    mew=0.5,
-                    color=tint if choice.bracketed else "white",
-                    zorder=5,
+                    [choice.best], [best], "*", color=tint if choice.bracketed else "white", **STAR
                 )
                 if not choice.bracketed:
                     notes.append(

@@ -1,10 +1,8 @@
 """Reading a sweep's results table (``results.jsonl`` or ``results.csv``) for analysis.
 
 Needs the columns trial, family, N (non-embedding parameters), steps, tokens and the loss
-(``test_loss`` or ``val_loss``, nats per token). Optional: status (rows not "finished" are
-skipped), total_params, tokenizer, ``{split}_per_position`` (Figure 4), and for the
-compute-optimal analyses flops_per_token, learning_rate, seed and folder (the trial's folder
-beside the table, whose ``eval.jsonl`` is the run's evaluation curve).
+(``test_loss`` or ``val_loss``, nats per token). The other columns of ``Run`` are optional
+(per_position: ``{split}_per_position``), and so is status: rows not "finished" are skipped.
 """
 
 from __future__ import annotations
@@ -72,7 +70,6 @@ class Results:
     split: str  # "test" or "val"
     runs: list[Run]
     skipped: list[str] = field(default_factory=list)  # one line per row left out, with why
-    columns: tuple[str, ...] = ()
 
     @property
     def families(self) -> list[str]:
@@ -151,12 +148,10 @@ def load_results(path, split: str = "test") -> Results:
         raise ResultsError(f"{path}: a folder; give the results table in it (results.jsonl)")
     if not path.is_file():
         raise ResultsError(f"{path}: no such results file (a sweep writes WORKDIR/results.jsonl)")
-    if path.suffix == ".jsonl":
-        rows, columns = _read_jsonl(path, _text(path))
-    elif path.suffix == ".csv":
-        rows, columns = _read_csv(path, _text(path))
-    else:
+    read = {".jsonl": _read_jsonl, ".csv": _read_csv}.get(path.suffix)
+    if read is None:
         raise ResultsError(f"{path}: expected a .jsonl or .csv results table")
+    rows, columns = read(path, _text(path))
     if not rows:
         raise ResultsError(f"{path}: the table has no rows")
     loss_key = LOSSES[split]
@@ -166,7 +161,7 @@ def load_results(path, split: str = "test") -> Results:
             f"{path}: missing column{'s' if len(missing) > 1 else ''} {', '.join(missing)} "
             f"(the table has: {', '.join(columns) or 'nothing'})"
         )
-    results = Results(path, split, [], [], tuple(columns))
+    results = Results(path, split, [])
     for line, row in rows:
         run = _run(path, line, row, split, results.skipped)
         if run is not None:
@@ -277,7 +272,6 @@ def _run(path, line, row, split, skipped) -> Run | None:
     seed = _number(row.get("seed"), where, "seed", allow_missing=True)
     if seed is not None and (not seed.is_integer() or seed < 0):
         raise ResultsError(f"{where}: column seed must be a whole number >= 0, got {seed}")
-    total = row.get("total_params")
     return Run(
         trial=trial,
         family=str(family),
@@ -286,7 +280,7 @@ def _run(path, line, row, split, skipped) -> Run | None:
         tokens=values["tokens"],
         loss=loss,
         line=line,
-        total_params=None if total is None else _number(total, where, "total_params"),
+        total_params=_number(row.get("total_params"), where, "total_params", allow_missing=True),
         per_position=per_position or None,
         seed=None if seed is None else int(seed),
         **optional,

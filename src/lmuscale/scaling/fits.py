@@ -30,6 +30,7 @@ CHINCHILLA_GRID = {
 SATURATING_GRID = {key: CHINCHILLA_GRID[key] for key in ("alpha", "e", "a")}
 # Bootstrap refits restart from the full fit's optimum and the best few distinct grid optima.
 BOOTSTRAP_RESTARTS = 8
+MIN_SAMPLES = 10  # bootstrap samples below which an interval is NaN
 
 FORMS = {
     "power_law": ("Nc", "alpha"),
@@ -93,20 +94,31 @@ class Fit:
     def band(self, n, tokens=None):
         """(low, high): the CI of the prediction at each ``n``; NaN with too few resamples."""
         n = np.asarray(n, dtype=float)
-        if len(self.samples) < 10:
+        if len(self.samples) < MIN_SAMPLES:
             nan = np.full(n.shape, np.nan)
             return nan, nan
-        curves = np.stack([self.predict(n, tokens, s) for s in self.samples])
-        tail = 50 * (1 - self.ci)
-        return np.percentile(curves, tail, axis=0), np.percentile(curves, 100 - tail, axis=0)
+        return percentile_interval([self.predict(n, tokens, s) for s in self.samples], self.ci)
+
+
+def percentile_interval(samples, ci: float):
+    """(low, high): the central ``ci`` interval of ``samples`` along their first axis."""
+    samples = np.asarray(samples, dtype=float)
+    if len(samples) < MIN_SAMPLES:
+        nan = np.full(samples.shape[1:], np.nan)
+        return nan, nan
+    tail = 50 * (1 - ci)
+    low, high = np.percentile(samples, [tail, 100 - tail], axis=0)
+    return low, high
+
+
+def check_ci(ci) -> None:
+    if not 0 < ci < 1:
+        raise ValueError(f"ci must be in (0, 1), got {ci}")
 
 
 def fit_power_law(n, loss, *, n_boot: int = 1000, ci: float = 0.95, seed: int = 0) -> Fit:
-    """L = (Nc / N)^alpha by least squares of log L on log N (2 parameters).
-
-    Standard errors are OLS's (NaN with exactly 2 points); Nc's comes from log Nc by the delta
-    method. Raises ``FitError`` with fewer than 2 distinct N.
-    """
+    """L = (Nc / N)^alpha by least squares of log L on log N. Standard errors are OLS's (NaN
+    with exactly 2 points); Nc's comes from log Nc by the delta method."""
     n, loss = _check(n, loss, None, form="power_law")
     x, y = np.log(n), np.log(loss)
 
@@ -140,9 +152,8 @@ def fit_saturating(
     n, loss, *, n_boot: int = 1000, ci: float = 0.95, seed: int = 0, grid=None
 ) -> Fit:
     """L = E + A / N^alpha by least squares on log L, from every start of ``grid`` (default
-    ``SATURATING_GRID``). Standard errors are Gauss-Newton's at the optimum (NaN with exactly 3
-    points, or where the data cannot tell the parameters apart). Raises ``FitError`` with fewer
-    than 3 distinct N."""
+    ``SATURATING_GRID``). Standard errors are Gauss-Newton's (NaN with exactly 3 points, or
+    where the data cannot tell the parameters apart)."""
     n, loss = _check(n, loss, None, form="saturating")
     problem = _LSEProblem(np.log(n), None, np.log(loss), delta=None)
     theta, restarts = problem.best(grid or SATURATING_GRID)
@@ -165,9 +176,8 @@ def fit_chinchilla(
     grid=None,
 ) -> Fit:
     """L = E + A / N^alpha + B / D^beta (Hoffmann et al. 2022, approach 3): a Huber loss on
-    log L, from every start of ``grid`` (default ``CHINCHILLA_GRID``). ``stderr`` is the
-    bootstrap SD. Raises ``FitError`` with fewer than 5 distinct (N, D) points, or fewer than 3
-    distinct N or D (with two budgets any beta fits equally well)."""
+    log L, from every start of ``grid`` (default ``CHINCHILLA_GRID``); ``stderr`` is the
+    bootstrap SD. Needs 3 or more distinct N and D (with two budgets any beta fits)."""
     n, loss, tokens = _check(n, loss, tokens, form="chinchilla")
     problem = _LSEProblem(np.log(n), np.log(tokens), np.log(loss), delta=delta)
     theta, restarts = problem.best(grid or CHINCHILLA_GRID)
@@ -178,7 +188,7 @@ def fit_chinchilla(
 
     resamples = _resamples(points, 5, n_boot, seed, need)
     samples = _natural(problem.bootstrap(resamples, restarts))
-    stderr = samples.std(axis=0, ddof=1) if len(samples) >= 10 else np.full(5, np.nan)
+    stderr = samples.std(axis=0, ddof=1) if len(samples) >= MIN_SAMPLES else np.full(5, np.nan)
     return _make_fit("chinchilla", _natural(theta), stderr, samples, n_boot, ci, n, tokens, loss)
 
 
@@ -219,8 +229,7 @@ def _check(n, loss, tokens, *, form: str):
 
 
 def _resamples(points, k, n_boot, seed, need=None) -> np.ndarray:
-    """Case-bootstrap index sets, (R, P): ``n_boot`` draws less those with fewer than ``k``
-    distinct points (or failing ``need``)."""
+    """Case-bootstrap index sets (R, P) with ``k`` or more distinct points (and ``need``)."""
     rng = np.random.default_rng(seed)
     count = len(points)
     kept = []
@@ -232,15 +241,9 @@ def _resamples(points, k, n_boot, seed, need=None) -> np.ndarray:
 
 
 def _make_fit(form, estimate, stderr, samples, n_boot, ci, n, tokens, loss) -> Fit:
-    if not 0 < ci < 1:
-        raise ValueError(f"ci must be in (0, 1), got {ci}")
-    k = len(FORMS[form])
+    check_ci(ci)
     samples = samples[np.all(np.isfinite(samples), axis=1)]
-    tail = 50 * (1 - ci)
-    if len(samples) >= 10:
-        low, high = np.percentile(samples, [tail, 100 - tail], axis=0)
-    else:
-        low = high = np.full(k, np.nan)
+    low, high = percentile_interval(samples, ci)
     return Fit(
         form=form,
         names=FORMS[form],
@@ -258,8 +261,7 @@ def _make_fit(form, estimate, stderr, samples, n_boot, ci, n, tokens, loss) -> F
 
 
 def _natural(theta):
-    """(..., 3) of (a, alpha, e) -> (E, A, alpha); (..., 5) of (a, alpha, b, beta, e) ->
-    (E, A, alpha, B, beta)."""
+    """(a, alpha[, b, beta], e) -> (E, A, alpha[, B, beta]), along the last axis."""
     theta = np.asarray(theta, dtype=float)
     if theta.shape[-1] == 3:
         a, alpha, e = np.moveaxis(theta, -1, 0)
@@ -281,8 +283,8 @@ class _LSEProblem:
         self.keys = ("a", "alpha", "e") if z is None else ("a", "alpha", "b", "beta", "e")
 
     def _parts(self, theta_SxU, rows=None):
-        """Residuals (S, P) and d LSE / d theta [(S, P) per unknown]. With batched data,
-        ``rows`` picks the problems that ``theta_SxU`` belongs to."""
+        """Residuals (S, P) and d LSE / d theta [(S, P) per unknown]; ``rows``: the problems of
+        batched data that ``theta_SxU`` belongs to."""
         x, z, y = self.x, self.z, self.y
         if rows is not None and x.ndim == 2:
             x, y = x[rows], y[rows]
@@ -300,10 +302,9 @@ class _LSEProblem:
         total = sum(exps)
         r = top + np.log(total) - y
         w = [ex / total for ex in exps]
-        dlse = [w[0], -w[0] * x, w[1]]
-        if z is not None:  # (a, alpha, b, beta, e)
-            dlse = [w[0], -w[0] * x, w[1], -w[1] * z, w[2]]
-        return r, dlse
+        if z is None:
+            return r, [w[0], -w[0] * x, w[1]]
+        return r, [w[0], -w[0] * x, w[1], -w[1] * z, w[2]]
 
     def values(self, theta_SxU, rows=None):
         """Objective (S,) and its gradient (S, U) for a batch of parameter vectors."""
@@ -331,9 +332,8 @@ class _LSEProblem:
         return result.x, float(result.fun)
 
     def best(self, grid) -> tuple[np.ndarray, list[np.ndarray]]:
-        """L-BFGS from every combination of the ``grid``'s values at once, then the best few
-        distinct ends polished by scipy's L-BFGS-B. Returns (lowest, polished ends lowest
-        first: ``bootstrap``'s restarts)."""
+        """L-BFGS from every start of the ``grid`` at once, the best few distinct ends polished
+        by scipy's L-BFGS-B: (lowest, polished ends lowest first: ``bootstrap``'s restarts)."""
         starts_SxU = np.array(list(itertools.product(*(grid[k] for k in self.keys))), dtype=float)
         theta, value = batched_lbfgs(self.values, starts_SxU)
         order = np.argsort(np.where(np.isfinite(value), value, np.inf))

@@ -44,6 +44,8 @@ KAPLAN_CONVERGED = PowerLaw(8.8e13, 0.076, "Transformer, converged (Kaplan eq 1.
 LSTM = PowerLaw(7.45e14, 0.071, "LSTM (LMU paper's fit to Kaplan Fig. 7)")
 LMU_PAPER = PowerLaw(1.95e14, 0.072, "LMU (paper's fit)")
 LMU_G_PAPER = PowerLaw(3.80e14, 0.069, "LMU_G (paper's fit)")
+# Eq 1.6 with unlimited steps, (Nc/N)^alpha_N: the transformer's infinite-training limit.
+transformer_floor = PowerLaw(NC_NS, ALPHA_N_NS, "Transformer, eq 1.6 with unlimited steps")
 
 
 def critical_batch(loss):
@@ -57,12 +59,9 @@ def min_steps(steps, loss, batch_tokens=BATCH_TOKENS):
 
 
 def transformer_loss(n, steps, batch_tokens=BATCH_TOKENS):
-    """Kaplan eq 1.6: L(N, S) = (Nc/N)^alpha_N + (Sc/Smin(S))^alpha_S, solved for L.
-
-    Smin depends on Bcrit(L), and the right side falls as L rises, so L - rhs(L) has one root,
-    bracketed by the infinite-training limit (Nc/N)^alpha_N (``steps`` = inf) and rhs of it.
-    Broadcasts over ``n`` and ``steps``.
-    """
+    """Kaplan eq 1.6: L(N, S) = (Nc/N)^alpha_N + (Sc/Smin(S))^alpha_S, solved for L (Smin
+    depends on Bcrit(L)); broadcasts over ``n`` and ``steps``. The right side falls as L
+    rises, so L - rhs(L) has one root, between the floor (Nc/N)^alpha_N and rhs of it."""
     n, steps = np.broadcast_arrays(_positive(n, "N"), _positive(steps, "steps"))
     out = np.empty(n.shape)
     for index in np.ndindex(n.shape):
@@ -84,16 +83,10 @@ def _solve_eq_1_6(n: float, steps: float, batch_tokens: float) -> float:
     return optimize.brentq(lambda loss: loss - rhs(loss), floor, high, xtol=1e-13, rtol=1e-15)
 
 
-def transformer_floor(n):
-    """The eq 1.6 loss with unlimited steps: (Nc/N)^alpha_N."""
-    return (NC_NS / _positive(n, "N")) ** ALPHA_N_NS
-
-
 def steps_to_match(loss, n, batch_tokens=BATCH_TOKENS):
     """Steps a size-N transformer needs (eq 1.6, batch ``batch_tokens``) to reach ``loss``:
-    with L fixed, Smin = Sc / (L - (Nc/N)^alpha_N)^(1/alpha_S) and S = Smin (1 + Bcrit(L)/B).
-    ``inf`` at or below the infinite-training limit (as the paper's LMU fit is, REFERENCE §3).
-    """
+    Smin = Sc / (L - (Nc/N)^alpha_N)^(1/alpha_S) and S = Smin (1 + Bcrit(L)/B); ``inf`` at or
+    below the infinite-training limit (as the paper's LMU fit is, REFERENCE §3)."""
     loss, n = np.broadcast_arrays(_positive(loss, "loss"), _positive(n, "N"))
     gap = loss - transformer_floor(n)
     with np.errstate(divide="ignore", invalid="ignore"):
