@@ -26,16 +26,15 @@ def measured_flops(folder: Path, flops_per_token: float) -> float | None:
 
 def plan(trials, workdir: Path, throughput: Throughput) -> list[dict]:
     rows = []
+    by_family: dict[str, list[float]] = {}  # the measured FLOP/s of each family's trials
     for trial in trials:
         folder = workdir / "trials" / trial.folder_name
         row = result_row(trial, folder)
         row["flops_per_second"] = measured_flops(folder, row["flops_per_token"])
         row["source"] = "measured" if row["flops_per_second"] else None
-        rows.append(row)
-    by_family: dict[str, list[float]] = {}
-    for row in rows:
-        if row["flops_per_second"]:
+        if row["source"]:
             by_family.setdefault(row["family"], []).append(row["flops_per_second"])
+        rows.append(row)
     for row in rows:
         if not row["source"] and row["family"] in by_family:
             row["flops_per_second"] = statistics.median(by_family[row["family"]])
