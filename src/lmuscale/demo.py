@@ -1,9 +1,6 @@
 """A short demo of the Legendre memory: encode a signal, read it back delayed, check every mode.
 
-    python -m lmuscale.demo [--order 16] [--theta 64] [--steps 4096] [--seed 0]
-
-The memory (order q, window theta) of smoothed noise is computed by FFT convolution in float32,
-then read back at delays across the window; every memory mode is checked against float64.
+``python -m lmuscale.demo [--order 16] [--theta 64] [--steps 4096] [--seed 0]``
 """
 
 from __future__ import annotations

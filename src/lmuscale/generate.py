@@ -71,10 +71,8 @@ def sample(
     seed: int = 0,
     start_id: int = 0,
 ) -> np.ndarray:
-    """``n_tokens`` ids continuing ``prompt_ids``; an empty prompt starts from ``start_id``.
-
-    Returns only the new ids. The same (params, prompt, temperature, seed) give the same ids.
-    """
+    """``n_tokens`` new ids continuing ``prompt_ids`` (an empty prompt starts from ``start_id``);
+    the same (params, prompt, temperature, seed) give the same ids."""
     if n_tokens < 1:
         raise ValueError(f"--tokens must be >= 1, got {n_tokens}")
     if not (np.isfinite(temperature) and temperature >= 0):

@@ -6,8 +6,6 @@ summary is final (``DONE``); ``lock`` is an flock held for the whole run, which 
 when its holder dies. JSON files are written whole (``lmuscale.files``), JSONL logs a line at a
 time. One policy for damage: a torn last line is dropped; any other file or line that does not
 parse is a ``DamagedFile`` naming it (and its line), never skipped in silence.
-
-This module imports nothing from training, so the analysis can read run folders through it.
 """
 
 from __future__ import annotations

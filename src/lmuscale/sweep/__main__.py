@@ -1,15 +1,12 @@
-"""``python -m lmuscale.sweep SWEEP_FILE [--workdir DIR] [--dry-run] [--only PATTERN]
-[--executor local|slurm] [--parallel K] [--detach]``.
-
-Runs every trial of a sweep file, each in ``WORKDIR/trials/NAME-HASH``, and writes
-``WORKDIR/results.jsonl`` and ``results.csv``. Run it again at any time: finished trials are
-skipped and interrupted ones resume. Exit status: ``lmuscale.outcomes.Exit`` (130 also for
-SIGTERM and SIGHUP).
+"""``python -m lmuscale.sweep SWEEP_FILE``: run (or resume) every trial of a sweep file, each in
+``WORKDIR/trials/NAME-HASH``, and write ``WORKDIR/results.jsonl`` and ``results.csv``. Exit
+status: ``lmuscale.outcomes.Exit`` (130 also for SIGTERM and SIGHUP).
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import signal
 import sys
 from pathlib import Path
@@ -77,18 +74,11 @@ def slurm_params(items: list[str]) -> dict:
         key, sep, text = item.partition("=")
         if not sep or not key:
             raise ValueError(f"--slurm {item!r}: expected KEY=VALUE")
-        words = {"true": True, "false": False, "none": None}
-        if text.lower() in words:
-            params[key] = words[text.lower()]
-            continue
+        params[key] = {"true": True, "false": False, "none": None}.get(text.lower(), text)
         for kind in (int, float):
-            try:
+            with contextlib.suppress(ValueError):
                 params[key] = kind(text)
                 break
-            except ValueError:
-                continue
-        else:
-            params[key] = text
     return params
 
 

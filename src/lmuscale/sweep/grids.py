@@ -172,12 +172,10 @@ def _caller() -> str:
 
 
 def _seeded(name: str, config: ConfigDict, seeds: Sequence[int], origin: str) -> list[Trial]:
-    if len(seeds) == 1:
-        config.train.seed = seeds[0]
-        return [Trial(name, config, origin=origin)]
     trials = []
     for seed in seeds:
         seeded = ConfigDict(config.to_dict())
         seeded.train.seed = seed
-        trials.append(Trial(f"{name}-s{seed}", seeded, origin=origin))
+        suffix = f"-s{seed}" if len(seeds) > 1 else ""
+        trials.append(Trial(name + suffix, seeded, origin=origin))
     return trials

@@ -7,45 +7,34 @@ trials), then ``Throughput.lookup``.
 
 from __future__ import annotations
 
-import json
 import statistics
 from pathlib import Path
 
 from lmuscale.sweep.runner import _duration
 from lmuscale.sweep.throughput import Throughput
 from lmuscale.sweep.trials import result_row
-from lmuscale.workdir import METRICS
+from lmuscale.workdir import METRICS, read_log
 
 
 def measured_flops(folder: Path, flops_per_token: float) -> float | None:
     """Median model FLOP/s of a trial's logged steps, or None before it has logged any."""
-    speeds = []
-    try:
-        with open(folder / METRICS) as f:
-            for line in f:
-                try:
-                    speed = json.loads(line).get("tokens_per_second")
-                except json.JSONDecodeError:
-                    continue
-                if speed:
-                    speeds.append(speed)
-    except FileNotFoundError:
-        return None
+    speeds = [
+        r["tokens_per_second"] for r in read_log(folder / METRICS) if r.get("tokens_per_second")
+    ]
     return statistics.median(speeds) * flops_per_token if speeds else None
 
 
 def plan(trials, workdir: Path, throughput: Throughput) -> list[dict]:
     rows = []
+    by_family: dict[str, list[float]] = {}  # the measured FLOP/s of each family's trials
     for trial in trials:
         folder = workdir / "trials" / trial.folder_name
         row = result_row(trial, folder)
         row["flops_per_second"] = measured_flops(folder, row["flops_per_token"])
         row["source"] = "measured" if row["flops_per_second"] else None
-        rows.append(row)
-    by_family: dict[str, list[float]] = {}
-    for row in rows:
-        if row["flops_per_second"]:
+        if row["source"]:
             by_family.setdefault(row["family"], []).append(row["flops_per_second"])
+        rows.append(row)
     for row in rows:
         if not row["source"] and row["family"] in by_family:
             row["flops_per_second"] = statistics.median(by_family[row["family"]])

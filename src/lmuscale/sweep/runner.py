@@ -124,8 +124,8 @@ def results_table(rows: list[dict]) -> str:
         "|---|---|---:|---:|---:|---:|---:|---:|---:|---|",
     ]
 
-    def number(value, digits=4):
-        return "-" if value is None else f"{value:.{digits}f}"
+    def number(value):
+        return "-" if value is None else f"{value:.4f}"
 
     for r in rows:
         lines.append(

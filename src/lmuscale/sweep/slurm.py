@@ -157,11 +157,9 @@ def run_slurm(
 
 
 def wait(workdir: Path, on_update: Callable[[dict], None], write: Callable[[str], None]) -> None:
-    """Wait until every recorded array task has left SLURM's queue for good.
-
-    A preempted task leaves the queue for a moment before it is requeued, so a task that is
-    gone while its trial is unfinished counts as ended only after ``REQUEUE_GRACE_SECONDS``.
-    """
+    """Wait until every recorded array task has left SLURM's queue for good: a preempted task
+    leaves it for a moment before it is requeued, so a task gone while its trial is unfinished
+    counts as ended only after ``REQUEUE_GRACE_SECONDS``."""
     recorded = _recorded(workdir)
     jobs = sorted({task.split("_")[0] for task in recorded.values()})
     folders = {task: workdir / "trials" / name for name, task in recorded.items()}

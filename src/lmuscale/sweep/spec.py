@@ -1,8 +1,6 @@
-"""Sweep files: Python modules whose ``get_trials()`` lists the training runs of a sweep.
-
-A sweep file defines ``get_trials()``, an iterable of ``Trial(name, config, overrides)``, and
-optionally ``THROUGHPUT`` (``lmuscale.sweep.throughput``), ``SLURM`` (submitit parameters) and
-``after(workdir)``, called once every trial has finished. A trial's folder is ``NAME-HASH``,
+"""Sweep files: Python modules whose ``get_trials()`` yields ``Trial(name, config, overrides)``,
+optionally with ``THROUGHPUT`` (``lmuscale.sweep.throughput``), ``SLURM`` (submitit parameters)
+and ``after(workdir)``, called once every trial has finished. A trial's folder is ``NAME-HASH``,
 HASH a sha256 of the config keys that change the trained numbers (``config_hash``).
 """
 
@@ -99,9 +97,7 @@ def load_sweep(path: str | Path) -> Sweep:
         if not callable(get_trials):
             raise SweepError(f"{path}: defines no get_trials() returning Trial(...) items")
         trials = list(get_trials())
-    except SweepError:
-        raise
-    except ConfigError as error:
+    except ConfigError as error:  # SweepError included
         raise SweepError(str(error)) from None
     except Exception as error:
         raise SweepError(f"{where_in(path, error)}: {type(error).__name__}: {error}") from None

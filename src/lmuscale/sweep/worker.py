@@ -94,10 +94,8 @@ def train(folder: Path) -> int:
             summary = run(_config(folder, tasks), folder, progress=False, locked=True)
         except BaseException as error:
             outcome = Exit.of(error)
-            if outcome in (Exit.STOPPED, Exit.INTERRUPTED):
-                _attempt(folder, {"event": "end", "outcome": "interrupted"})
-            elif outcome is Exit.DIVERGED:
-                _attempt(folder, {"event": "end", "outcome": "diverged"})
+            if outcome in (Exit.STOPPED, Exit.INTERRUPTED, Exit.DIVERGED):
+                ended = "diverged" if outcome is Exit.DIVERGED else "interrupted"
             else:
                 atomic_write_json(
                     folder / ERROR,
@@ -107,7 +105,8 @@ def train(folder: Path) -> int:
                         "time": time.time(),
                     },
                 )
-                _attempt(folder, {"event": "end", "outcome": "failed"})
+                ended = "failed"
+            _attempt(folder, {"event": "end", "outcome": ended})
             raise
         _attempt(folder, {"event": "end", "outcome": "finished"})
         print(
