@@ -14,6 +14,7 @@ import pytest
 from sweep_files import sweep_command
 
 from lmuscale.models import fused_loss
+from lmuscale.outcomes import DamagedFile
 from lmuscale.sweep import BenchmarkError, SweepError, Throughput, from_benchmarks, load_sweep
 from lmuscale.sweep.plan import plan, table
 from lmuscale.sweep.throughput import load_benchmarks
@@ -282,6 +283,14 @@ def test_owt2_dry_run_estimates_from_the_benchmark(tmp_path):
         pytest.approx(speed),
     )
     assert again["transformer-1M"]["source"] == "benchmark"
+    # A kill's torn last line is dropped; a damaged line before it is named, as in training.
+    metrics = folder / "metrics.jsonl"
+    metrics.write_text(metrics.read_text() + '\n{"step": 2, "tokens_')
+    torn = {r["trial"]: r for r in plan(sweep.trials, tmp_path / "w", sweep.throughput)}
+    assert torn["lmu-55k"]["flops_per_second"] == pytest.approx(speed)
+    metrics.write_text('{"step": 1, "tok\n' + json.dumps({"step": 2, "tokens_per_second": 1e5}))
+    with pytest.raises(DamagedFile, match=rf"^{re.escape(str(metrics))}:1: not a JSON log line"):
+        plan(sweep.trials, tmp_path / "w", sweep.throughput)
     shutil.rmtree(tmp_path / "w")
 
     # --throughput replaces the benchmark for every trial not measured.
