@@ -44,22 +44,17 @@ if hasattr(pa, "string_view"):  # not in the oldest pyarrow this supports
     _AS_BYTES[pa.string_view()] = pa.binary_view()
 
 
-def _values(column: pa.Array) -> list:
-    """The column's values as Python objects; a string column whose bytes are not all UTF-8
-    gives bytes, so that each bad row can be named."""
-    try:
-        return column.to_pylist()
-    except UnicodeDecodeError:
-        if pa.types.is_dictionary(column.type):
-            column = column.dictionary_decode()
-        return column.view(_AS_BYTES[column.type]).to_pylist()
-
-
 def _rows(column: pa.Array, name: str, first: int, text_column: str) -> Iterator:
     """Documents (or bad rows) of ``column``, whose first row is row ``first`` of file ``name``."""
     for offset in range(0, len(column), BATCH_ROWS):
         piece = column.slice(offset, BATCH_ROWS)
-        for row, value in enumerate(_values(piece), start=first + offset):
+        try:
+            values = piece.to_pylist()
+        except UnicodeDecodeError:  # read as bytes, to name each row that is not UTF-8
+            if pa.types.is_dictionary(piece.type):
+                piece = piece.dictionary_decode()
+            values = piece.view(_AS_BYTES[piece.type]).to_pylist()
+        for row, value in enumerate(values, start=first + offset):
             where = f"{name}:row {row}"
             if type(value) is str:
                 yield Document(value, where)

@@ -175,7 +175,7 @@ def _file_documents(path: Path, field: str) -> Iterator[Document | BadLine]:
         yield from _text_file(path)
     elif path.name.endswith(".jsonl.gz"):
         yield from _jsonl_documents(_gzip_chunks(path), str(path), field)
-    else:  # .jsonl or .jsonl.zst: _files() lets no other kind through
+    else:  # .jsonl or .jsonl.zst: _json_files lets no other kind through
         with open(path, "rb") as raw:
             yield from _jsonl_stream(raw, str(path), field)
 
@@ -256,13 +256,8 @@ def _json_source(spec: str, inputs: list[str], field: str) -> Source:
     return Source(spec, sized(files), shards, recorded, skipped)
 
 
-_HEADING = re.compile(r"^#{1,6}\s+(.*?)\s*$")
-_ACT = re.compile(r"^ACT\b", re.IGNORECASE)
-
-
-def _is_act(line: str) -> bool:
-    heading = _HEADING.match(line)
-    return bool(heading and _ACT.match(heading.group(1)))
+_HEADING = re.compile(r"^#{1,6}\s")
+_ACT = re.compile(r"^#{1,6}\s+ACT\b", re.IGNORECASE)  # an act's heading
 
 
 def play_scenes(path: Path) -> Iterator[Document]:
@@ -275,8 +270,8 @@ def play_scenes(path: Path) -> Iterator[Document]:
     lines = [line.rstrip() for line in path.read_text(encoding="utf-8").splitlines()]
     starts = []
     for number, line in enumerate(lines):
-        if number > 0 and _HEADING.match(line) and not _is_act(line):
-            while number > 0 and (not lines[number - 1] or _is_act(lines[number - 1])):
+        if number > 0 and _HEADING.match(line) and not _ACT.match(line):
+            while number > 0 and (not lines[number - 1] or _ACT.match(lines[number - 1])):
                 number -= 1
             starts.append(number)
     if not starts:
