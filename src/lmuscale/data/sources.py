@@ -79,11 +79,9 @@ def _zstd_chunks(raw, where: str) -> Iterator[bytes]:
 
 def _gzip_chunks(path: Path) -> Iterator[bytes]:
     """Decompressed bytes of a gzip file (one or more members); a cut-off member is an error."""
-    with open(path, "rb") as raw:
-        if not raw.read(1):
-            raise DataError(f"{path}: empty file, not a gzip stream")
-        raw.seek(0)
-        stream = gzip.GzipFile(fileobj=raw)
+    if path.stat().st_size == 0:
+        raise DataError(f"{path}: empty file, not a gzip stream")
+    with gzip.open(path, "rb") as stream:
         while True:
             try:
                 data = stream.read(READ_BYTES)
