@@ -44,22 +44,17 @@ if hasattr(pa, "string_view"):  # not in the oldest pyarrow this supports
     _AS_BYTES[pa.string_view()] = pa.binary_view()
 
 
-def _values(column: pa.Array) -> list:
-    """The column's values as Python objects; a string column whose bytes are not all UTF-8
-    gives bytes, so that each bad row can be named."""
-    try:
-        return column.to_pylist()
-    except UnicodeDecodeError:
-        if pa.types.is_dictionary(column.type):
-            column = column.dictionary_decode()
-        return column.view(_AS_BYTES[column.type]).to_pylist()
-
-
 def _rows(column: pa.Array, name: str, first: int, text_column: str) -> Iterator:
     """Documents (or bad rows) of ``column``, whose first row is row ``first`` of file ``name``."""
     for offset in range(0, len(column), BATCH_ROWS):
         piece = column.slice(offset, BATCH_ROWS)
-        for row, value in enumerate(_values(piece), start=first + offset):
+        try:
+            values = piece.to_pylist()
+        except UnicodeDecodeError:  # read as bytes, to name each row that is not UTF-8
+            if pa.types.is_dictionary(piece.type):
+                piece = piece.dictionary_decode()
+            values = piece.view(_AS_BYTES[piece.type]).to_pylist()
+        for row, value in enumerate(values, start=first + offset):
             where = f"{name}:row {row}"
             if type(value) is str:
                 yield Document(value, where)
@@ -74,12 +69,6 @@ def _rows(column: pa.Array, name: str, first: int, text_column: str) -> Iterator
                 yield BadLine(
                     where, f"column {json.dumps(text_column)} is {column.type}, not a string"
                 )
-
-
-def _release() -> None:
-    """Hand the batch just read back to the system: pyarrow's default allocator (mimalloc)
-    otherwise keeps freed pages, and resident memory creeps up by 10-20 MB."""
-    pa.default_memory_pool().release_unused()
 
 
 def _column_index(schema: pa.Schema, path: Path, text_column: str) -> int:
@@ -123,21 +112,26 @@ def _row_group(
         batch_size=BATCH_ROWS, row_groups=[group], columns=[text_column], use_threads=False
     )
     problem = f"row group {group} is corrupt or truncated"
-    for batch in _batches(lambda _: next(batches), None, path, problem):
-        yield from _rows(batch.column(0), str(path), first, text_column)
-        first += batch.num_rows
-        _release()
+    return _documents(_batches(batches, path, problem), 0, path, text_column, first)
 
 
 def _arrow_documents(path: Path, text_column: str) -> Iterator[Document | BadLine]:
     """The rows of an Arrow IPC stream (or file), a record batch at a time."""
     with pa.OSFile(str(path)) as raw:
         schema, batches = _open_arrow(raw, path)
-        index, first = _column_index(schema, path, text_column), 0
-        for batch in batches:
-            yield from _rows(batch.column(index), str(path), first, text_column)
-            first += batch.num_rows
-            _release()
+        yield from _documents(batches, _column_index(schema, path, text_column), path, text_column)
+
+
+def _documents(
+    batches: Iterator[pa.RecordBatch], column: int, path: Path, text_column: str, first: int = 0
+) -> Iterator[Document | BadLine]:
+    """The rows of ``column`` of ``batches``, whose first row is row ``first`` of ``path``."""
+    for batch in batches:
+        yield from _rows(batch.column(column), str(path), first, text_column)
+        first += batch.num_rows
+        # pyarrow's default allocator (mimalloc) keeps freed pages unless told to hand them back:
+        # resident memory would creep up by 10-20 MB.
+        pa.default_memory_pool().release_unused()
 
 
 def _open_arrow(raw: pa.OSFile, path: Path) -> tuple[pa.Schema, Iterator[pa.RecordBatch]]:
@@ -151,7 +145,8 @@ def _open_arrow(raw: pa.OSFile, path: Path) -> tuple[pa.Schema, Iterator[pa.Reco
             reader = pa.ipc.open_file(raw)
         except (pa.ArrowException, OSError) as e:
             raise DataError(f"{path}: truncated or corrupt Arrow IPC file ({e})") from None
-        return reader.schema, _batches(reader.get_batch, reader.num_record_batches, path)
+        batches = map(reader.get_batch, range(reader.num_record_batches))
+        return reader.schema, _batches(batches, path)
     # A stream cut exactly between two batches reads as a shorter stream without complaint:
     # the marker at its end is what tells them apart.
     raw.seek(max(size - len(ARROW_END), 0))
@@ -162,23 +157,21 @@ def _open_arrow(raw: pa.OSFile, path: Path) -> tuple[pa.Schema, Iterator[pa.Reco
         reader = pa.ipc.open_stream(raw)
     except (pa.ArrowException, OSError) as e:
         raise DataError(f"{path}: not an Arrow IPC stream ({e})") from None
-    return reader.schema, _batches(lambda _: reader.read_next_batch(), None, path)
+    return reader.schema, _batches(iter(reader.read_next_batch, None), path)
 
 
 def _batches(
-    read, count: int | None, path: Path, problem: str = "truncated or corrupt Arrow data"
+    batches: Iterator[pa.RecordBatch], path: Path, problem: str = "truncated or corrupt Arrow data"
 ) -> Iterator[pa.RecordBatch]:
-    """``read(i)`` for i < count (or until StopIteration); a read error is ``problem``."""
-    index = 0
-    while count is None or index < count:
+    """``batches``, with a read error as a DataError that says ``problem``."""
+    while True:
         try:
-            batch = read(index)
+            batch = next(batches)
         except StopIteration:
             return
         except (pa.ArrowException, OSError) as e:
             raise DataError(f"{path}: {problem} ({e})") from None
         yield batch
-        index += 1
 
 
 def _read_json(path: Path) -> dict:

