@@ -17,6 +17,7 @@ import operator
 import jax
 import jax.numpy as jnp
 import numpy as np
+import scipy.fft
 import scipy.linalg
 from jax import lax
 from numpy.polynomial import legendre as np_legendre
@@ -166,6 +167,7 @@ def _check_input(u_BxTxC) -> None:
 
 
 def _kernel_for(u_BxTxC, kernel_TxK, name: str = "kernel"):
+    _check_input(u_BxTxC)
     n = u_BxTxC.shape[1]
     if kernel_TxK.ndim != 2 or kernel_TxK.shape[0] < n:
         raise ValueError(
@@ -177,15 +179,7 @@ def _kernel_for(u_BxTxC, kernel_TxK, name: str = "kernel"):
 
 def fft_length(n: int) -> int:
     """The smallest 5-smooth number (2^a 3^b 5^c) >= 2n - 1: a linear, not circular, convolution."""
-    length = max(2 * n - 1, 1)
-    while True:
-        rest = length
-        for prime in (2, 3, 5):
-            while rest % prime == 0:
-                rest //= prime
-        if rest == 1:
-            return length
-        length += 1
+    return scipy.fft.next_fast_len(max(2 * n - 1, 1), real=True)
 
 
 def memory_fft(u_BxTxC, h_TxQ, *, time_last: bool = False):
@@ -193,9 +187,8 @@ def memory_fft(u_BxTxC, h_TxQ, *, time_last: bool = False):
     impulse response ``h_TxQ`` (at least T rows: ``impulse_response(q, theta, T)``; any kernel
     works, rows past T ignored), in the compute dtype; ``time_last`` gives ``m_BxCxQxT``, the
     layout the inverse FFT writes."""
-    _check_input(u_BxTxC)
-    n = u_BxTxC.shape[1]
     kernel_TxK = _kernel_for(u_BxTxC, h_TxQ)
+    n = u_BxTxC.shape[1]
     nfft = fft_length(n)
     u_BxCxT = jnp.swapaxes(u_BxTxC.astype(kernel_TxK.dtype), 1, 2)
     u_BxCxF = jnp.fft.rfft(u_BxCxT, n=nfft, axis=-1)
@@ -209,7 +202,6 @@ def memory_reduced(u_BxTxC, h_TxQ, l_KxQ, *, time_last: bool = False):
     """The reduced-order memory of appendix A.1, ``y_BxTxCxK = L m`` as ``u * (L H)``: the FFT
     work scales with K = q', not q, and stacking projections (Q, K, V) in ``l_KxQ`` shares the
     input's FFT. ``y_BxCxKxT`` with ``time_last``."""
-    _check_input(u_BxTxC)
     h_TxQ = _kernel_for(u_BxTxC, h_TxQ, name="h_TxQ")
     l_KxQ = jnp.asarray(l_KxQ)
     if l_KxQ.ndim != 2 or l_KxQ.shape[1] != h_TxQ.shape[1]:
@@ -230,7 +222,6 @@ def memory_step(m_BxCxQ, u_BxC, abar_QxQ, bbar_Q):
 
 
 def _initial_state(m0_BxCxQ, shape: tuple[int, int, int], dtype):
-    """The state before the first input: zeros, or m0 checked against (batch, channels, order)."""
     if m0_BxCxQ is None:
         return jnp.zeros(shape, dtype)
     if jnp.shape(m0_BxCxQ) != shape:
@@ -259,7 +250,6 @@ def memory_scan(u_BxTxC, abar_QxQ, bbar_Q, m0_BxCxQ=None):
 
 def memory_final(u_BxTxC, h_TxQ):
     """Only the last state ``m_BxCxQ = sum_j H[T-1-j] u_j``, by one contraction over time."""
-    _check_input(u_BxTxC)
     h_TxQ = _kernel_for(u_BxTxC, h_TxQ, name="h_TxQ")
     u_BxTxC = u_BxTxC.astype(h_TxQ.dtype)
     return jnp.einsum("btc,tq->bcq", u_BxTxC, h_TxQ[::-1], precision=_PRECISION)
@@ -288,7 +278,6 @@ PRECISIONS = ("exact", "fast")
 
 @functools.lru_cache(maxsize=_ZOH_CACHE_SIZE)
 def _abar_power(order: int, theta: float, steps: int) -> np.ndarray:
-    """``Abar^steps`` in float64, by repeated squaring."""
     abar_QxQ, _ = _zoh(order, theta)
     result, base = np.eye(order), abar_QxQ
     while steps:

@@ -38,8 +38,12 @@ TILE_BYTES = 32 * 1024
 MAX_TILE = 64
 MIN_TILE = 16  # Triton's matrix products need every dimension >= 16
 MIN_CAPABILITY = (8, 0)  # bf16 tensor-core products in Triton: Ampere and newer
-# Triton's launch: warps per program and the software-pipelining depth of the tile loops.
-TRITON = pl_triton.CompilerParams(num_warps=8, num_stages=2)
+# Triton's launch: warps per program and the software-pipelining depth of the tile loops. Naming
+# Triton's parameters picks the Triton lowering on a GPU (the default may be Mosaic GPU, which
+# lowers no transposed product).
+_pallas_call = functools.partial(
+    pl.pallas_call, compiler_params=pl_triton.CompilerParams(num_warps=8, num_stages=2)
+)
 
 
 def unsupported_reason(devices=None) -> str | None:
@@ -56,8 +60,7 @@ def unsupported_reason(devices=None) -> str | None:
         return (
             f"the GPU is not an NVIDIA one ({device.device_kind}, {capability or 'no'} capability)"
         )
-    major, minor = (int(part) for part in capability.split("."))
-    if (major, minor) < MIN_CAPABILITY:
+    if tuple(int(part) for part in capability.split(".")) < MIN_CAPABILITY:
         return f"the GPU {device.device_kind} has compute capability {capability}, below 8.0"
     if len(devices) > 1:
         return f"this run has {len(devices)} devices, and the kernels are not partitioned yet"
@@ -73,16 +76,13 @@ def resolve(impl: str, devices=None) -> str:
         return "xla"
     devices = jax.devices() if devices is None else list(devices)
     reason = unsupported_reason(devices)
-    if impl == "pallas":
-        if reason is not None:
-            raise ValueError(
-                f'loss_impl="pallas": the fused cross-entropy kernels need one NVIDIA GPU of '
-                f'compute capability >= 8.0, but {reason}; use "auto" or "xla"'
-            )
-        return "pallas"
-    if reason is None and devices[0].device_kind in FASTER_THAN_XLA:
-        return "pallas"
-    return "xla"
+    if impl == "pallas" and reason is not None:
+        raise ValueError(
+            f'loss_impl="pallas": the fused cross-entropy kernels need one NVIDIA GPU of '
+            f'compute capability >= 8.0, but {reason}; use "auto" or "xla"'
+        )
+    faster = reason is None and devices[0].device_kind in FASTER_THAN_XLA
+    return "pallas" if impl == "pallas" or faster else "xla"
 
 
 def _tile_logits(h_txD, w_vxD):
@@ -169,20 +169,6 @@ def padded_width(width: int) -> int:
     return max(MIN_TILE, pl.next_power_of_2(width))
 
 
-def _call(kernel, grid, in_specs, out_specs, out_shape, interpret):
-    return pl.pallas_call(
-        kernel,
-        out_shape=out_shape,
-        grid=grid,
-        in_specs=in_specs,
-        out_specs=out_specs,
-        interpret=interpret,
-        # Naming Triton's parameters picks the Triton lowering on a GPU (the default may be
-        # Mosaic GPU, which lowers no transposed product).
-        compiler_params=TRITON,
-    )
-
-
 def _whole(shape):
     return pl.BlockSpec(shape, lambda i: (0,) * len(shape))
 
@@ -251,13 +237,13 @@ def _fused_fwd(h_BxTxD, w_VxD, targets_BxT, token_tile, vocab_tile, interpret):
     h_NxD, w_pad, targets_N = _operands(h_BxTxD, w_VxD, targets_BxT, token_tile, vocab_tile)
     n, wide = h_NxD.shape
     per_token = jax.ShapeDtypeStruct((n,), jnp.float32)
-    lse_N, target_N = _call(
+    lse_N, target_N = _pallas_call(
         functools.partial(_forward_kernel, vocab=w_VxD.shape[0], tile=vocab_tile),
-        (n // token_tile,),
-        [_rows(token_tile, wide), _whole(w_pad.shape), _rows(token_tile)],
-        [_rows(token_tile), _rows(token_tile)],
-        [per_token, per_token],
-        interpret,
+        grid=(n // token_tile,),
+        in_specs=[_rows(token_tile, wide), _whole(w_pad.shape), _rows(token_tile)],
+        out_specs=[_rows(token_tile), _rows(token_tile)],
+        out_shape=[per_token, per_token],
+        interpret=interpret,
     )(h_NxD, w_pad, targets_N)
     loss_BxT = (lse_N - target_N)[:count].reshape(targets_BxT.shape)
     return loss_BxT, (h_BxTxD, w_VxD, targets_BxT, lse_N)
@@ -272,21 +258,21 @@ def _fused_bwd(token_tile, vocab_tile, interpret, residuals, g_BxT):
     # The padded tokens get a zero cotangent: they add nothing to dw.
     g_N = jnp.pad(g_BxT.reshape(count).astype(jnp.float32), (0, lse_N.shape[0] - count))
     n, wide = h_NxD.shape
-    dh_NxD = _call(
+    dh_NxD = _pallas_call(
         functools.partial(_dh_kernel, vocab=vocab, tile=vocab_tile),
-        (n // token_tile,),
-        [_rows(token_tile, wide), _whole(w_pad.shape), *[_rows(token_tile)] * 3],
-        _rows(token_tile, wide),
-        jax.ShapeDtypeStruct(h_NxD.shape, h_NxD.dtype),
-        interpret,
+        grid=(n // token_tile,),
+        in_specs=[_rows(token_tile, wide), _whole(w_pad.shape), *[_rows(token_tile)] * 3],
+        out_specs=_rows(token_tile, wide),
+        out_shape=jax.ShapeDtypeStruct(h_NxD.shape, h_NxD.dtype),
+        interpret=interpret,
     )(h_NxD, w_pad, targets_N, lse_N, g_N)
-    dw_VxD = _call(
+    dw_VxD = _pallas_call(
         functools.partial(_dw_kernel, vocab=vocab, tile=token_tile),
-        (w_pad.shape[0] // vocab_tile,),
-        [_whole(h_NxD.shape), _rows(vocab_tile, wide), *[_whole((n,))] * 3],
-        _rows(vocab_tile, wide),
-        jax.ShapeDtypeStruct(w_pad.shape, jnp.float32),
-        interpret,
+        grid=(w_pad.shape[0] // vocab_tile,),
+        in_specs=[_whole(h_NxD.shape), _rows(vocab_tile, wide), *[_whole((n,))] * 3],
+        out_specs=_rows(vocab_tile, wide),
+        out_shape=jax.ShapeDtypeStruct(w_pad.shape, jnp.float32),
+        interpret=interpret,
     )(h_NxD, w_pad, targets_N, lse_N, g_N)
     dh_BxTxD = dh_NxD[:count, :width].reshape(h_BxTxD.shape)
     return dh_BxTxD, dw_VxD[:vocab, :width].astype(w_VxD.dtype), None
