@@ -137,13 +137,8 @@ def figure4(results: Results, size: float | None = None):
             loss = np.asarray(run.per_position, dtype=float)
             position = np.arange(1, len(loss) + 1)
             ax.plot(position, loss, color=color(family), lw=0.6, alpha=0.3)
-            ax.plot(
-                position,
-                smooth_log(loss),
-                color=color(family),
-                lw=1.6,
-                label=f"{label(family)} (N = {human(run.n)}, {run.trial})",
-            )
+            text = f"{label(family)} (N = {human(run.n)}, {run.trial})"
+            ax.plot(position, smooth_log(loss), color=color(family), lw=1.6, label=text)
             drawn += 1
         for family in ("lmu", "lmu_g", "transformer"):
             if not results.group(family, base):
@@ -185,17 +180,12 @@ def figure5(results: Results, fits):
                 notes.append(f"No {label(family)} run at {human(base)} tokens in the results.")
                 continue
             sizes += _measured(ax, runs, fits, f"{label(family)}, {human(base)} tokens", notes)
-        bigger = [t for t in results.budgets("transformer") if t > base]
-        ratio = max(bigger) / base if bigger else 10.0
-        if bigger:
-            sizes += _measured(
-                ax,
-                results.group("transformer", max(bigger)),
-                fits,
-                f"Transformer, {human(max(bigger))} tokens (measured)",
-                notes,
-                hollow=True,
-            )
+        longest = max((t for t in results.budgets("transformer") if t > base), default=None)
+        ratio = 10.0 if longest is None else longest / base
+        if longest is not None:
+            runs = results.group("transformer", longest)
+            text = f"Transformer, {human(longest)} tokens (measured)"
+            sizes += _measured(ax, runs, fits, text, notes, hollow=True)
         if not sizes:
             sizes = [r.n for r in results.runs]
         if results.gpt2_tokens:
@@ -209,7 +199,7 @@ def figure5(results: Results, fits):
                 ls="--",
                 label=f"Transformer, {steps:,.0f} steps (Kaplan eq. 1.6)",
             )
-        elif not bigger:
+        elif longest is None:
             runs = results.group("transformer", base)
             ratio = 1.0
             if not runs:

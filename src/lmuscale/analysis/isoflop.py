@@ -1,11 +1,8 @@
-"""Compute-optimal frontiers from a sweep: Hoffmann et al. (2022), approaches 1 and 2.
-
-Approach 2: at each training-FLOP budget C a parabola in log10 N fitted to the final losses
-(``fit_isoflop``) has its vertex at N_opt(C), and D_opt(C) = C / f(N_opt) tokens (f: training
-FLOPs per token); ``fit_frontier`` fits N_opt ∝ C^a and D_opt ∝ C^b. Approach 1
-(``envelope``): the size reaching the lowest loss at each FLOP count; N ∝ C^a along it.
-
-Neither takes a minimum it cannot bracket. Intervals are bootstrap percentile intervals.
+"""Compute-optimal frontiers from a sweep (Hoffmann et al. 2022). Approach 2: a parabola in
+log10 N through each FLOP budget's final losses (``fit_isoflop``) has its vertex at N_opt(C),
+and D_opt(C) = C / f(N_opt) tokens (f: training FLOPs per token); ``fit_frontier`` fits
+N_opt ∝ C^a and D_opt ∝ C^b. Approach 1 (``envelope``): N ∝ C^a along the lowest loss at each
+FLOP count. Neither takes a minimum it cannot bracket; intervals are bootstrap percentile ones.
 Data that cannot support a fit gives a result whose ``error`` says why; ``ValueError`` is
 only for misuse (mixed families, runs without FLOPs, a ``ci`` outside (0, 1)).
 """
@@ -179,19 +176,10 @@ def fit_isoflop(
     log_d = log_c - float(np.interp(vertex, sizes_S, logf_S))
     n_lo, n_hi = _percentiles(n_S, ci)
     d_lo, d_hi = _percentiles(d_S, ci)
-    return IsoFlopFit(
-        family,
-        budget,
-        runs,
-        coef,
-        Interval(10**vertex, 10**n_lo, 10**n_hi),
-        Interval(10**log_d, 10**d_lo, 10**d_hi),
-        float(np.polyval(coef, vertex)),
-        n_S,
-        None,
-        len(n_S),
-        d_S,
-    )
+    n_opt = Interval(10**vertex, 10**n_lo, 10**n_hi)
+    d_opt = Interval(10**log_d, 10**d_lo, 10**d_hi)
+    loss_opt = float(np.polyval(coef, vertex))
+    return IsoFlopFit(family, budget, runs, coef, n_opt, d_opt, loss_opt, n_S, None, len(n_S), d_S)
 
 
 def fit_frontier(

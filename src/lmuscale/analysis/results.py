@@ -239,12 +239,7 @@ def _run(path, line, row, split, skipped) -> Run | None:
     family = row.get("family")
     if not family:
         raise ResultsError(f"{where}: column family is empty")
-    values = {}
-    for key in ("N", "steps", "tokens"):
-        value = _number(row.get(key), where, key)
-        if not math.isfinite(value) or value <= 0:
-            raise ResultsError(f"{where}: column {key} must be a positive number, got {value}")
-        values[key] = value
+    values = {key: _positive(row, where, key) for key in ("N", "steps", "tokens")}
     per_position = row.get(f"{split}_per_position")
     if isinstance(per_position, str):
         try:
@@ -265,10 +260,7 @@ def _run(path, line, row, split, skipped) -> Run | None:
         if name is not None and not isinstance(name, str):
             raise ResultsError(f"{where}: column {column} is {name!r}, not a {column}'s name")
     for column in ("flops_per_token", "learning_rate"):
-        value = _number(row.get(column), where, column, allow_missing=True)
-        if value is not None and not (math.isfinite(value) and value > 0):
-            raise ResultsError(f"{where}: column {column} must be a positive number, got {value}")
-        optional[column] = value
+        optional[column] = _positive(row, where, column, allow_missing=True)
     seed = _number(row.get("seed"), where, "seed", allow_missing=True)
     if seed is not None and (not seed.is_integer() or seed < 0):
         raise ResultsError(f"{where}: column seed must be a whole number >= 0, got {seed}")
@@ -298,3 +290,10 @@ def _number(value, where, column, allow_missing=False):
         return float(value)
     except (TypeError, ValueError):
         raise ResultsError(f"{where}: column {column} is {value!r}, not a number") from None
+
+
+def _positive(row, where, column, allow_missing=False):
+    value = _number(row.get(column), where, column, allow_missing)
+    if value is not None and not (math.isfinite(value) and value > 0):
+        raise ResultsError(f"{where}: column {column} must be a positive number, got {value}")
+    return value

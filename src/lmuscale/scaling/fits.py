@@ -94,10 +94,8 @@ class Fit:
     def band(self, n, tokens=None):
         """(low, high): the CI of the prediction at each ``n``; NaN with too few resamples."""
         n = np.asarray(n, dtype=float)
-        if len(self.samples) < MIN_SAMPLES:
-            nan = np.full(n.shape, np.nan)
-            return nan, nan
-        return percentile_interval([self.predict(n, tokens, s) for s in self.samples], self.ci)
+        predicted = [self.predict(n, tokens, s) for s in self.samples]
+        return percentile_interval(np.reshape(predicted, (-1, *n.shape)), self.ci)
 
 
 def percentile_interval(samples, ci: float):
@@ -262,12 +260,11 @@ def _make_fit(form, estimate, stderr, samples, n_boot, ci, n, tokens, loss) -> F
 
 def _natural(theta):
     """(a, alpha[, b, beta], e) -> (E, A, alpha[, B, beta]), along the last axis."""
-    theta = np.asarray(theta, dtype=float)
-    if theta.shape[-1] == 3:
-        a, alpha, e = np.moveaxis(theta, -1, 0)
-        return np.stack([np.exp(e), np.exp(a), alpha], axis=-1)
-    a, alpha, b, beta, e = np.moveaxis(theta, -1, 0)
-    return np.stack([np.exp(e), np.exp(a), alpha, np.exp(b), beta], axis=-1)
+    a, alpha, *b_beta, e = np.moveaxis(np.asarray(theta, dtype=float), -1, 0)
+    natural = [np.exp(e), np.exp(a), alpha]
+    if b_beta:
+        natural += [np.exp(b_beta[0]), b_beta[1]]
+    return np.stack(natural, axis=-1)
 
 
 class _LSEProblem:
@@ -289,13 +286,11 @@ class _LSEProblem:
         if rows is not None and x.ndim == 2:
             x, y = x[rows], y[rows]
             z = None if z is None else z[rows]
-        col = [theta_SxU[:, i : i + 1] for i in range(theta_SxU.shape[1])]
-        if z is None:
-            a, alpha, e = col
-            terms = [a - alpha * x]
-        else:
-            a, alpha, b, beta, e = col
-            terms = [a - alpha * x, b - beta * z]
+        a, alpha, *b_beta, e = theta_SxU.T[:, :, None]  # each (S, 1)
+        terms = [a - alpha * x]
+        if z is not None:
+            b, beta = b_beta
+            terms.append(b - beta * z)
         terms.append(np.broadcast_to(e, terms[0].shape))
         top = np.maximum.reduce(terms)
         exps = [np.exp(t - top) for t in terms]
