@@ -6,7 +6,7 @@ only the (d, q) memories, whatever the length), then tokens are drawn one at a t
 softmax(logits / temperature); temperature 0 is greedy. A prompt that is not UTF-8 is refused,
 naming its first bad byte, with either tokenizer.
 
-Where the parameters come from:
+Where the parameters come from (never a training checkpoint's optimiser state):
 - ``--workdir W``: a training workdir. The model and tokenizer are those of ``W/config.json``,
   the parameters those of the newest checkpoint in ``W/checkpoints``.
 - ``--checkpoint P``: the workdir, one of its checkpoints (``W/checkpoints/N``) or that
@@ -15,8 +15,6 @@ Where the parameters come from:
   which ``--model`` names the model (default lmu-1M).
 - Neither: ``--model`` randomly initialised from ``--seed``, which is useful for checking the
   pipeline, not the text.
-
-Only the parameters are read from a training checkpoint, never the optimiser state.
 
 Exit status (``lmuscale.outcomes``): 0 when the text was printed; 8 for a workdir, checkpoint
 or config.json that cannot be used (missing, truncated or corrupt, or of another model: the

@@ -107,19 +107,16 @@ def check(config, workdir: Path, has_training: bool) -> None:
     """Refuse a workdir that holds training (``has_training``: the caller's own checkpoint; or
     a finished summary) of another config, up to ``train.config.RESUMABLE_CHANGES``."""
     # Here, not at the top: the analysis reads run folders without importing training code.
-    from lmuscale.train.config import differences, flatten, saved_flat
+    from lmuscale.train.config import differences
 
-    folder_or_absent(workdir)
-    path = Path(workdir) / CONFIG
-    if not (has_training or finished(workdir) is not None):
+    if not has_training and finished(workdir) is None:  # finished() refuses a file
         return
-    old = read_json(path)
+    old = read_json(Path(workdir) / CONFIG)
     if old is None:
         return
     changed = differences(old, config)
     if changed:
-        old_flat, new_flat = saved_flat(old), flatten(config)
-        listed = "; ".join(f"{k}: {old_flat.get(k)!r} -> {new_flat.get(k)!r}" for k in changed)
+        listed = "; ".join(f"{k}: {was!r} -> {now!r}" for k, (was, now) in changed.items())
         raise ConfigError(
             f"{workdir} holds a run of another config (differs in {listed}); use a new "
             "--workdir, or the saved config"
@@ -127,11 +124,10 @@ def check(config, workdir: Path, has_training: bool) -> None:
 
 
 def write_config(config, workdir: Path) -> None:
+    """Write ``config.json`` into a workdir that exists (the caller holds its ``Lock``)."""
     from lmuscale.train.config import to_json
 
-    workdir = Path(workdir)
-    workdir.mkdir(parents=True, exist_ok=True)
-    atomic_write_bytes(workdir / CONFIG, to_json(config).encode())
+    atomic_write_bytes(Path(workdir) / CONFIG, to_json(config).encode())
 
 
 def folder_or_absent(workdir: Path) -> None:
@@ -219,20 +215,19 @@ def cut_log(path: Path, step: int) -> None:
         return
     remedy = f"mend it, or move it away and the run starts a new one after step {step}"
     with path.open("r+b") as f:
+        lines = f.readlines()
         offset = keep = 0  # bytes read; bytes of the lines kept
-        bad, previous = None, None  # an unreadable line's number; the last step seen
-        ended = True  # whether the kept lines end with a newline
-        for number, line in enumerate(f, 1):
-            if bad is not None:
-                raise DamagedFile(
-                    f"{path}:{bad}: not a JSON log line with a step, and not the last line "
-                    f"(only a kill's torn last line is dropped); {remedy}"
-                )
+        previous = None  # the last step seen
+        for number, line in enumerate(lines, 1):
             record = _parse(line)
             at = record.get("step") if record is not None else None
             if not isinstance(at, int) or isinstance(at, bool):
-                bad = number
-                continue
+                if number == len(lines):
+                    break
+                raise DamagedFile(
+                    f"{path}:{number}: not a JSON log line with a step, and not the last line "
+                    f"(only a kill's torn last line is dropped); {remedy}"
+                )
             if previous is not None and at < previous:
                 raise DamagedFile(
                     f"{path}:{number}: step {at} after step {previous}; the lines must be in "
@@ -241,10 +236,10 @@ def cut_log(path: Path, step: int) -> None:
             previous = at
             offset += len(line)
             if at <= step:
-                keep, ended = offset, line.endswith(b"\n")
-        if keep < f.seek(0, os.SEEK_END):
+                keep = offset
+        if keep < f.tell():
             f.truncate(keep)
-        elif not ended:  # a whole last line without its newline (a kill, or an editor)
+        elif lines and not lines[-1].endswith(b"\n"):  # a whole last line without its newline
             f.write(b"\n")
         else:
             return

@@ -173,9 +173,7 @@ def run_sweep(
         flush=True,
     )
     prepare_data(todo, show)
-    if executor == "local":
-        _run_local(sweep, workdir, trials, todo, paths, parallel, show)
-    else:
+    if executor == "slurm":
         from lmuscale.sweep.slurm import run_slurm, wait
 
         submitted = run_slurm(sweep, workdir, [paths[t.name] for t in todo], parallel, slurm)
@@ -183,11 +181,14 @@ def run_sweep(
         if detach:
             print("run the same command without --detach to wait for the results", flush=True)
             return 0
-        progress = Progress(paths, trials, show)
-        try:
+    progress = Progress(paths, trials, show)
+    try:
+        if executor == "local":
+            _run_local(sweep, workdir, [paths[t.name] for t in todo], parallel, progress)
+        else:
             wait(workdir, progress.update, progress.write)
-        finally:
-            progress.close()
+    finally:
+        progress.close()
     final = results(workdir, sweep)
     chosen = [r for r in final if r["trial"] in paths]
     print(results_table(chosen), flush=True)
@@ -201,20 +202,16 @@ def run_sweep(
     return Exit.FINISHED if finished else Exit.UNFINISHED
 
 
-def _run_local(sweep, workdir, trials, todo, paths, parallel, show) -> None:
+def _run_local(sweep, workdir, todo: list[Path], parallel, progress: Progress) -> None:
     """Train ``todo`` in worker processes here, ``parallel`` at a time, reporting each end."""
     from lmuscale.sweep.local import run_local
-
-    progress = Progress(paths, trials, show)
 
     def on_end(folder: Path, _state: str) -> None:
         rows = {r["folder"]: r for r in results(workdir, sweep)}
         progress.write(describe(rows[folder.name]))
 
     try:
-        run_local([paths[t.name] for t in todo], parallel, progress.update, on_end)
+        run_local(todo, parallel, progress.update, on_end)
     except BaseException:
         results(workdir, sweep)  # the rows of the trials that were stopped
         raise
-    finally:
-        progress.close()

@@ -20,15 +20,7 @@ from typing import Any
 from ml_collections import ConfigDict
 
 from lmuscale.sweep.throughput import Throughput
-from lmuscale.train.config import (
-    RESUMABLE_CHANGES,
-    ConfigError,
-    check,
-    flatten,
-    load,
-    override,
-    where_in,
-)
+from lmuscale.train.config import RESUMABLE_CHANGES, ConfigError, flatten, load, override, where_in
 
 NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._+=-]*")
 
@@ -161,10 +153,9 @@ def _resolve(trial: Trial, folder: Path, where: str, group: str = "") -> Resolve
                 config.data.path = str(Path(config.data.path).absolute())
             if config.log.wandb and not config.log.wandb_group:
                 config.log.wandb_group = group  # a log.* key: the hash stays the same
-        check(config, where="")
     except ConfigError as error:
         # override() speaks of the command line; here the keys come from the sweep file.
-        message = str(error).removeprefix(": ").removeprefix("command line: ")
+        message = str(error).removeprefix("command line: ")
         raise SweepError(f"{where}: {message.replace('--config.', 'overrides: ')}") from None
     except Exception as error:
         raise SweepError(f"{where}: {type(error).__name__}: {error}") from None

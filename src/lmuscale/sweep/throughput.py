@@ -73,14 +73,16 @@ def from_benchmarks(
     try:
         return load_benchmarks(folder, default, seq_len=seq_len, batch=batch)
     except BenchmarkError as error:
-        return Throughput(default, source=f"{_guess(default)}, as {error}")
+        guess = f"THROUGHPUT guess {default:g} FLOP/s" if default else "no FLOP/s"
+        return Throughput(default, source=f"{guess}, as {error}")
 
 
 def load_benchmarks(
     folder: str | Path, default: float | None = None, *, seq_len: int = 1024, batch: int = 512
 ) -> Throughput:
-    """``from_benchmarks``, but a file that cannot be read, or ``$LMUSCALE_GPU_BENCHMARK``
-    naming none, raises ``BenchmarkError``."""
+    """``from_benchmarks`` without its fallback: where there is no benchmark to use (none in
+    ``folder``, a file that cannot be read, ``$LMUSCALE_GPU_BENCHMARK`` naming none), a
+    ``BenchmarkError`` that says why."""
     folder = Path(folder)
     found = [_read(path, seq_len, batch) for path in sorted(folder.glob("gpu-*.json"))]
     choice = os.environ.get(ENV, "")
@@ -92,21 +94,13 @@ def load_benchmarks(
         usable = [b for b in found if b.platform != "cpu" and b.speeds]
         if not usable:
             what = f"training rows at {batch} x {seq_len} tokens" if found else "(gpu-*.json)"
-            return Throughput(
-                default,
-                source=f"{_guess(default)}, as there is no GPU benchmark {what} in "
-                f"{_short(folder)}",
-            )
+            raise BenchmarkError(f"there is no GPU benchmark {what} in {_short(folder)}")
         benchmark = max(usable, key=lambda b: b.when)
     device = benchmark.device + (f" x{benchmark.devices}" if benchmark.devices != 1 else "")
     source = f"GPU benchmark {_short(benchmark.path)} ({device}, written {benchmark.written})"
     if default:
         source += f"; models and families it lacks: {default:g} FLOP/s"
     return Throughput(default, benchmark.speeds, source)
-
-
-def _guess(default: float | None) -> str:
-    return f"THROUGHPUT guess {default:g} FLOP/s" if default else "no FLOP/s"
 
 
 def _read(path: Path, seq_len: int, batch: int) -> _Benchmark:

@@ -382,13 +382,9 @@ def upgrade(saved: dict) -> dict:
     return {**saved, "model": {**added, **record.legacy, **model}}
 
 
-def saved_flat(saved: dict) -> dict:
-    """A saved config.json flattened, upgraded first."""
-    return flatten(upgrade(saved))
-
-
-def differences(saved: dict, config: ConfigDict) -> list[str]:
-    """Keys whose value differs from a saved config.json and would change the run."""
-    old, new = saved_flat(saved), flatten(config)
+def differences(saved: dict, config: ConfigDict) -> dict[str, tuple]:
+    """The keys whose value differs from a saved config.json (upgraded first) and would change
+    the run, each with its (saved, new) value."""
+    old, new = flatten(upgrade(saved)), flatten(config)
     changed = sorted(k for k in set(old) | set(new) if old.get(k) != new.get(k))
-    return [k for k in changed if not k.startswith(RESUMABLE_CHANGES)]
+    return {k: (old.get(k), new.get(k)) for k in changed if not k.startswith(RESUMABLE_CHANGES)}

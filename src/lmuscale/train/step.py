@@ -2,14 +2,12 @@
 
 The state ``{"step", "params", "opt_state", "plateau"}`` is all a resume needs: batches are a
 function of (seed, step) and the models draw no random numbers. Batches are split over the
-mesh's "data" axis; each state array over "model" along its largest dimension that axis
-divides (ZeRO-3 style: XLA gathers what each op needs).
+mesh's "data" axis, state arrays over "model" (ZeRO-3 style: XLA gathers what each op needs).
 """
 
 from __future__ import annotations
 
 import dataclasses
-import math
 
 import jax
 import jax.numpy as jnp
@@ -205,4 +203,4 @@ def make_eval_step(model: LanguageModel, mesh: Mesh, abstract_params):
 
 
 def data_parallel_size(mesh: Mesh) -> int:
-    return math.prod(mesh.shape[a] for a in AXES if a != "model")
+    return mesh.shape["data"]
