@@ -255,11 +255,9 @@ def _decide(compile_for, counts, limit: Budget, device: Device, workdir: Path | 
     count, compiled, _ = search(compile_for, counts, limit)
     if old_count is None:
         return count, compiled, "planned"
-    effect = (
-        "the same count, so the same numbers"
-        if count == old_count
-        else "the numbers from here on differ from an uninterrupted run by float rounding"
-    )
+    effect = "the same count, so the same numbers"
+    if count != old_count:
+        effect = "the numbers from here on differ from an uninterrupted run by float rounding"
     return count, compiled, f"planned again: {why}; {effect}"
 
 
