@@ -1,8 +1,7 @@
 """One task run: load the data, train epoch by epoch, keep the best epoch, test it.
 
 A checkpoint after every epoch holds parameters, Adam state and the best parameters so far;
-batches are a function of (seed, epoch), so a resumed run computes the same numbers as one never
-stopped. A finished workdir returns its summary without training again.
+batches are a function of (seed, epoch): a resumed run computes the numbers of one never stopped.
 """
 
 from __future__ import annotations
@@ -26,7 +25,7 @@ from lmuscale.outcomes import TrainingDiverged
 from lmuscale.tasks.base import Split, Task
 from lmuscale.tasks.config import model_config, task_of
 from lmuscale.tasks.models import TaskModel, tree_params
-from lmuscale.train.checkpoint import CheckpointError, Checkpoints
+from lmuscale.train.checkpoint import CheckpointError, Checkpoints, restore_target
 
 # Task.loss -> the mean loss of a batch: predictions ``y_Bx...xO`` against targets.
 LOSSES = {
@@ -83,7 +82,7 @@ class Trainer:
             "best_params": params,
         }
 
-    def epoch(self, state, split: Split, seed: int, epoch: int, bar=None) -> float:
+    def epoch(self, state, split: Split, seed: int, epoch: int, bar) -> float:
         """Epoch ``epoch``'s pass over ``split``, in a (seed, epoch)-shuffled order; the last
         partial batch is dropped so every step has one shape. Returns the mean training loss."""
         order = np.random.default_rng([seed, epoch]).permutation(len(split))
@@ -95,21 +94,17 @@ class Trainer:
                 params, opt_state, split.inputs[take], split.targets[take]
             )
             total += float(value)
-            if bar is not None:
-                bar.update(1)
+            bar.update(1)
         state.update(params=params, opt_state=opt_state)
         return total / batches
 
-    def predict(self, params, inputs: np.ndarray) -> np.ndarray:
+    def evaluate(self, params, split: Split) -> float:
         size = self.eval_batch_size
         parts = [
-            np.asarray(self.predict_batch(params, inputs[i : i + size]))
-            for i in range(0, len(inputs), size)
+            np.asarray(self.predict_batch(params, split.inputs[i : i + size]))
+            for i in range(0, len(split), size)
         ]
-        return np.concatenate(parts)
-
-    def evaluate(self, params, split: Split) -> float:
-        return metric(self.task, self.predict(params, split.inputs), split.targets)
+        return metric(self.task, np.concatenate(parts), split.targets)
 
 
 def run_task(config: ConfigDict, workdir, progress: bool | None = None) -> dict:
@@ -145,9 +140,7 @@ def _train(config: ConfigDict, workdir: Path, checkpoints: Checkpoints, progress
     state = trainer.init(config.train.seed, splits.train.inputs)
     epoch = 0
     best, best_epoch = math.nan, 0  # NaN: no epoch has a finite validation metric yet
-    device = jax.sharding.SingleDeviceSharding(jax.local_devices()[0])
-    target = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=device), state)
-    restored = checkpoints.restore_latest(target)
+    restored = checkpoints.restore_latest(restore_target(state))
     if restored is not None:
         epoch, state, meta = restored
         best, best_epoch = float(meta["best_value"]), int(meta["best_epoch"])

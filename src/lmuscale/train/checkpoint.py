@@ -10,6 +10,7 @@ killed just before it), the arrays alone.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
 import logging
@@ -303,9 +304,8 @@ class Checkpoints:
     def close(self) -> None:
         """Stop the manager's threads, whatever a save left behind."""
         try:
-            self.manager.wait_until_finished()
-        except Exception:
-            pass  # already reported by wait() or save()
+            with contextlib.suppress(Exception):  # already reported by wait() or save()
+                self.manager.wait_until_finished()
         finally:
             self.manager.close()
             logging.getLogger("absl").removeFilter(_orbax_traceback)
@@ -373,6 +373,17 @@ def _older(step_folder: Path) -> str:
     return f"; try the one before: --checkpoint {step_folder.parent / str(earlier[-1])}"
 
 
+def restore_target(tree, shardings=None):
+    """``ShapeDtypeStruct``s of ``tree``'s arrays to restore into, placed by ``shardings`` (a
+    tree like it) or else on the first local device."""
+    if shardings is None:
+        device = jax.sharding.SingleDeviceSharding(jax.local_devices()[0])
+        shardings = jax.tree.map(lambda _: device, tree)
+    return jax.tree.map(
+        lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s), tree, shardings
+    )
+
+
 def read_variables(path: Path, model):
     """``model``'s variables (``{"params": ...}``) from an orbax checkpoint of them or of a
     training state, on the default device, verified as ``Checkpoints.restore`` does."""
@@ -385,8 +396,7 @@ def read_variables(path: Path, model):
     hint = _older(step) if step is not None else ""
     if step is not None:
         verify_files(step, hint)
-    handler = ocp.PyTreeCheckpointHandler()
-    try:
+    with contextlib.closing(ocp.PyTreeCheckpointHandler()) as handler:
         try:
             saved = handler.metadata(epath.Path(path)).tree
         except Exception as error:  # orbax and tensorstore raise many kinds
@@ -394,10 +404,7 @@ def read_variables(path: Path, model):
         in_state = isinstance(saved.get("params"), dict) and "params" in saved["params"]
         expected = jax.eval_shape(model.init, jax.random.key(0), jnp.zeros((1, 1), jnp.int32))
         _check_shapes(path, expected, saved["params"] if in_state else saved)
-        device = jax.sharding.SingleDeviceSharding(jax.local_devices()[0])
-        target = jax.tree.map(
-            lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=device), expected
-        )
+        target = restore_target(expected)
         item = {"params": target} if in_state else target
         args = ocp.args.PyTreeRestore(
             item=item,
@@ -408,8 +415,6 @@ def read_variables(path: Path, model):
             restored = handler.restore(epath.Path(path), args=args)
         except Exception as error:
             raise CheckpointError(f"{path}: cannot be read ({_reason(error)}){hint}") from None
-    finally:
-        handler.close()
     if not in_state:
         return restored
     try:

@@ -1,11 +1,9 @@
 """A training run: check everything, restore or initialise, train on a schedule, summarise.
 
-Everything is checked before anything is compiled. Batches are a function of (seed, step) and
-a checkpoint holds the rest, so a resumed run computes the same numbers as an uninterrupted one.
-
-A stop signal (``STOP_SIGNALS``; schedulers often send several) checkpoints after the current
-step and raises ``TrainingInterrupted``. With several processes, process 0 alone writes the
-workdir's files (orbax saves from all), a signal to any one stops all after the same step
+Batches are a function of (seed, step) and a checkpoint holds the rest, so a resumed run computes
+the same numbers as an uninterrupted one. A stop signal (``STOP_SIGNALS``) checkpoints after the
+current step and raises ``TrainingInterrupted``. With several processes, process 0 alone writes
+the workdir's files (orbax saves from all), a signal to any one stops all after the same step
 (``_StopAgreement``), and a collective that fails because another process died raises
 ``LostProcess`` at once instead of after the coordinator's heartbeat timeout.
 """
@@ -43,7 +41,7 @@ from lmuscale.outcomes import LostProcess, TrainingDiverged, TrainingInterrupted
 from lmuscale.train import config as config_lib
 from lmuscale.train import memory, optim, wandb_log
 from lmuscale.train import step as step_lib
-from lmuscale.train.checkpoint import Checkpoints
+from lmuscale.train.checkpoint import Checkpoints, restore_target
 from lmuscale.train.metrics import MetricsLog, StepMetrics, device_peak, mfu
 from lmuscale.train.profile import StepTrace
 
@@ -73,7 +71,6 @@ class _StopSignals:
     def __exit__(self, *exc):
         for sig, handler in self.previous.items():
             signal.signal(sig, signal.SIG_DFL if handler is None else handler)
-        self.previous = {}
 
 
 class _StopAgreement:
@@ -96,18 +93,18 @@ class _StopAgreement:
 
 def initialize_distributed(section) -> None:
     """``jax.distributed.initialize``; arguments left out come from the cluster (SLURM, ...)."""
-    if not section.initialize:
-        return
-    jax.distributed.initialize(
-        coordinator_address=section.coordinator_address or None,
-        num_processes=section.num_processes or None,
-        process_id=section.process_id if section.process_id >= 0 else None,
-        heartbeat_timeout_seconds=section.heartbeat_timeout,
-    )
+    if section.initialize:
+        jax.distributed.initialize(
+            coordinator_address=section.coordinator_address or None,
+            num_processes=section.num_processes or None,
+            process_id=section.process_id if section.process_id >= 0 else None,
+            heartbeat_timeout_seconds=section.heartbeat_timeout,
+        )
 
 
-def open_data(c: ConfigDict, primary: bool, progress: bool):
-    """The prepared dataset of ``data.path``; an embedded ``data.source`` is prepared first."""
+def open_data(c: ConfigDict, model_config, primary: bool, progress: bool):
+    """The prepared dataset of ``data.path``, checked against the config; an embedded
+    ``data.source`` is prepared first."""
     if not c.data.path:
         raise config_lib.ConfigError(
             "data.path is empty: set --config.data.path=DIR, a folder made by "
@@ -128,12 +125,9 @@ def open_data(c: ConfigDict, primary: bool, progress: bool):
             f"prepare {source} INPUTS --tokenizer {c.data.tokenizer} --out {path}'"
         )
     try:
-        return open_dataset(path, verify=c.data.verify and primary)
+        dataset = open_dataset(path, verify=c.data.verify and primary)
     except DataError as error:
         raise config_lib.ConfigError(f"data.path: {error}") from None
-
-
-def check_dataset(c: ConfigDict, model_config, dataset) -> None:
     where = dataset.folder / META
     if dataset.tokenizer != c.data.tokenizer:
         raise config_lib.ConfigError(
@@ -150,16 +144,16 @@ def check_dataset(c: ConfigDict, model_config, dataset) -> None:
             dataset.windows(split, c.data.seq_len)
     except DataError as error:
         raise config_lib.ConfigError(f"data: {error}") from None
+    return dataset
 
 
 def check_batches(c: ConfigDict, mesh) -> None:
     """Each batch (a micro-batch, if given) splits evenly over the mesh's data axis."""
     data_axis = step_lib.data_parallel_size(mesh)
+    train_batch = c.train.global_batch, f"train.global_batch ({c.train.global_batch})"
     if c.train.microbatches:
         per_micro = c.train.global_batch // c.train.microbatches
         train_batch = per_micro, f"train.global_batch / train.microbatches = {per_micro} sequences"
-    else:
-        train_batch = c.train.global_batch, f"train.global_batch ({c.train.global_batch})"
     eval_batch = c.eval.global_batch, f"eval.global_batch ({c.eval.global_batch})"
     for size, what in (train_batch, eval_batch):
         if size % data_axis:
@@ -171,13 +165,6 @@ def check_batches(c: ConfigDict, mesh) -> None:
 def check_workdir(c: ConfigDict, workdir: Path) -> None:
     """A workdir with a checkpoint or a summary resumes only the same run."""
     workdir_lib.check(c, workdir, workdir_lib.has_checkpoint(workdir))
-
-
-@dataclasses.dataclass
-class Evaluation:
-    loss: float  # nats per token
-    per_position: list[float]  # nats at each position 0..seq_len-1
-    tokens: int
 
 
 def run(
@@ -203,8 +190,7 @@ def run(
     config_lib.loss_implementation(model_config)  # "pallas" where it cannot run: refused now
     if primary:
         wandb_log.require(c)
-    dataset = open_data(c, primary, show)
-    check_dataset(c, model_config, dataset)
+    dataset = open_data(c, model_config, primary, show)
     mesh = step_lib.make_mesh(c.mesh.model)
     check_batches(c, mesh)
     with contextlib.ExitStack() as hold:
@@ -355,11 +341,7 @@ class Session:
         self.program, self.primary = program, primary
         self.checkpoints = Checkpoints(workdir / workdir_lib.CHECKPOINTS, c.checkpoint.keep)
         try:
-            target = jax.tree.map(
-                lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s),
-                jax.eval_shape(program.init),
-                program.shardings,
-            )
+            target = restore_target(jax.eval_shape(program.init), program.shardings)
             # meta: the checkpoint's JSON, with "elapsed" and LOG_WINDOW
             restored = self.checkpoints.restore_latest(target)
             if restored is None:
@@ -419,7 +401,7 @@ class Session:
 
     def validate(self, done: int) -> None:
         self.fetch()
-        result = self.evaluate("val", self.c.eval.batches)
+        result = evaluate(self, "val", self.c.eval.batches)
         program = self.program
         plateau = optim.plateau_update_jit(program.plateau, self.state["plateau"], result.loss)
         self.state["plateau"] = jax.device_put(plateau, program.shardings["plateau"])
@@ -452,35 +434,6 @@ class Session:
             name,
         )
 
-    def evaluate(self, split: str, max_batches: int) -> Evaluation:
-        """Mean loss over the split's windows in order, in batches of ``eval.global_batch``
-        windows (the first ``max_batches`` batches, or all with 0), and at each position."""
-        seq_len = self.c.data.seq_len
-        tokens_sharding = step_lib.batch_sharding(self.mesh, 2)
-        valid_sharding = step_lib.batch_sharding(self.mesh, 1)
-        outputs = []
-        batches = eval_batches(
-            self.dataset, split, seq_len=seq_len, global_batch=self.c.eval.global_batch
-        )
-        for batch in itertools.islice(batches, max_batches or None):
-            outputs.append(
-                self.program.eval_step(
-                    self.state["params"],
-                    step_lib.to_global(batch.tokens, tokens_sharding),
-                    step_lib.to_global(batch.valid, valid_sharding),
-                )
-            )
-        total, per_position, rows = 0.0, np.zeros(seq_len), 0.0
-        for out in jax.device_get(outputs):
-            total += float(out["sum"])
-            per_position += np.asarray(out["per_position"], np.float64)
-            rows += float(out["rows"])
-        return Evaluation(
-            loss=total / (rows * seq_len),
-            per_position=(per_position / rows).tolist(),
-            tokens=int(rows) * seq_len,
-        )
-
     def close(self) -> None:
         try:
             self.bar.close()
@@ -490,6 +443,42 @@ class Session:
             self.log.close()
 
 
+@dataclasses.dataclass
+class Evaluation:
+    loss: float  # nats per token
+    per_position: list[float]  # nats at each position 0..seq_len-1
+    tokens: int
+
+
+def evaluate(session: Session, split: str, max_batches: int) -> Evaluation:
+    """Mean loss over the split's windows in order, in batches of ``eval.global_batch`` windows
+    (the first ``max_batches`` batches, or all with 0), and at each position."""
+    seq_len = session.c.data.seq_len
+    tokens_sharding = step_lib.batch_sharding(session.mesh, 2)
+    valid_sharding = step_lib.batch_sharding(session.mesh, 1)
+    batches = eval_batches(
+        session.dataset, split, seq_len=seq_len, global_batch=session.c.eval.global_batch
+    )
+    outputs = [
+        session.program.eval_step(
+            session.state["params"],
+            step_lib.to_global(batch.tokens, tokens_sharding),
+            step_lib.to_global(batch.valid, valid_sharding),
+        )
+        for batch in itertools.islice(batches, max_batches or None)
+    ]
+    total, per_position, rows = 0.0, np.zeros(seq_len), 0.0
+    for out in jax.device_get(outputs):
+        total += float(out["sum"])
+        per_position += np.asarray(out["per_position"], np.float64)
+        rows += float(out["rows"])
+    return Evaluation(
+        loss=total / (rows * seq_len),
+        per_position=(per_position / rows).tolist(),
+        tokens=int(rows) * seq_len,
+    )
+
+
 def sizes(c, program: Program) -> dict:
     """What the summary says of the model and the batch."""
     params = count_params(program.model_config)
@@ -497,11 +486,7 @@ def sizes(c, program: Program) -> dict:
         "name": c.name,
         "family": program.model_config.family,
         "loss_impl": program.loss_impl,
-        "params": {
-            "non_embedding": params.non_embedding,
-            "embedding": params.embedding,
-            "total": params.total,
-        },
+        "params": {**dataclasses.asdict(params), "total": params.total},
         "flops_per_token": {"forward": program.flops.forward, "train": program.flops.train},
         "seq_len": c.data.seq_len,
         "global_batch": c.train.global_batch,
@@ -516,7 +501,7 @@ def summarise(session: Session) -> dict:
     summary = {**sizes(c, session.program), "status": "finished", "steps": c.train.steps}
     summary["tokens"] = c.train.steps * session.tokens_per_step
     for split in ("val", "test"):
-        result = session.evaluate(split, c.eval.final_batches)
+        result = evaluate(session, split, c.eval.final_batches)
         tokens_per_byte = 1.0 / session.dataset.bytes_per_token(split)
         summary[f"{split}_loss"] = result.loss
         summary[f"{split}_bits_per_byte"] = result.loss * tokens_per_byte / math.log(2)
@@ -543,11 +528,9 @@ def diverged(session: Session, step: int, metrics: dict) -> None:
             f"written by another version). Move it aside (e.g. into {where}.corrupt/) and run "
             "again to resume from the one before it"
         )
-    kept = (
-        f"the last good checkpoint is step {last_checkpoint} in {where}"
-        if last_checkpoint is not None
-        else "no checkpoint was written before it"
-    )
+    kept = "no checkpoint was written before it"
+    if last_checkpoint is not None:
+        kept = f"the last good checkpoint is step {last_checkpoint} in {where}"
     message = (
         f"training diverged at step {step}: loss {float(metrics['loss'])}, parameter norm "
         f"{float(metrics['param_norm'])} (NaN or infinity); {kept}. Try a lower "

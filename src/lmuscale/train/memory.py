@@ -112,13 +112,10 @@ def candidates(global_batch: int, data_axis: int) -> list[int]:
 
 def search(compile_for: Callable[[int], object], counts: list[int], limit: Budget):
     """``(count, compiled, estimates made)`` for the fewest of ``counts`` whose compiled step's
-    estimate is within ``limit``; ``OutOfMemoryBudget`` when none fits.
-
-    Assumes, as holds for a train step, that the estimate does not grow with the count. If the
-    first count does not fit, its temporaries scaled by 1 / count give a first guess, and the
-    search walks up while a count does not fit, then down while the one below fits: usually
-    three compilations.
-    """
+    estimate is within ``limit`` (for a train step, it does not grow with the count);
+    ``OutOfMemoryBudget`` when none fits. If the first count does not fit, its temporaries scaled
+    by 1 / count give a first guess; the search walks up while a count does not fit, then down
+    while the one below fits: usually three compilations."""
     estimates: dict[int, Estimate | None] = {}  # None: the compilation ran out of memory
     compiled: dict[int, object] = {}
 
@@ -138,8 +135,7 @@ def search(compile_for: Callable[[int], object], counts: list[int], limit: Budge
 
     def result(index: int):
         count = counts[index]
-        made = [estimates[c] for c in sorted(estimates) if estimates[c] is not None]
-        return count, compiled[count], made
+        return count, compiled[count], [estimates[c] for c in sorted(compiled)]
 
     def too_big():
         made = [e for e in estimates.values() if e is not None]
@@ -259,11 +255,9 @@ def _decide(compile_for, counts, limit: Budget, device: Device, workdir: Path | 
     count, compiled, _ = search(compile_for, counts, limit)
     if old_count is None:
         return count, compiled, "planned"
-    effect = (
-        "the same count, so the same numbers"
-        if count == old_count
-        else "the numbers from here on differ from an uninterrupted run by float rounding"
-    )
+    effect = "the same count, so the same numbers"
+    if count != old_count:
+        effect = "the numbers from here on differ from an uninterrupted run by float rounding"
     return count, compiled, f"planned again: {why}; {effect}"
 
 
