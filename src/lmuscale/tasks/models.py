@@ -101,11 +101,9 @@ class TaskModel(nn.Module):
         if c.kind == "lmu":
             h = self.sequence(x)
         else:
-            h = x
             for lstm in self.lstms:
-                h = lstm(h)
-            if not c.sequence_output:
-                h = h[:, -1]
+                x = lstm(x)
+            h = x if c.sequence_output else x[:, -1]
         if c.hidden:
             h = activation(c.hidden_activation)(self.dense(h))
         return self.head(h)
