@@ -1,5 +1,4 @@
-"""Tokenizers, sources, preparing token files once, and the deterministic loader (README,
-"Data", shows their use)."""
+"""Tokenizers, sources, preparing token files once and the deterministic loader (README, "Data")."""
 
 from lmuscale.data.loader import (
     EvalBatch,

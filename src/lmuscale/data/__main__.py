@@ -32,18 +32,15 @@ examples:
 
 
 def main(argv: list[str] | None = None) -> int:
+    examples = {"epilog": EXAMPLES, "formatter_class": argparse.RawDescriptionHelpFormatter}
     parser = argparse.ArgumentParser(
         prog="python -m lmuscale.data",
         description="Prepare token files once; inspect and verify prepared folders.",
-        epilog=EXAMPLES,
-        formatter_class=argparse.RawDescriptionHelpFormatter,
+        **examples,
     )
     commands = parser.add_subparsers(dest="command", required=True)
     prep = commands.add_parser(
-        "prepare",
-        help="tokenise a source into train/val/test token files",
-        epilog=EXAMPLES,
-        formatter_class=argparse.RawDescriptionHelpFormatter,
+        "prepare", help="tokenise a source into train/val/test token files", **examples
     )
     prep.add_argument("source", help=f"one of: {', '.join(SOURCES)}")
     prep.add_argument("inputs", nargs="*", help="paths or globs, for owt2, text and parquet")
@@ -59,7 +56,6 @@ def main(argv: list[str] | None = None) -> int:
     prep.add_argument(
         "--workers",
         type=int,
-        default=None,
         help="tokenizer processes (default: one per CPU; none for inputs under 32 MiB)",
     )
     prep.add_argument(

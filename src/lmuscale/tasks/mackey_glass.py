@@ -104,10 +104,9 @@ def load(data: ConfigDict) -> Splits:
         raise ConfigError(f"data: horizon must be in 1..{x.shape[1] - 1}, got {data.horizon}")
     mean, std = x[: data.train].mean(), x[: data.train].std()
     x_BxT = ((x - mean) / std).astype(np.float32)
-    inputs, targets = x_BxT[:, : -data.horizon, None], x_BxT[:, data.horizon :, None]
-    edges = np.cumsum(counts)[:-1]
     parts = [
-        Split(i, t) for i, t in zip(np.split(inputs, edges), np.split(targets, edges), strict=True)
+        Split(s[:, : -data.horizon, None], s[:, data.horizon :, None])
+        for s in np.split(x_BxT, np.cumsum(counts)[:-1])
     ]
     source = (
         f"Mackey-Glass tau={TAU:g}, {data.length} steps of dt={data.dt:g}, horizon "

@@ -60,11 +60,10 @@ class TaskModelConfig:
             raise ValueError(f"model.lstm_layers must be > 0, got {self.lstm_layers}")
         if self.mode not in ("fft", "scan"):
             raise ValueError(f"model.mode must be 'fft' or 'scan', got {self.mode!r}")
-        activation(self.input_activation)
-        activation(self.output_activation)
         if (self.vocab_size > 0) != (self.embed_dim > 0):
             raise ValueError("model.vocab_size and model.embed_dim must both be > 0 or both 0")
-        activation(self.hidden_activation)
+        for name in ("input_activation", "output_activation", "hidden_activation"):
+            activation(getattr(self, name))
 
 
 class TaskModel(nn.Module):
@@ -98,16 +97,13 @@ class TaskModel(nn.Module):
         """``x_BxTxD`` numbers (or ``tokens_BxT``) -> ``y_BxTxO`` (``y_BxO`` for the last step)."""
         c = self.config
         if c.vocab_size:
-            tokens = x
-            x = self.embed(tokens) * (tokens != 0)[..., None]  # padding stays exactly zero
+            x = self.embed(x) * (x != 0)[..., None]  # padding (token 0) stays exactly zero
         if c.kind == "lmu":
             h = self.sequence(x)
         else:
-            h = x
             for lstm in self.lstms:
-                h = lstm(h)
-            if not c.sequence_output:
-                h = h[:, -1]
+                x = lstm(x)
+            h = x if c.sequence_output else x[:, -1]
         if c.hidden:
             h = activation(c.hidden_activation)(self.dense(h))
         return self.head(h)

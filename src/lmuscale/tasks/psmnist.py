@@ -56,15 +56,11 @@ def read_idx(path: Path, dims: int) -> np.ndarray:
     return body.reshape(shape)
 
 
-def _idx_path(folder: Path, stem: str) -> Path | None:
-    for name in (stem, stem + ".gz"):
-        if (folder / name).is_file():
-            return folder / name
-    return None
-
-
 def _from_idx(folder: Path) -> dict[str, np.ndarray] | None:
-    paths = {key: _idx_path(folder, stem) for key, stem in IDX_FILES.items()}
+    paths = {
+        key: next((p for p in (folder / stem, folder / f"{stem}.gz") if p.is_file()), None)
+        for key, stem in IDX_FILES.items()
+    }
     if not any(paths.values()):
         return None
     missing = [IDX_FILES[key] for key, path in paths.items() if path is None]
