@@ -15,9 +15,8 @@ import numpy as np
 
 from lmuscale.workdir import EVAL, METRICS, TENSORBOARD, cut_log
 
-# Dense peak FLOP/s per device by device kind (first match wins) and compute dtype. On GPUs,
-# float32 matmuls run as TF32 under JAX's default precision, so float32 uses the TF32 peak.
-# Vendor data sheets; sparsity excluded.
+# Dense peak FLOP/s per device by device kind (first match wins) and compute dtype, from vendor
+# data sheets. On GPUs, float32 matmuls run as TF32 under JAX's default precision: the TF32 peak.
 PEAK_FLOPS = (
     ("H100 PCIe", {"bfloat16": 756e12, "float32": 378e12}),
     ("H100", {"bfloat16": 989.4e12, "float32": 494.7e12}),

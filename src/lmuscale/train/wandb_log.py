@@ -63,8 +63,8 @@ def stored_id(workdir: Path) -> str | None:
     return run_id
 
 
-def _failed(what: str, error: Exception) -> WandbError:
-    return WandbError(f"log.wandb: W&B could not {what} ({one_line(error, named=True)}); {REMEDY}")
+def _failed(what: str, error: Exception, remedy: str = REMEDY) -> WandbError:
+    return WandbError(f"log.wandb: W&B could not {what} ({one_line(error, named=True)}); {remedy}")
 
 
 class WandbRun:
@@ -144,9 +144,5 @@ class WandbRun:
         try:
             self.run.finish(exit_code=0 if self.finished else 1)
         except Exception as error:
-            print(
-                f"log.wandb: W&B could not finish run {self.id} "
-                f"({one_line(error, named=True)}); the workdir's logs and summary are complete",
-                file=sys.stderr,
-                flush=True,
-            )
+            complete = "the workdir's logs and summary are complete"
+            print(_failed(f"finish run {self.id}", error, complete), file=sys.stderr, flush=True)
