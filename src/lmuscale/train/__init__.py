@@ -15,14 +15,9 @@ if TYPE_CHECKING:
     from lmuscale.train.loop import run
 
 _HOMES = {
-    "ConfigError": "lmuscale.outcomes",
-    "TrainingDiverged": "lmuscale.outcomes",
-    "TrainingInterrupted": "lmuscale.outcomes",
-    "base_config": "lmuscale.train.config",
-    "load": "lmuscale.train.config",
-    "model_config": "lmuscale.train.config",
-    "override": "lmuscale.train.config",
-    "run": "lmuscale.train.loop",
+    "lmuscale.outcomes": ("ConfigError", "TrainingDiverged", "TrainingInterrupted"),
+    "lmuscale.train.config": ("base_config", "load", "model_config", "override"),
+    "lmuscale.train.loop": ("run",),
 }
 
 __all__ = [
@@ -38,6 +33,7 @@ __all__ = [
 
 
 def __getattr__(name: str):
-    if name not in _HOMES:
-        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-    return getattr(importlib.import_module(_HOMES[name]), name)
+    for module, names in _HOMES.items():
+        if name in names:
+            return getattr(importlib.import_module(module), name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

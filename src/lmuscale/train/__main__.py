@@ -8,7 +8,7 @@ import sys
 from lmuscale.outcomes import Exit, run_main
 
 
-def parse(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
+def parse(argv: list[str] | None) -> tuple[argparse.Namespace, list[str]]:
     parser = argparse.ArgumentParser(
         prog="python -m lmuscale.train",
         description="Train a language model from a config file, resuming from the workdir.",
@@ -37,8 +37,7 @@ def parse(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
 
 def main(argv: list[str] | None = None) -> int:
     return run_main(
-        lambda: _train(*parse(sys.argv[1:] if argv is None else argv)),
-        interrupted="SIGINT received before training began",
+        lambda: _train(*parse(argv)), interrupted="SIGINT received before training began"
     )
 
 

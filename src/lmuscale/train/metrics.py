@@ -15,9 +15,8 @@ import numpy as np
 
 from lmuscale.workdir import EVAL, METRICS, TENSORBOARD, cut_log
 
-# Dense peak FLOP/s per device by device kind (first match wins) and compute dtype. On GPUs,
-# float32 matmuls run as TF32 under JAX's default precision, so float32 uses the TF32 peak.
-# Vendor data sheets; sparsity excluded.
+# Dense peak FLOP/s per device by device kind (first match wins) and compute dtype, from vendor
+# data sheets. On GPUs, float32 matmuls run as TF32 under JAX's default precision: the TF32 peak.
 PEAK_FLOPS = (
     ("H100 PCIe", {"bfloat16": 756e12, "float32": 378e12}),
     ("H100", {"bfloat16": 989.4e12, "float32": 494.7e12}),
@@ -35,17 +34,12 @@ def device_peak(dtype: str, configured: float = 0.0) -> float | None:
     if configured > 0:
         return configured
     device_kind = jax.devices()[0].device_kind.lower()
-    for name, peaks in PEAK_FLOPS:
-        if name.lower() in device_kind:
-            return peaks[dtype]
-    return None
+    return next((peaks[dtype] for name, peaks in PEAK_FLOPS if name.lower() in device_kind), None)
 
 
-def mfu(tokens_per_second: float, train_flops_per_token: float, devices: int, peak) -> float:
+def mfu(tokens_per_second: float, train_flops_per_token: float, devices: int, peak) -> float | None:
     """Achieved model FLOP/s over the devices' peak (None if unknown)."""
-    if not peak:
-        return None
-    return tokens_per_second * train_flops_per_token / (devices * peak)
+    return tokens_per_second * train_flops_per_token / (devices * peak) if peak else None
 
 
 def _json_value(value):
@@ -63,16 +57,16 @@ class MetricsLog:
         self, workdir: Path, resume_step: int, *, enabled: bool, tensorboard: bool, wandb=None
     ):
         self.enabled = enabled
-        self.paths = {"train": workdir / METRICS, "eval": workdir / EVAL}
+        paths = {"train": workdir / METRICS, "eval": workdir / EVAL}
         self.files = {}
         self.writer = None
         self.wandb = None
         if not enabled:
             return
-        for path in self.paths.values():
+        for path in paths.values():
             cut_log(path, resume_step)
         try:
-            for kind, path in self.paths.items():
+            for kind, path in paths.items():
                 self.files[kind] = path.open("a", encoding="utf-8")
             if tensorboard:
                 from tensorboardX import SummaryWriter
@@ -94,13 +88,17 @@ class MetricsLog:
         file = self.files[kind]
         file.write(json.dumps(clean) + "\n")
         file.flush()
+        scalars = {
+            f"{kind}/{key}": value
+            for key, value in record.items()
+            if key != "step" and isinstance(value, int | float) and not isinstance(value, bool)
+        }
         if self.writer is not None:
-            for key, value in record.items():
-                if key != "step" and isinstance(value, int | float) and not isinstance(value, bool):
-                    self.writer.add_scalar(f"{kind}/{key}", value, record["step"])
+            for tag, value in scalars.items():
+                self.writer.add_scalar(tag, value, record["step"])
             self.writer.flush()
         if self.wandb is not None:
-            self.wandb.log(kind, record)
+            self.wandb.log(record["step"], scalars)
 
     def summary(self, summary: dict) -> None:
         """summary.json's dict, for W&B; the caller writes the file."""

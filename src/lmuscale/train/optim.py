@@ -1,8 +1,7 @@
 """The paper's optimisation: Adam, warmup then cosine decay to zero, reduce-on-plateau.
 
-Clipping, Adam and the schedule are one optax chain. Reduce-on-plateau reads the validation
-loss (``plateau_update``), so it is kept apart in the train state, whose step multiplies the
-updates by its ``scale``: the learning rate at step s is ``schedule(s) * scale``.
+Reduce-on-plateau reads the validation loss, so it is kept out of the optax chain (``optimizer``):
+the train step multiplies the updates by its ``scale``, for a learning rate ``schedule(s) * scale``.
 """
 
 from __future__ import annotations

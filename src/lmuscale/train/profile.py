@@ -9,8 +9,6 @@ import jax
 
 from lmuscale import workdir as workdir_lib
 
-STEP_NAME = "train"  # the annotation of each traced step (TensorBoard's step-time view)
-
 
 class StepTrace:
     """Starts the trace before step ``start`` and stops it once ``count`` steps have run,
@@ -45,10 +43,10 @@ class StepTrace:
             self.running = True
 
     def annotate(self, step: int):
-        """The context a traced step runs in."""
+        """The context a traced step runs in: "train" in TensorBoard's step-time view."""
         if not self.running:
             return contextlib.nullcontext()
-        return jax.profiler.StepTraceAnnotation(STEP_NAME, step_num=step)
+        return jax.profiler.StepTraceAnnotation("train", step_num=step)
 
     def after(self, step: int, outputs) -> None:
         """Called once step ``step`` is dispatched: the trace stops when its outputs exist."""

@@ -49,7 +49,7 @@ def require(config) -> None:
 
 def stored_id(workdir: Path) -> str | None:
     """The W&B run id in ``WORKDIR/wandb.json``, or None when the run has none yet."""
-    path = Path(workdir) / WANDB
+    path = workdir / WANDB
     remedy = "mend it, or move it away and the run logs to a new W&B run"
     try:
         record = json.loads(path.read_text())
@@ -63,12 +63,8 @@ def stored_id(workdir: Path) -> str | None:
     return run_id
 
 
-def _is_number(value) -> bool:
-    return isinstance(value, int | float) and not isinstance(value, bool)
-
-
-def _failed(what: str, error: Exception) -> WandbError:
-    return WandbError(f"log.wandb: W&B could not {what} ({one_line(error, named=True)}); {REMEDY}")
+def _failed(what: str, error: Exception, remedy: str = REMEDY) -> WandbError:
+    return WandbError(f"log.wandb: W&B could not {what} ({one_line(error, named=True)}); {remedy}")
 
 
 class WandbRun:
@@ -76,7 +72,6 @@ class WandbRun:
 
     def __init__(self, config, workdir: Path):
         self.wandb = import_wandb()
-        workdir = Path(workdir)
         run_id = stored_id(workdir)
         if run_id is None:
             alphabet = string.ascii_lowercase + string.digits  # W&B's ids: 8 of these
@@ -104,14 +99,12 @@ class WandbRun:
             raise _failed(f"start run {run_id}", error) from None
         self.finished = False
 
-    def log(self, kind: str, record: dict) -> None:
-        """One line of metrics.jsonl (``kind`` "train") or eval.jsonl ("eval") at its step."""
-        step = record["step"]
+    def log(self, step: int, scalars: dict) -> None:
+        """A metrics.jsonl or eval.jsonl line's numbers, named ``train/KEY`` or ``eval/KEY``."""
         if step < self.first_step:
             return  # W&B holds this step already (see the module's docstring)
-        data = {f"{kind}/{k}": v for k, v in record.items() if k != "step" and _is_number(v)}
         try:
-            self.run.log(data, step=step)
+            self.run.log(scalars, step=step)
         except Exception as error:
             raise _failed(f"log step {step} of run {self.id}", error) from None
 
@@ -132,12 +125,11 @@ class WandbRun:
         self.finished = summary.get("status") == "finished"
 
     def _per_position(self, curves: dict[str, list[float]]) -> dict:
-        wandb = self.wandb
         splits = list(curves)
         positions = list(range(len(curves[splits[0]])))
         rows = [[p, *(curves[s][p] for s in splits)] for p in positions]
-        table = wandb.Table(columns=["position", *(f"{s}_loss" for s in splits)], data=rows)
-        plot = wandb.plot.line_series(
+        table = self.wandb.Table(columns=["position", *(f"{s}_loss" for s in splits)], data=rows)
+        plot = self.wandb.plot.line_series(
             xs=positions,
             ys=[curves[s] for s in splits],
             keys=splits,
@@ -152,9 +144,5 @@ class WandbRun:
         try:
             self.run.finish(exit_code=0 if self.finished else 1)
         except Exception as error:
-            print(
-                f"log.wandb: W&B could not finish run {self.id} "
-                f"({one_line(error, named=True)}); the workdir's logs and summary are complete",
-                file=sys.stderr,
-                flush=True,
-            )
+            complete = "the workdir's logs and summary are complete"
+            print(_failed(f"finish run {self.id}", error, complete), file=sys.stderr, flush=True)
