@@ -43,14 +43,10 @@ JOBS = Path("slurm", "jobs.json")  # trial folder -> array task (JOB_TASK) of ev
 class TrialJob(Checkpointable):
     """What one array task runs: the trial's worker, stopped cleanly on preemption."""
 
-    def __init__(self):
-        self.process = None
+    process = None  # the running worker
 
     def __getstate__(self):  # the running process stays behind when submitit pickles this
         return {}
-
-    def __setstate__(self, state):
-        self.process = None
 
     def __call__(self, folder: str) -> str:
         folder = Path(folder)
