@@ -2,10 +2,9 @@
 
 The runners (local and SLURM) start this process per trial. It holds the trial's lock for as
 long as it lives, so two runners never train the same trial at once, and on Linux it dies
-with the process that started it, so killing a runner leaves no orphan training behind.
-
-The exit status is the outcome's in ``lmuscale.outcomes.Exit``; 75 also when the runner died as
-this one started. A status not in ``ENDED`` is a failure, and error.json has its traceback.
+with the process that started it, so killing a runner leaves no orphan training behind. Its
+exit status is the outcome's in ``lmuscale.outcomes.Exit``, 75 also when the runner died as it
+started; a status not in ``ENDED`` is a failure, and error.json has its traceback.
 """
 
 from __future__ import annotations
