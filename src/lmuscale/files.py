@@ -8,12 +8,6 @@ import tempfile
 from pathlib import Path
 
 
-def _umask() -> int:
-    mask = os.umask(0)
-    os.umask(mask)
-    return mask
-
-
 def fsync_dir(folder: str | os.PathLike) -> None:
     """Make a rename inside ``folder`` durable (a no-op where directories cannot be opened)."""
     try:
@@ -31,7 +25,9 @@ def atomic_write_bytes(path: str | os.PathLike, data: bytes) -> None:
     path = Path(path)
     fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
     try:
-        os.fchmod(fd, 0o666 & ~_umask())  # mkstemp makes 0600; give the usual permissions
+        mask = os.umask(0)  # the only way to read the umask is to set it
+        os.umask(mask)
+        os.fchmod(fd, 0o666 & ~mask)  # mkstemp makes 0600; give the usual permissions
         with os.fdopen(fd, "wb") as f:
             f.write(data)
             f.flush()

@@ -35,8 +35,7 @@ class StorageError(RuntimeError):
 
 
 class DamagedFile(StorageError):
-    """A run folder's file (summary, config, JSONL log) that does not parse: damaged after it
-    was written; the message names the file (and line) and what to do."""
+    """A run's file that no longer parses; the message names it (and the line) and what to do."""
 
 
 class LoggingServiceError(RuntimeError):

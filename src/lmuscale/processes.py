@@ -10,12 +10,10 @@ import sys
 
 
 def die_with_parent(parent: int | None) -> bool:
-    """Ask Linux to SIGKILL this process when its parent dies (prctl PR_SET_PDEATHSIG).
-
-    ``parent``: the pid of the process that started this one; False when it died before prctl
-    took effect (no signal will come: the caller should exit). Linux signals when the *thread*
-    that started this process ends, so start such children from the main thread.
-    """
+    """Ask Linux to SIGKILL this process when its parent dies (prctl PR_SET_PDEATHSIG); False
+    when ``parent``, the pid that started this one, died before that took effect (no signal will
+    come: the caller should exit). Linux signals when the *thread* that started this process
+    ends, so start such children from the main thread."""
     if not sys.platform.startswith("linux"):
         return True
     try:

@@ -19,8 +19,7 @@ MakeConfig = Callable[[ModelConfig], ConfigDict]  # a model -> its training conf
 
 @dataclass(frozen=True)
 class GridPoint:
-    """One model at one budget: ``flops`` is what its whole run costs (within rounding of
-    ``budget``)."""
+    """One model at one budget: ``flops``, its whole run's cost, is ``budget`` within rounding."""
 
     family: str
     model: ModelConfig
@@ -45,13 +44,14 @@ def isoflop_points(
     ``min_steps`` steps, the ``per_budget`` consecutive sizes whose D / N lies nearest
     ``tokens_per_param`` (in log; a number, or one per family). ValueError when fewer afford
     them."""
+    if not isinstance(tokens_per_param, Mapping):
+        tokens_per_param = dict.fromkeys(models, tokens_per_param)
     points = []
     tokens_per_step = batch * seq_len
     for budget in budgets:
         for family, candidates in models.items():
-            sized = sorted(candidates, key=lambda m: count_params(m).non_embedding)
             usable = []
-            for model in sized:
+            for model in sorted(candidates, key=lambda m: count_params(m).non_embedding):
                 f = flops_per_token(model, seq_len).train
                 steps = round(budget / (f * tokens_per_step))
                 if steps >= min_steps:
@@ -61,13 +61,10 @@ def isoflop_points(
             if len(usable) < per_budget:
                 raise ValueError(
                     f"{family} at C = {budget:.3g} FLOPs: only {len(usable)} of its "
-                    f"{len(sized)} sizes afford {min_steps} steps of {tokens_per_step:,} "
+                    f"{len(candidates)} sizes afford {min_steps} steps of {tokens_per_step:,} "
                     f"tokens; {per_budget} are needed (add smaller sizes or raise the budget)"
                 )
-            target = tokens_per_param
-            if isinstance(tokens_per_param, Mapping):
-                target = tokens_per_param[family]
-            ratio = [abs(math.log(p.tokens / p.n / target)) for p in usable]
+            ratio = [abs(math.log(p.tokens / p.n / tokens_per_param[family])) for p in usable]
             centre = ratio.index(min(ratio))
             start = min(max(0, centre - per_budget // 2), len(usable) - per_budget)
             points += usable[start : start + per_budget]

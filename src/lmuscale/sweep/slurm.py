@@ -13,7 +13,7 @@ import os
 import signal
 import subprocess
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from pathlib import Path
 
 from lmuscale.files import atomic_write_json
@@ -43,14 +43,10 @@ JOBS = Path("slurm", "jobs.json")  # trial folder -> array task (JOB_TASK) of ev
 class TrialJob(Checkpointable):
     """What one array task runs: the trial's worker, stopped cleanly on preemption."""
 
-    def __init__(self):
-        self.process = None
+    process = None  # the running worker
 
     def __getstate__(self):  # the running process stays behind when submitit pickles this
         return {}
-
-    def __setstate__(self, state):
-        self.process = None
 
     def __call__(self, folder: str) -> str:
         folder = Path(folder)
@@ -99,8 +95,9 @@ def _stop(pid: int) -> None:
     os.kill(pid, signal.SIGKILL)
 
 
-def queued(job_ids: list[str]) -> set[str]:
-    """The array tasks (``JOB_TASK``) of these jobs that SLURM still has queued or running."""
+def queued(tasks: Iterable[str]) -> set[str]:
+    """The array tasks (``JOB_TASK``) of these tasks' jobs that SLURM has queued or running."""
+    job_ids = sorted({task.split("_")[0] for task in tasks})
     if not job_ids:
         return set()
     command = ["squeue", "-h", "-r", "-o", "%i", "-j", ",".join(job_ids)]
@@ -130,7 +127,7 @@ def run_slurm(
     if submitit is None:
         raise SweepError("--executor slurm needs submitit: pip install submitit")
     recorded = _recorded(workdir)
-    live = queued(sorted({task.split("_")[0] for task in recorded.values()}))
+    live = queued(recorded.values())
     # Trials already queued, or being trained by another runner, are not submitted again.
     todo = [f for f in folders if recorded.get(f.name) not in live and not is_locked(f)]
     if not todo:
@@ -149,8 +146,7 @@ def run_slurm(
         jobs = executor.map_array(TrialJob(), [str(f.absolute()) for f in todo])
     except Exception as error:  # sbatch's own message says what the cluster refused
         raise SweepError(f"SLURM refused the job array: {type(error).__name__}: {error}") from None
-    for folder, job in zip(todo, jobs, strict=True):
-        recorded[folder.name] = job.job_id
+    recorded |= {folder.name: job.job_id for folder, job in zip(todo, jobs, strict=True)}
     atomic_write_json(workdir / JOBS, {"tasks": recorded})
     array = jobs[0].job_id.split("_")[0]
     return f"SLURM job array {array} ({len(jobs)} tasks)"
@@ -160,13 +156,11 @@ def wait(workdir: Path, on_update: Callable[[dict], None], write: Callable[[str]
     """Wait until every recorded array task has left SLURM's queue for good: a preempted task
     leaves it for a moment before it is requeued, so a task gone while its trial is unfinished
     counts as ended only after ``REQUEUE_GRACE_SECONDS``."""
-    recorded = _recorded(workdir)
-    jobs = sorted({task.split("_")[0] for task in recorded.values()})
-    folders = {task: workdir / "trials" / name for name, task in recorded.items()}
+    folders = {task: workdir / "trials" / name for name, task in _recorded(workdir).items()}
     gone_since: dict[str, float] = {}
     ended = set()
     while True:
-        live = queued(jobs)
+        live = queued(folders)
         now = time.monotonic()
         for task, folder in folders.items():
             if task in live:

@@ -144,10 +144,8 @@ def record_crash(folder: Path, returncode: int) -> None:
         else:
             with contextlib.suppress(ValueError):  # a status outside the table says no more
                 how += f" ({Exit(returncode).meaning})"
-        try:
-            tail = (folder / LOG).read_text(errors="replace").splitlines()[-30:]
-        except FileNotFoundError:
-            tail = []
+        log = folder / LOG
+        tail = log.read_text(errors="replace").splitlines()[-30:] if log.exists() else []
         text = "\n".join([f"the worker ended with {how}; the end of {LOG}:", *tail])
         atomic_write_json(folder / ERROR, {"error": f"worker ended with {how}", "traceback": text})
     finally:

@@ -2,10 +2,9 @@
 
 The runners (local and SLURM) start this process per trial. It holds the trial's lock for as
 long as it lives, so two runners never train the same trial at once, and on Linux it dies
-with the process that started it, so killing a runner leaves no orphan training behind.
-
-The exit status is the outcome's in ``lmuscale.outcomes.Exit``; 75 also when the runner died as
-this one started. A status not in ``ENDED`` is a failure, and error.json has its traceback.
+with the process that started it, so killing a runner leaves no orphan training behind. Its
+exit status is the outcome's in ``lmuscale.outcomes.Exit``, 75 also when the runner died as it
+started; a status not in ``ENDED`` is a failure, and error.json has its traceback.
 """
 
 from __future__ import annotations
@@ -74,8 +73,14 @@ def train(folder: Path) -> int:
     from lmuscale.train import run
 
     rank, tasks = task()
+    # Of a trial that spans several processes, task 0 holds the lock and keeps the trial's
+    # records (attempts, error.json); the others only train.
     if rank > 0:
-        return train_part(folder, tasks)
+        final = final_outcome(folder)
+        if final is not None:
+            return Exit.FINISHED if final == "finished" else Exit.DIVERGED
+        run(_config(folder, tasks), folder, progress=False, locked=True)
+        return Exit.FINISHED
     lock = Lock(folder)
     # A runner's status check holds the lock for an instant: try a few times before giving up.
     for _ in range(10):
@@ -97,14 +102,9 @@ def train(folder: Path) -> int:
             if outcome in (Exit.STOPPED, Exit.INTERRUPTED, Exit.DIVERGED):
                 ended = "diverged" if outcome is Exit.DIVERGED else "interrupted"
             else:
-                atomic_write_json(
-                    folder / ERROR,
-                    {
-                        "error": f"{type(error).__name__}: {error}",
-                        "traceback": traceback.format_exc(),
-                        "time": time.time(),
-                    },
-                )
+                text = f"{type(error).__name__}: {error}"
+                record = {"error": text, "traceback": traceback.format_exc(), "time": time.time()}
+                atomic_write_json(folder / ERROR, record)
                 ended = "failed"
             _attempt(folder, {"event": "end", "outcome": ended})
             raise
@@ -134,18 +134,6 @@ def _config(folder: Path, tasks: int):
         config.distributed.initialize = True
     config.lock()
     return config
-
-
-def train_part(folder: Path, tasks: int) -> int:
-    """A task other than 0 of a trial that spans ``tasks`` processes: it trains with the
-    others; task 0 holds the lock and keeps the trial's records (attempts, error.json)."""
-    from lmuscale.train import run
-
-    final = final_outcome(folder)
-    if final is not None:
-        return Exit.FINISHED if final == "finished" else Exit.DIVERGED
-    run(_config(folder, tasks), folder, progress=False, locked=True)
-    return Exit.FINISHED
 
 
 def main(argv: list[str] | None = None) -> int:
