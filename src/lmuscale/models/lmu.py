@@ -33,8 +33,6 @@ from lmuscale.models.base import (
 )
 from lmuscale.models.family import Family, Registered, register
 
-THETA = 350.0
-N_LAYERS = 3
 PRE_FFN_RATIO = 1.5
 
 
@@ -178,8 +176,6 @@ def lmu_config(size: str, *, global_attention: bool = False, **overrides) -> LMU
         q_prime=row.q_prime,
         post_ffn_dim=1,
         pre_ffn_dim=0 if global_attention else math.floor(PRE_FFN_RATIO * d + 0.5),
-        theta=THETA,
-        n_layers=N_LAYERS,
         global_attention=global_attention,
         n_heads=default_heads(d),
     )

@@ -127,8 +127,4 @@ def lstm_config(size: str, **overrides) -> LSTMConfig:
     return dataclasses.replace(sizes.deepened(LSTMConfig, size), **overrides)
 
 
-register(
-    Family(
-        "lstm", LSTMConfig, LSTMLanguageModel, lstm_config, lstm_params, lstm_flops, lambda c: {}
-    )
-)
+register(Family("lstm", LSTMConfig, LSTMLanguageModel, lstm_config, lstm_params, lstm_flops))

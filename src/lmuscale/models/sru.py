@@ -40,7 +40,6 @@ from lmuscale.models.family import Family, Registered, register
 # Per-channel element-wise FLOPs of one step (each multiply, add, sigmoid or tanh counts 1):
 # f and r 4 each (v c, two adds, sigmoid), c 4, h 4.
 SRU_ELEMENTWISE = 16
-ATTENTION_EVERY = 4  # SRU++: 2 attention layers of 8; attention is needed in few layers
 
 
 @dataclasses.dataclass(frozen=True)
@@ -62,7 +61,7 @@ class SRUPPConfig(Registered):
     d: int
     d_prime: int
     n_layers: int = 8
-    attention_every: int = 4
+    attention_every: int = 4  # 2 attention layers of 8: attention is needed in few layers
     vocab_size: int = GPT2_VOCAB
     dtype: str = "float32"
     remat: bool = False
@@ -219,9 +218,7 @@ def sru_pp_config(size: str, **overrides) -> SRUPPConfig:
     sru = sru_config(size)
 
     def config(d_prime: int) -> SRUPPConfig:
-        return SRUPPConfig(
-            d=sru.d, d_prime=d_prime, n_layers=sru.n_layers, attention_every=ATTENTION_EVERY
-        )
+        return SRUPPConfig(d=sru.d, d_prime=d_prime, n_layers=sru.n_layers)
 
     d_prime = sizes.nearest(
         lambda k: sru_params(config(k)).non_embedding, sizes.row(size).n, range(1, 4 * sru.d + 1)
@@ -229,9 +226,7 @@ def sru_pp_config(size: str, **overrides) -> SRUPPConfig:
     return dataclasses.replace(config(d_prime), **overrides)
 
 
-register(
-    Family("sru", SRUConfig, SRULanguageModel, sru_config, sru_params, sru_flops, lambda c: {})
-)
+register(Family("sru", SRUConfig, SRULanguageModel, sru_config, sru_params, sru_flops))
 register(
     Family(
         "sru_pp",
