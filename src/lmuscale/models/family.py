@@ -61,8 +61,7 @@ def get(name: str) -> Family:
 
 
 def of(config) -> Family:
-    """The family a config belongs to: its class, and the values of that family's fixed
-    fields."""
+    """The family a config belongs to: its class, and the values of that family's fixed fields."""
     for record in REGISTRY.values():
         if type(config) is record.config and all(
             getattr(config, key) == value for key, value in record.fixed.items()

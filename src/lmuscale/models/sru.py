@@ -137,9 +137,8 @@ class SRULayer(nn.Module):
         f32 = jnp.float32
         v_2xD, b_2xD = self.v.astype(f32), self.b.astype(f32)
 
-        def one(c_BxD, inputs):
-            u_Bx3xD, x_BxD = inputs
-            return sru_cell(c_BxD, u_Bx3xD, x_BxD, v_2xD, b_2xD)
+        def one(c_BxD, u_and_x):
+            return sru_cell(c_BxD, *u_and_x, v_2xD, b_2xD)
 
         time_major = tuple(jnp.moveaxis(a.astype(f32), 1, 0) for a in (u_BxTx3xD, x_BxTxD))
         _, h_TxBxD = lax.scan(one, jnp.zeros((x_BxTxD.shape[0], self.d), f32), time_major)
@@ -206,15 +205,13 @@ def sru_flops(config: SRUConfig | SRUPPConfig, seq_len: int = 1024) -> sizes.Flo
 
 def sru_config(size: str, **overrides) -> SRUConfig:
     """SRU at a Table 3 grid point: the LMU's width, the number of layers (3d^2 + 6d each)
-    solved for N: 8 at every row, N +4.9%, +4.7%, +1.6%, +2.2%, +1.0%, +0.9% off the row
-    (the small rows lose to the 6d terms)."""
+    solved for N: 8 at every row, N 0.9-4.9% over the row (the small rows lose to the 6d terms)."""
     return dataclasses.replace(sizes.deepened(SRUConfig, size), **overrides)
 
 
 def sru_pp_config(size: str, **overrides) -> SRUPPConfig:
     """SRU++ at a Table 3 grid point: the SRU's width and depth, attention in every 4th layer,
-    the attention width d' solved for N: d' = 23, 32, 50, 60, 81, 115 (0.48-0.56 d), N within
-    0.2% of every row."""
+    the attention width d' solved for N: d' = 23 .. 115 (0.48-0.56 d), N within 0.2% of the row."""
     sru = sru_config(size)
 
     def config(d_prime: int) -> SRUPPConfig:

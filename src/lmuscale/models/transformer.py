@@ -30,7 +30,7 @@ class TransformerConfig(Registered):
 
     d: int
     n_heads: int
-    n_layers: int = 2  # d = sqrt(N / 24) is N = 12 n_layers d^2 at 2 layers
+    n_layers: int = 2
     mlp_ratio: int = 4
     max_len: int = 1024
     vocab_size: int = GPT2_VOCAB
@@ -128,8 +128,7 @@ def transformer_flops(config: TransformerConfig, seq_len: int = 1024) -> sizes.F
 def transformer_config(size: str, **overrides) -> TransformerConfig:
     """The transformer at a Table 3 grid point: 2 layers of the LMU's width, 4d MLP."""
     d = sizes.width(sizes.row(size).n)
-    config = TransformerConfig(d=d, n_heads=default_heads(d))
-    return dataclasses.replace(config, **overrides)
+    return dataclasses.replace(TransformerConfig(d=d, n_heads=default_heads(d)), **overrides)
 
 
 register(
