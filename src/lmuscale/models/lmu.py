@@ -33,8 +33,6 @@ from lmuscale.models.base import (
 )
 from lmuscale.models.family import Family, Registered, register
 
-PRE_FFN_RATIO = 1.5
-
 
 @dataclasses.dataclass(frozen=True)
 class LMUConfig(Registered):
@@ -174,7 +172,7 @@ def lmu_config(size: str, *, global_attention: bool = False, **overrides) -> LMU
         q=row.q,
         q_prime=row.q_prime,
         post_ffn_dim=1,
-        pre_ffn_dim=0 if global_attention else math.floor(PRE_FFN_RATIO * d + 0.5),
+        pre_ffn_dim=0 if global_attention else math.floor(1.5 * d + 0.5),
         global_attention=global_attention,
         n_heads=default_heads(d),
     )

@@ -37,10 +37,6 @@ from lmuscale.models import sizes
 from lmuscale.models.base import LanguageModel, RecurrentConfig, check_config, compute_dtype
 from lmuscale.models.family import Family, Registered, register
 
-# Per-channel element-wise FLOPs of one step (each multiply, add, sigmoid or tanh counts 1):
-# f and r 4 each (v c, two adds, sigmoid), c 4, h 4.
-SRU_ELEMENTWISE = 16
-
 
 @dataclasses.dataclass(frozen=True)
 class SRUConfig(RecurrentConfig):
@@ -190,7 +186,7 @@ def sru_params(config: SRUConfig | SRUPPConfig) -> sizes.ParamCount:
 def sru_flops(config: SRUConfig | SRUPPConfig, seq_len: int = 1024) -> sizes.FlopCount:
     """2 per weight of each matmul (6 d^2; in an SRU++ attention layer 2 d d' + 4 d'^2 + 6 d d',
     plus 4 n d' for scores and values over the full n, and 2 d' for Q + alpha A), plus 16 d
-    element-wise, no LayerNorms. ``per_layer`` is the mean over SRU++'s differing layers."""
+    element-wise (f, r 4 each; c 4; h 4), no LayerNorms. ``per_layer`` averages SRU++'s layers."""
     d, n_layers = config.d, config.n_layers
     attention = sum(config.has_attention(i) for i in range(n_layers))
     terms = {"projection": 6.0 * d * d * (n_layers - attention) / n_layers}
@@ -199,7 +195,7 @@ def sru_flops(config: SRUConfig | SRUPPConfig, seq_len: int = 1024) -> sizes.Flo
         share = attention / n_layers
         terms["attention_projections"] = (2 * d * k + 4 * k * k + 6 * k * d) * share
         terms["attention"] = (4 * seq_len * k + 2 * k) * share
-    terms["recurrence"] = float(SRU_ELEMENTWISE * d)
+    terms["recurrence"] = float(16 * d)
     return sizes.FlopCount(terms, n_layers, 2.0 * d * config.vocab_size)
 
 
