@@ -17,7 +17,7 @@ class Family:
       config: a frozen dataclass; its fields, less ``fixed``, are the model section's keys.
       model: the ``LanguageModel`` class; sized: ``(size, **overrides) -> config``.
       params, flops: ``config -> sizes.ParamCount``, ``(config, seq_len) -> sizes.FlopCount``.
-      shape: ``config -> dict`` of the shape columns of ``python -m lmuscale.models``.
+      shape: ``config -> dict``, the shape columns of ``python -m lmuscale.models`` (default none).
       fixed: config fields the family's name decides (LMU_G: ``global_attention=True``),
         left out of the model section and restored from the name.
       legacy: fields added after runs were saved, with the values those runs used; a saved
@@ -30,7 +30,7 @@ class Family:
     sized: Callable[..., Any]
     params: Callable[[Any], Any]
     flops: Callable[[Any, int], Any]
-    shape: Callable[[Any], dict]
+    shape: Callable[[Any], dict] = lambda config: {}
     fixed: Mapping[str, Any] = dataclasses.field(default_factory=dict)
     legacy: Mapping[str, Any] = dataclasses.field(default_factory=dict)
 
@@ -61,8 +61,7 @@ def get(name: str) -> Family:
 
 
 def of(config) -> Family:
-    """The family a config belongs to: its class, and the values of that family's fixed
-    fields."""
+    """The family a config belongs to: its class, and the values of that family's fixed fields."""
     for record in REGISTRY.values():
         if type(config) is record.config and all(
             getattr(config, key) == value for key, value in record.fixed.items()

@@ -33,20 +33,15 @@ from lmuscale.models.base import (
 )
 from lmuscale.models.family import Family, Registered, register
 
-THETA = 350.0
-N_LAYERS = 3
-PRE_FFN_RATIO = 1.5
-
 
 @dataclasses.dataclass(frozen=True)
 class LMUConfig(Registered):
     """Everything that fixes an LMU language model's function and parameter shapes. ``theta``
     is in tokens; ``q_prime`` is the rows of each L_i. The _G variant (``global_attention``,
     with ``n_heads``) ignores ``pre_ffn_dim``: attention replaces the pre-FFN. ``memory_mode``,
-    ``memory_chunk`` and ``batch_chunk`` are as in ``layers.ImplicitSelfAttention``: XLA's
-    buffers for a (16, 1024) Adam step of lmu-1M on CPU are 2.1 GB with batch chunks of 2 and
-    7.7 GB without; on an accelerator 0 with micro-batches is faster (the chunks run one after
-    another). The rest is as in ``base.RecurrentConfig``."""
+    ``memory_chunk`` and ``batch_chunk`` are as in ``layers.ImplicitSelfAttention``: batch
+    chunks of 2 cut XLA's buffers for a (16, 1024) Adam step of lmu-1M on CPU from 7.7 to 2.1 GB;
+    on an accelerator 0 with micro-batches is faster. The rest is as in ``base.RecurrentConfig``."""
 
     d: int
     q: int
@@ -177,9 +172,7 @@ def lmu_config(size: str, *, global_attention: bool = False, **overrides) -> LMU
         q=row.q,
         q_prime=row.q_prime,
         post_ffn_dim=1,
-        pre_ffn_dim=0 if global_attention else math.floor(PRE_FFN_RATIO * d + 0.5),
-        theta=THETA,
-        n_layers=N_LAYERS,
+        pre_ffn_dim=0 if global_attention else math.floor(1.5 * d + 0.5),
         global_attention=global_attention,
         n_heads=default_heads(d),
     )

@@ -1,9 +1,9 @@
 """Model sizes: Table 3's grid, the parameter and FLOP records, and lookups by family.
 
 N is the non-embedding parameter count (Kaplan et al. 2020, REFERENCE §2-3): all but the tied
-token embedding and the transformer's positions. FLOPs are per token, a multiply-add being 2.
-Every family has the LMU's width d = round(sqrt(N / 24)) at every row, and its own rule
-(``sized``) for the rest.
+token embedding and the transformer's positions. FLOPs are per token, a multiply-add being 2
+and an element-wise multiply, add, sigmoid or tanh 1. Every family has the LMU's width
+d = round(sqrt(N / 24)) at every row, and its own rule (``sized``) for the rest.
 """
 
 from __future__ import annotations
@@ -156,8 +156,7 @@ def flops_per_token(config: ModelConfig, seq_len: int = 1024) -> FlopCount:
 
 
 def named_config(name: str, **overrides) -> ModelConfig:
-    """``"lmu-1M"``, ``"lmu_g-55k"``, ``"transformer-300k"``, ``"sru_pp-1M"``, ...: see
-    ``NAMES``; ``overrides`` replace fields afterwards (e.g. dtype, remat)."""
+    """A named model (``"lmu-1M"``, see ``NAMES``); ``overrides`` replace fields afterwards."""
     family, _, size = name.partition("-")
     if family not in families.REGISTRY or size not in SIZES:
         raise ValueError(f"unknown model {name!r}; known: {', '.join(names())}")

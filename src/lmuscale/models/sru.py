@@ -37,11 +37,6 @@ from lmuscale.models import sizes
 from lmuscale.models.base import LanguageModel, RecurrentConfig, check_config, compute_dtype
 from lmuscale.models.family import Family, Registered, register
 
-# Per-channel element-wise FLOPs of one step (each multiply, add, sigmoid or tanh counts 1):
-# f and r 4 each (v c, two adds, sigmoid), c 4, h 4.
-SRU_ELEMENTWISE = 16
-ATTENTION_EVERY = 4  # SRU++: 2 attention layers of 8; attention is needed in few layers
-
 
 @dataclasses.dataclass(frozen=True)
 class SRUConfig(RecurrentConfig):
@@ -62,7 +57,7 @@ class SRUPPConfig(Registered):
     d: int
     d_prime: int
     n_layers: int = 8
-    attention_every: int = 4
+    attention_every: int = 4  # 2 attention layers of 8: attention is needed in few layers
     vocab_size: int = GPT2_VOCAB
     dtype: str = "float32"
     remat: bool = False
@@ -138,9 +133,8 @@ class SRULayer(nn.Module):
         f32 = jnp.float32
         v_2xD, b_2xD = self.v.astype(f32), self.b.astype(f32)
 
-        def one(c_BxD, inputs):
-            u_Bx3xD, x_BxD = inputs
-            return sru_cell(c_BxD, u_Bx3xD, x_BxD, v_2xD, b_2xD)
+        def one(c_BxD, u_and_x):
+            return sru_cell(c_BxD, *u_and_x, v_2xD, b_2xD)
 
         time_major = tuple(jnp.moveaxis(a.astype(f32), 1, 0) for a in (u_BxTx3xD, x_BxTxD))
         _, h_TxBxD = lax.scan(one, jnp.zeros((x_BxTxD.shape[0], self.d), f32), time_major)
@@ -192,7 +186,7 @@ def sru_params(config: SRUConfig | SRUPPConfig) -> sizes.ParamCount:
 def sru_flops(config: SRUConfig | SRUPPConfig, seq_len: int = 1024) -> sizes.FlopCount:
     """2 per weight of each matmul (6 d^2; in an SRU++ attention layer 2 d d' + 4 d'^2 + 6 d d',
     plus 4 n d' for scores and values over the full n, and 2 d' for Q + alpha A), plus 16 d
-    element-wise, no LayerNorms. ``per_layer`` is the mean over SRU++'s differing layers."""
+    element-wise (f, r 4 each; c 4; h 4), no LayerNorms. ``per_layer`` averages SRU++'s layers."""
     d, n_layers = config.d, config.n_layers
     attention = sum(config.has_attention(i) for i in range(n_layers))
     terms = {"projection": 6.0 * d * d * (n_layers - attention) / n_layers}
@@ -201,27 +195,23 @@ def sru_flops(config: SRUConfig | SRUPPConfig, seq_len: int = 1024) -> sizes.Flo
         share = attention / n_layers
         terms["attention_projections"] = (2 * d * k + 4 * k * k + 6 * k * d) * share
         terms["attention"] = (4 * seq_len * k + 2 * k) * share
-    terms["recurrence"] = float(SRU_ELEMENTWISE * d)
+    terms["recurrence"] = float(16 * d)
     return sizes.FlopCount(terms, n_layers, 2.0 * d * config.vocab_size)
 
 
 def sru_config(size: str, **overrides) -> SRUConfig:
     """SRU at a Table 3 grid point: the LMU's width, the number of layers (3d^2 + 6d each)
-    solved for N: 8 at every row, N +4.9%, +4.7%, +1.6%, +2.2%, +1.0%, +0.9% off the row
-    (the small rows lose to the 6d terms)."""
+    solved for N: 8 at every row, N 0.9-4.9% over the row (the small rows lose to the 6d terms)."""
     return dataclasses.replace(sizes.deepened(SRUConfig, size), **overrides)
 
 
 def sru_pp_config(size: str, **overrides) -> SRUPPConfig:
     """SRU++ at a Table 3 grid point: the SRU's width and depth, attention in every 4th layer,
-    the attention width d' solved for N: d' = 23, 32, 50, 60, 81, 115 (0.48-0.56 d), N within
-    0.2% of every row."""
+    the attention width d' solved for N: d' = 23 .. 115 (0.48-0.56 d), N within 0.2% of the row."""
     sru = sru_config(size)
 
     def config(d_prime: int) -> SRUPPConfig:
-        return SRUPPConfig(
-            d=sru.d, d_prime=d_prime, n_layers=sru.n_layers, attention_every=ATTENTION_EVERY
-        )
+        return SRUPPConfig(d=sru.d, d_prime=d_prime, n_layers=sru.n_layers)
 
     d_prime = sizes.nearest(
         lambda k: sru_params(config(k)).non_embedding, sizes.row(size).n, range(1, 4 * sru.d + 1)
@@ -229,9 +219,7 @@ def sru_pp_config(size: str, **overrides) -> SRUPPConfig:
     return dataclasses.replace(config(d_prime), **overrides)
 
 
-register(
-    Family("sru", SRUConfig, SRULanguageModel, sru_config, sru_params, sru_flops, lambda c: {})
-)
+register(Family("sru", SRUConfig, SRULanguageModel, sru_config, sru_params, sru_flops))
 register(
     Family(
         "sru_pp",

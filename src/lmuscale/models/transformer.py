@@ -22,7 +22,6 @@ from lmuscale.models.family import Family, Registered, register
 
 POSITION_INIT = nn.initializers.normal(0.01)
 KERNEL_INIT = nn.initializers.normal(0.02)
-LAYERS = 2  # d = sqrt(N / 24) is N = 12 n_layers d^2 at 2 layers
 
 
 @dataclasses.dataclass(frozen=True)
@@ -129,8 +128,7 @@ def transformer_flops(config: TransformerConfig, seq_len: int = 1024) -> sizes.F
 def transformer_config(size: str, **overrides) -> TransformerConfig:
     """The transformer at a Table 3 grid point: 2 layers of the LMU's width, 4d MLP."""
     d = sizes.width(sizes.row(size).n)
-    config = TransformerConfig(d=d, n_heads=default_heads(d), n_layers=LAYERS)
-    return dataclasses.replace(config, **overrides)
+    return dataclasses.replace(TransformerConfig(d=d, n_heads=default_heads(d)), **overrides)
 
 
 register(
