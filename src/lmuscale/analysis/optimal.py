@@ -58,11 +58,10 @@ class OptimalReport:
             common = _row(f"{label(env.family)}, envelope", env.family, "envelope")
             common.update(formula="N along the lower envelope ∝ C^a", ci=ci)
             common["n_points"] = len(env.flops)
-            rows.append(
-                {**common, "error": env.error}
-                if env.a is None
-                else {**common, **_interval("a", env.a)}
-            )
+            if env.a is None:
+                rows.append({**common, "error": env.error})
+            else:
+                rows.append({**common, **_interval("a", env.a)})
         for eff in self.efficiency:
             a, b = eff.families
             common = _row(f"{label(b)} / {label(a)} tokens", f"{a},{b}", "data_efficiency")
