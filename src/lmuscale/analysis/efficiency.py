@@ -120,17 +120,9 @@ def data_efficiency(
     log_tokens_b = np.log10([sizes[b][x] for x in n_b])
     tokens_b = 10 ** np.interp(np.log10(n), np.log10(n_b), log_tokens_b)
     ratio = tokens_b / tokens_a
+    geomean = float(np.exp(np.mean(np.log(ratio))))
     return DataEfficiency(
-        target=target,
-        families=(a, b),
-        reached=reached,
-        n=n,
-        tokens_a=tokens_a,
-        tokens_b=tokens_b,
-        ratio=ratio,
-        ratio_geomean=float(np.exp(np.mean(np.log(ratio)))),
-        error=None,
-        left_out=tuple(left_out),
+        target, (a, b), reached, n, tokens_a, tokens_b, ratio, geomean, None, tuple(left_out)
     )
 
 

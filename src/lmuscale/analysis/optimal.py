@@ -65,8 +65,7 @@ class OptimalReport:
         for eff in self.efficiency:
             a, b = eff.families
             common = _row(f"{label(b)} / {label(a)} tokens", f"{a},{b}", "data_efficiency")
-            common.update(formula=f"tokens to reach loss {eff.target:.4f}")
-            common["n_points"] = len(eff.n)
+            common.update(formula=f"tokens to reach loss {eff.target:.4f}", n_points=len(eff.n))
             if eff.ratio_geomean is None:
                 rows.append({**common, "error": eff.error})
             else:
@@ -86,8 +85,7 @@ class OptimalReport:
 
     def markdown(self, ci: float) -> list[str]:
         out = ["## Compute-optimal analyses", ""]
-        for line in self.left_out:
-            out.append(f"- Left out: {line}")
+        out += [f"- Left out: {line}" for line in self.left_out]
         if self.frontiers:
             out += ["", f"### IsoFLOP minima (Chinchilla approach 2; {ci:.0%} CIs)", ""]
             out += ["| family | C (FLOPs) | sizes | N_opt | D_opt | loss at N_opt | note |"]

@@ -29,8 +29,8 @@ def main(argv=None) -> int:
 
 
 def _run(args: argparse.Namespace) -> int:
-    print("Losses in nats per GPT-2 token; N = non-embedding parameters.")
-    print("\n".join(reference_markdown(TABLE3_SIZES, args.steps, args.batch_tokens)))
+    table = reference_markdown(TABLE3_SIZES, args.steps, args.batch_tokens)
+    print("Losses in nats per GPT-2 token; N = non-embedding parameters.", *table, sep="\n")
     sizes = np.array(TABLE3_SIZES, dtype=float)
     for label, curve in (("LMU", LMU_PAPER), ("LMU_G", LMU_G_PAPER)):
         steps = steps_to_match(curve(sizes), sizes, args.batch_tokens)
