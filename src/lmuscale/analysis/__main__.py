@@ -43,7 +43,6 @@ def main(argv=None) -> int:
     parser.add_argument(
         "--target-loss",
         type=float,
-        default=None,
         help="the loss at which to compare the tokens families need (default: the lowest "
         "loss every run reaches)",
     )

@@ -1,7 +1,6 @@
 """Data efficiency: how many training tokens two families need to reach the same loss, from
 the runs' evaluation curves. The LMU paper (v1) claims a ratio of 10 (transformer / LMU). The
-caller ensures both were evaluated on the same validation data and tokenizer.
-"""
+caller ensures both were evaluated on the same validation data and tokenizer."""
 
 from __future__ import annotations
 

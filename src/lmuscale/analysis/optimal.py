@@ -1,7 +1,6 @@
 """The compute-optimal analyses a results table supports: IsoFLOP (3 or more sizes at each
 of 2 or more budgets), the envelope (curves of 2 or more sizes), data efficiency (``_pairs``)
-and learning rates (a size run at 2 or more rates); each one left out gets a line saying why.
-"""
+and learning rates (a size run at 2 or more rates); each one left out gets a line saying why."""
 
 from __future__ import annotations
 

@@ -193,9 +193,8 @@ def learning_rate_figure(choices, unit: str):
                 best = np.interp(
                     np.log10(choice.best), np.log10(choice.learning_rates), choice.loss
                 )
-                ax.plot(
-                    [choice.best], [best], "*", color=tint if choice.bracketed else "white", **STAR
-                )
+                face = tint if choice.bracketed else "white"  # hollow: at the edge of the grid
+                ax.plot([choice.best], [best], "*", color=face, **STAR)
                 if not choice.bracketed:
                     notes.append(
                         f"{label(family)}, N = {human(choice.n)}: the best rate is at the edge "
