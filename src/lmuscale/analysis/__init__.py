@@ -60,10 +60,9 @@ def analyse(
         files += figures.save(figures.figure5(loaded, fits), out / "fig5")
         files += optimal.write(best, loaded, out)
         tables.write_csv(out / "fits.csv", fits, extra=best.csv_rows(ci))
-        files.append(out / "fits.csv")
         text = tables.markdown(loaded, fits) + "\n".join(best.markdown(ci)) + "\n"
         atomic_write_bytes(out / "fits.md", text.encode())
-        files.append(out / "fits.md")
+        files += [out / "fits.csv", out / "fits.md"]
     except OSError as e:
         path = e.filename2 or e.filename or out  # a rename names its target second
         raise OutputError(f"{path}: cannot be written ({e.strerror or e})") from None

@@ -35,10 +35,7 @@ def main(argv=None) -> int:
         help="which loss to fit and plot (default test)",
     )
     parser.add_argument(
-        "--size",
-        type=parse_size,
-        default=None,
-        help="N for Figure 4 (e.g. 1M; default: the largest LMU)",
+        "--size", type=parse_size, help="N for Figure 4 (e.g. 1M; default: the largest LMU)"
     )
     parser.add_argument("--n-boot", type=int, default=1000, help="bootstrap resamples per fit")
     parser.add_argument("--ci", type=float, default=0.95, help="confidence level of the CIs")
@@ -46,7 +43,6 @@ def main(argv=None) -> int:
     parser.add_argument(
         "--target-loss",
         type=float,
-        default=None,
         help="the loss at which to compare the tokens families need (default: the lowest "
         "loss every run reaches)",
     )

@@ -50,7 +50,7 @@ def load_curves(results: Results) -> tuple[dict[str, Curve], list[str]]:
         except (OSError, UnicodeDecodeError) as e:
             missing.append(f"{run.trial}: {path} cannot be read ({e})")
             continue
-        steps, losses = {}, {}
+        losses = {}  # by step: a resumed run's repeat replaces the first
         for number, line in enumerate(text.splitlines(), 1):
             if not line.strip():
                 continue
@@ -61,11 +61,11 @@ def load_curves(results: Results) -> tuple[dict[str, Curve], list[str]]:
                 missing.append(f"{run.trial}: {path}:{number} is not an evaluation; left out")
                 continue
             if math.isfinite(loss) and 0 < step <= run.steps:
-                steps[step], losses[step] = step, loss  # a resumed run's repeat replaces it
-        if len(steps) < 2:
-            missing.append(f"{run.trial}: {path} has {len(steps)} finite evaluation(s)")
+                losses[step] = loss
+        if len(losses) < 2:
+            missing.append(f"{run.trial}: {path} has {len(losses)} finite evaluation(s)")
             continue
-        order = sorted(steps)
+        order = sorted(losses)
         tokens = np.array(order, float) * run.batch_tokens
         curves[run.trial] = Curve(run, tokens, np.array([losses[s] for s in order]))
     return curves, missing

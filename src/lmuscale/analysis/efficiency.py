@@ -1,7 +1,6 @@
 """Data efficiency: how many training tokens two families need to reach the same loss, from
 the runs' evaluation curves. The LMU paper (v1) claims a ratio of 10 (transformer / LMU). The
-caller ensures both were evaluated on the same validation data and tokenizer.
-"""
+caller ensures both were evaluated on the same validation data and tokenizer."""
 
 from __future__ import annotations
 
@@ -120,17 +119,9 @@ def data_efficiency(
     log_tokens_b = np.log10([sizes[b][x] for x in n_b])
     tokens_b = 10 ** np.interp(np.log10(n), np.log10(n_b), log_tokens_b)
     ratio = tokens_b / tokens_a
+    geomean = float(np.exp(np.mean(np.log(ratio))))
     return DataEfficiency(
-        target=target,
-        families=(a, b),
-        reached=reached,
-        n=n,
-        tokens_a=tokens_a,
-        tokens_b=tokens_b,
-        ratio=ratio,
-        ratio_geomean=float(np.exp(np.mean(np.log(ratio)))),
-        error=None,
-        left_out=tuple(left_out),
+        target, (a, b), reached, n, tokens_a, tokens_b, ratio, geomean, None, tuple(left_out)
     )
 
 

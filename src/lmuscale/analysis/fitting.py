@@ -50,8 +50,7 @@ def fit_all(results: Results, *, n_boot: int, ci: float, seed: int, progress=Fal
         budgets = results.budgets(family)
         for tokens in budgets:
             runs = results.group(family, tokens)
-            for form in ("power_law", "saturating"):
-                jobs.append((family, tokens, runs, form))
+            jobs += [(family, tokens, runs, "power_law"), (family, tokens, runs, "saturating")]
         if len(budgets) > 1:
             runs = [r for r in results.runs if r.family == family]
             jobs.append((family, None, runs, "chinchilla"))

@@ -1,7 +1,6 @@
 """The compute-optimal analyses a results table supports: IsoFLOP (3 or more sizes at each
 of 2 or more budgets), the envelope (curves of 2 or more sizes), data efficiency (``_pairs``)
-and learning rates (a size run at 2 or more rates); each one left out gets a line saying why.
-"""
+and learning rates (a size run at 2 or more rates); each one left out gets a line saying why."""
 
 from __future__ import annotations
 
@@ -58,16 +57,14 @@ class OptimalReport:
             common = _row(f"{label(env.family)}, envelope", env.family, "envelope")
             common.update(formula="N along the lower envelope ∝ C^a", ci=ci)
             common["n_points"] = len(env.flops)
-            rows.append(
-                {**common, "error": env.error}
-                if env.a is None
-                else {**common, **_interval("a", env.a)}
-            )
+            if env.a is None:
+                rows.append({**common, "error": env.error})
+            else:
+                rows.append({**common, **_interval("a", env.a)})
         for eff in self.efficiency:
             a, b = eff.families
             common = _row(f"{label(b)} / {label(a)} tokens", f"{a},{b}", "data_efficiency")
-            common.update(formula=f"tokens to reach loss {eff.target:.4f}")
-            common["n_points"] = len(eff.n)
+            common.update(formula=f"tokens to reach loss {eff.target:.4f}", n_points=len(eff.n))
             if eff.ratio_geomean is None:
                 rows.append({**common, "error": eff.error})
             else:
@@ -87,8 +84,7 @@ class OptimalReport:
 
     def markdown(self, ci: float) -> list[str]:
         out = ["## Compute-optimal analyses", ""]
-        for line in self.left_out:
-            out.append(f"- Left out: {line}")
+        out += [f"- Left out: {line}" for line in self.left_out]
         if self.frontiers:
             out += ["", f"### IsoFLOP minima (Chinchilla approach 2; {ci:.0%} CIs)", ""]
             out += ["| family | C (FLOPs) | sizes | N_opt | D_opt | loss at N_opt | note |"]

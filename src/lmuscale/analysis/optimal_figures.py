@@ -69,9 +69,9 @@ def optimal_figure(frontiers, envelopes=()):
             fits = [f for f in frontier.fits if f.n_opt is not None]
             if frontier.error:
                 notes.append(f"{label(frontier.family)}: {frontier.error}.")
-            for ax, which, line, exponent in (
-                (ax_n, "n_opt", frontier.n_line, frontier.a),
-                (ax_d, "d_opt", frontier.d_line, frontier.b),
+            for ax, which, line, symbol, exponent in (
+                (ax_n, "n_opt", frontier.n_line, "a", frontier.a),
+                (ax_d, "d_opt", frontier.d_line, "b", frontier.b),
             ):
                 if not fits:
                     continue
@@ -91,7 +91,6 @@ def optimal_figure(frontiers, envelopes=()):
                 )
                 if line is not None and exponent is not None:
                     grid = np.geomspace(budget.min() / 1.5, budget.max() * 1.5, 50)
-                    symbol = "a" if which == "n_opt" else "b"
                     ax.plot(
                         grid,
                         10 ** (line[0] * np.log10(grid) + line[1]),
@@ -142,17 +141,10 @@ def tokens_figure(curves, efficiency, unit: str):
         families = sorted({c.run.family for c in curves}, key=lambda f: f != efficiency.families[0])
         for family in families:
             runs = sorted((c for c in curves if c.run.family == family), key=lambda c: c.run.n)
+            legend = f"{label(family)} (N {human(runs[0].run.n)} to {human(runs[-1].run.n)})"
             for curve, tint in zip(runs, _tints(family, len(runs)), strict=True):
-                first = curve is runs[0]
-                ax.plot(
-                    curve.tokens,
-                    curve.loss,
-                    color=tint,
-                    lw=0.9,
-                    label=f"{label(family)} (N {human(runs[0].run.n)} to {human(runs[-1].run.n)})"
-                    if first
-                    else None,
-                )
+                shown = legend if curve is runs[0] else None  # one legend entry per family
+                ax.plot(curve.tokens, curve.loss, color=tint, lw=0.9, label=shown)
                 reached = efficiency.reached.get(curve.run.trial)
                 if reached is not None:
                     ax.plot([reached], [efficiency.target], "o", ms=3, color=color(family))
@@ -194,21 +186,15 @@ def learning_rate_figure(choices, unit: str):
         for ax, family in zip(axes, families, strict=True):
             mine = sorted((c for c in choices if c.family == family), key=lambda c: c.n)
             for choice, tint in zip(mine, _tints(family, len(mine)), strict=True):
+                name = f"N = {human(choice.n)}"
                 ax.plot(
-                    choice.learning_rates,
-                    choice.loss,
-                    "-o",
-                    color=tint,
-                    ms=3,
-                    lw=0.9,
-                    label=f"N = {human(choice.n)}",
+                    choice.learning_rates, choice.loss, "-o", color=tint, ms=3, lw=0.9, label=name
                 )
                 best = np.interp(
                     np.log10(choice.best), np.log10(choice.learning_rates), choice.loss
                 )
-                ax.plot(
-                    [choice.best], [best], "*", color=tint if choice.bracketed else "white", **STAR
-                )
+                face = tint if choice.bracketed else "white"  # hollow: at the edge of the grid
+                ax.plot([choice.best], [best], "*", color=face, **STAR)
                 if not choice.bracketed:
                     notes.append(
                         f"{label(family)}, N = {human(choice.n)}: the best rate is at the edge "

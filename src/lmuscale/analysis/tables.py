@@ -13,7 +13,7 @@ import numpy as np
 
 from lmuscale.analysis.results import LMU_FAMILIES, Results, label
 from lmuscale.files import atomic_write_bytes
-from lmuscale.scaling import FORMULAS, TABLE3_SIZES, reference_table, steps_to_match
+from lmuscale.scaling import FORMULAS, reference, steps_to_match
 
 CSV_FIELDS = (
     "fit",
@@ -144,14 +144,7 @@ def reference_markdown(results: Results) -> list[str]:
     out = ["## Reference curves at Table 3's sizes (nats per GPT-2 token)", ""]
     if not results.gpt2_tokens:
         return [*out, f"Not shown: these losses are {results.unit}, not per GPT-2 token."]
-    rows = reference_table(TABLE3_SIZES)
-    keys = list(rows[0])
-    out += ["| " + " | ".join(keys) + " |", "|" + "---:|" * len(keys)]
-    for row in rows:
-        out.append(
-            "| " + " | ".join([f"{row['N']:,.0f}"] + [f"{row[k]:.4f}" for k in keys[1:]]) + " |"
-        )
-    return out
+    return [*out, *reference.reference_markdown()]
 
 
 def efficiency_markdown(results: Results) -> list[str]:

@@ -16,7 +16,7 @@ from lmuscale.scaling.reference import (
     LMU_PAPER,
     PAPER_STEPS,
     TABLE3_SIZES,
-    reference_table,
+    reference_markdown,
     steps_to_match,
 )
 
@@ -29,13 +29,8 @@ def main(argv=None) -> int:
 
 
 def _run(args: argparse.Namespace) -> int:
-    rows = reference_table(TABLE3_SIZES, args.steps, args.batch_tokens)
-    keys = list(rows[0])
-    print("Losses in nats per GPT-2 token; N = non-embedding parameters.")
-    print("| " + " | ".join(keys) + " |")
-    print("|" + "---:|" * len(keys))
-    for row in rows:
-        print("| " + " | ".join([f"{row['N']:,.0f}"] + [f"{row[k]:.4f}" for k in keys[1:]]) + " |")
+    table = reference_markdown(TABLE3_SIZES, args.steps, args.batch_tokens)
+    print("Losses in nats per GPT-2 token; N = non-embedding parameters.", *table, sep="\n")
     sizes = np.array(TABLE3_SIZES, dtype=float)
     for label, curve in (("LMU", LMU_PAPER), ("LMU_G", LMU_G_PAPER)):
         steps = steps_to_match(curve(sizes), sizes, args.batch_tokens)

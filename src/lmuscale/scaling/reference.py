@@ -62,10 +62,8 @@ def transformer_loss(n, steps, batch_tokens=BATCH_TOKENS):
     """Kaplan eq 1.6: L(N, S) = (Nc/N)^alpha_N + (Sc/Smin(S))^alpha_S, solved for L (Smin
     depends on Bcrit(L)); broadcasts over ``n`` and ``steps``. The right side falls as L
     rises, so L - rhs(L) has one root, between the floor (Nc/N)^alpha_N and rhs of it."""
-    n, steps = np.broadcast_arrays(_positive(n, "N"), _positive(steps, "steps"))
-    out = np.empty(n.shape)
-    for index in np.ndindex(n.shape):
-        out[index] = _solve_eq_1_6(float(n[index]), float(steps[index]), float(batch_tokens))
+    solve = np.vectorize(_solve_eq_1_6, otypes=[float])
+    out = solve(_positive(n, "N"), _positive(steps, "steps"), float(batch_tokens))
     return out[()] if out.ndim == 0 else out
 
 
@@ -110,6 +108,17 @@ def reference_table(sizes=TABLE3_SIZES, steps=PAPER_STEPS, batch_tokens=BATCH_TO
         "lmu_g_paper": LMU_G_PAPER(sizes),
     }
     return [{key: float(value[i]) for key, value in columns.items()} for i in range(len(sizes))]
+
+
+def reference_markdown(sizes=TABLE3_SIZES, steps=PAPER_STEPS, batch_tokens=BATCH_TOKENS):
+    """``reference_table`` as the lines of a Markdown table."""
+    rows = reference_table(sizes, steps, batch_tokens)
+    keys = list(rows[0])
+    out = ["| " + " | ".join(keys) + " |", "|" + "---:|" * len(keys)]
+    for row in rows:
+        cells = [f"{row['N']:,.0f}"] + [f"{row[k]:.4f}" for k in keys[1:]]
+        out.append("| " + " | ".join(cells) + " |")
+    return out
 
 
 def _k(steps: float) -> str:
