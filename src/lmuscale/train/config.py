@@ -82,8 +82,8 @@ RANGES = {
     "optim.eps": (lambda v: v > 0, "> 0"),  # 0 would divide 0 by 0 where a gradient is 0
     "optim.plateau_factor": (lambda v: 0 < v < 1, "in (0, 1)"),
     "optim.plateau_rtol": (lambda v: 0 < v <= 1, "in (0, 1]"),  # optax's range when atol is 0
-    # optax cuts the scale when its count of evaluations without improvement equals patience,
-    # a count that is 0 after an improvement: 0 would cut at every improvement, below never.
+    # optax cuts the scale when its count of evaluations without improvement (0 after an
+    # improvement) equals patience: 0 would cut at every improvement, a negative one never.
     "optim.plateau_patience": (lambda v: v >= 1, ">= 1"),
     "optim.plateau_cooldown": (lambda v: v >= 0, ">= 0"),  # below 0 acts as 0
     # The scale starts at 1 and is max(scale, min_scale): above 1 would raise the rate.
