@@ -66,7 +66,7 @@ def human(x: float) -> str:
     return f"{x:.3g}"
 
 
-def figure3(results: Results, fits, *, size_range=None):
+def figure3(results: Results, fits):
     """Loss against non-embedding parameters at the base budget, log-log: measured points,
     power-law fits with bootstrap CI bands, and (for GPT-2 tokens) the reference curves."""
     base = results.base_tokens
