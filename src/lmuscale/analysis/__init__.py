@@ -3,13 +3,20 @@ Figures 3-5, ``fits.csv`` and ``fits.md``, and the compute-optimal analyses (``o
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from lmuscale.analysis import figures, optimal, tables
 from lmuscale.analysis.fitting import GroupFit, fit_all
 from lmuscale.analysis.optimal import OptimalReport
-from lmuscale.analysis.results import Results, ResultsError, Run, load_results
+from lmuscale.analysis.results import (
+    LMU_FAMILIES,
+    Results,
+    ResultsError,
+    Run,
+    label,
+    load_results,
+)
 from lmuscale.files import atomic_write_bytes
 from lmuscale.outcomes import StorageError
 
@@ -24,6 +31,7 @@ class Report:
     fits: list[GroupFit]
     files: list[Path]
     optimal: OptimalReport | None = None
+    refusals: list[str] = field(default_factory=list)  # one line per analysis not made
 
 
 def analyse(
@@ -37,11 +45,18 @@ def analyse(
     seed: int = 0,
     progress: bool = False,
     target_loss: float | None = None,
+    select: dict | None = None,
 ) -> Report:
     """Read ``results`` (a results.jsonl or .csv), fit, and write the figures and tables into
-    ``out`` atomically; ``target_loss``: see ``data_efficiency``. Raises ``ResultsError`` or
-    ``OutputError``, before the (slow) fits when it can."""
+    ``out`` atomically. Each analysis takes the runs of its role (``Results.grid`` for Figures
+    3-5 and the fits in N; see ``compute_optimal`` for the rest); ``select``: keyword
+    arguments of ``Results.select`` applied first. ``target_loss``: see ``data_efficiency``.
+    Raises ``ResultsError`` or ``OutputError``, before the (slow) fits when it can."""
     loaded = load_results(results, split)
+    if select:
+        loaded = loaded.select(**select)
+        if not loaded.runs:
+            raise ResultsError(f"{loaded.path}: no run matches the selection ({loaded.selection})")
     out = Path(out)
     try:
         out.mkdir(parents=True, exist_ok=True)
@@ -53,20 +68,64 @@ def analyse(
         raise OutputError(f"{out}: cannot make the folder ({e.strerror})") from None
     fits = fit_all(loaded, n_boot=n_boot, ci=ci, seed=seed, progress=progress)
     best = optimal.compute_optimal(loaded, n_boot=n_boot, ci=ci, seed=seed, target=target_loss)
+    grid = loaded.grid()
+    drawn, refusals = paper_figures(grid, fits, size)
+    refusals += [
+        f"{g.name}, {g.form.replace('_', ' ')}: not fitted: {g.error}" for g in fits if g.error
+    ]
+    refusals += best.left_out
+    refusals += [
+        f"{label(f.family)}, IsoFLOP frontier: {f.error}" for f in best.frontiers if f.error
+    ]
+    refusals += [f"{label(e.family)}, lower envelope: {e.error}" for e in best.envelopes if e.error]
+    refusals += [
+        f"{label(e.families[1])} / {label(e.families[0])} tokens: {e.error}"
+        for e in best.efficiency
+        if e.error
+    ]
     files = []
     try:
-        files += figures.save(figures.figure3(loaded, fits), out / "fig3")
-        files += figures.save(figures.figure4(loaded, size), out / "fig4")
-        files += figures.save(figures.figure5(loaded, fits), out / "fig5")
+        for name, fig in drawn.items():
+            files += figures.save(fig, out / name)
         files += optimal.write(best, loaded, out)
         tables.write_csv(out / "fits.csv", fits, extra=best.csv_rows(ci))
-        text = tables.markdown(loaded, fits) + "\n".join(best.markdown(ci)) + "\n"
+        text = tables.markdown(loaded, fits, best, refusals)
         atomic_write_bytes(out / "fits.md", text.encode())
         files += [out / "fits.csv", out / "fits.md"]
     except OSError as e:
         path = e.filename2 or e.filename or out  # a rename names its target second
         raise OutputError(f"{path}: cannot be written ({e.strerror or e})") from None
-    return Report(loaded, fits, files, best)
+    return Report(loaded, fits, files, best, refusals)
+
+
+def paper_figures(grid: Results, fits, size=None) -> tuple[dict, list[str]]:
+    """Figures 3-5 from the paper-grid runs, by file name, each that the runs support, and one
+    line for each that is not drawn, saying why."""
+    if not grid.runs:
+        return {}, ["Figures 3-5: not drawn: the table has no paper-grid runs"]
+    drawn = {"fig3": figures.figure3(grid, fits)}
+    refusals = []
+    base = grid.base_tokens
+    at_base = [r for r in grid.runs if r.tokens == base]
+    if any(r.per_position for r in at_base):
+        drawn["fig4"] = figures.figure4(grid, size)
+    else:
+        refusals.append(
+            f"Figure 4: not drawn: no grid run at {base:,.0f} tokens has {grid.split}_per_position"
+        )
+    lmus = [r for r in at_base if r.family in LMU_FAMILIES]
+    longer = [r for r in grid.runs if r.family == "transformer" and r.tokens > base]
+    if lmus and (longer or grid.gpt2_tokens):
+        drawn["fig5"] = figures.figure5(grid, fits)
+    elif not lmus:
+        refusals.append(f"Figure 5: not drawn: no LMU grid run at {base:,.0f} tokens")
+    else:
+        refusals.append(
+            f"Figure 5: not drawn: no transformer grid run has more than the LMU's {base:,.0f} "
+            f"tokens, and Kaplan's curve is for GPT-2 tokens ({grid.unit} here), so it would "
+            "repeat Figure 3"
+        )
+    return drawn, refusals
 
 
 __all__ = [

@@ -7,7 +7,8 @@ from __future__ import annotations
 import argparse
 import re
 
-from lmuscale.analysis import analyse
+from lmuscale.analysis import analyse, tables
+from lmuscale.analysis.results import ROLES
 from lmuscale.outcomes import Exit, run_main
 
 SUFFIXES = {"": 1, "k": 1e3, "m": 1e6, "b": 1e9}
@@ -46,6 +47,17 @@ def main(argv=None) -> int:
         help="the loss at which to compare the tokens families need (default: the lowest "
         "loss every run reaches)",
     )
+    pick = parser.add_argument_group(
+        "selecting runs", "each analysis takes the runs of its role; these narrow them first"
+    )
+    pick.add_argument("--role", type=_roles, help=f"comma-separated roles: {', '.join(ROLES)}")
+    pick.add_argument("--family", type=_names, help="comma-separated families (lmu,transformer)")
+    pick.add_argument(
+        "--budget",
+        type=lambda text: [parse_size(x) for x in _names(text)],
+        help="comma-separated budgets: training tokens or FLOPs, within 5%% (e.g. 8e10)",
+    )
+    pick.add_argument("--trials", type=_names, help="comma-separated trial patterns (lmu-*)")
     parser.add_argument("--quiet", action="store_true", help="no progress bar or summary")
     args = parser.parse_args(argv)
     if not 0 < args.ci < 1:
@@ -57,7 +69,27 @@ def main(argv=None) -> int:
     return run_main(lambda: _run(args))
 
 
+def _names(text: str) -> list[str]:
+    names = [x.strip() for x in text.split(",") if x.strip()]
+    if not names:
+        raise argparse.ArgumentTypeError("give one or more names, separated by commas")
+    return names
+
+
+def _roles(text: str) -> list[str]:
+    roles = _names(text)
+    for role in roles:
+        if role not in ROLES:
+            raise argparse.ArgumentTypeError(f"{role!r} is not a role ({', '.join(ROLES)})")
+    return roles
+
+
 def _run(args: argparse.Namespace) -> int:
+    keys = {"role": "roles", "family": "families", "budget": "budgets", "trials": "trials"}
+    select = {key: getattr(args, flag) for flag, key in keys.items() if getattr(args, flag)}
+    if select:
+        shown = [f"--{flag} {_show(getattr(args, flag))}" for flag in keys if getattr(args, flag)]
+        select["note"] = " ".join(shown)
     report = analyse(
         args.results,
         args.out,
@@ -68,37 +100,25 @@ def _run(args: argparse.Namespace) -> int:
         seed=args.seed,
         progress=not args.quiet,
         target_loss=args.target_loss,
+        select=select,
     )
     if not args.quiet:
         results = report.results
-        print(f"{len(results.runs)} runs of {', '.join(results.families)} from {results.path}")
+        print(f"{len(results.runs)} runs ({results.role_counts()}) from {results.path}")
         for note in results.skipped:
             print(f"  left out: {note}")
-        for g in report.fits:
-            if g.fit is None:
-                print(f"  {g.name}, {g.form}: not fitted ({g.error})")
-            else:
-                params = ", ".join(f"{k} = {v:.4g}" for k, v in g.fit.params.items())
-                print(f"  {g.name}, {g.form}: {params} (RMS log residual {g.fit.rms_residual:.4f})")
-        best = report.optimal
-        for frontier in best.frontiers:
-            if frontier.a is not None:
-                print(
-                    f"  {frontier.family}: N_opt ∝ C^{frontier.a.estimate:.3f} "
-                    f"[{frontier.a.lo:.3f}, {frontier.a.hi:.3f}], D_opt ∝ "
-                    f"C^{frontier.b.estimate:.3f} [{frontier.b.lo:.3f}, {frontier.b.hi:.3f}]"
-                )
-        for eff in best.efficiency:
-            if eff.ratio_geomean is not None:
-                a, b = eff.families
-                print(
-                    f"  {b} needs {eff.ratio_geomean:.3g}x the tokens of {a} to reach "
-                    f"{eff.target:.4f} ({len(eff.n)} sizes)"
-                )
-        for line in best.left_out:
-            print(f"  left out: {line}")
+        for fit, form, runs, name, estimate, interval in tables.summary_rows(
+            report.fits, report.optimal
+        ):
+            print(f"  {fit}, {form}: {name} = {estimate} {interval} ({runs})")
+        for line in report.refusals:
+            print(f"  not made: {line}")
         print("wrote " + ", ".join(str(p) for p in report.files))
     return Exit.FINISHED
+
+
+def _show(value) -> str:
+    return ",".join(f"{v:g}" if isinstance(v, float) else v for v in value)
 
 
 if __name__ == "__main__":

@@ -1,4 +1,5 @@
-"""Which fits an analysis makes: every form each (family, token budget) group can support."""
+"""Which fits an analysis makes: the power law and saturating form at each family and budget of
+the paper grid, and Chinchilla's L(N, D) over each family's grid budgets and IsoFLOP runs."""
 
 from __future__ import annotations
 
@@ -7,7 +8,7 @@ from dataclasses import dataclass
 import numpy as np
 from tqdm import tqdm
 
-from lmuscale.analysis.results import Results, label
+from lmuscale.analysis.results import ROLE_NAMES, Results, label
 from lmuscale.scaling import (
     BATCH_TOKENS,
     Fit,
@@ -22,7 +23,8 @@ FITTERS = {"power_law": fit_power_law, "saturating": fit_saturating, "chinchilla
 
 @dataclass(frozen=True)
 class GroupFit:
-    """One form fitted to one family, at one budget (``tokens``) or across budgets (None)."""
+    """One form fitted to one family's runs of one role, at one budget (``tokens``) or across
+    budgets (None)."""
 
     family: str
     tokens: float | None
@@ -31,9 +33,12 @@ class GroupFit:
     trials: tuple[str, ...]
     fit: Fit | None
     error: str | None = None
+    role: str = "grid"
 
     @property
     def name(self) -> str:
+        if self.role != "grid":
+            return f"{label(self.family)}, {ROLE_NAMES[self.role]} runs"
         if self.tokens is None:
             return f"{label(self.family)}, all budgets"
         where = f"{self.steps:,.0f} steps"
@@ -43,20 +48,24 @@ class GroupFit:
 
 
 def fit_all(results: Results, *, n_boot: int, ci: float, seed: int, progress=False) -> list:
-    """Power law and saturating fits per (family, budget); a Chinchilla fit per family that
-    has two or more budgets. A group too small for a form gets a ``GroupFit`` with ``error``."""
+    """Power law and saturating fits per family and budget of the paper grid
+    (``Results.grid``); a Chinchilla fit per family over its grid runs, and over its IsoFLOP
+    runs, where either has two or more budgets. A group too small for a form gets a
+    ``GroupFit`` with ``error``."""
+    grid = results.grid()
     jobs = []
-    for family in results.families:
-        budgets = results.budgets(family)
-        for tokens in budgets:
-            runs = results.group(family, tokens)
-            jobs += [(family, tokens, runs, "power_law"), (family, tokens, runs, "saturating")]
-        if len(budgets) > 1:
-            runs = [r for r in results.runs if r.family == family]
-            jobs.append((family, None, runs, "chinchilla"))
+    for family in grid.families:
+        for tokens in grid.budgets(family):
+            runs = grid.group(family, tokens)
+            jobs += [(family, tokens, runs, f, "grid") for f in ("power_law", "saturating")]
+    for role, of_role in (("grid", grid), ("isoflop", results.select(roles=("isoflop",)))):
+        for family in of_role.families:
+            if len(of_role.budgets(family)) > 1:
+                runs = [r for r in of_role.runs if r.family == family]
+                jobs.append((family, None, runs, "chinchilla", role))
     fits = []
     bar = tqdm(jobs, desc="fitting", unit="fit", disable=not progress, leave=False)
-    for family, tokens, runs, form in bar:
+    for family, tokens, runs, form, role in bar:
         bar.set_postfix_str(f"{label(family)}, {form}")
         n = np.array([r.n for r in runs])
         loss = np.array([r.loss for r in runs])
@@ -68,7 +77,7 @@ def fit_all(results: Results, *, n_boot: int, ci: float, seed: int, progress=Fal
         except FitError as e:
             fit, error = None, str(e)
         trials = tuple(r.trial for r in runs)
-        fits.append(GroupFit(family, tokens, steps, form, trials, fit, error))
+        fits.append(GroupFit(family, tokens, steps, form, trials, fit, error, role))
     return fits
 
 

@@ -16,7 +16,7 @@ import numpy as np
 
 from lmuscale.analysis.curves import Curve
 from lmuscale.analysis.results import Run, groups_within
-from lmuscale.scaling.fits import check_ci, percentile_interval
+from lmuscale.scaling.fits import check_ci, interval_text, percentile_interval, unresolved
 
 MIN_SIZES = 3  # distinct sizes a parabola needs
 MIN_BUDGETS = 2  # bracketed budgets a frontier needs
@@ -25,14 +25,21 @@ _CHUNK = 128  # envelope bootstrap replicates evaluated at once (memory: chunk x
 
 @dataclass(frozen=True)
 class Interval:
-    """A point estimate with its percentile confidence interval (NaN with under 10 replicates)."""
+    """A point estimate with its percentile confidence interval: NaN, with ``why``, where the
+    bootstrap cannot resolve one (``lmuscale.scaling.fits.unresolved``)."""
 
     estimate: float
     lo: float
     hi: float
+    why: str | None = None
 
     def __contains__(self, value: float) -> bool:
         return self.lo <= value <= self.hi
+
+    def text(self, spec: str = ".4g") -> str:
+        """ "estimate [lo, hi]", or "estimate, no interval (why)"."""
+        shown = interval_text(self.lo, self.hi, self.why, spec)
+        return f"{self.estimate:{spec}}{' ' if shown.startswith('[') else ', '}{shown}"
 
 
 @dataclass(frozen=True)
@@ -94,6 +101,7 @@ class Envelope:
     used: np.ndarray = field(default_factory=lambda: np.zeros(0, bool), compare=False)
     line: tuple[float, float] | None = None
     kept: int = 0
+    trials: tuple[str, ...] = ()  # the runs whose curves it was drawn from
 
 
 def budgets(runs: list[Run], rtol: float = 0.05) -> list[tuple[float, list[Run]]]:
@@ -174,10 +182,10 @@ def fit_isoflop(
     n_S = _bootstrap_vertices(x_P, loss_P, size_P, n_boot, np.random.default_rng(seed))
     d_S = log_c - np.interp(n_S, sizes_S, logf_S)
     log_d = log_c - float(np.interp(vertex, sizes_S, logf_S))
-    n_lo, n_hi = _percentiles(n_S, ci)
-    d_lo, d_hi = _percentiles(d_S, ci)
-    n_opt = Interval(10**vertex, 10**n_lo, 10**n_hi)
-    d_opt = Interval(10**log_d, 10**d_lo, 10**d_hi)
+    n_lo, n_hi, n_why = _percentiles(n_S, ci)
+    d_lo, d_hi, d_why = _percentiles(d_S, ci)
+    n_opt = Interval(10**vertex, 10**n_lo, 10**n_hi, n_why)
+    d_opt = Interval(10**log_d, 10**d_lo, 10**d_hi, d_why)
     loss_opt = float(np.polyval(coef, vertex))
     return IsoFlopFit(family, budget, runs, coef, n_opt, d_opt, loss_opt, n_S, None, len(n_S), d_S)
 
@@ -287,7 +295,8 @@ def envelope(
         slopes.append(_masked_slopes(grid_G, logn_RxG, used_RxG))
     slopes = np.concatenate(slopes) if slopes else np.zeros(0)
     a = Interval(line[0], *_percentiles(slopes, ci))
-    return Envelope(family, flops, loss, n, a, None, used_G, line, len(slopes))
+    trials = tuple(c.run.trial for c in mine)
+    return Envelope(family, flops, loss, n, a, None, used_G, line, len(slopes), trials)
 
 
 def _bootstrap_vertices(x_P, loss_P, size_P, n_boot, rng) -> np.ndarray:
@@ -377,10 +386,12 @@ def _slopes(x_J, y_RxJ) -> np.ndarray:
     return (y_RxJ @ dx_J) / (dx_J @ dx_J)
 
 
-def _percentiles(samples, ci) -> tuple[float, float]:
+def _percentiles(samples, ci) -> tuple[float, float, str | None]:
+    """(lo, hi, why): the interval, NaN with ``why`` where it is not resolved."""
     samples = np.asarray(samples, dtype=float)
-    lo, hi = percentile_interval(samples[np.isfinite(samples)], ci)
-    return float(lo), float(hi)
+    samples = samples[np.isfinite(samples)]
+    lo, hi = percentile_interval(samples, ci)
+    return float(lo), float(hi), unresolved(samples, ci)
 
 
 def _need_flops(run: Run) -> None:

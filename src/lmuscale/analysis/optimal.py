@@ -4,6 +4,7 @@ and learning rates (a size run at 2 or more rates); each one left out gets a lin
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -17,7 +18,7 @@ from lmuscale.analysis.learning_rate import (
     select_learning_rates,
     write_learning_rates,
 )
-from lmuscale.analysis.results import LMU_FAMILIES, Results, label
+from lmuscale.analysis.results import LMU_FAMILIES, Results, family_key, label
 
 LEARNING_RATES = "learning_rates.json"
 
@@ -30,6 +31,7 @@ class OptimalReport:
     rates: list[LearningRateChoice] = field(default_factory=list)
     curves: dict = field(default_factory=dict)
     left_out: list[str] = field(default_factory=list)  # one line per analysis not made
+    ci: float = 0.95
 
     def csv_rows(self, ci: float) -> list[dict]:
         """Rows in fits.csv's columns: one per estimate, with its CI where it has one."""
@@ -84,7 +86,8 @@ class OptimalReport:
 
     def markdown(self, ci: float) -> list[str]:
         out = ["## Compute-optimal analyses", ""]
-        out += [f"- Left out: {line}" for line in self.left_out]
+        if not (self.frontiers or self.envelopes or self.efficiency or self.rates):
+            return [*out, "None could be made: see the last section."]
         if self.frontiers:
             out += ["", f"### IsoFLOP minima (Chinchilla approach 2; {ci:.0%} CIs)", ""]
             out += ["| family | C (FLOPs) | sizes | N_opt | D_opt | loss at N_opt | note |"]
@@ -95,7 +98,8 @@ class OptimalReport:
                     if fit.n_opt is None:
                         out.append(f"{start} — | — | — | {fit.error} |")
                     else:
-                        optimum = f"{_ci(fit.n_opt)} | {_ci(fit.d_opt)} | {fit.loss_opt:.4f}"
+                        optimum = " | ".join(v.text(",.0f") for v in (fit.n_opt, fit.d_opt))
+                        optimum += f" | {fit.loss_opt:.4f}"
                         out.append(f"{start} {optimum} | |")
             out += ["", "| family | a (N_opt ∝ C^a) | b (D_opt ∝ C^b) | budgets fitted | note |"]
             out += ["|---|---|---|---:|---|"]
@@ -104,9 +108,10 @@ class OptimalReport:
                 if frontier.a is None:
                     out.append(f"| {label(frontier.family)} | — | — | {used} | {frontier.error} |")
                 else:
+                    note = "" if used >= 3 else "under 3 budgets: drawn only over them"
                     out.append(
-                        f"| {label(frontier.family)} | {_ci(frontier.a, '.3f')} | "
-                        f"{_ci(frontier.b, '.3f')} | {used} | |"
+                        f"| {label(frontier.family)} | {frontier.a.text('.3f')} | "
+                        f"{frontier.b.text('.3f')} | {used} | {note} |"
                     )
         if self.envelopes:
             out += ["", "### Lower envelope of the evaluation curves (Chinchilla approach 1)", ""]
@@ -115,7 +120,7 @@ class OptimalReport:
             for env in self.envelopes:
                 runs = sum(c.run.family == env.family for c in self.curves.values())
                 span = f"{env.flops[0]:.3g} to {env.flops[-1]:.3g}" if len(env.flops) else "—"
-                a = "—" if env.a is None else _ci(env.a, ".3f")
+                a = "—" if env.a is None else env.a.text(".3f")
                 out.append(f"| {label(env.family)} | {runs} | {span} | {a} | {env.error or ''} |")
         if self.efficiency:
             out += ["", "### Data efficiency: tokens to reach a loss", ""]
@@ -151,41 +156,47 @@ class OptimalReport:
 def compute_optimal(
     results: Results, *, n_boot: int, ci: float, seed: int, target: float | None = None
 ) -> OptimalReport:
-    """Every compute-optimal analysis ``results`` supports; the rest named in ``left_out``.
-    ``target``: the loss of the data-efficiency comparison."""
-    report = OptimalReport()
-    with_flops = []
-    for family in results.families:
-        runs = [r for r in results.runs if r.family == family]
-        if any(r.flops is None for r in runs):
-            report.left_out.append(
-                f"{label(family)}: IsoFLOP and envelope: the table has no flops_per_token"
-            )
-            continue
-        with_flops.append(family)
+    """Every compute-optimal analysis ``results`` supports, each on the runs of its role:
+    IsoFLOP frontiers on the IsoFLOP runs; the envelope on each family's IsoFLOP runs (its
+    grid runs without); data efficiency on the grid runs (the IsoFLOP runs without); learning
+    rates on the learning-rate grid. The rest are named in ``left_out``. ``target``: the loss
+    of the data-efficiency comparison."""
+    report = OptimalReport(ci=ci)
+    iso, grid = results.select(roles=("isoflop",)), results.grid()
+    without = {r.family for r in grid.runs + iso.runs if r.flops is None}
+    for family in sorted(without, key=family_key):
+        report.left_out.append(
+            f"{label(family)}: IsoFLOP and envelope: the table has no flops_per_token"
+        )
+    for family in [f for f in iso.families if f not in without]:
+        runs = [r for r in iso.runs if r.family == family]
         groups = [g for _, g in budgets(runs) if len({r.n for r in g}) >= 3]
         if len(groups) >= 2:
-            # only the budgets that train 3 or more sizes: a learning-rate sweep's runs (one
-            # size at several rates) are no IsoFLOP curve
-            grid = [r for g in groups for r in g]
-            report.frontiers.append(fit_frontier(family, grid, n_boot=n_boot, ci=ci, seed=seed))
+            grid_runs = [r for g in groups for r in g]
+            report.frontiers.append(
+                fit_frontier(family, grid_runs, n_boot=n_boot, ci=ci, seed=seed)
+            )
         else:
             report.left_out.append(
                 f"{label(family)}: IsoFLOP (approach 2) needs 3 or more sizes at each of 2 or "
-                f"more compute budgets; the table has {len(groups)} such budget(s)"
+                f"more compute budgets; the IsoFLOP runs have {len(groups)} such budget(s)"
             )
-    curves, missing = load_curves(results)
+    if not iso.runs and not without:
+        report.left_out.append("IsoFLOP (approach 2): the table has no IsoFLOP runs")
+    curves, missing = load_curves(dataclasses.replace(results, runs=grid.runs + iso.runs))
     report.curves = curves
     if missing:
         shown = "; ".join(missing[:5]) + (
             f"; and {len(missing) - 5} more" if len(missing) > 5 else ""
         )
         report.left_out.append(f"evaluation curves: {shown}")
-    by_family = {}
+    by_role = {}
     for curve in curves.values():
-        by_family.setdefault(curve.run.family, []).append(curve)
-    for family in with_flops:
-        mine = by_family.get(family, [])
+        by_role.setdefault((curve.run.role, curve.run.family), []).append(curve)
+    for family in sorted({r.family for r in grid.runs + iso.runs}, key=family_key):
+        mine = by_role.get(("isoflop", family)) or by_role.get(("grid", family), [])
+        if family in without:
+            continue
         if len({c.run.n for c in mine}) >= 2:
             report.envelopes.append(envelope(family, mine, n_boot=n_boot, ci=ci, seed=seed))
         else:
@@ -193,24 +204,26 @@ def compute_optimal(
                 f"{label(family)}: envelope (approach 1) needs evaluation curves of 2 or more "
                 f"sizes; found {len({c.run.n for c in mine})}"
             )
-    report.rates, notes = select_learning_rates(results.runs)
-    if report.rates:  # an LR sweep: say which of its groups gave no choice, other than the
-        # runs at a single rate (every run of the rest of the table)
-        report.left_out += [
-            f"learning rates: {note}" for note in notes if "only one learning rate" not in note
-        ]
-    else:
+    lr = results.select(roles=("learning_rate",))
+    report.rates, notes = select_learning_rates(lr.runs)
+    report.left_out += [f"learning rates: {note}" for note in notes]
+    if not lr.runs:
         report.left_out.append(
             "learning rates: no family and size was run at 2 or more learning rates"
         )
-    # the runs of a learning-rate sweep (one size at several rates) are not compared for
-    # data efficiency: a badly chosen rate is not the family's speed
-    swept = {trial for choice in report.rates for trial in choice.trials}
-    for a, b in _pairs(list(by_family)):
-        pair = [c for c in curves.values() if c.run.family in (a, b) and c.run.trial not in swept]
+    for role in ("grid", "isoflop"):
+        families = [f for r, f in sorted(by_role, key=lambda k: family_key(k[1])) if r == role]
+        if len(families) >= 2:
+            break
+    else:
+        report.left_out.append(
+            "data efficiency: needs evaluation curves of two families in the grid (or the "
+            "IsoFLOP runs)"
+        )
+        return report
+    for a, b in _pairs(families):
+        pair = by_role[role, a] + by_role[role, b]
         report.efficiency.append(data_efficiency(pair, a, b, target))
-    if len(by_family) < 2:
-        report.left_out.append("data efficiency: needs evaluation curves of two families")
     return report
 
 
@@ -246,7 +259,3 @@ def _row(name: str, family: str, form: str) -> dict:
 
 def _interval(name: str, value) -> dict:
     return {"parameter": name, "estimate": value.estimate, "ci_low": value.lo, "ci_high": value.hi}
-
-
-def _ci(value, spec: str = ",.0f") -> str:
-    return f"{value.estimate:{spec}} [{value.lo:{spec}}, {value.hi:{spec}}]"

@@ -3,15 +3,19 @@
 Needs the columns trial, family, N (non-embedding parameters), steps, tokens and the loss
 (``test_loss`` or ``val_loss``, nats per token). The other columns of ``Run`` are optional
 (per_position: ``{split}_per_position``), and so is status: rows not "finished" are skipped.
+Each run has a role (``ROLES``): the table's ``role`` column, or, for a table without one,
+``infer_roles``'s guess from the runs' sizes, budgets and learning rates.
 """
 
 from __future__ import annotations
 
 import csv
+import dataclasses
+import fnmatch
 import io
 import json
 import math
-from collections import Counter
+from collections import Counter, defaultdict
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -29,6 +33,15 @@ LABELS = {
 }
 FAMILY_ORDER = ("lmu", "lmu_g", "transformer", "sru", "sru_pp", "lstm")  # in legends, tables
 LMU_FAMILIES = ("lmu", "lmu_g")
+# What a run is for (lmuscale.sweep.spec.ROLES): the analyses each role feeds are in
+# lmuscale.analysis.analyse; ROLE_NAMES are their names in tables and messages.
+ROLE_NAMES = {
+    "grid": "paper grid",
+    "isoflop": "IsoFLOP",
+    "learning_rate": "learning-rate grid",
+    "seed": "seed replicate",
+}
+ROLES = tuple(ROLE_NAMES)
 
 
 class ResultsError(DataError):
@@ -53,6 +66,7 @@ class Run:
     learning_rate: float | None = None
     seed: int | None = None
     folder: str | None = None  # the trial's folder, beside the results table
+    role: str = "grid"  # one of ROLES
 
     @property
     def flops(self) -> float | None:
@@ -70,6 +84,53 @@ class Results:
     split: str  # "test" or "val"
     runs: list[Run]
     skipped: list[str] = field(default_factory=list)  # one line per row left out, with why
+    roles_inferred: bool = False  # the table has no role column: see infer_roles
+    selection: str = ""  # how the runs were selected from the table (``select``), if they were
+
+    def select(
+        self, *, roles=None, families=None, budgets=None, trials=None, note: str = ""
+    ) -> Results:
+        """The runs of the given roles and families, at one of ``budgets`` (training tokens or
+        FLOPs, within 5%) and whose trial name matches one of the ``trials`` patterns (shell
+        style: ``lmu-*``); None: any. ``note`` says why, in ``selection``."""
+
+        def near(value):
+            return value is not None and any(abs(value / b - 1) <= 0.05 for b in budgets)
+
+        runs = [
+            r
+            for r in self.runs
+            if (roles is None or r.role in roles)
+            and (families is None or r.family in families)
+            and (budgets is None or near(r.tokens) or near(r.flops))
+            and (trials is None or any(fnmatch.fnmatchcase(r.trial, p) for p in trials))
+        ]
+        return dataclasses.replace(self, runs=runs, selection=note or self.selection)
+
+    def grid(self) -> Results:
+        """The paper-grid runs, which Figures 3-5 and the fits in N take: at each family and
+        token budget the runs of one learning rate (the commonest; the lowest on a tie). The
+        grid's runs at other rates are added to ``skipped``."""
+        grid = self.select(roles=("grid",))
+        kept, skipped = [], list(self.skipped)
+        for family in grid.families:
+            for tokens in grid.budgets(family):
+                runs = grid.group(family, tokens)
+                counts = Counter(r.learning_rate for r in runs)
+                rate = min(counts, key=lambda x: (-counts[x], x or 0))
+                kept += [r for r in runs if r.learning_rate == rate]
+                skipped += [
+                    f"{r.trial}: learning rate {r.learning_rate:g}, not the {rate:g} of the "
+                    f"other {label(family)} grid runs at {r.tokens:,.0f} tokens"
+                    for r in runs
+                    if r.learning_rate != rate
+                ]
+        return dataclasses.replace(grid, runs=kept, skipped=skipped)
+
+    def role_counts(self) -> str:
+        """ "8 paper grid, 15 IsoFLOP": the runs of each role, in ``ROLES`` order."""
+        counts = Counter(r.role for r in self.runs)
+        return ", ".join(f"{counts[r]} {ROLE_NAMES[r]}" for r in ROLES if counts[r])
 
     @property
     def families(self) -> list[str]:
@@ -161,7 +222,7 @@ def load_results(path, split: str = "test") -> Results:
             f"{path}: missing column{'s' if len(missing) > 1 else ''} {', '.join(missing)} "
             f"(the table has: {', '.join(columns) or 'nothing'})"
         )
-    results = Results(path, split, [])
+    results = Results(path, split, [], roles_inferred="role" not in columns)
     for line, row in rows:
         run = _run(path, line, row, split, results.skipped)
         if run is not None:
@@ -171,7 +232,40 @@ def load_results(path, split: str = "test") -> Results:
             f"{path}: no finished row with a finite {loss_key}; left out: "
             + "; ".join(results.skipped)
         )
+    if results.roles_inferred:
+        results.runs = infer_roles(results.runs)
     return results
+
+
+def infer_roles(runs: list[Run]) -> list[Run]:
+    """Roles for the runs of a table without a role column: a size trained at 2 or more
+    learning rates on the same tokens is a learning-rate grid; of the rest, runs at one
+    compute budget (FLOPs within 5%) with 3 or more sizes on 2 or more token counts are
+    IsoFLOP runs; the others are the grid, where a repeat of a run at another seed (same
+    family, N, tokens and rate) is a seed replicate of the lowest seed's run."""
+    role = {}
+    by_point = defaultdict(list)
+    for run in runs:
+        by_point[run.family, run.tokens].append(run)
+    for group in by_point.values():
+        for at_size in groups_within(group, lambda r: r.n, 0.05):
+            if len({r.learning_rate for r in at_size}) > 1:
+                role.update(dict.fromkeys(((r.trial, r.line) for r in at_size), "learning_rate"))
+    rest = [r for r in runs if (r.trial, r.line) not in role]
+    for family in {r.family for r in rest}:
+        mine = [r for r in rest if r.family == family and r.flops is not None]
+        for group in groups_within(mine, lambda r: r.flops, 0.05):
+            if len({r.n for r in group}) >= 3 and len({r.tokens for r in group}) >= 2:
+                role.update(dict.fromkeys(((r.trial, r.line) for r in group), "isoflop"))
+    replicated = defaultdict(list)
+    for r in runs:
+        if (r.trial, r.line) not in role:
+            replicated[r.family, r.n, r.tokens, r.learning_rate].append(r)
+    for group in replicated.values():
+        first = min(group, key=lambda r: (r.seed is None, r.seed or 0, r.line))
+        for r in group:
+            role[r.trial, r.line] = "grid" if r is first else "seed"
+    return [dataclasses.replace(r, role=role[r.trial, r.line]) for r in runs]
 
 
 def _text(path: Path) -> str:
@@ -261,6 +355,9 @@ def _run(path, line, row, split, skipped) -> Run | None:
             raise ResultsError(f"{where}: column {column} is {name!r}, not a {column}'s name")
     for column in ("flops_per_token", "learning_rate"):
         optional[column] = _positive(row, where, column, allow_missing=True)
+    role = row.get("role") or "grid"
+    if role not in ROLES:
+        raise ResultsError(f"{where}: column role is {role!r}; expected one of {', '.join(ROLES)}")
     seed = _number(row.get("seed"), where, "seed", allow_missing=True)
     if seed is not None and (not seed.is_integer() or seed < 0):
         raise ResultsError(f"{where}: column seed must be a whole number >= 0, got {seed}")
@@ -275,6 +372,7 @@ def _run(path, line, row, split, skipped) -> Run | None:
         total_params=_number(row.get("total_params"), where, "total_params", allow_missing=True),
         per_position=per_position or None,
         seed=None if seed is None else int(seed),
+        role=role,
         **optional,
     )
 

@@ -11,9 +11,10 @@ from pathlib import Path
 
 import numpy as np
 
-from lmuscale.analysis.results import LMU_FAMILIES, Results, label
+from lmuscale.analysis.results import LMU_FAMILIES, ROLE_NAMES, Results, family_key, label
 from lmuscale.files import atomic_write_bytes
 from lmuscale.scaling import FORMULAS, reference, steps_to_match
+from lmuscale.scaling.fits import interval_text
 
 CSV_FIELDS = (
     "fit",
@@ -88,34 +89,46 @@ def write_csv(path: Path, fits, extra: list[dict] = ()) -> None:
     atomic_write_bytes(path, buffer.getvalue().encode())
 
 
-def markdown(results: Results, fits) -> str:
+EXPONENTS = ("alpha", "beta")  # the parameters of a fit that the summary shows
+
+
+def markdown(results: Results, fits, best, refusals: list[str], sections=()) -> str:
+    """fits.md: a summary of every exponent with its CI and runs, then ``sections`` (lists of
+    lines), the fitted parameters, residuals, compute-optimal analyses, reference curves and
+    data efficiency, the runs behind each fit, and last one line per analysis not made."""
+    roles = (
+        "inferred from the runs: the table has no role column"
+        if results.roles_inferred
+        else ("from the table's role column")
+    )
     out = [
         "# Scaling-law fits",
         "",
-        f"- Results: `{results.path}` ({len(results.runs)} runs used, {results.split} loss, "
-        f"{results.unit}).",
-        "- N is non-embedding parameters. Fits are to log L; CIs are percentile intervals "
-        "of a case bootstrap; stderr is analytic for the power law (OLS) and saturating form "
-        "(Gauss-Newton), the bootstrap SD for Chinchilla.",
+        f"- Results: `{results.path}`: {len(results.runs)} runs ({results.role_counts()}; roles "
+        f"{roles}), {results.split} loss in {results.unit}.",
     ]
+    if results.selection:
+        out.append(f"- Selected: {results.selection}.")
+    out.append(
+        "- N is non-embedding parameters. Fits are to log L; CIs are percentile intervals of a "
+        "case bootstrap; stderr is analytic for the power law (OLS) and saturating form "
+        "(Gauss-Newton), the bootstrap SD for Chinchilla."
+    )
     if results.skipped:
         out.append(f"- Left out ({len(results.skipped)}): " + "; ".join(results.skipped))
-    out += ["", "## Fitted parameters", ""]
+    out += ["", *summary_markdown(fits, best), ""]
+    for section in sections:
+        out += [*section, ""]
+    out += ["## Fitted parameters", ""]
     out += ["| fit | form | points | parameter | estimate | stderr | CI | RMS log residual |"]
     out += ["|---|---|---:|---|---:|---:|---|---:|"]
     for g in fits:
         if g.fit is None:
-            out.append(
-                f"| {g.name} | {FORMULAS[g.form]} | {len(g.trials)} | — | not fitted: "
-                f"{g.error} | | | |"
-            )
             continue
         f = g.fit
         for i, name in enumerate(f.names):
-            ci = (
-                f"[{_num(f.ci_low[i])}, {_num(f.ci_high[i])}] ({f.ci:.0%}, {len(f.samples)} "
-                f"of {f.n_boot} resamples)"
-            )
+            ci = interval_text(f.ci_low[i], f.ci_high[i], f.unresolved[i], ".4g")
+            ci += f" ({f.ci:.0%}, {len(f.samples)} of {f.n_boot} resamples)"
             out.append(
                 f"| {g.name} | {FORMULAS[g.form]} | {len(g.trials)} | {name} | "
                 f"{_num(f.estimate[i])} | {_num(f.stderr[i])} | {ci} | {f.rms_residual:.4f} |"
@@ -136,8 +149,131 @@ def markdown(results: Results, fits) -> str:
                 f"| {g.name} | {g.form} | {trial} | {n:,.0f} | {d:,.0f} | {loss:.4f} | "
                 f"{p:.4f} | {r:+.4f} |"
             )
+    out += ["", *best.markdown(best.ci), "", *seed_markdown(results)]
     out += ["", *reference_markdown(results), "", *efficiency_markdown(results), ""]
-    return "\n".join(out)
+    out += ["## Runs behind each fit", ""]
+    for name, trials in runs_behind(fits, best):
+        out.append(f"- {name}: {', '.join(trials)}")
+    out += ["", "## Not fitted or not drawn", ""]
+    out += [f"- {line}" for line in refusals] or ["Every analysis was made."]
+    return "\n".join(out) + "\n"
+
+
+def summary_rows(fits, best) -> list[list[str]]:
+    """Each family's exponents with their CIs and the runs behind them: rows of (fit, form,
+    runs, exponent, estimate, CI), each family's together."""
+    rows = []  # (family, cells)
+
+    def add(family, fit, form, runs, name, estimate, interval):
+        spec = ".3g" if name == "ratio" else ".3f"
+        rows.append((family, [fit, form, runs, name, f"{estimate:{spec}}", interval]))
+
+    for g in fits:
+        if g.fit is not None:
+            f, why = g.fit, g.fit.unresolved
+            for i, name in enumerate(f.names):
+                if name in EXPONENTS:
+                    ci = interval_text(f.ci_low[i], f.ci_high[i], why[i], ".3f")
+                    runs = f"{len(g.trials)} {ROLE_NAMES[g.role]} runs"
+                    add(g.family, g.name, FORMULAS[g.form], runs, name, f.estimate[i], ci)
+    for frontier in best.frontiers:
+        if frontier.a is not None:
+            used = [f for f in frontier.fits if f.n_opt is not None]
+            runs = f"{sum(len(f.runs) for f in used)} IsoFLOP runs, {len(used)} budgets"
+            for name, value, form in (
+                ("a", frontier.a, "N_opt ∝ C^a"),
+                ("b", frontier.b, "D_opt ∝ C^b"),
+            ):
+                ci = interval_text(value.lo, value.hi, value.why, ".3f")
+                add(
+                    frontier.family,
+                    f"{label(frontier.family)}, IsoFLOP minima",
+                    form,
+                    runs,
+                    name,
+                    value.estimate,
+                    ci,
+                )
+    for env in best.envelopes:
+        if env.a is not None:
+            ci = interval_text(env.a.lo, env.a.hi, env.a.why, ".3f")
+            runs = f"{len(env.trials)} curves"
+            add(
+                env.family,
+                f"{label(env.family)}, lower envelope",
+                "N ∝ C^a along it",
+                runs,
+                "a",
+                env.a.estimate,
+                ci,
+            )
+    for eff in best.efficiency:
+        if eff.ratio_geomean is not None:
+            a, b = eff.families
+            what = f"tokens to reach loss {eff.target:.4f}"
+            ci = "no interval (not bootstrapped)"
+            add(
+                a,
+                f"{label(b)} / {label(a)}",
+                what,
+                f"{len(eff.n)} sizes",
+                "ratio",
+                eff.ratio_geomean,
+                ci,
+            )
+    rows.sort(key=lambda item: family_key(item[0]))  # stable: each family's rows together
+    return [cells for _, cells in rows]
+
+
+def summary_markdown(fits, best) -> list[str]:
+    out = ["## Summary", ""]
+    rows = summary_rows(fits, best)
+    if not rows:
+        return [*out, "No analysis could be made: see the last section."]
+    out += [f"| fit | form | runs | exponent | estimate | {best.ci:.0%} CI |"]
+    out += ["|---|---|---|---|---:|---|"]
+    return out + ["| " + " | ".join(cells) + " |" for cells in rows]
+
+
+def seed_markdown(results: Results) -> list[str]:
+    """The spread of the loss over seeds at each grid point with seed replicates."""
+    replicas = [r for r in results.runs if r.role == "seed"]
+    if not replicas:
+        return []
+    out = ["## Seed replicates (the noise the fits' residuals compare with)", ""]
+    out += [
+        "| family | N | tokens | runs | mean loss | SD | trials |",
+        "|---|---:|---:|---:|---:|---:|---|",
+    ]
+    points = sorted(
+        {(r.family, r.n, r.tokens) for r in replicas}, key=lambda p: (family_key(p[0]), p[1:])
+    )
+    for family, n, tokens in points:
+        runs = [
+            r
+            for r in results.runs
+            if r.role in ("grid", "seed") and (r.family, r.n, r.tokens) == (family, n, tokens)
+        ]
+        loss = np.array([r.loss for r in runs])
+        sd = f"{loss.std(ddof=1):.4f}" if len(loss) > 1 else "—"
+        out.append(
+            f"| {label(family)} | {n:,.0f} | {tokens:,.0f} | {len(runs)} | {loss.mean():.4f} | "
+            f"{sd} | {', '.join(r.trial for r in runs)} |"
+        )
+    return out
+
+
+def runs_behind(fits, best) -> list[tuple[str, tuple[str, ...]]]:
+    """(name, trials) of every fit and estimate made."""
+    named = [(f"{g.name}, {g.form.replace('_', ' ')}", g.trials) for g in fits if g.fit is not None]
+    for frontier in best.frontiers:
+        trials = tuple(r.trial for f in frontier.fits for r in f.runs)
+        named.append((f"{label(frontier.family)}, IsoFLOP", trials))
+    named += [(f"{label(e.family)}, lower envelope", e.trials) for e in best.envelopes if e.trials]
+    for eff in best.efficiency:
+        a, b = (label(f) for f in eff.families)
+        named.append((f"{b} / {a} tokens", tuple(eff.reached)))
+    return named
 
 
 def reference_markdown(results: Results) -> list[str]:

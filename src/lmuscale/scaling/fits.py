@@ -31,6 +31,7 @@ SATURATING_GRID = {key: CHINCHILLA_GRID[key] for key in ("alpha", "e", "a")}
 # Bootstrap refits restart from the full fit's optimum and the best few distinct grid optima.
 BOOTSTRAP_RESTARTS = 8
 MIN_SAMPLES = 10  # bootstrap samples below which an interval is NaN
+MIN_DISTINCT = 10  # distinct resampled values below which an interval is NaN
 
 FORMS = {
     "power_law": ("Nc", "alpha"),
@@ -97,16 +98,56 @@ class Fit:
         predicted = [self.predict(n, tokens, s) for s in self.samples]
         return percentile_interval(np.reshape(predicted, (-1, *n.shape)), self.ci)
 
+    @property
+    def unresolved(self) -> list[str | None]:
+        """Per parameter: why its bootstrap gives no interval (None where it does)."""
+        return unresolved(self.samples.reshape(-1, len(self.names)), self.ci)
+
+
+def unresolved(samples, ci: float) -> list[str | None]:
+    """Why the bootstrap ``samples`` (R,) or (R, K) give no interval, per column (a str for
+    (R,)): too few usable resamples, too few distinct values, or a zero-width interval."""
+    samples = np.asarray(samples, dtype=float)
+    columns = samples.reshape(samples.shape[0], int(np.prod(samples.shape[1:]))).T
+    reasons = []
+    for values in columns:
+        values = values[np.isfinite(values)]
+        ordered = np.sort(values)  # values within 1e-7 of each other are one (rounding noise)
+        distinct = 1 + int(np.sum(np.diff(ordered) > 1e-7 * np.abs(ordered[1:])))
+        if len(values) < MIN_SAMPLES:
+            reasons.append(f"{len(values)} usable resamples, under {MIN_SAMPLES}")
+        elif distinct < MIN_DISTINCT:
+            plural = "s" if distinct != 1 else ""
+            reasons.append(f"the resamples give only {distinct} distinct value{plural}")
+        else:
+            tail = 50 * (1 - ci)
+            low, high = np.percentile(values, [tail, 100 - tail])
+            same = high - low <= 1e-9 * max(abs(low), abs(high), 1e-300)
+            reasons.append(f"zero width: {ci:.0%} of the resamples agree" if same else None)
+    return reasons[0] if samples.ndim == 1 else reasons
+
 
 def percentile_interval(samples, ci: float):
-    """(low, high): the central ``ci`` interval of ``samples`` along their first axis."""
+    """(low, high): the central ``ci`` interval of ``samples`` along their first axis; NaN
+    where ``unresolved`` gives a reason."""
     samples = np.asarray(samples, dtype=float)
     if len(samples) < MIN_SAMPLES:
         nan = np.full(samples.shape[1:], np.nan)
         return nan, nan
     tail = 50 * (1 - ci)
     low, high = np.percentile(samples, [tail, 100 - tail], axis=0)
-    return low, high
+    why = np.reshape(np.array(unresolved(samples, ci), dtype=object), low.shape)
+    bad = why != None  # noqa: E711 (element-wise)
+    return np.where(bad, np.nan, low), np.where(bad, np.nan, high)
+
+
+def interval_text(low, high, why: str | None = None, spec: str = ".4g") -> str:
+    """ "[low, high]", or "no interval (why)" where the bootstrap could not resolve one."""
+    if why is None and not (np.isfinite(low) and np.isfinite(high)):
+        why = "too few usable resamples"
+    if why is not None:
+        return f"no interval ({why})"
+    return f"[{low:{spec}}, {high:{spec}}]"
 
 
 def check_ci(ci) -> None:

@@ -108,7 +108,8 @@ def isoflop_grid(
             )
         lr = None if learning_rate is None else learning_rate(point.family, point.n)
         name = f"{point.family}-{short(point.n)}-{short(point.budget)}"
-        trials += _seeded(name, schedule(base, point.steps, evals, lr), seeds, _caller())
+        config = schedule(base, point.steps, evals, lr)
+        trials += _seeded(name, config, seeds, _caller(), "isoflop")
     return trials
 
 
@@ -130,8 +131,21 @@ def learning_rate_grid(
             for lr in sorted(learning_rates):
                 config = schedule(make_config(model), steps, evals, lr)
                 name = f"{family}-{short(n)}-lr{lr:g}"
-                trials += _seeded(name, config, seeds, _caller())
+                trials += _seeded(name, config, seeds, _caller(), "learning_rate")
     return trials
+
+
+def seed_replicates(trials: Iterable[Trial], seeds: Sequence[int]) -> list[Trial]:
+    """Each trial again at each of ``seeds`` (give seeds other than its own), named NAME-sK:
+    role "seed", so the analysis reports the spread of the loss over seeds and fits only the
+    trials given."""
+    replicas = []
+    for trial in trials:
+        for seed in seeds:
+            overrides = {**trial.overrides, "train.seed": seed}
+            name = f"{trial.name}-s{seed}"
+            replicas.append(Trial(name, trial.config, overrides, "seed", origin=_caller()))
+    return replicas
 
 
 def schedule(config: ConfigDict, steps: int, evals: int, learning_rate=None) -> ConfigDict:
@@ -168,11 +182,11 @@ def _caller() -> str:
     return f"{frame.f_code.co_filename}:{frame.f_lineno}"
 
 
-def _seeded(name: str, config: ConfigDict, seeds: Sequence[int], origin: str) -> list[Trial]:
+def _seeded(name: str, config: ConfigDict, seeds: Sequence[int], origin: str, role: str):
     trials = []
     for seed in seeds:
         seeded = ConfigDict(config.to_dict())
         seeded.train.seed = seed
         suffix = f"-s{seed}" if len(seeds) > 1 else ""
-        trials.append(Trial(name + suffix, seeded, origin=origin))
+        trials.append(Trial(name + suffix, seeded, role=role, origin=origin))
     return trials

@@ -23,6 +23,10 @@ from lmuscale.sweep.throughput import Throughput
 from lmuscale.train.config import RESUMABLE_CHANGES, ConfigError, flatten, load, override, where_in
 
 NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._+=-]*")
+# What a trial is for, which decides the analyses that take it (lmuscale.analysis.results): the
+# paper's grid of sizes at one budget, an IsoFLOP budget, a learning-rate grid, or a repeat of
+# a grid trial at another seed. Not part of the config, so it does not change the folder.
+ROLES = ("grid", "isoflop", "learning_rate", "seed")
 
 
 class SweepError(ConfigError):
@@ -32,11 +36,13 @@ class SweepError(ConfigError):
 @dataclasses.dataclass(frozen=True)
 class Trial:
     """One training run: ``config`` is a ConfigDict or ``"FILE.py:NAME"`` (relative to the
-    sweep file), changed by ``overrides`` (``{"train.steps": 250_000}``)."""
+    sweep file), changed by ``overrides`` (``{"train.steps": 250_000}``); ``role``: one of
+    ``ROLES``."""
 
     name: str
     config: ConfigDict | str
     overrides: Mapping[str, Any] = dataclasses.field(default_factory=dict)
+    role: str = "grid"
     origin: str = dataclasses.field(default="", compare=False, repr=False)
 
     def __post_init__(self):
@@ -50,6 +56,7 @@ class ResolvedTrial:
     name: str
     config: ConfigDict  # checked and locked; data.path is absolute
     key: str  # the config hash
+    role: str = "grid"
 
     @property
     def folder_name(self) -> str:
@@ -108,6 +115,8 @@ def load_sweep(path: str | Path) -> Sweep:
             raise SweepError(
                 f"{where}: the name is already used by the trial at {seen[trial.name]}"
             )
+        if trial.role not in ROLES:
+            raise SweepError(f"{where}: role is {trial.role!r}; expected one of {', '.join(ROLES)}")
         seen[trial.name] = _short(trial.origin)
         resolved.append(_resolve(trial, path.parent, where, group=path.stem))
     throughput = _throughput(path, getattr(module, "THROUGHPUT", None))
@@ -160,7 +169,7 @@ def _resolve(trial: Trial, folder: Path, where: str, group: str = "") -> Resolve
     except Exception as error:
         raise SweepError(f"{where}: {type(error).__name__}: {error}") from None
     config.lock()
-    return ResolvedTrial(trial.name, config, config_hash(config))
+    return ResolvedTrial(trial.name, config, config_hash(config), trial.role)
 
 
 def _text(value) -> str:

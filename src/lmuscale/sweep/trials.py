@@ -22,6 +22,7 @@ from lmuscale.workdir import summary as read_summary
 RESULT_FIELDS = (
     "trial",
     "family",
+    "role",
     "N",
     "total_params",
     "seq_len",
@@ -66,6 +67,7 @@ def result_row(trial: ResolvedTrial, folder: Path) -> dict:
     row.update(
         trial=trial.name,
         family=model.family,
+        role=trial.role,
         N=params.non_embedding,
         total_params=params.total,
         seq_len=c.data.seq_len,
