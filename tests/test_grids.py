@@ -55,6 +55,7 @@ def test_every_trial_spends_its_budget_within_2_percent():
     for trial in trials:
         budget = float(trial.name.rsplit("-", 1)[1])
         assert abs(cost(trial.config) / budget - 1) < 0.02, trial.name
+        assert trial.role == "isoflop"
         n = count_params(model_config(trial.config.model)).non_embedding
         assert trial.name.startswith(f"{trial.config.model.family}-{short(n)}-")
 
@@ -130,6 +131,7 @@ def test_learning_rate_grid_is_every_size_at_every_rate():
         assert trial.config.optim.learning_rate == lr and lr in rates
         assert trial.config.train.steps == 200 and trial.config.optim.warmup_steps == 10
         assert trial.config.eval.every == 50
+        assert trial.role == "learning_rate"
 
 
 def test_any_n_gets_a_grid_point_and_table_rows_are_unchanged():
