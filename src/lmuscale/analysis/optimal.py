@@ -233,10 +233,11 @@ def write(report: OptimalReport, results: Results, out: Path) -> list[Path]:
     unit = results.unit
     if report.frontiers:
         files += save(figures.isoflop_figure(report.frontiers, unit), out / "isoflop")
-    if report.frontiers or report.envelopes:
+    minima = any(fit.n_opt is not None for f in report.frontiers for fit in f.fits)
+    if minima or any(e.error is None for e in report.envelopes):  # else an empty figure
         files += save(figures.optimal_figure(report.frontiers, report.envelopes), out / "optimal")
-    for eff in report.efficiency:
-        curves = [c for c in report.curves.values() if c.run.family in eff.families]
+    for eff in [e for e in report.efficiency if e.ratio_geomean is not None]:
+        curves = [c for c in report.curves.values() if c.run.trial in eff.reached]
         name = f"tokens_{eff.families[0]}_{eff.families[1]}"
         files += save(figures.tokens_figure(curves, eff, unit), out / name)
     if report.rates:

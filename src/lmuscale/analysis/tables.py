@@ -150,7 +150,7 @@ def markdown(results: Results, fits, best, refusals: list[str], sections=()) -> 
                 f"{p:.4f} | {r:+.4f} |"
             )
     out += ["", *best.markdown(best.ci), "", *seed_markdown(results)]
-    out += ["", *reference_markdown(results), "", *efficiency_markdown(results), ""]
+    out += ["", *reference_markdown(results), "", *efficiency_markdown(results.grid()), ""]
     out += ["## Runs behind each fit", ""]
     for name, trials in runs_behind(fits, best):
         out.append(f"- {name}: {', '.join(trials)}")
