@@ -382,7 +382,7 @@ def holdout(
 @dataclass(frozen=True)
 class Line:
     """log10 y = slope log10 C + intercept by least squares through bracketed budgets: ``x``
-    log10 C (J,), ``y`` log10 N_opt or D_opt (J,), ``var`` each y's bootstrap variance (J,)."""
+    log10 C (J,), ``y`` log10 N_opt or D_opt (J,), ``var`` the variance of each y (J,)."""
 
     x: np.ndarray
     y: np.ndarray
@@ -393,20 +393,22 @@ class Line:
         slope, intercept = np.polyfit(self.x, self.y, 1)
         return float(slope), float(intercept)
 
-    def interval(self, budget, *, ci: float = 0.9):
-        """(predicted, low, high) of y at ``budget`` FLOPs for a new bracketed budget: the wider
-        of (a) a normal interval from the budgets' bootstrap variances (the line's, plus one
-        budget's for the new one) and (b) with 3 or more budgets, the OLS prediction interval
-        from the scatter about the line, with Student's t on J - 2 dof."""
+    def interval(self, budget, *, ci: float = 0.9, own_var=None):
+        """(predicted, low, high) of y at ``budget`` FLOPs as a new budget would measure it:
+        the wider of (a) a normal interval from the budgets' variances (the line's, plus
+        ``own_var`` for the new one; default: that of the budget nearest in log C) and (b) with
+        3 or more budgets, the OLS prediction interval from the scatter about the line (Student's
+        t on J - 2 dof), which also holds a frontier that is not quite a line."""
         check_ci(ci)
         x = np.log10(np.asarray(budget, dtype=float))
         slope, intercept = self.slope_intercept
         centre = self.x.mean()
         sxx = np.sum((self.x - centre) ** 2)
-        # the prediction is sum_j c_j y_j; c_j per budget
+        # the prediction is sum_j c_j y_j
         c_XxJ = 1 / len(self.x) + np.multiply.outer(x - centre, self.x - centre) / sxx
-        var = np.nanmean(self.var)
-        half = stats.norm.ppf(0.5 + ci / 2) * np.sqrt(c_XxJ**2 @ self.var + var)
+        if own_var is None:
+            own_var = self.var[np.argmin(np.abs(np.subtract.outer(x, self.x)), axis=-1)]
+        half = stats.norm.ppf(0.5 + ci / 2) * np.sqrt(c_XxJ**2 @ self.var + own_var)
         dof = len(self.x) - 2
         if dof > 0:
             s2 = np.sum((self.y - (slope * self.x + intercept)) ** 2) / dof
@@ -417,8 +419,8 @@ class Line:
 
 
 def line_holdout(line: Line, *, family="", name="", form="n_opt", ci=0.9) -> Extrapolation:
-    """Refit ``line`` without its largest budget and predict that budget's y with its ``ci``
-    interval; a ``Refusal`` with fewer than 3 budgets."""
+    """Refit ``line`` without its largest budget and predict that budget's y (with its own
+    variance) with the ``ci`` interval; a ``Refusal`` with fewer than 3 budgets."""
     result = Extrapolation(ci)
     name = name or family
     if len(line.x) < 3:
@@ -428,8 +430,9 @@ def line_holdout(line: Line, *, family="", name="", form="n_opt", ci=0.9) -> Ext
     order = np.argsort(line.x)
     rest, last = order[:-1], order[-1]
     short = Line(line.x[rest], line.y[rest], line.var[rest])
-    predicted, lo, hi = (float(v) for v in short.interval(10 ** line.x[last], ci=ci))
     budget = float(10 ** line.x[last])
+    interval = short.interval(budget, ci=ci, own_var=line.var[last])
+    predicted, lo, hi = (float(v) for v in interval)
     measured = float(10 ** line.y[last])
     record = Heldout(
         family, name, form, 1, f"C={budget:.3g}", budget, None, measured, predicted, lo, hi,
@@ -475,7 +478,7 @@ def save_fits(path, laws: list[Law], frontiers: dict[str, dict[str, Line]], flop
         ],
         "frontiers": {
             family: {
-                key: {"log10_C": arr(v.x), "log10_y": arr(v.y), "bootstrap_var": arr(v.var)}
+                key: {"log10_C": arr(v.x), "log10_y": arr(v.y), "var": arr(v.var)}
                 for key, v in lines.items()
             }
             for family, lines in frontiers.items()
@@ -577,7 +580,7 @@ def load_fits(path) -> FitsFile:
         frontiers[family] = {}
         for key, v in lines.items():
             where = f"frontiers.{family}.{key}"
-            arrays = [floats(v, k, where) for k in ("log10_C", "log10_y", "bootstrap_var")]
+            arrays = [floats(v, k, where) for k in ("log10_C", "log10_y", "var")]
             frontiers[family][key] = Line(*arrays)
     flops = {}
     for family, v in get(top, "flops_per_token", "the file", dict).items():
