@@ -126,12 +126,18 @@ def figure(extrapolation: Extrapolation, unit: str = "nats per token"):
     with matplotlib.rc_context(STYLE):
         fig, axes = panels(2 if optima else 1)
         for ax, group in zip(axes, (losses, optima) if optima else (losses,), strict=True):
+            values = [v for r in group for v in (r.measured, r.lo, r.hi) if np.isfinite(v)]
+            span = (max(values) - min(values)) if values else 0.0
             for r in group:
                 filled = r.held_out == 1
+                # nudged sideways by form and held-out count, so equal x stay apart
+                slot = 2 * list(MARKERS).index(r.form) % 6 + r.held_out - 2.5
+                dodge = 1.01**slot if group is optima else 1.0
+                x = r.measured * dodge if group is optima else r.measured + 0.008 * span * slot
                 face = color(r.family) if filled else "none"
                 err = np.array([[r.predicted - r.lo], [r.hi - r.predicted]])
                 ax.errorbar(
-                    r.measured,
+                    x,
                     r.predicted,
                     yerr=None if not np.isfinite(r.lo) else err,
                     fmt=MARKERS[r.form],
@@ -142,7 +148,6 @@ def figure(extrapolation: Extrapolation, unit: str = "nats per token"):
                     lw=1,
                     zorder=3,
                 )
-            values = [v for r in group for v in (r.measured, r.lo, r.hi) if np.isfinite(v)]
             if values:
                 lo, hi = min(values), max(values)
                 pad = 0.05 * (hi - lo or abs(hi) or 1)
@@ -185,7 +190,8 @@ def figure(extrapolation: Extrapolation, unit: str = "nats per token"):
         covered = [r.covered for r in records if np.isfinite(r.lo)]
         notes.append(
             f"Bars: {extrapolation.ci:.0%} prediction intervals for one run (one budget); "
-            f"{sum(covered)} of {len(covered)} held-out values lie inside theirs."
+            f"{sum(covered)} of {len(covered)} held-out values lie inside theirs. Markers at one "
+            "measured value are nudged sideways to stay apart."
         )
         notes += [
             f"Not tested: {r.name}, {FORM_NAMES[r.form]}, holding out {r.held_out} ({r.why})."
