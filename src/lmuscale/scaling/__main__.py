@@ -102,8 +102,7 @@ def _predict(args) -> int:
         if not rows:
             raise DataError(f"{fits.path}: no IsoFLOP frontier for {', '.join(chosen)}")
         print(f"Compute-optimal at C = {args.flops:.3g} FLOPs ({level} intervals):")
-        print("| family | N_opt | D_opt (tokens) | loss (Chinchilla fit) |", "|---|---|---|---|",
-              sep="\n")  # fmt: skip
+        print("| family | N_opt | D_opt (tokens) | loss (Chinchilla fit) |\n|---|---|---|---|")
         for family in rows:
             lines = fits.frontiers[family]
             n, n_lo, n_hi = (float(v) for v in lines["n_opt"].interval(args.flops, ci=args.ci))
@@ -140,9 +139,9 @@ def _predict(args) -> int:
             flops = "unknown (no FLOPs per token in the file)"
             if f[0] is not None and d is not None:
                 flops = f"{f[0] * d:.3g} [{f[1] * d:.3g}, {f[2] * d:.3g}]"
-            shown = "no interval (" + str(w.why) + ")" if math.isnan(lo) else (
-                f"[{_size(lo)}, {_size(hi)}]"
-            )  # fmt: skip
+            shown = f"[{_size(lo)}, {_size(hi)}]"
+            if math.isnan(lo):
+                shown = f"no interval ({w.why})"
             tokens = "—" if d is None else _size(d)
             print(f"| {w.name} | {_size(n)} {shown} | {tokens} | {flops} |")
         if not reached:

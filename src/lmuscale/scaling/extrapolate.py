@@ -434,11 +434,9 @@ def line_holdout(line: Line, *, family="", name="", form="n_opt", ci=0.9) -> Ext
     interval = short.interval(budget, ci=ci, own_var=line.var[last])
     predicted, lo, hi = (float(v) for v in interval)
     measured = float(10 ** line.y[last])
-    record = Heldout(
-        family, name, form, 1, f"C={budget:.3g}", budget, None, measured, predicted, lo, hi,
-        len(rest),
-    )  # fmt: skip
-    result.records.append(record)
+    trial = f"C={budget:.3g}"
+    record = (family, name, form, 1, trial, budget, None, measured, predicted, lo, hi, len(rest))
+    result.records.append(Heldout(*record))
     return result
 
 
