@@ -6,7 +6,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from lmuscale.analysis import figures, optimal, tables
+from lmuscale.analysis import extrapolation, figures, optimal, tables
 from lmuscale.analysis.fitting import GroupFit, fit_all
 from lmuscale.analysis.optimal import OptimalReport
 from lmuscale.analysis.results import (
@@ -19,6 +19,7 @@ from lmuscale.analysis.results import (
 )
 from lmuscale.files import atomic_write_bytes
 from lmuscale.outcomes import StorageError
+from lmuscale.scaling.extrapolate import FORM_NAMES
 
 
 class OutputError(StorageError):
@@ -68,8 +69,11 @@ def analyse(
         raise OutputError(f"{out}: cannot make the folder ({e.strerror})") from None
     fits = fit_all(loaded, n_boot=n_boot, ci=ci, seed=seed, progress=progress)
     best = optimal.compute_optimal(loaded, n_boot=n_boot, ci=ci, seed=seed, target=target_loss)
+    tested = extrapolation.extrapolate(fits, best.frontiers, ci=ci)
     grid = loaded.grid()
     drawn, refusals = paper_figures(grid, fits, size)
+    if tested.records:
+        drawn["extrapolation"] = extrapolation.figure(tested, loaded.unit)
     refusals += [
         f"{g.name}, {g.form.replace('_', ' ')}: not fitted: {g.error}" for g in fits if g.error
     ]
@@ -83,15 +87,24 @@ def analyse(
         for e in best.efficiency
         if e.error
     ]
+    untested = {}  # one line per fit: its first refusal (holding out more leaves fewer)
+    for r in tested.refusals:
+        held = "the largest size" if r.held_out == 1 else f"the largest {r.held_out}"
+        text = f"{r.name}, {FORM_NAMES[r.form]}: not tested by extrapolation: holding out "
+        untested.setdefault((r.name, r.form), text + f"{held}, {r.why}")
+    refusals += untested.values()
+    if not tested.records:
+        refusals.append("extrapolation figure: not drawn: no fit could be tested")
     files = []
     try:
         for name, fig in drawn.items():
             files += figures.save(fig, out / name)
         files += optimal.write(best, loaded, out)
-        tables.write_csv(out / "fits.csv", fits, extra=best.csv_rows(ci))
-        text = tables.markdown(loaded, fits, best, refusals)
+        tables.write_csv(out / "fits.csv", fits, extra=best.csv_rows(ci) + tested.csv_rows())
+        extrapolation.write_fits_json(out / "fits.json", fits, best.frontiers, loaded.runs)
+        text = tables.markdown(loaded, fits, best, refusals, sections=[tested.markdown()])
         atomic_write_bytes(out / "fits.md", text.encode())
-        files += [out / "fits.csv", out / "fits.md"]
+        files += [out / "fits.csv", out / "fits.json", out / "fits.md"]
     except OSError as e:
         path = e.filename2 or e.filename or out  # a rename names its target second
         raise OutputError(f"{path}: cannot be written ({e.strerror or e})") from None

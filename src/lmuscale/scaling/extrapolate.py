@@ -250,13 +250,7 @@ class Extrapolation:
                 for r in lines
             ]
         if not self.records:
-            out.append("No fit could be tested.")
-        if self.refusals:
-            out += ["", "Not tested:", ""]
-            out += [
-                f"- {r.name}, {FORM_NAMES[r.form]}, holding out {r.held_out}: {r.why}"
-                for r in self.refusals
-            ]
+            out.append("No fit could be tested: see the last section.")
         return [*out, ""]
 
     def csv_rows(self) -> list[dict]:
