@@ -9,10 +9,12 @@ with b = alpha / (alpha + beta).
 from __future__ import annotations
 
 import math
+import warnings
 
 import numpy as np
 import pytest
 
+from lmuscale.analysis import isoflop
 from lmuscale.analysis.curves import Curve
 from lmuscale.analysis.isoflop import budgets, envelope, fit_frontier, fit_isoflop
 from lmuscale.analysis.results import Run
@@ -303,3 +305,98 @@ def test_envelope_uses_each_curve_only_inside_its_range():
     with pytest.raises(ValueError, match=r"^small: .*flops_per_token"):
         no_flops = Run("small", "lmu", 1e7, 100, 1e10, 3.0, 0)
         envelope("lmu", [Curve(no_flops, np.array([1e9, 1e10]), np.array([3.2, 3.0]))])
+
+
+# ---------------------------------------------------------------- the reported intervals
+
+CIS = (0.5, 0.8, 0.9, 0.95)
+
+
+def central(samples, ci) -> tuple[float, float]:
+    """The central ``ci`` interval of ``samples``: percentiles (1 - ci) / 2 and (1 + ci) / 2."""
+    low, high = np.percentile(samples, [100 * (1 - ci) / 2, 100 * (1 + ci) / 2])
+    return float(low), float(high)
+
+
+def test_isoflop_intervals_are_the_percentiles_of_their_replicates_at_every_ci():
+    runs = isoflop_runs(BUDGETS[:1], OFFSETS, noise=0.01, seed=5, seeds=2)
+    for ci in CIS:
+        fit = fit_isoflop("lmu", BUDGETS[0], runs, n_boot=300, ci=ci, seed=4)
+        assert fit.kept > 250
+        for interval, samples in ((fit.n_opt, fit.n_opt_samples), (fit.d_opt, fit.d_opt_samples)):
+            low, high = central(samples, ci)  # the replicates are log10 N_opt, log10 D_opt
+            assert math.log10(interval.lo) == pytest.approx(low, rel=1e-12)
+            assert math.log10(interval.hi) == pytest.approx(high, rel=1e-12)
+
+
+def frontier_replicates(frontier, n_boot, seed):
+    """The frontier's bootstrap slopes rebuilt from its budgets' replicates, as ``fit_frontier``
+    documents the pairing: replicate i of every budget when all kept as many, else ``n_boot``
+    draws from each budget's with the seed's last spawned generator. The slopes by polyfit."""
+    kept = [f.kept for f in frontier.fits]
+    if len(set(kept)) == 1:
+        pick = [np.arange(kept[0])] * len(kept)
+    else:
+        rng = np.random.default_rng(seed).spawn(len(kept) + 1)[-1]
+        pick = [rng.integers(0, k, n_boot) for k in kept]
+    log_c = np.log10([f.budget for f in frontier.fits])
+    slopes = {}
+    for name in ("n_opt_samples", "d_opt_samples"):
+        rows = np.stack([getattr(f, name)[i] for f, i in zip(frontier.fits, pick, strict=True)], 1)
+        slopes[name] = [np.polyfit(log_c, row, 1)[0] for row in rows]
+    return slopes["n_opt_samples"], slopes["d_opt_samples"]
+
+
+@pytest.mark.parametrize(("seed", "same_kept"), [(2, True), (0, False)], ids=["paired", "redrawn"])
+def test_frontier_intervals_are_the_percentiles_of_their_slopes_at_every_ci(seed, same_kept):
+    # a replicate drawing under 3 distinct sizes is dropped; with seed 2 no budget drops any
+    runs = isoflop_runs(BUDGETS[:3], OFFSETS, noise=0.01, seed=6)
+    for ci in CIS:
+        frontier = fit_frontier("lmu", runs, n_boot=120, ci=ci, seed=seed)
+        assert frontier.error is None
+        assert (len({f.kept for f in frontier.fits}) == 1) == same_kept
+        a_slopes, b_slopes = frontier_replicates(frontier, 120, seed)
+        for interval, slopes in ((frontier.a, a_slopes), (frontier.b, b_slopes)):
+            low, high = central(slopes, ci)
+            assert (interval.lo, interval.hi) == pytest.approx((low, high), rel=1e-9)
+
+
+def test_envelope_interval_is_the_percentiles_of_its_replicates_at_every_ci():
+    """Every curve spans the same FLOPs, so a replicate (the curves a draw picked) has the same
+    grid as the full set, and its slope is that of ``envelope`` on those curves alone. The
+    draws are rebuilt from the seed as ``envelope`` makes them, ``_CHUNK`` at a time."""
+    flops = np.geomspace(1e17, 1e21, 20)
+    rng = np.random.default_rng(3)
+    curves = []
+    for n in 10 ** np.arange(7, 10.01, 0.25):
+        loss = law(n, flops / (6 * n)) * np.exp(0.003 * rng.standard_normal(20))
+        curves.append(Curve(run(f"N{n:.3g}", n, flops[-1], loss[-1], f=1.0), flops, loss))
+    n_boot, seed = 150, 4
+    draws = np.random.default_rng(seed)
+    picked = [
+        row
+        for start in range(0, n_boot, isoflop._CHUNK)
+        for row in draws.integers(0, len(curves), (min(isoflop._CHUNK, n_boot - start), 13))
+    ]
+    slopes = []
+    for row in picked:
+        alone = envelope("lmu", [curves[k] for k in np.unique(row)], n_boot=0)
+        if alone.error is None:
+            slopes.append(alone.line[0])
+    for ci in CIS:
+        env = envelope("lmu", curves, n_boot=n_boot, ci=ci, seed=seed)
+        assert env.kept == len(slopes) > 100
+        assert (env.a.lo, env.a.hi) == pytest.approx(central(slopes, ci), rel=1e-9)
+
+
+def test_isoflop_fits_on_degenerate_data_emit_no_numpy_warnings():
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        flat = [run(f"f{i}", 10 ** (7 + i / 2), 1e9, 3.0 - 0.1 * (i in (1, 2))) for i in range(5)]
+        fit_isoflop("lmu", 1e18, flat, n_boot=200)
+        fit_frontier("lmu", isoflop_runs(BUDGETS, [-0.3, 0, 0.3], noise=0.05), n_boot=200)
+        # an evaluation at 0 tokens: log10 of it was a divide-by-zero warning, then NaNs
+        curves = training_curves(noise=0.0, seed=0)
+        zero = [Curve(c.run, np.r_[0.0, c.tokens], np.r_[10.8, c.loss]) for c in curves]
+        with pytest.raises(ValueError, match=r"^N1e\+07: .* at positive tokens in increasing"):
+            envelope("lmu", zero, n_boot=20)

@@ -4,6 +4,7 @@ and the recurrent baselines (SRU, SRU++, LSTM) against float64 numpy loops of th
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 import re
 import subprocess
@@ -16,6 +17,7 @@ import optax
 import pytest
 from jax import lax
 
+from lmuscale import layers
 from lmuscale.models import build, count_params, cross_entropy, decode, named_config, sizes
 from lmuscale.models.base import default_heads
 from lmuscale.models.lmu import LMUConfig
@@ -259,6 +261,82 @@ def test_recurrent_flops_outside_the_scan_match_xla_cost_analysis(family):
             k = config.d_prime
             expected += attention * (8 * d * k + 4 * k * k + 4 * 1024 * k + 2 * k)
         assert flops.layers == pytest.approx(expected)
+
+
+def table2(d, q, k, n):
+    """Table 2's FLOPs per token for one layer (papers/lmu-implicit-self-attention.md §4,
+    REFERENCE §2), k = q'; the FFN's d' is left to the caller."""
+    return {
+        "memory_qkv": 3 * d * (5 * (k + 1) * (math.log2(n) + 1) + 6 * k) + 6 * q * k,
+        "scores": 2 * d * k**2,  # Q K^T
+        "mixing": 2 * d * k**2 + d * k,  # M'
+        "readout": 2 * d * k,  # m = p M'
+    }
+
+
+@pytest.mark.parametrize("family", ["lmu", "lmu_g"])
+@pytest.mark.parametrize("row", sizes.TABLE3, ids=lambda row: row.size)
+def test_every_lmu_flops_term_is_table2s(family, row):
+    config = named_config(f"{family}-{row.size}")
+    d, q, k = config.d, config.q, config.q_prime
+    for n in (1024, 4096, 300):
+        flops = sizes.flops_per_token(config, seq_len=n)
+        expected = table2(d, q, k, n) | {"post_ffn": 4 * d * config.post_ffn_dim}
+        if family == "lmu":
+            expected["pre_ffn"] = 4 * d * config.pre_ffn_dim
+        else:  # not in Table 2: the transformer's count, 2 per projection weight and 4 n d
+            expected["global_attention"] = 2 * 4 * d * d + 4 * n * d
+        assert flops.per_layer.keys() == expected.keys()
+        for name, value in expected.items():
+            assert flops.per_layer[name] == pytest.approx(value, rel=1e-12), name
+        assert flops.n_layers == 3 and flops.unembedding == 2 * d * 50257
+        assert flops.forward == pytest.approx(3 * sum(expected.values()) + 2 * d * 50257)
+
+
+def xla_flops(f, *args) -> float:
+    cost = jax.jit(f).lower(*args).compile().cost_analysis()
+    return (cost[0] if isinstance(cost, list) else cost)["flops"]
+
+
+def test_implicit_self_attention_flops_match_xla_cost_analysis(monkeypatch):
+    """XLA's count of the layer's forward per position against the Table 2 terms the layer
+    computes as the paper writes them. Table 2 counts no activation and XLA ~76 FLOPs per
+    exact gelu (an erfc polynomial), so gelu is the identity here.
+
+    The memory's L_i H kernels (3 q' x q over n lags) are Table 2's 6 q q': XLA's count grows
+    by 6 q' per unit of q, as ``memory_qkv`` does. Per channel, XLA counts the scores (Q K^T,
+    2 q'^2), m = V^T w (2 q' - 1) and the three biases (3 q', not in Table 2). The layer forms
+    the q'-vector w = p softmax(Q K^T) first, so it never forms Table 2's M' (2 d q'^2 + d q'):
+    the count reported, which is the paper's, exceeds the layer's arithmetic by that much."""
+    monkeypatch.setattr(layers, "gelu", lambda x: x)
+    n, k = 64, 3
+
+    def memory(q):
+        layer = layers.ImplicitSelfAttention(q, k, 16.0, memory_mode="fft")
+        x = jnp.ones((1, n, 8))
+        params = layer.init(jax.random.key(0), x)
+        return xla_flops(layer.apply, params, x) / n
+
+    def reported(d, q):
+        config = LMUConfig(d=d, q=q, q_prime=k, pre_ffn_dim=4, post_ffn_dim=4)
+        return sizes.flops_per_token(config, seq_len=n).per_layer
+
+    growth = (memory(20) - memory(12)) / 8
+    assert growth == 6 * k
+    assert (reported(8, 20)["memory_qkv"] - reported(8, 12)["memory_qkv"]) / 8 == growth
+
+    for k in (2, 4, 8):
+
+        def attention(d, k=k):
+            qkv = [jnp.ones((1, d, k, n))] * 3
+            f = functools.partial(layers.implicit_attention, dtype=jnp.float32)
+            return xla_flops(f, *qkv, jnp.zeros((3, k)), jnp.ones(k)) / n
+
+        per_channel = (attention(32) - attention(16)) / 16
+        terms = {name: value / 32 for name, value in reported(32, 12).items()}
+        expected = terms["scores"] + terms["readout"] + 3 * k - 1
+        assert per_channel == pytest.approx(expected, rel=0.02)
+        assert per_channel < terms["scores"] + terms["mixing"] + terms["readout"]
 
 
 def test_lmu_training_never_forms_the_full_memory():

@@ -248,17 +248,19 @@ def envelope(
         return Envelope(family, empty, empty, empty, None, f"no curves of family {family}")
     logc_K = []
     for curve in mine:
-        logc = np.log10(curve.flops)  # names the trial when the table has no flops_per_token
+        with np.errstate(divide="ignore", invalid="ignore"):  # tokens <= 0: refused below
+            logc = np.log10(curve.flops)  # names the trial when the table has no flops_per_token
         loss = np.asarray(curve.loss, dtype=float)
         if (
             len(logc) == 0
             or len(logc) != len(loss)
+            or not np.all(np.isfinite(logc))
             or np.any(np.diff(logc) <= 0)
             or not np.all(np.isfinite(loss))
         ):
             raise ValueError(
-                f"{curve.run.trial}: a curve needs one finite loss per evaluation, in increasing "
-                f"order of tokens; got {len(logc)} tokens and {len(loss)} losses"
+                f"{curve.run.trial}: a curve needs one finite loss per evaluation, at positive "
+                f"tokens in increasing order; got {len(logc)} tokens and {len(loss)} losses"
             )
         logc_K.append(logc)
     lo = min(c[0] for c in logc_K)

@@ -95,8 +95,9 @@ class Fit:
     def band(self, n, tokens=None):
         """(low, high): the CI of the prediction at each ``n``; NaN with too few resamples."""
         n = np.asarray(n, dtype=float)
-        predicted = [self.predict(n, tokens, s) for s in self.samples]
-        return percentile_interval(np.reshape(predicted, (-1, *n.shape)), self.ci)
+        with np.errstate(over="ignore", invalid="ignore"):  # a far n can overflow a sample
+            predicted = [self.predict(n, tokens, s) for s in self.samples]
+            return percentile_interval(np.reshape(predicted, (-1, *n.shape)), self.ci)
 
     @property
     def unresolved(self) -> list[str | None]:
@@ -163,7 +164,10 @@ def fit_power_law(n, loss, *, n_boot: int = 1000, ci: float = 0.95, seed: int = 
 
     def solve(idx):
         slope, intercept = np.polyfit(x[idx], y[idx], 1)
-        return np.array([np.exp(-intercept / slope), -slope])
+        # slope ~ 0: Nc beyond float range (inf, or 0 by underflow), a sample that is dropped
+        with np.errstate(over="ignore", divide="ignore", invalid="ignore"):
+            nc = np.exp(-intercept / slope)
+        return np.array([nc if nc > 0 else np.nan, -slope])
 
     estimate = solve(np.arange(len(n)))
     resamples = _resamples(np.stack([n], axis=1), 2, n_boot, seed)
@@ -182,9 +186,10 @@ def _power_law_stderr(x, y):
     sigma2 = np.sum((y - design @ coef) ** 2) / dof
     cov = sigma2 * np.linalg.inv(design.T @ design)
     intercept, slope = coef
-    grad = np.array([-1 / slope, intercept / slope**2])  # of log Nc = -intercept / slope
-    se_log_nc = np.sqrt(grad @ cov @ grad)
-    return np.array([np.exp(-intercept / slope) * se_log_nc, np.sqrt(cov[1, 1])])
+    with np.errstate(over="ignore", divide="ignore", invalid="ignore"):  # slope 0: Nc unbounded
+        grad = np.array([-1 / slope, intercept / slope**2])  # of log Nc = -intercept / slope
+        se_log_nc = np.sqrt(grad @ cov @ grad)
+        return np.array([np.exp(-intercept / slope) * se_log_nc, np.sqrt(cov[1, 1])])
 
 
 def fit_saturating(
@@ -227,6 +232,7 @@ def fit_chinchilla(
 
     resamples = _resamples(points, 5, n_boot, seed, need)
     samples = _natural(problem.bootstrap(resamples, restarts))
+    samples = samples[np.all(np.isfinite(samples), axis=1)]
     stderr = samples.std(axis=0, ddof=1) if len(samples) >= MIN_SAMPLES else np.full(5, np.nan)
     return _make_fit("chinchilla", _natural(theta), stderr, samples, n_boot, ci, n, tokens, loss)
 
@@ -302,9 +308,10 @@ def _make_fit(form, estimate, stderr, samples, n_boot, ci, n, tokens, loss) -> F
 def _natural(theta):
     """(a, alpha[, b, beta], e) -> (E, A, alpha[, B, beta]), along the last axis."""
     a, alpha, *b_beta, e = np.moveaxis(np.asarray(theta, dtype=float), -1, 0)
-    natural = [np.exp(e), np.exp(a), alpha]
-    if b_beta:
-        natural += [np.exp(b_beta[0]), b_beta[1]]
+    with np.errstate(over="ignore"):  # an inf sample is dropped (``_make_fit``)
+        natural = [np.exp(e), np.exp(a), alpha]
+        if b_beta:
+            natural += [np.exp(b_beta[0]), b_beta[1]]
     return np.stack(natural, axis=-1)
 
 
