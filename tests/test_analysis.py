@@ -251,7 +251,11 @@ def test_nan_losses_and_unfinished_rows_are_left_out_and_said(tmp_path):
     fig = figures.figure3(results, report.fits)
     assert "lmu-55k" in notes(fig) and "lmu-100k" in notes(fig)
     assert "Left out (2)" in (tmp_path / "out" / "fits.md").read_text()
-    assert len(report.files) == 8
+    # Figures 3-5 and the extrapolation figure (PNG and PDF), fits.csv, fits.json and fits.md
+    assert sorted(p.name for p in report.files) == sorted(
+        [f"{f}.{s}" for f in (*FIGURES, "extrapolation") for s in ("png", "pdf")]
+        + ["fits.csv", "fits.json", "fits.md"]
+    )
     for r in rows:
         r["test_loss"] = float("nan")
     with pytest.raises(ResultsError, match="no finished row with a finite test_loss"):

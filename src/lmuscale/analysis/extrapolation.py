@@ -42,6 +42,7 @@ def extrapolate(group_fits, frontiers, *, ci: float = 0.9) -> Extrapolation:
                     family=g.family,
                     name=g.name,
                     ci=ci,
+                    grid=warm_starts(f) if g.form == "chinchilla" else None,
                 )
             )
     for frontier in frontiers:
@@ -49,6 +50,16 @@ def extrapolate(group_fits, frontiers, *, ci: float = 0.9) -> Extrapolation:
         for form, line in frontier_lines(frontier).items():
             result.extend(line_holdout(line, family=frontier.family, name=name, form=form, ci=ci))
     return result
+
+
+def warm_starts(fit) -> dict:
+    """Starts for refitting a Chinchilla ``fit`` on part of its data: its own optimum and two
+    values of each parameter around it (3^5 = 243 starts, not the 4,500 of a first fit)."""
+    p = fit.params
+    own = {"a": np.log(p["A"]), "alpha": p["alpha"], "b": np.log(p["B"]), "beta": p["beta"]}
+    own["e"] = np.log(p["E"])
+    spread = {"a": 5.0, "alpha": 0.25, "b": 5.0, "beta": 0.25, "e": 0.5}
+    return {k: own[k] + np.array([0.0, -spread[k], spread[k]]) for k in own}
 
 
 def frontier_lines(frontier) -> dict[str, Line]:

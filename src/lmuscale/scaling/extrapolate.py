@@ -317,10 +317,12 @@ def holdout(
     name: str = "",
     ci: float = 0.9,
     held_out=(1, 2),
+    grid=None,
 ) -> Extrapolation:
     """Refit ``form`` without the runs at the largest ``k`` distinct N, for each k in
     ``held_out``, and predict each held-out run's loss with its ``ci`` prediction interval.
-    A k the data cannot support (too few sizes left for any residual) is a ``Refusal``."""
+    A k the data cannot support (too few sizes left for any residual) is a ``Refusal``.
+    ``grid``: the nonlinear forms' starts (default: their fitter's)."""
     check_ci(ci)
     n = np.asarray(n, dtype=float)
     loss = np.asarray(loss, dtype=float)
@@ -346,7 +348,8 @@ def holdout(
             continue
         data = (n[keep], loss[keep]) if tokens is None else (n[keep], tokens[keep], loss[keep])
         try:
-            fitted = law(FITTERS[form](*data, n_boot=0, ci=ci))
+            starts = {} if grid is None else {"grid": grid}
+            fitted = law(FITTERS[form](*data, n_boot=0, ci=ci, **starts))
         except FitError as e:
             result.refusals.append(Refusal(family, name, form, k, str(e)))
             continue
