@@ -89,9 +89,12 @@ def analyse(
     ]
     untested = {}  # one line per fit: its first refusal (holding out more leaves fewer)
     for r in tested.refusals:
-        held = "the largest size" if r.held_out == 1 else f"the largest {r.held_out}"
-        text = f"{r.name}, {FORM_NAMES[r.form]}: not tested by extrapolation: holding out "
-        untested.setdefault((r.name, r.form), text + f"{held}, {r.why}")
+        line = r.form in ("n_opt", "d_opt")  # a frontier: N_opt and D_opt say the same
+        what = "budget" if line else "size"
+        held = f"the largest {what}" if r.held_out == 1 else f"the largest {r.held_out}"
+        form = "N_opt and D_opt lines" if line else FORM_NAMES[r.form]
+        text = f"{r.name}, {form}: not tested by extrapolation: holding out {held}, {r.why}"
+        untested.setdefault((r.name, line or r.form), text)
     refusals += untested.values()
     if not tested.records:
         refusals.append("extrapolation figure: not drawn: no fit could be tested")

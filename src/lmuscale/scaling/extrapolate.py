@@ -183,6 +183,7 @@ class Heldout:
     lo: float
     hi: float
     n_points: int  # points the refit used
+    why: str | None = None  # why lo and hi are NaN
 
     @property
     def error(self) -> float:
@@ -290,7 +291,7 @@ class Extrapolation:
 
 def _bracket(r: Heldout, fmt) -> str:
     if not np.isfinite(r.lo):
-        return "(no interval)"
+        return f"(no interval: {r.why})"
     show = _human if fmt is None else (lambda v: format(v, fmt))
     return f"[{show(r.lo)}, {show(r.hi)}]"
 
@@ -371,6 +372,7 @@ def holdout(
                     float(lo[i]),
                     float(hi[i]),
                     int(keep.sum()),
+                    fitted.why,
                 )
             )
     return result
@@ -432,8 +434,9 @@ def line_holdout(line: Line, *, family="", name="", form="n_opt", ci=0.9) -> Ext
     predicted, lo, hi = (float(v) for v in interval)
     measured = float(10 ** line.y[last])
     trial = f"C={budget:.3g}"
+    why = None if np.isfinite(lo) else "a budget's parabola leaves no residual to measure noise"
     record = (family, name, form, 1, trial, budget, None, measured, predicted, lo, hi, len(rest))
-    result.records.append(Heldout(*record))
+    result.records.append(Heldout(*record, why))
     return result
 
 
