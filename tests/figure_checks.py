@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import re
+
 import numpy as np
 from matplotlib.collections import LineCollection, PathCollection
 from matplotlib.lines import Line2D
@@ -61,9 +63,9 @@ def _drawn_points(artist) -> np.ndarray:
 
 
 def legend_covers_data(fig) -> list[tuple[str, float, float]]:
-    """The data drawn inside any legend's box: (the artist's label or type, x, y) in display
-    coordinates for each point of a line, scatter or error bar in view of its axes; an empty
-    list where no legend covers data."""
+    """The data drawn inside any legend's box: (the artist's label, or its type where it has
+    none, x, y) in display coordinates for each point of a line, scatter or error bar in view
+    of its axes; an empty list where no legend covers data."""
     fig.canvas.draw()
     renderer = fig.canvas.get_renderer()
     boxes = [legend.get_window_extent(renderer).extents for legend in _legends(fig)]
@@ -76,7 +78,8 @@ def legend_covers_data(fig) -> list[tuple[str, float, float]]:
             inside = _inside(xy, ax.bbox.extents) & np.any(
                 [_inside(xy, box) for box in boxes] or [np.zeros(len(xy), bool)], axis=0
             )
-            name = artist.get_label() or type(artist).__name__
+            name = artist.get_label()
+            name = type(artist).__name__ if name.startswith("_") else name
             covered += [(name, float(x), float(y)) for x, y in xy[inside]]
     return covered
 
@@ -84,3 +87,41 @@ def legend_covers_data(fig) -> list[tuple[str, float, float]]:
 def _inside(xy: np.ndarray, extents) -> np.ndarray:
     x0, y0, x1, y1 = extents
     return (xy[:, 0] >= x0) & (xy[:, 0] <= x1) & (xy[:, 1] >= y0) & (xy[:, 1] <= y1)
+
+
+# the label styles of a log axis: human()'s counts (and decimal losses), sci()'s powers of ten
+TICK_STYLES = (r"\d+(\.\d+)?[kMBT]?", r"\$(\d(\.\d)?\{\\times\})?10\^\{-?\d+\}\$")
+
+
+def tick_problems(fig) -> list[str]:
+    """What is wrong with the tick labels of each log axis: a labelled minor tick, labels of
+    more than one style (10k beside 2x10^4) or of none of ``TICK_STYLES``, fewer than 2
+    labelled ticks in view, or two ticks with one label. An empty list for a clean figure."""
+    fig.canvas.draw()
+    problems = []
+    for i, ax in enumerate(fig.axes):
+        for name, axis in (("x", ax.xaxis), ("y", ax.yaxis)):
+            if not ax.axison or axis.get_scale() != "log":
+                continue
+            where = f"axes {i} ({ax.get_title()[:30]!r}) {name}"
+            lo, hi = sorted(axis.get_view_interval())
+            major, minor = (
+                [
+                    text
+                    for text in formatter.format_ticks([t for t in locator() if lo <= t <= hi])
+                    if text
+                ]
+                for locator, formatter in (
+                    (axis.get_major_locator(), axis.get_major_formatter()),
+                    (axis.get_minor_locator(), axis.get_minor_formatter()),
+                )
+            )
+            if minor:
+                problems.append(f"{where}: minor ticks labelled {minor}")
+            styles = {s for text in major for s in TICK_STYLES if re.fullmatch(s, text)}
+            unmatched = [t for t in major if not any(re.fullmatch(s, t) for s in TICK_STYLES)]
+            if len(styles) > 1 or unmatched:
+                problems.append(f"{where}: labels of mixed or unknown styles {major}")
+            if len(major) < 2 or len(set(major)) < len(major):
+                problems.append(f"{where}: labels {major}")
+    return problems

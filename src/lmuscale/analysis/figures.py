@@ -106,12 +106,15 @@ class CountLocator(ticker.Locator):
         if not (lo > 0 and np.isfinite(hi)):
             return []
         k = np.arange(np.floor(np.log10(lo)), np.ceil(np.log10(hi)) + 1)
-        for subs, least in (((1,), 3), ((1, 2, 5), 3), (range(1, 10), 2)):
-            ticks = np.outer(10.0**k, subs).ravel()
+        for subs, least in (((1,), 3), ((1, 2, 5), 3), (range(1, 10), 2), (None, 0)):
+            ticks = (
+                np.outer(10.0**k, subs).ravel()
+                if subs
+                else ticker.MaxNLocator(3).tick_values(lo, hi)
+            )
             ticks = ticks[(ticks >= lo * (1 - 1e-9)) & (ticks <= hi * (1 + 1e-9))]
             if len(ticks) >= least:
                 return ticks[:: -(-len(ticks) // 8)]
-        return ticker.MaxNLocator(3).tick_values(lo, hi)
 
 
 def log_axis(ax, which: str, text=human) -> None:
@@ -415,7 +418,8 @@ def _axes(ax, results: Results, lo, hi) -> None:
     lo, hi = ax.get_ylim()
     span = hi - lo
     steps = [s for s in (0.02, 0.05, 0.1, 0.2, 0.25, 0.5, 1.0, 2.0, 5.0) if span / s <= 8]
-    if not steps:  # a range this wide reads fine with matplotlib's own log ticks
+    if not steps:  # a range this wide: at 1, 2, 5 x 10^k
+        log_axis(ax, "y")
         return
     step = steps[0]
     ticks = np.arange(np.ceil(lo / step) * step, hi + 1e-9, step)

@@ -180,22 +180,28 @@ def tokens_figure(curves, efficiency, unit: str):
             mine = [c for c in curves if c.run.family == family]
             sizes = sorted({c.run.n for c in mine})
             for n, tint in zip(sizes, _tints(family, len(sizes)), strict=True):
-                runs = [c for c in mine if c.run.n == n]
-                text = f"{label(family)}, N = {human(n)}"
-                for curve in runs:
+                for curve in (c for c in mine if c.run.n == n):
+                    text = f"{label(family)}, N = {human(n)}"  # one legend entry per size
                     ax.plot(curve.tokens, curve.loss, color=tint, lw=0.9, label=text)
-                    reached = efficiency.reached.get(curve.run.trial)
-                    if reached is not None:
-                        ax.plot(
-                            [reached],
-                            [efficiency.target],
-                            "o",
-                            ms=3,
-                            color=color(family),
-                            zorder=3,
-                            label="reaches the target loss",
-                        )
-            ax.axhline(efficiency.target, color="black", lw=0.7, ls="--", label="target loss")
+            reached = [efficiency.reached.get(c.run.trial) for c in mine]
+            reached = [r for r in reached if r is not None]
+            last = ax is axes[-1]  # the legend's shared entries after every size
+            ax.plot(
+                reached,
+                [efficiency.target] * len(reached),
+                "o",
+                ms=3,
+                color=color(family),
+                zorder=3,
+                label="reaches the target loss" if last else None,
+            )
+            ax.axhline(
+                efficiency.target,
+                color="black",
+                lw=0.7,
+                ls="--",
+                label="target loss" if last else None,
+            )
             ax.set_title(label(family))
             log_axis(ax, "x")
             ax.set_xlabel("training tokens")
