@@ -327,16 +327,16 @@ def panels(k: int):
     return fig, [fig.add_subplot(spec[0, i]) for i in range(k)]
 
 
-def side_legend(fig) -> None:
+def side_legend(fig) -> float:
     """One legend of every axes' labelled artists (once per label) to the right of the axes,
     where it cannot cover a point or a curve, in columns of at most 24; the figure widens so
-    each axes keeps ``PANEL`` inches."""
+    each axes keeps ``PANEL`` inches. Returns the legend's width in inches."""
     entries = {}
     for ax in fig.axes:
         for handle, text in zip(*ax.get_legend_handles_labels(), strict=True):
             entries.setdefault(text, handle)
     if not entries:
-        return
+        return 0.0
     legend = fig.legend(
         entries.values(),
         entries.keys(),
@@ -347,6 +347,7 @@ def side_legend(fig) -> None:
     inches = legend.get_window_extent(fig.canvas.get_renderer()).width / fig.dpi
     width, height = fig.get_size_inches()
     fig.set_size_inches(max(width, PANEL * len(fig.axes) + 0.8 + inches), height)
+    return inches
 
 
 def add_notes(fig, notes: list[str], width: int = NOTE_WIDTH) -> None:

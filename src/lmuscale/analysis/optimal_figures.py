@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import textwrap
+
 import matplotlib
 import numpy as np
 
@@ -216,8 +218,10 @@ def tokens_figure(curves, efficiency, unit: str):
         else:
             title = f"Tokens to reach {efficiency.target:.3f}"
             notes.append(f"Data efficiency: {efficiency.error}.")
-        fig.suptitle(title, fontsize=STYLE["axes.titlesize"])
-        side_legend(fig)
+        inches = side_legend(fig)
+        width = fig.get_size_inches()[0] - inches  # centred over the axes, clear of the legend
+        text = "\n".join(textwrap.wrap(title, int(width * 12)))
+        fig.suptitle(text, x=width / 2 / (width + inches), fontsize=STYLE["axes.titlesize"])
         not_reached = sorted(t for t, v in efficiency.reached.items() if v is None)
         if not_reached:
             shown = ", ".join(not_reached[:6]) + (", ..." if len(not_reached) > 6 else "")
