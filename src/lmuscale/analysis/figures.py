@@ -327,14 +327,17 @@ def panels(k: int):
     return fig, [fig.add_subplot(spec[0, i]) for i in range(k)]
 
 
-def side_legend(fig) -> float:
-    """One legend of every axes' labelled artists (once per label) to the right of the axes,
-    where it cannot cover a point or a curve, in columns of at most 24; the figure widens so
-    each axes keeps ``PANEL`` inches. Returns the legend's width in inches."""
+def side_legend(fig, key=None) -> float:
+    """One legend of every axes' labelled artists (once per label, sorted by ``key`` of the
+    label if given) to the right of the axes, where it cannot cover a point or a curve, in
+    columns of at most 24; the figure widens so each axes keeps ``PANEL`` inches. Returns the
+    legend's width in inches."""
     entries = {}
     for ax in fig.axes:
         for handle, text in zip(*ax.get_legend_handles_labels(), strict=True):
             entries.setdefault(text, handle)
+    if key is not None:
+        entries = dict(sorted(entries.items(), key=lambda item: key(item[0])))
     if not entries:
         return 0.0
     legend = fig.legend(

@@ -162,7 +162,9 @@ def optimal_figure(frontiers, envelopes=()):
             axes[1].set_title("Compute-optimal training tokens")
         else:
             notes.append("No IsoFLOP minima: the compute-optimal tokens D_opt are not drawn.")
-        side_legend(fig)
+        names = list(dict.fromkeys(label(x.family) for x in (*frontiers, *envelopes)))
+        # each family's entries together, its minima first
+        side_legend(fig, lambda t: (names.index(t.split(",")[0].split()[0]), "minima" not in t))
         add_notes(fig, notes, NOTE_WIDTH + 30)
     return fig
 
