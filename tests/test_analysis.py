@@ -202,6 +202,17 @@ def test_fig5_prints_the_token_ratio_to_3_digits(tmp_path):
     assert fig.axes[0].get_title().endswith("(30.8x the tokens)")
 
 
+def test_saved_figures_are_the_same_bytes_each_time(tmp_path, monkeypatch):
+    results = load_results(write_jsonl(tmp_path / "r.jsonl", paper_rows(tenx=False)))
+    fits = fit_all(results, n_boot=20, ci=0.95, seed=0)
+    saved = []
+    for day, name in (("0", "a"), ("86400", "b")):  # a clock a day apart
+        monkeypatch.setenv("SOURCE_DATE_EPOCH", day)
+        saved.append(figures.save(figures.figure3(results, fits), tmp_path / name))
+    for a, b in zip(*saved, strict=True):
+        assert a.suffix == b.suffix and a.read_bytes() == b.read_bytes(), a.suffix
+
+
 def test_fig5_uses_kaplan_without_measured_long_runs(tmp_path):
     results = load_results(write_jsonl(tmp_path / "r.jsonl", paper_rows(tenx=False)))
     labels = legend_labels(draw(results)["fig5"])

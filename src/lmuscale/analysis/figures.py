@@ -79,11 +79,6 @@ def sci(x: float) -> str:
     return f"${power}$" if mantissa == "1" else f"${mantissa}{{\\times}}{power}$"
 
 
-def ratio(x: float) -> str:
-    """30.8467 -> "30.8": a ratio to 3 significant digits."""
-    return f"{x:.3g}"
-
-
 def interval(estimate: float, lo: float, hi: float, fmt: str = ".2f", ci=None) -> str:
     """ "0.65 [0.61, 0.70]" ("0.65, 95% CI [...]" with ``ci``), or "0.65 (no interval)" where the
     interval is unresolved: an end that is not finite, or no width."""
@@ -287,7 +282,7 @@ def figure5(results: Results, fits):
         lo, hi = min(sizes), max(sizes)
         ax.set_title(
             f"LMU at {human(base)} tokens vs. transformer at {human(more * base)} "
-            f"({ratio(more)}x the tokens)"
+            f"({more:.3g}x the tokens)"
         )
         _axes(ax, results, lo, hi)
         side_legend(fig)
@@ -311,7 +306,8 @@ def save(fig, path_without_suffix: Path) -> list[Path]:
     paths = []
     for suffix in (".png", ".pdf"):
         buffer = io.BytesIO()
-        fig.savefig(buffer, format=suffix[1:], dpi=DPI)
+        stamp = {"CreationDate": None} if suffix == ".pdf" else None  # same bytes each time
+        fig.savefig(buffer, format=suffix[1:], dpi=DPI, metadata=stamp)
         path = Path(f"{path_without_suffix}{suffix}")
         atomic_write_bytes(path, buffer.getvalue())
         paths.append(path)

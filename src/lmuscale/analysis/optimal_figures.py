@@ -17,7 +17,6 @@ from lmuscale.analysis.figures import (
     interval,
     log_axis,
     panels,
-    ratio,
     sci,
     side_legend,
 )
@@ -213,7 +212,7 @@ def tokens_figure(curves, efficiency, unit: str):
         a, b = (label(f) for f in efficiency.families)
         if efficiency.ratio_geomean is not None:
             title = (
-                f"{b} needs {ratio(efficiency.ratio_geomean)}x the tokens of {a} to reach a loss "
+                f"{b} needs {efficiency.ratio_geomean:.3g}x the tokens of {a} to reach a loss "
                 f"of {efficiency.target:.3f} (geometric mean over {len(efficiency.n)} sizes "
                 "at equal N)"
             )
