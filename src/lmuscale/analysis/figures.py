@@ -90,8 +90,9 @@ def interval(estimate: float, lo: float, hi: float, fmt: str = ".2f", ci=None) -
 
 
 class CountLocator(ticker.Locator):
-    """Major ticks of a log axis at 10^k, or at 1, 2, 5 x 10^k, or at every multiple of 10^k:
-    the sparsest of these with 3 ticks in view (2 on the densest), at most 8."""
+    """Major ticks of a log axis at 10^k where 3 are in view, else at the sparsest of 1, 2, 5 x
+    10^k, 1, 2, 3, 5 x 10^k and every multiple of 10^k with 2 in view (else linear steps); at
+    most 8."""
 
     def __call__(self):
         return self.tick_values(*self.axis.get_view_interval())
@@ -101,7 +102,13 @@ class CountLocator(ticker.Locator):
         if not (lo > 0 and np.isfinite(hi)):
             return []
         k = np.arange(np.floor(np.log10(lo)), np.ceil(np.log10(hi)) + 1)
-        for subs, least in (((1,), 3), ((1, 2, 5), 3), (range(1, 10), 2), (None, 0)):
+        for subs, least in (
+            ((1,), 3),
+            ((1, 2, 5), 2),
+            ((1, 2, 3, 5), 2),
+            (range(1, 10), 2),
+            (None, 0),
+        ):
             ticks = (
                 np.outer(10.0**k, subs).ravel()
                 if subs
