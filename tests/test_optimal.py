@@ -198,6 +198,8 @@ def test_a_frontier_on_2_budgets_is_drawn_over_them_only(tmp_path, analysed):
     for frontier, budgets in ((two, (1e14, 1e15)), (three, (1e14, 1e16))):
         assert frontier.n_line is not None, frontier.error
         fig = figures.optimal_figure([frontier])
+        assert text_overlaps(fig) == [] and tick_problems(fig) == []
+        assert legend_covers_data(fig) == []
         for ax, symbol in zip(data_axes(fig), "ab", strict=True):
             (line,) = [x for x in ax.lines if f"fit: {symbol} = " in x.get_label()]
             lo, hi = (min(f.budget for f in frontier.fits), max(f.budget for f in frontier.fits))
