@@ -10,7 +10,8 @@ import sys
 
 import numpy as np
 import pytest
-from figure_checks import text_overlaps
+from figure_checks import legend_covers_data, text_overlaps, tick_problems
+from matplotlib import ticker
 from results_files import paper_rows, row, write_jsonl
 
 from lmuscale import scaling
@@ -90,6 +91,8 @@ def test_figures_have_labels_units_legends_and_no_overlapping_text(tmp_path):
         assert "nats per token" in ax.get_ylabel(), name
         assert ax.get_xlabel() and ax.get_title(), name
         assert text_overlaps(fig) == [], name
+        assert legend_covers_data(fig) == [], name
+        assert tick_problems(fig) == [], name
     labels3 = legend_labels(drawn["fig3"])
     for expected in (
         "Transformer, 25k steps (Kaplan eq. 1.6)",
@@ -123,6 +126,97 @@ def test_overlap_check_can_fail():
     assert text_overlaps(fig)
 
 
+def test_legend_check_can_fail():
+    fig, (ax,) = figures.panels(1)
+    ax.scatter([1, 2, 3], [1, 2, 3], label="points")
+    ax.legend(loc="center")  # over the middle point
+    assert [name for name, *_ in legend_covers_data(fig)] == ["points"]
+    fig, (ax,) = figures.panels(1)
+    ax.plot([0, 10], [0, 10], label="line")  # both ends far from the legend, the middle under it
+    ax.legend(loc="center")
+    assert legend_covers_data(fig) and all(n == "line" for n, *_ in legend_covers_data(fig))
+    fig, (ax,) = figures.panels(1)
+    ax.errorbar([5], [5], yerr=[[4], [4]], fmt="none", label="bar")  # the bar's middle
+    ax.plot([0, 1, 10], [0, 1, 10], "o", label="corners")
+    ax.legend(loc="center")
+    assert {name for name, *_ in legend_covers_data(fig)} == {"LineCollection"}  # the bar
+    figures.side_legend(fig)  # the same data with the legend beside the axes
+    ax.get_legend().remove()
+    assert legend_covers_data(fig) == []
+
+
+def test_tick_check_can_fail():
+    fig, (ax,) = figures.panels(1)
+    ax.plot([1.5e4, 3.5e4], [1, 2])
+    ax.set_xscale("log")  # matplotlib's own: no decade in view, so minor ticks are labelled
+    assert tick_problems(fig)
+    ax.xaxis.set_major_formatter(ticker.FuncFormatter(lambda x, _: figures.human(x)))
+    ax.set_xlim(5e3, 3.5e4)  # 10k (human) beside 2x10^4 (matplotlib's minor label)
+    assert any("minor ticks labelled" in p for p in tick_problems(fig))
+    figures.log_axis(ax, "x")
+    assert tick_problems(fig) == []
+    ax.xaxis.set_major_formatter(ticker.FuncFormatter(lambda x, _: f"{x:.0e}"))
+    assert any("unknown styles" in p for p in tick_problems(fig))
+
+
+def test_count_ticks_label_any_range_in_one_style():
+    """2 to 9 ticks in view, spread out, with distinct labels, for ranges from a factor 1.3 to
+    10^12."""
+    rng = np.random.default_rng(0)
+    locator = figures.CountLocator()
+    for lo, factor in zip(
+        10 ** rng.uniform(-4, 15, 300), 10 ** rng.uniform(0.12, 12, 300), strict=True
+    ):
+        ticks = locator.tick_values(lo, lo * factor)
+        assert 2 <= len(ticks) <= 9, (lo, factor, ticks)
+        # spread over the axis, not crowded at one end (8x10^10, 9x10^10 and 10^11 collide)
+        assert np.diff(np.log(ticks)).min() > np.log(factor) / 10, (lo, factor, ticks)
+        assert all(lo * (1 - 1e-9) <= t <= lo * factor * (1 + 1e-9) for t in ticks)
+        for text in (figures.human, figures.sci):
+            labels = [text(t) for t in ticks]
+            assert len(set(labels)) == len(labels), (lo, factor, labels)
+    np.testing.assert_allclose(locator.tick_values(2.9e10, 8.2e10), [3e10, 5e10])
+    np.testing.assert_allclose(locator.tick_values(7.5e10, 3.3e11), [1e11, 2e11])
+    np.testing.assert_allclose(locator.tick_values(4e3, 6e4), [5e3, 1e4, 2e4, 5e4])
+    np.testing.assert_allclose(locator.tick_values(0.7, 1400), [1, 10, 100, 1000])
+    assert [figures.sci(x) for x in (1e14, 2e14, 9.99e14)] == [
+        "$10^{14}$",
+        "$2{\\times}10^{14}$",
+        "$10^{15}$",
+    ]
+
+
+def test_intervals_are_printed_only_when_resolved(tmp_path):
+    assert figures.interval(0.65, 0.61, 0.70) == "0.65 [0.61, 0.70]"
+    assert figures.interval(0.0725, 0.061, 0.13, ".3f", 0.9) == "0.072, 90% CI [0.061, 0.130]"
+    for lo, hi in ((0.65, 0.65), (np.nan, 0.7), (0.6, np.inf), (0.7, 0.6)):
+        assert figures.interval(0.65, lo, hi) == "0.65 (no interval)"
+    # 2 bootstrap resamples are too few for an interval: the legend says so
+    results = load_results(write_jsonl(tmp_path / "r.jsonl", paper_rows(tenx=False)))
+    fig = figures.figure3(results, fit_all(results, n_boot=2, ci=0.95, seed=0))
+    fits = [t for t in legend_labels(fig) if " fit: " in t and "Kaplan" not in t]
+    assert len(fits) == 3 and all(t.endswith("(no interval)") for t in fits), fits
+    fig = figures.figure3(results, fit_all(results, n_boot=50, ci=0.9, seed=0))
+    assert any(", 90% CI [" in t for t in legend_labels(fig))
+
+
+def test_fig5_prints_the_token_ratio_to_3_digits(tmp_path):
+    rows = paper_rows(tenx=False, more_steps=(771_168,))  # 30.84672x the LMU's 25,000 steps
+    fig = draw(load_results(write_jsonl(tmp_path / "r.jsonl", rows)))["fig5"]
+    assert fig.axes[0].get_title().endswith("(30.8x the tokens)")
+
+
+def test_saved_figures_are_the_same_bytes_each_time(tmp_path, monkeypatch):
+    results = load_results(write_jsonl(tmp_path / "r.jsonl", paper_rows(tenx=False)))
+    fits = fit_all(results, n_boot=20, ci=0.95, seed=0)
+    saved = []
+    for day, name in (("0", "a"), ("86400", "b")):  # a clock a day apart
+        monkeypatch.setenv("SOURCE_DATE_EPOCH", day)
+        saved.append(figures.save(figures.figure3(results, fits), tmp_path / name))
+    for a, b in zip(*saved, strict=True):
+        assert a.suffix == b.suffix and a.read_bytes() == b.read_bytes(), a.suffix
+
+
 def test_fig5_uses_kaplan_without_measured_long_runs(tmp_path):
     results = load_results(write_jsonl(tmp_path / "r.jsonl", paper_rows(tenx=False)))
     labels = legend_labels(draw(results)["fig5"])
@@ -147,6 +241,8 @@ def test_byte_level_results_leave_out_the_gpt2_references(tmp_path):
     assert "same budget" in notes(drawn["fig5"])
     for fig in drawn.values():
         assert text_overlaps(fig) == []
+        assert legend_covers_data(fig) == []
+        assert tick_problems(fig) == []
 
 
 def test_missing_columns_are_named(tmp_path):
@@ -273,6 +369,8 @@ def test_transformer_only_byte_results_and_wide_ranges_still_draw(tmp_path):
         r["tokens"] = 512
     drawn = draw(load_results(write_jsonl(tmp_path / "r2.jsonl", rows)))
     assert drawn["fig5"].axes[0].get_ylim()[1] > 40
+    for fig in drawn.values():
+        assert tick_problems(fig) == [] and legend_covers_data(fig) == []
 
 
 def test_null_per_position_entries_are_gaps(tmp_path):

@@ -10,12 +10,17 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from figure_checks import text_overlaps
+from figure_checks import legend_covers_data, text_overlaps, tick_problems
 
 from lmuscale.analysis import analyse, load_results
 from lmuscale.analysis import optimal_figures as figures
+from lmuscale.analysis.curves import Curve
+from lmuscale.analysis.efficiency import data_efficiency
+from lmuscale.analysis.figures import human
+from lmuscale.analysis.isoflop import Envelope, Interval, fit_frontier
 from lmuscale.analysis.learning_rate import read_learning_rates
 from lmuscale.analysis.optimal import compute_optimal
+from lmuscale.analysis.results import Run, label
 
 # A known L(N, D) per family; the transformer's data term is 4x weaker per token (it needs
 # about 4^(1/beta) ... more tokens for the same data term).
@@ -150,12 +155,117 @@ def test_the_new_figures_have_no_overlapping_text(analysed):
     _, report = analysed
     best = report.optimal
     unit = report.results.unit
+    (eff,) = best.efficiency
+    curves = [c for c in best.curves.values() if c.run.family in eff.families]
     for fig in (
         figures.isoflop_figure(best.frontiers, unit),
         figures.optimal_figure(best.frontiers, best.envelopes),
+        figures.optimal_figure([], best.envelopes),
+        figures.optimal_figure(best.frontiers),
+        figures.tokens_figure(curves, eff, unit),
         figures.learning_rate_figure(best.rates, unit),
     ):
         assert text_overlaps(fig) == []
+        assert legend_covers_data(fig) == []
+        assert tick_problems(fig) == []
+
+
+def data_axes(fig) -> list:
+    return [ax for ax in fig.axes if ax.axison]
+
+
+def legend_labels(fig) -> list[str]:
+    return [t.get_text() for legend in fig.legends for t in legend.get_texts()]
+
+
+def test_the_optimal_figure_draws_no_empty_panel(analysed):
+    _, report = analysed
+    best = report.optimal
+    fig = figures.optimal_figure([], best.envelopes)  # no IsoFLOP minima: no D_opt panel
+    (ax,) = data_axes(fig)
+    assert ax.get_ylabel().startswith("N_opt") and ax.lines
+    assert "D_opt are not drawn" in " ".join(t.get_text() for a in fig.axes for t in a.texts)
+    for fig in (figures.optimal_figure(best.frontiers, best.envelopes),):
+        assert [a.get_ylabel()[:5] for a in data_axes(fig)] == ["N_opt", "D_opt"]
+        assert all(a.lines for a in data_axes(fig))
+
+
+def test_a_frontier_on_2_budgets_is_drawn_over_them_only(tmp_path, analysed):
+    results = load_results(sweep(tmp_path, budgets=(1e14, 1e15)), "val")
+    two = fit_frontier("lmu", results.runs, n_boot=50, ci=0.95, seed=0)
+    _, report = analysed
+    (three,) = [f for f in report.optimal.frontiers if f.family == "lmu"]
+    for frontier, budgets in ((two, (1e14, 1e15)), (three, (1e14, 1e16))):
+        assert frontier.n_line is not None, frontier.error
+        fig = figures.optimal_figure([frontier])
+        assert text_overlaps(fig) == [] and tick_problems(fig) == []
+        assert legend_covers_data(fig) == []
+        for ax, symbol in zip(data_axes(fig), "ab", strict=True):
+            (line,) = [x for x in ax.lines if f"fit: {symbol} = " in x.get_label()]
+            lo, hi = (min(f.budget for f in frontier.fits), max(f.budget for f in frontier.fits))
+            assert (lo, hi) == pytest.approx(budgets, rel=0.05)
+            x = line.get_xdata()
+            if frontier is two:
+                assert (x.min(), x.max()) == pytest.approx((lo, hi), rel=1e-9)
+                assert line.get_linestyle() == "--"
+                assert line.get_label().endswith(", 2 budgets, not extrapolated")
+            else:
+                assert x.min() < lo and x.max() > hi and hi / lo * 1.6 > x.max() / x.min()
+                assert line.get_linestyle() == "-" and "extrapolated" not in line.get_label()
+
+
+def test_isoflop_titles_give_the_interval_level(analysed):
+    _, report = analysed
+    for ci in (0.95, 0.8):
+        fig = figures.isoflop_figure(report.optimal.frontiers, "nats", ci=ci)
+        titles = [a.get_title() for a in data_axes(fig)]
+        assert len(titles) == 2 and all(t.endswith(f"{ci:.0%} CI)") for t in titles)
+    fig = figures.isoflop_figure(report.optimal.frontiers, "nats")
+    assert all(a.get_title().endswith("95% CI)") for a in data_axes(fig))
+
+
+def test_degenerate_intervals_are_not_printed_as_intervals():
+    flops = np.geomspace(1e10, 1e11, 8)
+    n = np.repeat([1e4, 2e4], 4)
+    flat = Envelope("lmu", flops, np.ones(8), n, Interval(0.65, 0.65, 0.65), None,
+                    np.ones(8, bool), (0.65, -2.5))  # fmt: skip
+    fine = Envelope("transformer", flops, np.ones(8), n, Interval(0.5, 0.4, 0.6), None,
+                    np.ones(8, bool), (0.5, -1.0))  # fmt: skip
+    labels = legend_labels(figures.optimal_figure([], [flat, fine]))
+    assert "LMU envelope fit: a = 0.65 (no interval)" in labels
+    assert "Transformer envelope fit: a = 0.50 [0.40, 0.60]" in labels
+
+
+def test_tokens_figure_names_every_size_in_one_tint(tmp_path):
+    """A size trained at two budgets is one legend entry and one tint; each family a panel."""
+
+    def curve(family, n, tokens, trial):
+        run = Run(trial, family, n, tokens / 100, tokens, 3.0, 0)
+        grid = np.geomspace(tokens / 20, tokens, 10)
+        return Curve(run, grid, 2.0 + 300 / n**0.3 + 40 / grid**0.3)
+
+    sizes = {"lmu": (1e3, 4e3, 16e3), "transformer": (2e3, 8e3)}
+    curves = [
+        curve(family, n, tokens, f"{family}-{n:g}-{tokens:g}")
+        for family, ns in sizes.items()
+        for n in ns
+        for tokens in ((1e6, 4e6) if n == 4e3 else (2e6,))
+    ]
+    eff = data_efficiency(curves, "lmu", "transformer")
+    fig = figures.tokens_figure(curves, eff, "nats per token")
+    axes = data_axes(fig)
+    assert [a.get_title() for a in axes] == ["LMU", "Transformer"]
+    named = [f"{label(f)}, N = {human(n)}" for f, ns in sizes.items() for n in ns]
+    assert legend_labels(fig) == [*named, "reaches the target loss", "target loss"]
+    for ax in axes:
+        tint = {}
+        for line in ax.lines:
+            if line.get_label().startswith(("LMU", "Transformer")):
+                tint.setdefault(line.get_label(), set()).add(line.get_color())
+        assert all(len(t) == 1 for t in tint.values())  # the 4k LMU's two runs share a tint
+        assert len({c for t in tint.values() for c in t}) == len(tint)
+    assert sum(len(ax.lines) for ax in axes) == len(curves) + 4  # + reached, target per panel
+    assert text_overlaps(fig) == [] and legend_covers_data(fig) == [] and tick_problems(fig) == []
 
 
 def test_curves_that_cannot_be_read_are_named(tmp_path):

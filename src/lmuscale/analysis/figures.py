@@ -51,6 +51,7 @@ STYLE = {
 DPI = 200
 SMOOTH = 1.2  # Figure 4's smoothing window: positions within this factor either side
 NOTE_WIDTH = 90  # characters per line of the notes under the axes
+PANEL = 4.6  # inches of figure width per axes
 
 
 def color(family: str) -> str:
@@ -64,6 +65,68 @@ def human(x: float) -> str:
         if abs(x) >= scale:
             return f"{x / scale:.3g}{suffix}"
     return f"{x:.3g}"
+
+
+def sci(x: float) -> str:
+    """2e14 -> "2 x 10^14" (in mathtext), 1e14 -> "10^14": FLOP counts in axis ticks and labels."""
+    if not x > 0:
+        return f"{x:g}"
+    exponent = int(np.floor(np.log10(x)))
+    mantissa = f"{x / 10.0**exponent:.2g}"
+    if mantissa == "10":  # rounding carried into the next power
+        mantissa, exponent = "1", exponent + 1
+    power = f"10^{{{exponent}}}"
+    return f"${power}$" if mantissa == "1" else f"${mantissa}{{\\times}}{power}$"
+
+
+def interval(estimate: float, lo: float, hi: float, fmt: str = ".2f", ci=None) -> str:
+    """ "0.65 [0.61, 0.70]" ("0.65, 95% CI [...]" with ``ci``), or "0.65 (no interval)" where the
+    interval is unresolved: an end that is not finite, or no width."""
+    text = f"{estimate:{fmt}}"
+    if not (np.isfinite(lo) and np.isfinite(hi) and lo < hi):
+        return f"{text} (no interval)"
+    level = "" if ci is None else f", {ci:.0%} CI"
+    return f"{text}{level} [{lo:{fmt}}, {hi:{fmt}}]"
+
+
+class CountLocator(ticker.Locator):
+    """Major ticks of a log axis at 10^k where 3 are in view, else at the sparsest of 1, 2, 5 x
+    10^k, 1, 2, 3, 5 x 10^k and every multiple of 10^k with 2 in view (else linear steps); at
+    most 8."""
+
+    def __call__(self):
+        return self.tick_values(*self.axis.get_view_interval())
+
+    def tick_values(self, vmin, vmax):
+        lo, hi = sorted((vmin, vmax))
+        if not (lo > 0 and np.isfinite(hi)):
+            return []
+        k = np.arange(np.floor(np.log10(lo)), np.ceil(np.log10(hi)) + 1)
+        for subs, least in (
+            ((1,), 3),
+            ((1, 2, 5), 2),
+            ((1, 2, 3, 5), 2),
+            (range(1, 10), 2),
+            (None, 0),
+        ):
+            ticks = (
+                np.outer(10.0**k, subs).ravel()
+                if subs
+                else ticker.MaxNLocator(3).tick_values(lo, hi)
+            )
+            ticks = ticks[(ticks >= lo * (1 - 1e-9)) & (ticks <= hi * (1 + 1e-9))]
+            if len(ticks) >= least:
+                return ticks[:: -(-len(ticks) // 8)]
+
+
+def log_axis(ax, which: str, text=human) -> None:
+    """A log ``which`` ("x" or "y") axis of counts: major ticks labelled by ``text`` (``human``,
+    or ``sci`` for FLOPs), minor ticks unlabelled."""
+    getattr(ax, f"set_{which}scale")("log")
+    axis = getattr(ax, f"{which}axis")
+    axis.set_major_locator(CountLocator())
+    axis.set_major_formatter(ticker.FuncFormatter(lambda v, _: text(v)))
+    axis.set_minor_formatter(ticker.NullFormatter())
 
 
 def figure3(results: Results, fits):
@@ -107,7 +170,7 @@ def figure3(results: Results, fits):
         steps = _steps_at(results, base)
         ax.set_title(f"{_split(results)} loss after {human(base)} tokens ({steps:,.0f} steps)")
         _axes(ax, results, lo, hi)
-        _legend(fig, ax)
+        side_legend(fig)
         add_notes(fig, notes)
     return fig
 
@@ -152,13 +215,12 @@ def figure4(results: Results, size: float | None = None):
             notes.append("Nothing to draw: no run has per-position losses.")
             ax.text(0.5, 0.5, "no per-position losses", ha="center", transform=ax.transAxes)
         notes += _skipped(results)
-        ax.set_xscale("log")
+        log_axis(ax, "x")
         ax.set_xlabel("Position in the context (tokens)")
         ax.set_ylabel(f"{_split(results)} loss at that position ({results.unit})")
         ax.set_title(f"Per-position {results.split} loss at N ≈ {human(size)}")
-        ax.xaxis.set_major_formatter(ticker.FuncFormatter(lambda x, _: f"{x:g}"))
         if drawn:
-            _legend(fig, ax)
+            side_legend(fig)
         add_notes(fig, notes)
     return fig
 
@@ -181,7 +243,7 @@ def figure5(results: Results, fits):
                 continue
             sizes += _measured(ax, runs, fits, f"{label(family)}, {human(base)} tokens", notes)
         longest = max((t for t in results.budgets("transformer") if t > base), default=None)
-        ratio = 10.0 if longest is None else longest / base
+        more = 10.0 if longest is None else longest / base
         if longest is not None:
             runs = results.group("transformer", longest)
             text = f"Transformer, {human(longest)} tokens (measured)"
@@ -190,7 +252,7 @@ def figure5(results: Results, fits):
             sizes = [r.n for r in results.runs]
         if results.gpt2_tokens:
             grid = np.geomspace(min(sizes) / 1.25, max(sizes) * 1.25, 200)
-            steps = ratio * base_steps
+            steps = more * base_steps
             ax.plot(
                 grid,
                 transformer_loss(grid, steps, batch),
@@ -201,7 +263,7 @@ def figure5(results: Results, fits):
             )
         elif longest is None:
             runs = results.group("transformer", base)
-            ratio = 1.0
+            more = 1.0
             if not runs:
                 notes.append(
                     "No transformer run in the results, and Kaplan's curve is for GPT-2 tokens "
@@ -226,11 +288,11 @@ def figure5(results: Results, fits):
         notes += _skipped(results)
         lo, hi = min(sizes), max(sizes)
         ax.set_title(
-            f"LMU at {human(base)} tokens vs. transformer at {human(ratio * base)} "
-            f"({ratio:g}x the tokens)"
+            f"LMU at {human(base)} tokens vs. transformer at {human(more * base)} "
+            f"({more:.3g}x the tokens)"
         )
         _axes(ax, results, lo, hi)
-        _legend(fig, ax)
+        side_legend(fig)
         add_notes(fig, notes)
     return fig
 
@@ -251,7 +313,8 @@ def save(fig, path_without_suffix: Path) -> list[Path]:
     paths = []
     for suffix in (".png", ".pdf"):
         buffer = io.BytesIO()
-        fig.savefig(buffer, format=suffix[1:], dpi=DPI)
+        stamp = {"CreationDate": None} if suffix == ".pdf" else None  # same bytes each time
+        fig.savefig(buffer, format=suffix[1:], dpi=DPI, metadata=stamp)
         path = Path(f"{path_without_suffix}{suffix}")
         atomic_write_bytes(path, buffer.getvalue())
         paths.append(path)
@@ -261,16 +324,36 @@ def save(fig, path_without_suffix: Path) -> list[Path]:
 def panels(k: int):
     """A figure of its own (not pyplot's, so nothing accumulates and any backend works) with
     ``k`` axes side by side, and a second grid row that ``add_notes`` fills."""
-    fig = Figure(figsize=(max(9.0, 4.6 * k + 0.8), 4.6), layout="constrained")
+    fig = Figure(figsize=(max(9.0, PANEL * k + 0.8), 4.6), layout="constrained")
     FigureCanvasAgg(fig)
     spec = fig.add_gridspec(2, k, height_ratios=[1, 0.001])
     return fig, [fig.add_subplot(spec[0, i]) for i in range(k)]
 
 
-def _legend(fig, ax) -> None:
-    """The legend to the right of the axes, where it cannot cover a point or a curve."""
-    handles, labels = ax.get_legend_handles_labels()
-    fig.legend(handles, labels, loc="outside right upper", frameon=False)
+def side_legend(fig, key=None) -> float:
+    """One legend of every axes' labelled artists (once per label, sorted by ``key`` of the
+    label if given) to the right of the axes, where it cannot cover a point or a curve, in
+    columns of at most 24; the figure widens so each axes keeps ``PANEL`` inches. Returns the
+    legend's width in inches."""
+    entries = {}
+    for ax in fig.axes:
+        for handle, text in zip(*ax.get_legend_handles_labels(), strict=True):
+            entries.setdefault(text, handle)
+    if key is not None:
+        entries = dict(sorted(entries.items(), key=lambda item: key(item[0])))
+    if not entries:
+        return 0.0
+    legend = fig.legend(
+        entries.values(),
+        entries.keys(),
+        loc="outside right upper",
+        frameon=False,
+        ncols=1 + (len(entries) - 1) // 24,
+    )
+    inches = legend.get_window_extent(fig.canvas.get_renderer()).width / fig.dpi
+    width, height = fig.get_size_inches()
+    fig.set_size_inches(max(width, PANEL * len(fig.axes) + 0.8 + inches), height)
+    return inches
 
 
 def add_notes(fig, notes: list[str], width: int = NOTE_WIDTH) -> None:
@@ -316,17 +399,14 @@ def _draw_fit(ax, group_fit, n, notes, ls="-") -> None:
         return
     family, fit = group_fit.family, group_fit.fit
     grid = np.geomspace(min(n) / 1.15, max(n) * 1.15, 100)
-    alpha = fit.params["alpha"]
-    ci = ""
-    if np.isfinite(fit.ci_low[1]):
-        ci = f" ({fit.ci:.0%} CI {fit.ci_low[1]:.3f}-{fit.ci_high[1]:.3f})"
+    alpha = interval(fit.params["alpha"], fit.ci_low[1], fit.ci_high[1], ".3f", fit.ci)
     ax.plot(
         grid,
         fit.predict(grid),
         color=color(family),
         ls=ls,
         lw=1.6,
-        label=f"{label(family)} fit: $\\alpha$ = {alpha:.3f}{ci}",
+        label=f"{label(family)} fit: $\\alpha$ = {alpha}",
     )
     low, high = fit.band(grid)
     if np.all(np.isfinite(low)):
@@ -337,18 +417,16 @@ def _draw_fit(ax, group_fit, n, notes, ls="-") -> None:
 
 def _axes(ax, results: Results, lo, hi) -> None:
     """N from ``lo`` to ``hi`` on x and the loss on y, both log, with readable ticks."""
-    ax.set_xscale("log")
+    log_axis(ax, "x")
     ax.set_xlim(lo / 1.3, hi * 1.3)
-    ax.xaxis.set_major_locator(ticker.LogLocator(base=10, subs=(1.0, 2.0, 5.0)))
-    ax.xaxis.set_major_formatter(ticker.FuncFormatter(lambda x, _: human(x)))
-    ax.xaxis.set_minor_formatter(ticker.NullFormatter())
     ax.set_xlabel("Non-embedding parameters N")
     ax.set_yscale("log")
     ax.set_ylabel(f"{_split(results)} loss ({results.unit})")
     lo, hi = ax.get_ylim()
     span = hi - lo
     steps = [s for s in (0.02, 0.05, 0.1, 0.2, 0.25, 0.5, 1.0, 2.0, 5.0) if span / s <= 8]
-    if not steps:  # a range this wide reads fine with matplotlib's own log ticks
+    if not steps:  # a range this wide: at 1, 2, 5 x 10^k
+        log_axis(ax, "y")
         return
     step = steps[0]
     ticks = np.arange(np.ceil(lo / step) * step, hi + 1e-9, step)

@@ -2,18 +2,32 @@
 
 from __future__ import annotations
 
+import textwrap
+
 import matplotlib
 import numpy as np
 
-from lmuscale.analysis.figures import MARKERS, NOTE_WIDTH, STYLE, add_notes, color, human, panels
+from lmuscale.analysis.figures import (
+    MARKERS,
+    NOTE_WIDTH,
+    STYLE,
+    add_notes,
+    color,
+    human,
+    interval,
+    log_axis,
+    panels,
+    sci,
+    side_legend,
+)
 from lmuscale.analysis.results import label
 
 STAR = {"ms": 9, "mec": "black", "mew": 0.5, "zorder": 5}  # a chosen optimum
 
 
-def isoflop_figure(frontiers, unit: str):
+def isoflop_figure(frontiers, unit: str, ci: float = 0.95):
     """Loss against N at each budget, one panel per family: the runs (the spread of seeds
-    as a bar), the fitted parabola, and its minimum N_opt with its CI."""
+    as a bar), the fitted parabola, and its minimum N_opt with its ``ci`` interval."""
     notes = []
     with matplotlib.rc_context(STYLE):
         fig, axes = panels(len(frontiers))
@@ -30,7 +44,7 @@ def isoflop_figure(frontiers, unit: str):
                     ms=4,
                     capsize=2,
                     lw=0.8,
-                    label=f"C = {fit.budget:.2g} FLOPs",
+                    label=f"{label(fit.family)}, C = {sci(fit.budget)} FLOPs",
                 )
                 if fit.coef is not None and fit.n_opt is not None:
                     x = np.linspace(np.log10(n.min()), np.log10(n.max()), 100)
@@ -46,32 +60,36 @@ def isoflop_figure(frontiers, unit: str):
                         **STAR,
                     )
                 if fit.error:
-                    notes.append(f"{label(fit.family)}, C = {fit.budget:.2g}: {fit.error}.")
-            ax.set_title(f"{label(frontier.family)}: IsoFLOP curves (* = N_opt, 95% CI)")
-            ax.set_xscale("log")
-            ax.xaxis.set_major_formatter(matplotlib.ticker.FuncFormatter(lambda x, _: human(x)))
+                    notes.append(f"{label(fit.family)}, C = {fit.budget:.3g}: {fit.error}.")
+            ax.set_title(f"{label(frontier.family)}: IsoFLOP curves (* = N_opt, {ci:.0%} CI)")
+            log_axis(ax, "x")
             ax.set_xlabel("non-embedding parameters N")
             ax.set_ylabel(f"validation loss ({unit})")
-            ax.legend(loc="best", frameon=False, fontsize=7)
+        side_legend(fig)
         add_notes(fig, notes, NOTE_WIDTH + 30)
     return fig
 
 
 def optimal_figure(frontiers, envelopes=()):
-    """N_opt(C) and D_opt(C) of every family on one pair of axes: the IsoFLOP minima with
-    their CIs, the fitted power laws (exponent and CI in the legend) and, where given, the
-    N along the lower envelope of the evaluation curves (Chinchilla's approach 1)."""
+    """N_opt(C) and, where there are IsoFLOP minima, D_opt(C) of every family: the minima with
+    their CIs, the fitted power laws (exponent and CI in the legend; drawn only over the
+    budgets when fitted on fewer than 3) and, where given, the N along the lower envelope of the
+    evaluation curves (Chinchilla's approach 1) with its power law."""
     notes = []
+    minima = [[f for f in fr.fits if f.n_opt is not None] for fr in frontiers]
     with matplotlib.rc_context(STYLE):
-        fig, (ax_n, ax_d) = panels(2)
-        for frontier in frontiers:
+        fig, axes = panels(2 if any(minima) else 1)
+        for frontier, fits in zip(frontiers, minima, strict=True):
             c = color(frontier.family)
-            fits = [f for f in frontier.fits if f.n_opt is not None]
             if frontier.error:
                 notes.append(f"{label(frontier.family)}: {frontier.error}.")
-            for ax, which, line, symbol, exponent in (
-                (ax_n, "n_opt", frontier.n_line, "a", frontier.a),
-                (ax_d, "d_opt", frontier.d_line, "b", frontier.b),
+            for ax, which, line, symbol, exponent in zip(
+                axes,
+                ("n_opt", "d_opt"),
+                (frontier.n_line, frontier.d_line),
+                "ab",
+                (frontier.a, frontier.b),
+                strict=False,
             ):
                 if not fits:
                     continue
@@ -87,84 +105,124 @@ def optimal_figure(frontiers, envelopes=()):
                     color=c,
                     capsize=3,
                     ms=5,
+                    zorder=3,
                     label=f"{label(frontier.family)}, IsoFLOP minima",
                 )
-                if line is not None and exponent is not None:
-                    grid = np.geomspace(budget.min() / 1.5, budget.max() * 1.5, 50)
-                    ax.plot(
-                        grid,
-                        10 ** (line[0] * np.log10(grid) + line[1]),
-                        color=c,
-                        lw=1.2,
-                        label=f"{label(frontier.family)} fit: {symbol} = "
-                        f"{exponent.estimate:.2f} [{exponent.lo:.2f}, {exponent.hi:.2f}]",
-                    )
+                if line is None or exponent is None:
+                    continue
+                text = f"{label(frontier.family)} fit: {symbol} = {_interval(exponent)}"
+                few = len(fits) < 3
+                if few:
+                    text += f", {len(fits)} budgets, not extrapolated"
+                grid = _span(budget, 1.0 if few else 1.25)
+                ax.plot(
+                    grid, _power(line, grid), color=c, lw=1.2, ls="--" if few else "-", label=text
+                )
         for envelope in envelopes:
             if envelope.error or len(envelope.flops) == 0:
                 if envelope.error:
                     notes.append(f"{label(envelope.family)} envelope: {envelope.error}.")
                 continue
-            a = envelope.a
-            text = "" if a is None else f", a = {a.estimate:.2f} [{a.lo:.2f}, {a.hi:.2f}]"
             # the points the exponent was fitted to: not those reached by the smallest or the
             # largest size, where the optimum may lie beyond the sizes tried
             used = np.asarray(envelope.used, bool)
-            ax_n.plot(
-                envelope.flops[used],
+            c, name = color(envelope.family), label(envelope.family)
+            flops = envelope.flops[used]
+            axes[0].plot(
+                flops,
                 envelope.n[used],
-                color=color(envelope.family),
-                lw=0.8,
-                ls=":",
-                drawstyle="steps-post",
-                label=f"{label(envelope.family)}, lower envelope{text}",
+                ".",
+                color=c,
+                ms=3,
+                alpha=0.35,
+                zorder=1,
+                label=f"{name}, lower envelope",
             )
-        for ax, what in ((ax_n, "N_opt (non-embedding parameters)"), (ax_d, "D_opt (tokens)")):
-            ax.set_xscale("log")
-            ax.set_yscale("log")
+            if envelope.a is not None and envelope.line is not None:
+                grid = _span(flops, 1.0)
+                axes[0].plot(
+                    grid,
+                    _power(envelope.line, grid),
+                    color=c,
+                    lw=1,
+                    ls=":",
+                    zorder=2,
+                    label=f"{name} envelope fit: a = {_interval(envelope.a)}",
+                )
+        for ax, what in zip(
+            axes, ("N_opt (non-embedding parameters)", "D_opt (tokens)"), strict=False
+        ):
+            log_axis(ax, "x", sci)
+            log_axis(ax, "y")
             ax.set_xlabel("compute C (training FLOPs)")
             ax.set_ylabel(what)
-            ax.yaxis.set_major_formatter(matplotlib.ticker.FuncFormatter(lambda x, _: human(x)))
-            if ax.get_legend_handles_labels()[0]:  # D_opt is empty with envelopes alone
-                ax.legend(loc="upper left", frameon=False, fontsize=6.5)
-        ax_n.set_title("Compute-optimal model size")
-        ax_d.set_title("Compute-optimal training tokens")
+        axes[0].set_title("Compute-optimal model size")
+        if len(axes) > 1:
+            axes[1].set_title("Compute-optimal training tokens")
+        else:
+            notes.append("No IsoFLOP minima: the compute-optimal tokens D_opt are not drawn.")
+        names = list(dict.fromkeys(label(x.family) for x in (*frontiers, *envelopes)))
+        # each family's entries together, its minima first
+        side_legend(fig, lambda t: (names.index(t.split(",")[0].split()[0]), "minima" not in t))
         add_notes(fig, notes, NOTE_WIDTH + 30)
     return fig
 
 
 def tokens_figure(curves, efficiency, unit: str):
-    """Validation loss against training tokens, one line per run (darker = larger N), the
-    target loss, where each run reaches it, and the data-efficiency ratio at that loss."""
+    """Validation loss against training tokens, one panel per family and one tint per size
+    (darker = larger N; a size's runs at several budgets share it), the target loss, where each
+    run reaches it, and the data-efficiency ratio at that loss."""
     notes = []
+    families = sorted({c.run.family for c in curves}, key=lambda f: f != efficiency.families[0])
     with matplotlib.rc_context(STYLE):
-        fig, (ax,) = panels(1)
-        families = sorted({c.run.family for c in curves}, key=lambda f: f != efficiency.families[0])
-        for family in families:
-            runs = sorted((c for c in curves if c.run.family == family), key=lambda c: c.run.n)
-            legend = f"{label(family)} (N {human(runs[0].run.n)} to {human(runs[-1].run.n)})"
-            for curve, tint in zip(runs, _tints(family, len(runs)), strict=True):
-                shown = legend if curve is runs[0] else None  # one legend entry per family
-                ax.plot(curve.tokens, curve.loss, color=tint, lw=0.9, label=shown)
-                reached = efficiency.reached.get(curve.run.trial)
-                if reached is not None:
-                    ax.plot([reached], [efficiency.target], "o", ms=3, color=color(family))
-        ax.axhline(efficiency.target, color="black", lw=0.7, ls="--")
+        fig, axes = panels(len(families))
+        for ax, family in zip(axes, families, strict=True):
+            if ax is not axes[0]:  # the same scales, so the panels compare at a glance
+                ax.sharex(axes[0])
+                ax.sharey(axes[0])
+            mine = [c for c in curves if c.run.family == family]
+            sizes = sorted({c.run.n for c in mine})
+            for n, tint in zip(sizes, _tints(family, len(sizes)), strict=True):
+                for curve in (c for c in mine if c.run.n == n):
+                    text = f"{label(family)}, N = {human(n)}"  # one legend entry per size
+                    ax.plot(curve.tokens, curve.loss, color=tint, lw=0.9, label=text)
+            reached = [efficiency.reached.get(c.run.trial) for c in mine]
+            reached = [r for r in reached if r is not None]
+            last = ax is axes[-1]  # the legend's shared entries after every size
+            ax.plot(
+                reached,
+                [efficiency.target] * len(reached),
+                "o",
+                ms=3,
+                color=color(family),
+                zorder=3,
+                label="reaches the target loss" if last else None,
+            )
+            ax.axhline(
+                efficiency.target,
+                color="black",
+                lw=0.7,
+                ls="--",
+                label="target loss" if last else None,
+            )
+            ax.set_title(label(family))
+            log_axis(ax, "x")
+            ax.set_xlabel("training tokens")
+            ax.set_ylabel(f"validation loss ({unit})")
         a, b = (label(f) for f in efficiency.families)
         if efficiency.ratio_geomean is not None:
             title = (
-                f"{b} needs {efficiency.ratio_geomean:.2g}x the tokens of {a} to reach a loss "
-                f"of {efficiency.target:.3f}\n(geometric mean over {len(efficiency.n)} sizes "
+                f"{b} needs {efficiency.ratio_geomean:.3g}x the tokens of {a} to reach a loss "
+                f"of {efficiency.target:.3f} (geometric mean over {len(efficiency.n)} sizes "
                 "at equal N)"
             )
         else:
             title = f"Tokens to reach {efficiency.target:.3f}"
             notes.append(f"Data efficiency: {efficiency.error}.")
-        ax.set_title(title)
-        ax.set_xscale("log")
-        ax.xaxis.set_major_formatter(matplotlib.ticker.FuncFormatter(lambda x, _: human(x)))
-        ax.set_xlabel("training tokens")
-        ax.set_ylabel(f"validation loss ({unit})")
-        ax.legend(loc="upper right", frameon=False)
+        inches = side_legend(fig)
+        width = fig.get_size_inches()[0] - inches  # centred over the axes, clear of the legend
+        text = "\n".join(textwrap.wrap(title, int(width * 12)))
+        fig.suptitle(text, x=width / 2 / (width + inches), fontsize=STYLE["axes.titlesize"])
         not_reached = sorted(t for t, v in efficiency.reached.items() if v is None)
         if not_reached:
             shown = ", ".join(not_reached[:6]) + (", ..." if len(not_reached) > 6 else "")
@@ -186,7 +244,7 @@ def learning_rate_figure(choices, unit: str):
         for ax, family in zip(axes, families, strict=True):
             mine = sorted((c for c in choices if c.family == family), key=lambda c: c.n)
             for choice, tint in zip(mine, _tints(family, len(mine)), strict=True):
-                name = f"N = {human(choice.n)}"
+                name = f"{label(family)}, N = {human(choice.n)}"
                 ax.plot(
                     choice.learning_rates, choice.loss, "-o", color=tint, ms=3, lw=0.9, label=name
                 )
@@ -200,11 +258,11 @@ def learning_rate_figure(choices, unit: str):
                         f"{label(family)}, N = {human(choice.n)}: the best rate is at the edge "
                         f"of the grid ({choice.grid_best:g}); extend the grid there."
                     )
-            ax.set_xscale("log")
+            log_axis(ax, "x", sci)
             ax.set_xlabel("peak learning rate")
             ax.set_ylabel(f"final validation loss ({unit})")
             ax.set_title(f"{label(family)}: loss against learning rate (* = chosen)")
-            ax.legend(loc="upper center", frameon=False, fontsize=6.5, ncols=2)
+        side_legend(fig)
         add_notes(fig, notes, NOTE_WIDTH + 30)
     return fig
 
@@ -222,3 +280,17 @@ def _spread(runs):
     losses = [[run.loss for run in runs if run.n == size] for size in n]
     mean, lo, hi = (np.array([f(v) for v in losses]) for f in (np.mean, np.min, np.max))
     return n, mean, lo, hi
+
+
+def _interval(value) -> str:
+    return interval(value.estimate, value.lo, value.hi)
+
+
+def _span(x, factor: float) -> np.ndarray:
+    """50 log-spaced points from min(x) / factor to max(x) * factor."""
+    return np.geomspace(np.min(x) / factor, np.max(x) * factor, 50)
+
+
+def _power(line, x):
+    """A straight line in log-log: 10^(slope log10 x + intercept)."""
+    return 10 ** (line[0] * np.log10(x) + line[1])
