@@ -9,7 +9,7 @@ import math
 
 import numpy as np
 import pytest
-from figure_checks import text_overlaps
+from figure_checks import legend_covers_data, text_overlaps, tick_problems
 from scipy import stats
 from test_isoflop import isoflop_runs, n_opt
 
@@ -241,3 +241,5 @@ def test_extrapolate_tests_every_fit_and_its_figure_has_no_overlapping_text(fitt
     fig = figure(result)
     assert len(fig.axes) == 3  # two panels and the notes
     assert text_overlaps(fig) == []
+    assert legend_covers_data(fig) == []
+    assert tick_problems(fig) == []

@@ -131,7 +131,9 @@ def log_axis(ax, which: str, text=human) -> None:
 
 def figure3(results: Results, fits):
     """Loss against non-embedding parameters at the base budget, log-log: measured points,
-    power-law fits with bootstrap CI bands, and (for GPT-2 tokens) the reference curves."""
+    power-law fits with bootstrap CI bands, and (for GPT-2 tokens) the reference curves. Like
+    Figures 4 and 5, of the paper-grid runs (``Results.grid``) alone."""
+    results = results.grid()
     base = results.base_tokens
     notes = []
     with matplotlib.rc_context(STYLE):
@@ -178,6 +180,7 @@ def figure3(results: Results, fits):
 def figure4(results: Results, size: float | None = None):
     """Per-position loss against token position (log x) for each family at the run nearest in
     log N to ``size`` (default: the largest LMU)."""
+    results = results.grid()
     base = results.base_tokens
     notes = []
     if size is None:
@@ -229,6 +232,7 @@ def figure5(results: Results, fits):
     """The LMU families at their budget against the transformer at more tokens: measured
     transformer runs at the largest budget above the LMU's where the sweep has them, and
     Kaplan's L(N, S) at that budget (10x without such runs) for GPT-2 tokens."""
+    results = results.grid()
     base = results.base_tokens
     base_steps = _steps_at(results, base)
     batch = base / base_steps

@@ -232,7 +232,7 @@ def write(report: OptimalReport, results: Results, out: Path) -> list[Path]:
     files = []
     unit = results.unit
     if report.frontiers:
-        files += save(figures.isoflop_figure(report.frontiers, unit), out / "isoflop")
+        files += save(figures.isoflop_figure(report.frontiers, unit, report.ci), out / "isoflop")
     minima = any(fit.n_opt is not None for f in report.frontiers for fit in f.fits)
     if minima or any(e.error is None for e in report.envelopes):  # else an empty figure
         files += save(figures.optimal_figure(report.frontiers, report.envelopes), out / "optimal")
