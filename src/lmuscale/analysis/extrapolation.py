@@ -204,9 +204,13 @@ def figure(extrapolation: Extrapolation, unit: str = "nats per token"):
             f"{sum(covered)} of {len(covered)} held-out values lie inside theirs. Markers at one "
             "measured value are nudged sideways to stay apart."
         )
-        notes += [
-            f"Not tested: {r.name}, {FORM_NAMES[r.form]}, holding out {r.held_out} ({r.why})."
-            for r in extrapolation.refusals
-        ]
+        if extrapolation.refusals:
+            count = len(extrapolation.refusals)
+            notes.append(f"{count} hold-out test(s) were refused (too few sizes): see fits.md.")
+        no_interval = [r for r in records if not np.isfinite(r.lo)]
+        if no_interval:  # drawn without a bar
+            notes.append(
+                f"{len(no_interval)} prediction(s) without an interval: {no_interval[0].why}."
+            )
         add_notes(fig, notes)
     return fig
