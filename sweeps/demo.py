@@ -63,4 +63,4 @@ def after(workdir):
     from lmuscale.analysis import analyse
 
     report = analyse(workdir / "results.jsonl", workdir / "analysis", n_boot=200)
-    print(f"analysis: {', '.join(str(p) for p in report.files)}")
+    print("analysis:", *report.lines(), sep="\n")

@@ -41,4 +41,4 @@ def after(workdir):
     from lmuscale.analysis import analyse
 
     report = analyse(workdir / "results.jsonl", workdir / "analysis", split="val")
-    print(f"analysis: {', '.join(str(p) for p in report.files)}")
+    print("analysis:", *report.lines(), sep="\n")

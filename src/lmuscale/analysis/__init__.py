@@ -34,6 +34,18 @@ class Report:
     optimal: OptimalReport | None = None
     refusals: list[str] = field(default_factory=list)  # one line per analysis not made
 
+    def lines(self) -> list[str]:
+        """What the console shows: the runs, each exponent, each analysis not made, the files."""
+        results = self.results
+        out = [f"{len(results.runs)} runs ({results.role_counts()}) from {results.path}"]
+        out += [f"  left out: {note}" for note in results.skipped]
+        for fit, form, runs, name, estimate, interval in tables.summary_rows(
+            self.fits, self.optimal
+        ):
+            out.append(f"  {fit}, {form}: {name} = {estimate} {interval} ({runs})")
+        out += [f"  not made: {line}" for line in self.refusals]
+        return [*out, "wrote " + ", ".join(str(p) for p in self.files)]
+
 
 def analyse(
     results,

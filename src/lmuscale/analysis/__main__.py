@@ -7,7 +7,7 @@ from __future__ import annotations
 import argparse
 import re
 
-from lmuscale.analysis import analyse, tables
+from lmuscale.analysis import analyse
 from lmuscale.analysis.results import ROLES
 from lmuscale.outcomes import Exit, run_main
 
@@ -103,17 +103,7 @@ def _run(args: argparse.Namespace) -> int:
         select=select,
     )
     if not args.quiet:
-        results = report.results
-        print(f"{len(results.runs)} runs ({results.role_counts()}) from {results.path}")
-        for note in results.skipped:
-            print(f"  left out: {note}")
-        for fit, form, runs, name, estimate, interval in tables.summary_rows(
-            report.fits, report.optimal
-        ):
-            print(f"  {fit}, {form}: {name} = {estimate} {interval} ({runs})")
-        for line in report.refusals:
-            print(f"  not made: {line}")
-        print("wrote " + ", ".join(str(p) for p in report.files))
+        print(*report.lines(), sep="\n")
     return Exit.FINISHED
 
 
