@@ -91,7 +91,10 @@ def _predict(args) -> int:
     if args.n is not None:
         rows = [w for w in laws if w.form in ("power_law", "saturating")]
         if not rows:
-            raise DataError(f"{fits.path}: no power-law or saturating fit for {', '.join(chosen)}")
+            raise DataError(
+                f"{fits.path}: no power-law or saturating fit for {', '.join(chosen)} (those "
+                "are fitted to paper-grid runs; for IsoFLOP runs give --flops)"
+            )
         print(f"Loss at N = {_size(args.n)} ({level} prediction interval for one run, nats):")
         print("| fit | form | loss | interval |", "|---|---|---:|---|", sep="\n")
         for w in rows:
@@ -120,7 +123,10 @@ def _predict(args) -> int:
     else:
         rows = [w for w in laws if w.form == "saturating"]
         if not rows:
-            raise DataError(f"{fits.path}: no saturating fit for {', '.join(chosen)}")
+            raise DataError(
+                f"{fits.path}: no saturating fit for {', '.join(chosen)} (it is fitted to "
+                "paper-grid runs of 4 or more sizes; for IsoFLOP runs give --flops)"
+            )
         target = args.target_loss
         print(f"To reach a loss of {target:g} nats ({level} intervals, the fit's token budget):")
         print("| fit | N | tokens D | training FLOPs |", "|---|---|---:|---|", sep="\n")
