@@ -5,21 +5,11 @@ from a sweep's results. Exit status: ``lmuscale.outcomes.Exit`` (6 for a bad tab
 from __future__ import annotations
 
 import argparse
-import re
 
 from lmuscale.analysis import analyse
 from lmuscale.analysis.results import ROLES
 from lmuscale.outcomes import Exit, run_main
-
-SUFFIXES = {"": 1, "k": 1e3, "m": 1e6, "b": 1e9}
-
-
-def parse_size(text: str) -> float:
-    """ "1M", "500k", "55000" or "1e6" -> a parameter count."""
-    match = re.fullmatch(r"\s*([0-9.]+(?:e[+-]?[0-9]+)?)\s*([kmb]?)\s*", text.lower())
-    if not match:
-        raise argparse.ArgumentTypeError(f"not a size: {text!r} (try 1M, 500k or 55000)")
-    return float(match.group(1)) * SUFFIXES[match.group(2)]
+from lmuscale.scaling.__main__ import parse_size
 
 
 def main(argv=None) -> int:

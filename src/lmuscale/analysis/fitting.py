@@ -9,16 +9,8 @@ import numpy as np
 from tqdm import tqdm
 
 from lmuscale.analysis.results import ROLE_NAMES, Results, label
-from lmuscale.scaling import (
-    BATCH_TOKENS,
-    Fit,
-    FitError,
-    fit_chinchilla,
-    fit_power_law,
-    fit_saturating,
-)
-
-FITTERS = {"power_law": fit_power_law, "saturating": fit_saturating, "chinchilla": fit_chinchilla}
+from lmuscale.scaling import BATCH_TOKENS, Fit, FitError
+from lmuscale.scaling.fits import FITTERS
 
 
 @dataclass(frozen=True)

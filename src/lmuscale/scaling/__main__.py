@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import argparse
 import math
+import re
 import sys
 
 import numpy as np
@@ -27,6 +28,16 @@ from lmuscale.scaling.reference import (
     reference_markdown,
     steps_to_match,
 )
+
+SUFFIXES = {"": 1, "k": 1e3, "m": 1e6, "b": 1e9}
+
+
+def parse_size(text: str) -> float:
+    """ "1M", "500k", "55000" or "1e6" -> a count (of parameters, tokens or FLOPs)."""
+    match = re.fullmatch(r"\s*([0-9.]+(?:e[+-]?[0-9]+)?)\s*([kmb]?)\s*", text.lower())
+    if not match:
+        raise argparse.ArgumentTypeError(f"not a size: {text!r} (try 1M, 500k or 55000)")
+    return float(match.group(1)) * SUFFIXES[match.group(2)]
 
 
 def main(argv=None) -> int:
@@ -55,7 +66,6 @@ def _run(args: argparse.Namespace) -> int:
 
 
 def predict(argv) -> int:
-    from lmuscale.analysis.__main__ import parse_size  # the analysis CLI's sizes: 1M, 500k
 
     parser = argparse.ArgumentParser(
         prog="python -m lmuscale.scaling predict",

@@ -23,19 +23,10 @@ from scipy import optimize, stats
 
 from lmuscale.files import atomic_write_json
 from lmuscale.outcomes import DataError
-from lmuscale.scaling.fits import (
-    FORMS,
-    Fit,
-    FitError,
-    check_ci,
-    fit_chinchilla,
-    fit_power_law,
-    fit_saturating,
-)
+from lmuscale.scaling.fits import FITTERS, FORMS, Fit, FitError, check_ci
 
 FORMAT = "lmuscale.fits"
 VERSION = 1
-FITTERS = {"power_law": fit_power_law, "saturating": fit_saturating, "chinchilla": fit_chinchilla}
 FORM_NAMES = {
     "power_law": "power law",
     "saturating": "saturating",

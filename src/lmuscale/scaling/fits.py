@@ -237,6 +237,9 @@ def fit_chinchilla(
     return _make_fit("chinchilla", _natural(theta), stderr, samples, n_boot, ci, n, tokens, loss)
 
 
+FITTERS = {"power_law": fit_power_law, "saturating": fit_saturating, "chinchilla": fit_chinchilla}
+
+
 def _check(n, loss, tokens, *, form: str):
     names = FORMS[form]
     n = np.asarray(n, dtype=float).ravel()
