@@ -208,3 +208,17 @@ def test_a_sweep_names_the_role_of_each_trial(tmp_path):
     )
     with pytest.raises(spec.SweepError, match=r"bad.py:[56] \(trial 'a'\): role is 'paper'"):
         load_sweep(sweep)
+
+
+def test_the_grid_takes_one_learning_rate_per_budget_and_says_which_it_left_out():
+    from lmuscale.analysis.results import Results, Run
+
+    def run(trial, n, lr):
+        return Run(trial, "lmu", n, 100, 1e6, 3.0, line=1, learning_rate=lr, role="grid")
+
+    runs = [run("a", 1e3, 1e-3), run("b", 2e3, 1e-3), run("c", 4e3, 1e-3), run("d", 8e3, 3e-3)]
+    grid = Results("r.jsonl", "val", runs).grid()
+    assert [r.trial for r in grid.runs] == ["a", "b", "c"]
+    assert grid.skipped == [
+        "d: learning rate 0.003, not the 0.001 of the other LMU grid runs at 1,000,000 tokens"
+    ]
