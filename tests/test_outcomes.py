@@ -187,9 +187,15 @@ def test_sweep_tasks_generate_prepare_and_analysis_end_through_the_table(tmp_pat
 
 
 # Sends this process a SIGINT when it first looks for jax, the first of the slow imports: a
-# Ctrl-C while the command line is still starting up, at the same point every time.
+# Ctrl-C while the command line is still starting up, at the same point every time. A terminal
+# delivers Ctrl-C, so SIGINT is first unblocked and given Python's default handler: a process
+# inherits an ignored or blocked SIGINT from its parent, here the pytest worker, which some
+# earlier test in it can leave so (seen once in CI-like runs: the SIGINT never arrived).
 INTERRUPT_AT_IMPORT = """
 import os, runpy, signal, sys
+
+signal.pthread_sigmask(signal.SIG_UNBLOCK, [signal.SIGINT])
+signal.signal(signal.SIGINT, signal.default_int_handler)
 
 class Interrupt:
     def find_spec(self, name, path=None, target=None):
