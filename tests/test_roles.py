@@ -222,3 +222,14 @@ def test_the_grid_takes_one_learning_rate_per_budget_and_says_which_it_left_out(
     assert grid.skipped == [
         "d: learning rate 0.003, not the 0.001 of the other LMU grid runs at 1,000,000 tokens"
     ]
+
+
+def test_fits_md_lists_each_size_the_data_efficiency_left_out():
+    """The tokens figure's note points to fits.md for the sizes left out: they are there."""
+    from lmuscale.analysis.efficiency import DataEfficiency
+    from lmuscale.analysis.optimal import OptimalReport
+
+    one = np.ones(1)
+    why = "LMU N=2.9e+04: lmu-d48 is already at or below 3.003 at its first evaluation (2.91)"
+    eff = DataEfficiency(3.003, ("lmu", "transformer"), {}, one, one, one, one, 1.0, None, (why,))
+    assert f"- Size left out: {why}" in OptimalReport(efficiency=[eff]).markdown(0.95)

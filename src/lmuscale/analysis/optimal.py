@@ -138,7 +138,7 @@ class OptimalReport:
                 out += ["|---:|---:|---:|---:|"]
                 for n, ta, tb, r in zip(eff.n, eff.tokens_a, eff.tokens_b, eff.ratio, strict=True):
                     out.append(f"| {n:,.0f} | {ta:,.0f} | {tb:,.0f} | {r:.3g} |")
-                out.append("")
+                out += ["", *(f"- Size left out: {line}" for line in eff.left_out), ""]
         if self.rates:
             out += ["", "### Learning rates", "", f"Written to `{LEARNING_RATES}`.", ""]
             out += ["| family | N | tokens | grid | best on grid | chosen | note |"]
