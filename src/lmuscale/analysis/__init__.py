@@ -86,7 +86,26 @@ def analyse(
     drawn, refusals = paper_figures(grid, fits, size)
     if tested.records:
         drawn["extrapolation"] = extrapolation.figure(tested, loaded.unit)
-    refusals += [
+    refusals += not_made(fits, best, tested)
+    files = []
+    try:
+        for name, fig in drawn.items():
+            files += figures.save(fig, out / name)
+        files += optimal.write(best, loaded, out)
+        tables.write_csv(out / "fits.csv", fits, extra=best.csv_rows(ci) + tested.csv_rows())
+        extrapolation.write_fits_json(out / "fits.json", fits, best.frontiers, loaded.runs)
+        text = tables.markdown(loaded, fits, best, refusals, sections=[tested.markdown()])
+        atomic_write_bytes(out / "fits.md", text.encode())
+        files += [out / "fits.csv", out / "fits.json", out / "fits.md"]
+    except OSError as e:
+        path = e.filename2 or e.filename or out  # a rename names its target second
+        raise OutputError(f"{path}: cannot be written ({e.strerror or e})") from None
+    return Report(loaded, fits, files, best, refusals)
+
+
+def not_made(fits, best: OptimalReport, tested) -> list[str]:
+    """One line for each fit, compute-optimal analysis and hold-out test not made, with why."""
+    refusals = [
         f"{g.name}, {g.form.replace('_', ' ')}: not fitted: {g.error}" for g in fits if g.error
     ]
     refusals += best.left_out
@@ -110,20 +129,7 @@ def analyse(
     refusals += untested.values()
     if not tested.records:
         refusals.append("extrapolation figure: not drawn: no fit could be tested")
-    files = []
-    try:
-        for name, fig in drawn.items():
-            files += figures.save(fig, out / name)
-        files += optimal.write(best, loaded, out)
-        tables.write_csv(out / "fits.csv", fits, extra=best.csv_rows(ci) + tested.csv_rows())
-        extrapolation.write_fits_json(out / "fits.json", fits, best.frontiers, loaded.runs)
-        text = tables.markdown(loaded, fits, best, refusals, sections=[tested.markdown()])
-        atomic_write_bytes(out / "fits.md", text.encode())
-        files += [out / "fits.csv", out / "fits.json", out / "fits.md"]
-    except OSError as e:
-        path = e.filename2 or e.filename or out  # a rename names its target second
-        raise OutputError(f"{path}: cannot be written ({e.strerror or e})") from None
-    return Report(loaded, fits, files, best, refusals)
+    return refusals
 
 
 def paper_figures(grid: Results, fits, size=None) -> tuple[dict, list[str]]:
