@@ -193,10 +193,10 @@ def figure(extrapolation: Extrapolation, unit: str = "nats per token"):
             Line2D([], [], color="#444444", marker=MARKERS[f], ls="", label=FORM_NAMES[f])
             for f in forms
         ]
-        handles += [
-            Line2D([], [], color="#444444", marker="o", mfc="none", ls="", label="two held out"),
-            Line2D([], [], color="#777777", ls=":", label="predicted = measured"),
-        ]
+        if any(r.held_out > 1 for r in records):
+            hollow = {"marker": "o", "mfc": "none", "ls": ""}
+            handles.append(Line2D([], [], color="#444444", label="two held out", **hollow))
+        handles.append(Line2D([], [], color="#777777", ls=":", label="predicted = measured"))
         fig.legend(handles=handles, loc="outside right upper", frameon=False)
         covered = [r.covered for r in records if np.isfinite(r.lo)]
         notes.append(
