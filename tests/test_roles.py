@@ -222,6 +222,8 @@ def test_the_grid_takes_one_learning_rate_per_budget_and_says_which_it_left_out(
     assert grid.skipped == [
         "d: learning rate 0.003, not the 0.001 of the other LMU grid runs at 1,000,000 tokens"
     ]
+    runs[:3] = [run(t, n, None) for t, n in (("a", 1e3), ("b", 2e3), ("c", 4e3))]  # no column
+    assert [r.trial for r in Results("r.jsonl", "val", runs).grid().runs] == ["a", "b", "c"]
 
 
 def test_fits_md_lists_each_size_the_data_efficiency_left_out():

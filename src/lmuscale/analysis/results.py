@@ -120,8 +120,9 @@ class Results:
                 rate = min(counts, key=lambda x: (-counts[x], x or 0))
                 kept += [r for r in runs if r.learning_rate == rate]
                 skipped += [
-                    f"{r.trial}: learning rate {r.learning_rate:g}, not the {rate:g} of the "
-                    f"other {label(family)} grid runs at {r.tokens:,.0f} tokens"
+                    f"{r.trial}: learning rate {_rate(r.learning_rate)}, not the "
+                    f"{_rate(rate)} of the other {label(family)} grid runs at {r.tokens:,.0f} "
+                    "tokens"
                     for r in runs
                     if r.learning_rate != rate
                 ]
@@ -174,6 +175,10 @@ class Results:
 
     def budgets(self, family: str) -> list[float]:
         return sorted({r.tokens for r in self.runs if r.family == family})
+
+
+def _rate(rate: float | None) -> str:
+    return "(none in the table)" if rate is None else f"{rate:g}"
 
 
 def label(family: str) -> str:
