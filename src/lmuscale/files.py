@@ -1,4 +1,5 @@
-"""Atomic file writes: a reader sees the old file or the new one, never a part of either."""
+"""Atomic file writes: a reader sees the old file or the new one, never a part of either; and
+the reader of the versioned JSON files written so (``read_tagged_json``)."""
 
 from __future__ import annotations
 
@@ -41,3 +42,29 @@ def atomic_write_bytes(path: str | os.PathLike, data: bytes) -> None:
 
 def atomic_write_json(path: str | os.PathLike, obj) -> None:
     atomic_write_bytes(path, (json.dumps(obj, indent=2) + "\n").encode())
+
+
+def read_tagged_json(
+    path: Path, tag: str, version: int, error: type[Exception], what: str, hint=""
+):
+    """The JSON object in ``path`` whose "format" is ``tag`` and "version" ``version``; anything
+    else raises ``error`` naming the file (and line) and ``what`` was expected ("fits file");
+    ``hint`` follows a missing file's message (what writes one)."""
+    try:
+        text = path.read_text(encoding="utf-8")
+    except FileNotFoundError:
+        raise error(f"{path}: no such {what}{hint}") from None
+    except (OSError, UnicodeDecodeError) as e:
+        raise error(f"{path}: cannot be read ({e})") from None
+    try:
+        data = json.loads(text)
+    except json.JSONDecodeError as e:
+        raise error(f"{path}:{e.lineno}: not JSON ({e.msg})") from None
+    except RecursionError:
+        raise error(f"{path}: not a {what} (nested too deeply)") from None
+    got = data.get("format") if isinstance(data, dict) else f"a JSON {type(data).__name__}"
+    if got != tag:
+        raise error(f"{path}: not a {what}: format is {got!r}, expected {tag!r}")
+    if data.get("version") != version:
+        raise error(f"{path}: version {data.get('version')!r}; this reader reads version {version}")
+    return data

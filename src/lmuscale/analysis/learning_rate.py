@@ -4,7 +4,6 @@
 
 from __future__ import annotations
 
-import json
 import math
 import numbers
 from collections import defaultdict
@@ -14,7 +13,7 @@ from pathlib import Path
 import numpy as np
 
 from lmuscale.analysis.results import Run, family_key, groups_within, label
-from lmuscale.files import atomic_write_json
+from lmuscale.files import atomic_write_json, read_tagged_json
 from lmuscale.outcomes import DataError
 
 FORMAT = "lmuscale learning rates"
@@ -198,32 +197,10 @@ def read_learning_rates(path) -> LearningRates:
     """Read a file ``write_learning_rates`` wrote; ``LearningRateFileError`` names the file
     and what is wrong with it."""
     path = Path(path)
-    try:
-        text = path.read_text(encoding="utf-8")
-    except FileNotFoundError:
-        raise LearningRateFileError(
-            f"{path}: no such learning-rate file (write_learning_rates writes one from a "
-            "learning-rate sweep's results)"
-        ) from None
-    except (OSError, UnicodeDecodeError) as e:
-        raise LearningRateFileError(f"{path}: cannot be read ({e})") from None
-    try:
-        data = json.loads(text)
-    except json.JSONDecodeError as e:
-        raise LearningRateFileError(f"{path}:{e.lineno}: not JSON ({e.msg})") from None
-    except RecursionError:
-        raise LearningRateFileError(
-            f"{path}: not a learning-rate file (nested too deeply)"
-        ) from None
-    got = data.get("format") if isinstance(data, dict) else f"a JSON {type(data).__name__}"
-    if got != FORMAT:
-        raise LearningRateFileError(
-            f"{path}: not a learning-rate file: format is {got!r}, expected {FORMAT!r}"
-        )
-    if data.get("version") != VERSION:
-        raise LearningRateFileError(
-            f"{path}: version {data.get('version')!r}; this reader reads version {VERSION}"
-        )
+    hint = " (write_learning_rates writes one from a learning-rate sweep's results)"
+    data = read_tagged_json(
+        path, FORMAT, VERSION, LearningRateFileError, "learning-rate file", hint
+    )
     rows = data.get("rates")
     if not isinstance(rows, list):
         raise LearningRateFileError(f"{path}: 'rates' must be a list of rows, got {rows!r}")

@@ -13,7 +13,6 @@ in place of t does not (tests/test_extrapolate.py). A ``Line`` is an IsoFLOP fro
 
 from __future__ import annotations
 
-import json
 import math
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -21,7 +20,7 @@ from pathlib import Path
 import numpy as np
 from scipy import optimize, stats
 
-from lmuscale.files import atomic_write_json
+from lmuscale.files import atomic_write_json, read_tagged_json
 from lmuscale.outcomes import DataError
 from lmuscale.scaling.fits import FITTERS, FORMS, Fit, FitError, check_ci
 
@@ -497,22 +496,8 @@ class FitsFile:
 def load_fits(path) -> FitsFile:
     """Read fits.json; ``FitsFileError`` names the file and the key that is wrong."""
     path = Path(path)
-    try:
-        text = path.read_text()
-    except FileNotFoundError:
-        raise FitsFileError(f"{path}: no such fits file") from None
-    except (OSError, UnicodeDecodeError) as e:
-        raise FitsFileError(f"{path}: cannot be read ({e})") from None
-    try:
-        top = json.loads(text)
-    except json.JSONDecodeError as e:
-        raise FitsFileError(f"{path}, line {e.lineno}: not JSON ({e.msg})") from None
-    if not isinstance(top, dict) or top.get("format") != FORMAT:
-        raise FitsFileError(
-            f'{path}: not a fits file (no "format": "{FORMAT}"; the analysis writes fits.json)'
-        )
-    if top.get("version") != VERSION:
-        raise FitsFileError(f"{path}: version {top.get('version')!r}; this reads {VERSION}")
+    hint = " (python -m lmuscale.analysis writes fits.json)"
+    top = read_tagged_json(path, FORMAT, VERSION, FitsFileError, "fits file", hint)
 
     def get(obj, key, where, kind=None):
         if not isinstance(obj, dict) or key not in obj:
