@@ -26,6 +26,7 @@ from lmuscale.scaling import (
     PAPER_STEPS,
     transformer_loss,
 )
+from lmuscale.scaling.fits import human
 
 COLORS = {
     "lmu": "#1f77b4",
@@ -57,14 +58,6 @@ PANEL = 4.6  # inches of figure width per axes
 def color(family: str) -> str:
     extra = ("#ff7f0e", "#8c564b", "#e377c2", "#17becf", "#bcbd22")
     return COLORS.get(family, extra[sum(map(ord, family)) % len(extra)])
-
-
-def human(x: float) -> str:
-    """55000 -> "55k", 1.3e10 -> "13.1B": parameter and token counts in axis ticks and labels."""
-    for scale, suffix in ((1e12, "T"), (1e9, "B"), (1e6, "M"), (1e3, "k")):
-        if abs(x) >= scale:
-            return f"{x / scale:.3g}{suffix}"
-    return f"{x:.3g}"
 
 
 def sci(x: float) -> str:

@@ -18,7 +18,7 @@ import numpy as np
 
 from lmuscale.outcomes import DataError, Exit, run_main
 from lmuscale.scaling.extrapolate import FORM_NAMES, load_fits
-from lmuscale.scaling.fits import FitError
+from lmuscale.scaling.fits import FitError, human, interval_text
 from lmuscale.scaling.reference import (
     BATCH_TOKENS,
     LMU_G_PAPER,
@@ -66,7 +66,6 @@ def _run(args: argparse.Namespace) -> int:
 
 
 def predict(argv) -> int:
-
     parser = argparse.ArgumentParser(
         prog="python -m lmuscale.scaling predict",
         description="Predictions with intervals for one new run, from an analysis's fits.json.",
@@ -105,11 +104,12 @@ def _predict(args) -> int:
                 f"{fits.path}: no power-law or saturating fit for {', '.join(chosen)} (those "
                 "are fitted to paper-grid runs; for IsoFLOP runs give --flops)"
             )
-        print(f"Loss at N = {_size(args.n)} ({level} prediction interval for one run, nats):")
+        print(f"Loss at N = {human(args.n)} ({level} prediction interval for one run, nats):")
         print("| fit | form | loss | interval |", "|---|---|---:|---|", sep="\n")
         for w in rows:
             loss, lo, hi = (float(v) for v in w.interval(args.n, ci=args.ci))
-            print(f"| {w.name} | {FORM_NAMES[w.form]} | {loss:.4f} | {_interval(lo, hi, w)} |")
+            shown = interval_text(lo, hi, w.why, ".4f")
+            print(f"| {w.name} | {FORM_NAMES[w.form]} | {loss:.4f} | {shown} |")
     elif args.flops is not None:
         rows = [f for f in chosen if f in fits.frontiers]
         if not rows:
@@ -125,10 +125,10 @@ def _predict(args) -> int:
             if chinchilla:
                 w = chinchilla[0]
                 value, lo, hi = (float(v) for v in w.interval(n, d, ci=args.ci))
-                loss = f"{value:.4f} {_interval(lo, hi, w)}"
+                loss = f"{value:.4f} {interval_text(lo, hi, w.why, '.4f')}"
             print(
-                f"| {family} | {_size(n)} [{_size(n_lo)}, {_size(n_hi)}] | "
-                f"{_size(d)} [{_size(d_lo)}, {_size(d_hi)}] | {loss} |"
+                f"| {family} | {human(n)} [{human(n_lo)}, {human(n_hi)}] | "
+                f"{human(d)} [{human(d_lo)}, {human(d_hi)}] | {loss} |"
             )
     else:
         rows = [w for w in laws if w.form == "saturating"]
@@ -155,27 +155,14 @@ def _predict(args) -> int:
             flops = "unknown (no FLOPs per token in the file)"
             if f[0] is not None and d is not None:
                 flops = f"{f[0] * d:.3g} [{f[1] * d:.3g}, {f[2] * d:.3g}]"
-            shown = f"[{_size(lo)}, {_size(hi)}]"
+            shown = f"[{human(lo)}, {human(hi)}]"
             if math.isnan(lo):
                 shown = f"no interval ({w.why})"
-            tokens = "—" if d is None else _size(d)
-            print(f"| {w.name} | {_size(n)} {shown} | {tokens} | {flops} |")
+            tokens = "—" if d is None else human(d)
+            print(f"| {w.name} | {human(n)} {shown} | {tokens} | {flops} |")
         if not reached:
             raise DataError(f"no fit reaches a loss of {target:g}: it is at or below every E")
     return Exit.FINISHED
-
-
-def _interval(lo: float, hi: float, w) -> str:
-    return f"no interval ({w.why})" if math.isnan(lo) else f"[{lo:.4f}, {hi:.4f}]"
-
-
-def _size(x: float) -> str:
-    if math.isinf(x):
-        return "inf"
-    for scale, suffix in ((1e12, "T"), (1e9, "B"), (1e6, "M"), (1e3, "k")):
-        if abs(x) >= scale:
-            return f"{x / scale:.3g}{suffix}"
-    return f"{x:.3g}"
 
 
 if __name__ == "__main__":

@@ -22,7 +22,7 @@ from scipy import optimize, stats
 
 from lmuscale.files import atomic_write_json, read_tagged_json
 from lmuscale.outcomes import DataError
-from lmuscale.scaling.fits import FITTERS, FORMS, Fit, FitError, check_ci
+from lmuscale.scaling.fits import FITTERS, FORMS, Fit, FitError, check_ci, human
 
 FORMAT = "lmuscale.fits"
 VERSION = 1
@@ -222,7 +222,7 @@ class Extrapolation:
             ]
             out += [
                 f"| {r.name} | {FORM_NAMES[r.form]} | {r.held_out} | {r.trial} | "
-                f"{_human(r.x)} | {r.measured:.4f} | {r.predicted:.4f} {_bracket(r, '.4f')} | "
+                f"{human(r.x)} | {r.measured:.4f} | {r.predicted:.4f} {_bracket(r, '.4f')} | "
                 f"{r.error:+.4f} | {_yes(r)} |"
                 for r in losses
             ]
@@ -235,8 +235,8 @@ class Extrapolation:
                 "|---|---|---:|---:|---|---:|---|",
             ]
             out += [
-                f"| {r.name} | {FORM_NAMES[r.form]} | {r.x:.3g} | {_human(r.measured)} | "
-                f"{_human(r.predicted)} {_bracket(r, None)} | {r.predicted / r.measured:.3g} | "
+                f"| {r.name} | {FORM_NAMES[r.form]} | {r.x:.3g} | {human(r.measured)} | "
+                f"{human(r.predicted)} {_bracket(r, None)} | {r.predicted / r.measured:.3g} | "
                 f"{_yes(r)} |"
                 for r in lines
             ]
@@ -249,7 +249,7 @@ class Extrapolation:
         its measured loss; one row with ``error`` per refused test."""
         rows = []
         for r in self.records:
-            what = f"N={_human(r.x)}" if r.form in FITTERS else f"C={r.x:.3g}"
+            what = f"N={human(r.x)}" if r.form in FITTERS else f"C={r.x:.3g}"
             quantity = {"n_opt": "N_opt", "d_opt": "D_opt"}.get(r.form, "loss")
             common = {
                 "fit": f"{r.name}, holding out {r.held_out}",
@@ -282,19 +282,12 @@ class Extrapolation:
 def _bracket(r: Heldout, fmt) -> str:
     if not np.isfinite(r.lo):
         return f"(no interval: {r.why})"
-    show = _human if fmt is None else (lambda v: format(v, fmt))
+    show = human if fmt is None else (lambda v: format(v, fmt))
     return f"[{show(r.lo)}, {show(r.hi)}]"
 
 
 def _yes(r: Heldout) -> str:
     return "—" if not np.isfinite(r.lo) else ("yes" if r.covered else "**no**")
-
-
-def _human(x: float) -> str:
-    for scale, suffix in ((1e12, "T"), (1e9, "B"), (1e6, "M"), (1e3, "k")):
-        if abs(x) >= scale:
-            return f"{x / scale:.3g}{suffix}"
-    return f"{x:.3g}"
 
 
 def holdout(

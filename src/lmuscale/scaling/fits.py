@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import functools
 import itertools
+import math
 from dataclasses import dataclass
 
 import numpy as np
@@ -140,6 +141,14 @@ def percentile_interval(samples, ci: float):
     why = np.reshape(np.array(unresolved(samples, ci), dtype=object), low.shape)
     bad = why != None  # noqa: E711 (element-wise)
     return np.where(bad, np.nan, low), np.where(bad, np.nan, high)
+
+
+def human(x: float) -> str:
+    """55000 -> "55k", 1.3e10 -> "13B", inf -> "inf": counts of parameters, tokens, FLOPs."""
+    for scale, suffix in ((1e12, "T"), (1e9, "B"), (1e6, "M"), (1e3, "k")):
+        if math.isfinite(x) and abs(x) >= scale:
+            return f"{x / scale:.3g}{suffix}"
+    return f"{x:.3g}"
 
 
 def interval_text(low, high, why: str | None = None, spec: str = ".4g") -> str:
