@@ -125,9 +125,9 @@ def markdown(results: Results, fits, best, refusals: list[str], sections=()) -> 
     for g in fits:
         if g.fit is None:
             continue
-        f = g.fit
+        f, why = g.fit, g.fit.unresolved  # a property that recomputes: once per fit
         for i, name in enumerate(f.names):
-            ci = interval_text(f.ci_low[i], f.ci_high[i], f.unresolved[i], ".4g")
+            ci = interval_text(f.ci_low[i], f.ci_high[i], why[i], ".4g")
             ci += f" ({f.ci:.0%}, {len(f.samples)} of {f.n_boot} resamples)"
             out.append(
                 f"| {g.name} | {FORMULAS[g.form]} | {len(g.trials)} | {name} | "
