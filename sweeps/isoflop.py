@@ -13,9 +13,11 @@ included). The paper's training otherwise: Adam, warmup then cosine, scaled to e
 
 Learning rates: each size trains at the rate the analysis of sweeps/isoflop_lr.py chose for it
 (``runs/isoflop_lr/analysis/learning_rates.json``, interpolated in log N between the sizes
-swept); until that file exists, at the paper's 1e-3 for every size.
+swept). Until that file exists every trial waits for it: ``--dry-run`` lists them and their
+cost, and running the sweep runs none of them and says why.
 """
 
+import dataclasses
 from pathlib import Path
 
 from lmuscale.models import families
@@ -39,21 +41,21 @@ def models():
     return {f: [families.get(f).sized(n) for n in CANDIDATES] for f in FAMILIES}
 
 
-def learning_rate():
-    """``(family, N) -> rate`` from the learning-rate sweep's analysis, or None before it."""
-    if not LEARNING_RATES.exists():
-        return None
+def get_trials():
     from lmuscale.analysis.learning_rate import read_learning_rates
 
-    return read_learning_rates(LEARNING_RATES).interpolate
-
-
-def get_trials():
-    return isoflop_grid(
+    ready = LEARNING_RATES.exists()
+    where = LEARNING_RATES.relative_to(HERE.parent)
+    trials = isoflop_grid(
         models(),
         BUDGETS,
         owt2.paper_training,
         per_budget=7,
         tokens_per_param=20.0,
-        learning_rate=learning_rate(),
+        learning_rate=read_learning_rates(LEARNING_RATES).interpolate if ready else None,
+        learning_rate_from=f"{where} (interpolated in log N)",
     )
+    if ready:
+        return trials
+    waits = f"its learning rate from {where}: run sweeps/isoflop_lr.py first"
+    return [dataclasses.replace(t, waits=waits) for t in trials]

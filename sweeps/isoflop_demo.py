@@ -13,9 +13,10 @@ parabolas (Chinchilla's approach 2) and N_opt(C), the lower envelope of the eval
 sizes per family also train at 3 learning rates for 150 steps, for the learning-rate figure.
 """
 
+import dataclasses
 from pathlib import Path
 
-from lmuscale.sweep.grids import isoflop_grid, learning_rate_grid
+from lmuscale.sweep.grids import chosen_learning_rates, isoflop_grid, learning_rate_grid
 from lmuscale.train.config import load_module
 
 demo = load_module(Path(__file__).parent / "demo.py")  # the models and training of the demo
@@ -36,7 +37,20 @@ def config(model):
     return c
 
 
-def get_trials():
+def get_trials(done):
+    """The learning-rate trials first; the IsoFLOP trials wait for the rates they choose."""
+    small = {
+        "lmu": [demo.lmu(d) for d in LR_WIDTHS],
+        "transformer": [demo.transformer(d) for d in LR_WIDTHS],
+    }
+    rate_trials = learning_rate_grid(small, LEARNING_RATES, config, steps=LR_STEPS)
+    chosen = chosen_learning_rates(done, rate_trials)
+    if chosen:
+        rates, choices = chosen
+        edges = [f"{c.family} N={c.n:.3g}" for c in choices if not c.bracketed]
+        source = "the learning-rate trials, interpolated in log N" + (
+            f"; NOT bracketed (best at the grid's edge) for {', '.join(edges)}" if edges else ""
+        )
     models = {
         "lmu": [demo.lmu(d) for d in WIDTHS],
         "transformer": [demo.transformer(d) for d in WIDTHS],
@@ -48,12 +62,13 @@ def get_trials():
         per_budget=5,
         tokens_per_param={"lmu": 300.0, "transformer": 1000.0},
         min_steps=40,
+        learning_rate=rates.interpolate if chosen else None,
+        learning_rate_from=source if chosen else "",
     )
-    small = {
-        "lmu": [demo.lmu(d) for d in LR_WIDTHS],
-        "transformer": [demo.transformer(d) for d in LR_WIDTHS],
-    }
-    return grid + learning_rate_grid(small, LEARNING_RATES, config, steps=LR_STEPS)
+    if not chosen:
+        waits = "its learning rate, which the learning-rate trials choose"
+        grid = [dataclasses.replace(t, waits=waits) for t in grid]
+    return rate_trials + grid
 
 
 def after(workdir):

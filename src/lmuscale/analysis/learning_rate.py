@@ -193,6 +193,16 @@ class LearningRates:
         return float(np.exp(np.interp(math.log(n), log_n, log_lr)))
 
 
+def learning_rates(choices: list[LearningRateChoice], source: str) -> LearningRates:
+    """``choices`` as a ``LearningRates`` (what reading them back from a file gives), its
+    errors naming ``source``."""
+    by_family = defaultdict(list)
+    for i, c in enumerate(choices):
+        by_family[c.family].append(_Rate(c.n, c.best, c.tokens, i))
+    path = Path(source)
+    return LearningRates(path, {f: _one_per_size(path, f, r) for f, r in by_family.items()})
+
+
 def read_learning_rates(path) -> LearningRates:
     """Read a file ``write_learning_rates`` wrote; ``LearningRateFileError`` names the file
     and what is wrong with it."""

@@ -98,8 +98,8 @@ def _run(args: argparse.Namespace) -> int:
     from lmuscale.sweep.spec import load_sweep
     from lmuscale.sweep.throughput import Throughput
 
-    sweep = load_sweep(args.sweep)
-    workdir = Path(args.workdir or Path("runs") / sweep.name)
+    workdir = Path(args.workdir or Path("runs") / Path(args.sweep).stem)
+    sweep = load_sweep(args.sweep, workdir)
     if args.dry_run:
         from lmuscale.sweep.plan import plan, table
 

@@ -82,11 +82,13 @@ def isoflop_grid(
     evals: int = 10,
     seeds: Sequence[int] = (0,),
     learning_rate: Callable[[str, int], float] | None = None,
+    learning_rate_from: str = "",
 ) -> list[Trial]:
     """The trials of an IsoFLOP study: ``isoflop_points`` (batch and sequence length from
     ``make_config``), each ``schedule``d for its steps, at each seed. ``learning_rate(family,
-    n)``, if given, sets each size's rate (e.g. ``lookup`` of the analysis's learning-rate
-    file). Trial names are FAMILY-N-C (``lmu-29k-3e11``), ``-sK`` added for several seeds."""
+    n)``, if given, sets each size's rate (e.g. ``interpolate`` of the analysis's learning-rate
+    file), and each trial's note (``--dry-run``) says it came ``learning_rate_from``. Trial
+    names are FAMILY-N-C (``lmu-29k-3e11``), ``-sK`` added for several seeds."""
     probe = make_config(next(iter(next(iter(models.values())))))
     batch, seq_len = probe.train.global_batch, probe.data.seq_len
     points = isoflop_points(
@@ -109,8 +111,38 @@ def isoflop_grid(
         lr = None if learning_rate is None else learning_rate(point.family, point.n)
         name = f"{point.family}-{short(point.n)}-{short(point.budget)}"
         config = schedule(base, point.steps, evals, lr)
-        trials += _seeded(name, config, seeds, _caller(), "isoflop")
+        note = f"learning rate {lr:.3g} from {learning_rate_from}" if lr is not None else ""
+        trials += _seeded(name, config, seeds, _caller(), "isoflop", note)
     return trials
+
+
+def chosen_learning_rates(done: Mapping[str, dict], trials: Sequence[Trial], split: str = "val"):
+    """What the learning-rate grid ``trials`` chose (as the analysis chooses:
+    ``select_learning_rates``), from ``done``, the result rows a staged sweep's ``get_trials``
+    is given: ``(LearningRates, choices)``, or None until every one of ``trials`` has ended.
+    A rate whose trial diverged is left out (so a grid that ends at it looks unbracketed)."""
+    from lmuscale.analysis.learning_rate import learning_rates, select_learning_rates
+    from lmuscale.analysis.results import Run
+
+    rows = [done.get(t.name) for t in trials]
+    if not trials or any(row is None for row in rows):
+        return None
+    runs = [
+        Run(
+            trial=row["trial"],
+            family=row["family"],
+            n=row["N"],
+            steps=row["steps"],
+            tokens=row["tokens"],
+            loss=math.inf if row[f"{split}_loss"] is None else row[f"{split}_loss"],
+            line=0,
+            learning_rate=row["learning_rate"],
+            role="learning_rate",
+        )
+        for row in rows
+    ]
+    choices, _ = select_learning_rates(runs)
+    return learning_rates(choices, "the learning-rate trials"), choices
 
 
 def learning_rate_grid(
@@ -182,11 +214,11 @@ def _caller() -> str:
     return f"{frame.f_code.co_filename}:{frame.f_lineno}"
 
 
-def _seeded(name: str, config: ConfigDict, seeds: Sequence[int], origin: str, role: str):
+def _seeded(name, config: ConfigDict, seeds: Sequence[int], origin: str, role: str, note=""):
     trials = []
     for seed in seeds:
         seeded = ConfigDict(config.to_dict())
         seeded.train.seed = seed
         suffix = f"-s{seed}" if len(seeds) > 1 else ""
-        trials.append(Trial(name + suffix, seeded, role=role, origin=origin))
+        trials.append(Trial(name + suffix, seeded, role=role, note=note, origin=origin))
     return trials

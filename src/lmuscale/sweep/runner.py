@@ -38,7 +38,7 @@ def folders(sweep: Sweep, workdir: Path, trials: list[ResolvedTrial]) -> dict[st
     workdir.mkdir(parents=True, exist_ok=True)
     index = {
         "sweep": str(sweep.path.absolute()),
-        "trials": {t.name: f"trials/{t.folder_name}" for t in sweep.trials},
+        "trials": {t.name: f"trials/{t.folder_name}" for t in sweep.trials if not t.waits},
     }
     if read_json(workdir / "sweep.json") != index:
         atomic_write_json(workdir / "sweep.json", index)
@@ -59,8 +59,9 @@ def prepare_data(trials: list[ResolvedTrial], progress: bool) -> None:
 
 
 def results(workdir: Path, sweep: Sweep) -> list[dict]:
-    """Rewrite results.jsonl and results.csv from the folders of every trial of the sweep."""
-    rows = [result_row(t, workdir / "trials" / t.folder_name) for t in sweep.trials]
+    """Rewrite results.jsonl and results.csv from the folders of every trial of the sweep (but
+    those that wait for others: they have no folder yet)."""
+    rows = [result_row(t, workdir / "trials" / t.folder_name) for t in sweep.trials if not t.waits]
     write_results(workdir, rows)
     return rows
 
@@ -163,17 +164,30 @@ def run_sweep(
     if executor not in ("local", "slurm"):
         raise SweepError(f"--executor {executor!r}: expected local or slurm")
     show = os.isatty(2) if show is None else show
-    trials = select(sweep, only)
+    while not isinstance(sweep, int):
+        sweep = _run_stage(sweep, workdir, only, executor, parallel, detach, slurm, show)
+    return sweep
+
+
+def _run_stage(sweep, workdir, only, executor, parallel, detach, slurm, show) -> int | Sweep:
+    """Run the selected trials that do not wait. Returns the sweep file read again where that
+    gives trials which waited for these something to run (``Sweep.reload``), else the exit
+    status."""
+    chosen = select(sweep, only)
+    trials = [t for t in chosen if not t.waits]
     paths = folders(sweep, workdir, trials)
     rows = {r["trial"]: r for r in results(workdir, sweep)}
     todo = [t for t in trials if rows[t.name]["status"] not in DONE]
+    waiting = (
+        f", {len(chosen) - len(trials)} waiting for others" if len(trials) < len(chosen) else ""
+    )
     print(
-        f"sweep {sweep.path}: {len(trials)} trials, {len(trials) - len(todo)} already done, "
-        f"{len(todo)} to run ({executor}); results in {workdir}/results.csv",
+        f"sweep {sweep.path}: {len(chosen)} trials, {len(trials) - len(todo)} already done, "
+        f"{len(todo)} to run ({executor}){waiting}; results in {workdir}/results.csv",
         flush=True,
     )
     prepare_data(todo, show)
-    if executor == "slurm":
+    if executor == "slurm" and todo:
         from lmuscale.sweep.slurm import run_slurm, wait
 
         submitted = run_slurm(sweep, workdir, [paths[t.name] for t in todo], parallel, slurm)
@@ -181,25 +195,36 @@ def run_sweep(
         if detach:
             print("run the same command without --detach to wait for the results", flush=True)
             return 0
-    progress = Progress(paths, trials, show)
-    try:
-        if executor == "local":
-            _run_local(sweep, workdir, [paths[t.name] for t in todo], parallel, progress)
-        else:
-            wait(workdir, progress.update, progress.write)
-    finally:
-        progress.close()
+    if todo:
+        progress = Progress(paths, trials, show)
+        try:
+            if executor == "local":
+                _run_local(sweep, workdir, [paths[t.name] for t in todo], parallel, progress)
+            else:
+                wait(workdir, progress.update, progress.write)
+        finally:
+            progress.close()
     final = results(workdir, sweep)
-    chosen = [r for r in final if r["trial"] in paths]
-    print(results_table(chosen), flush=True)
-    for row in chosen:
+    mine = [r for r in final if r["trial"] in paths]
+    if mine:
+        print(results_table(mine), flush=True)
+    for row in mine:
         if row["status"] != "finished":
             print(describe(row), flush=True)
-    finished = all(r["status"] == "finished" for r in chosen)
-    everything = all(r["status"] in DONE for r in final)
+    finished = all(r["status"] == "finished" for r in mine)
+    waits = [t for t in chosen if t.waits]
+    if waits and all(r["status"] in ("finished", "diverged") for r in mine):
+        later = sweep.reload(workdir)
+        if [t.name for t in later.waiting] != [t.name for t in sweep.waiting]:
+            return later
+        for reason in dict.fromkeys(t.waits for t in waits):
+            count = sum(t.waits == reason for t in waits)
+            print(f"{count} trial(s) not run: {reason}", flush=True)
+        return Exit.UNFINISHED
+    everything = all(r["status"] in DONE for r in final) and not sweep.waiting
     if everything and sweep.after is not None:
         sweep.after(workdir)
-    return Exit.FINISHED if finished else Exit.UNFINISHED
+    return Exit.FINISHED if finished and not waits else Exit.UNFINISHED
 
 
 def _run_local(sweep, workdir, todo: list[Path], parallel, progress: Progress) -> None:

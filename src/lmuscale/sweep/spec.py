@@ -2,6 +2,11 @@
 optionally with ``THROUGHPUT`` (``lmuscale.sweep.throughput``), ``SLURM`` (submitit parameters)
 and ``after(workdir)``, called once every trial has finished. A trial's folder is ``NAME-HASH``,
 HASH a sha256 of the config keys that change the trained numbers (``config_hash``).
+
+A sweep in stages: ``get_trials(done)`` is given the result rows of the sweep's trials that
+have ended (finished or diverged), by name (``lmuscale.sweep.trials.result_row``). A trial that
+needs results not there yet is yielded with ``waits="why"``: ``--dry-run`` lists it, the runner
+does not run it, and once the trials before it have ended, asks ``get_trials`` again.
 """
 
 from __future__ import annotations
@@ -10,6 +15,7 @@ import contextlib
 import dataclasses
 import hashlib
 import importlib.util
+import inspect
 import json
 import re
 import sys
@@ -37,12 +43,15 @@ class SweepError(ConfigError):
 class Trial:
     """One training run: ``config`` is a ConfigDict or ``"FILE.py:NAME"`` (relative to the
     sweep file), changed by ``overrides`` (``{"train.steps": 250_000}``); ``role``: one of
-    ``ROLES``."""
+    ``ROLES``; ``waits``: why it cannot run yet (see the module docstring); ``note``: what
+    ``--dry-run`` should say of it, e.g. where its learning rate came from."""
 
     name: str
     config: ConfigDict | str
     overrides: Mapping[str, Any] = dataclasses.field(default_factory=dict)
     role: str = "grid"
+    waits: str = ""
+    note: str = ""
     origin: str = dataclasses.field(default="", compare=False, repr=False)
 
     def __post_init__(self):
@@ -57,6 +66,8 @@ class ResolvedTrial:
     config: ConfigDict  # checked and locked; data.path is absolute
     key: str  # the config hash
     role: str = "grid"
+    waits: str = ""
+    note: str = ""
 
     @property
     def folder_name(self) -> str:
@@ -70,10 +81,20 @@ class Sweep:
     throughput: Throughput  # model FLOP/s per trial, from the sweep file's THROUGHPUT
     slurm: dict = dataclasses.field(default_factory=dict)
     after: Callable[[Path], Any] | None = None
+    workdir: Path | None = None  # where the ended trials given to get_trials were read
 
     @property
     def name(self) -> str:
         return self.path.stem
+
+    @property
+    def waiting(self) -> list[ResolvedTrial]:
+        return [t for t in self.trials if t.waits]
+
+    def reload(self, workdir: Path | None = None) -> Sweep:
+        """The sweep file read again, given the ended trials in ``workdir`` (default: where
+        it was read before): trials that waited for those may now run."""
+        return load_sweep(self.path, workdir or self.workdir)
 
 
 def config_hash(config: ConfigDict | dict) -> str:
@@ -83,8 +104,9 @@ def config_hash(config: ConfigDict | dict) -> str:
     return hashlib.sha256(text.encode()).hexdigest()[:12]
 
 
-def load_sweep(path: str | Path) -> Sweep:
-    """Run the sweep file and resolve every trial; errors name the file and line."""
+def load_sweep(path: str | Path, workdir: str | Path | None = None) -> Sweep:
+    """Run the sweep file and resolve every trial; errors name the file and line. A sweep in
+    stages is given the ended trials in ``workdir`` (none without one)."""
     path = Path(path)
     if path.suffix != ".py" or not path.is_file():
         raise SweepError(f"sweep file {str(path)!r} not found (expected a .py file)")
@@ -92,10 +114,36 @@ def load_sweep(path: str | Path) -> Sweep:
     module = importlib.util.module_from_spec(module_spec)
     try:
         module_spec.loader.exec_module(module)
-        get_trials = getattr(module, "get_trials", None)
-        if not callable(get_trials):
-            raise SweepError(f"{path}: defines no get_trials() returning Trial(...) items")
-        trials = list(get_trials())
+    except ConfigError as error:  # SweepError included
+        raise SweepError(str(error)) from None
+    except Exception as error:
+        raise SweepError(f"{where_in(path, error)}: {type(error).__name__}: {error}") from None
+    get_trials = getattr(module, "get_trials", None)
+    if not callable(get_trials):
+        raise SweepError(f"{path}: defines no get_trials() returning Trial(...) items")
+    staged = bool(inspect.signature(get_trials).parameters)
+    workdir = None if workdir is None else Path(workdir)
+    done: dict[str, dict] = {}
+    while True:
+        resolved = _trials(path, get_trials, done if staged else None)
+        if not (staged and workdir and any(t.waits for t in resolved)):
+            break
+        now = _ended(resolved, workdir)
+        if now.keys() <= done.keys():
+            break
+        done = now
+    throughput = _throughput(path, getattr(module, "THROUGHPUT", None))
+    slurm = getattr(module, "SLURM", {})
+    if not isinstance(slurm, dict):
+        raise SweepError(f"{path}: SLURM must be a dict of submitit parameters")
+    after = getattr(module, "after", None)
+    return Sweep(path, resolved, throughput, dict(slurm), after, workdir)
+
+
+def _trials(path: Path, get_trials, done: dict | None) -> list[ResolvedTrial]:
+    """``get_trials`` (given ``done`` unless it is None) called and its trials resolved."""
+    try:
+        trials = list(get_trials() if done is None else get_trials(dict(done)))
     except ConfigError as error:  # SweepError included
         raise SweepError(str(error)) from None
     except Exception as error:
@@ -117,14 +165,25 @@ def load_sweep(path: str | Path) -> Sweep:
             )
         if trial.role not in ROLES:
             raise SweepError(f"{where}: role is {trial.role!r}; expected one of {', '.join(ROLES)}")
+        for key in ("waits", "note"):
+            if not isinstance(getattr(trial, key), str):
+                raise SweepError(f"{where}: {key} is {getattr(trial, key)!r}; expected text")
         seen[trial.name] = _short(trial.origin)
         resolved.append(_resolve(trial, path.parent, where, group=path.stem))
-    throughput = _throughput(path, getattr(module, "THROUGHPUT", None))
-    slurm = getattr(module, "SLURM", {})
-    if not isinstance(slurm, dict):
-        raise SweepError(f"{path}: SLURM must be a dict of submitit parameters")
-    after = getattr(module, "after", None)
-    return Sweep(path, resolved, throughput, dict(slurm), after)
+    return resolved
+
+
+def _ended(trials: list[ResolvedTrial], workdir: Path) -> dict[str, dict]:
+    """The result rows of the trials (not waiting) that finished or diverged in ``workdir``."""
+    from lmuscale.sweep.trials import result_row
+    from lmuscale.workdir import status
+
+    rows = {}
+    for trial in trials:
+        folder = workdir / "trials" / trial.folder_name
+        if not trial.waits and status(folder) in ("finished", "diverged"):
+            rows[trial.name] = result_row(trial, folder)
+    return rows
 
 
 def _throughput(path: Path, value) -> Throughput:
@@ -169,7 +228,9 @@ def _resolve(trial: Trial, folder: Path, where: str, group: str = "") -> Resolve
     except Exception as error:
         raise SweepError(f"{where}: {type(error).__name__}: {error}") from None
     config.lock()
-    return ResolvedTrial(trial.name, config, config_hash(config), trial.role)
+    return ResolvedTrial(
+        trial.name, config, config_hash(config), trial.role, trial.waits.strip(), trial.note
+    )
 
 
 def _text(value) -> str:

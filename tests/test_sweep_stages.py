@@ -1,0 +1,149 @@
+"""Sweeps in stages: trials that wait for others' results (``Trial(waits=...)`` and
+``get_trials(done)``), the runner asking the sweep file again once they have ended, and the
+learning rates a staged sweep takes from its own learning-rate grid."""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+
+import pytest
+from compile_cache import env as cache_env
+from compile_cache import in_process
+from small_config import small
+from sweep_files import SMALL, run_sweep
+
+from lmuscale.outcomes import Exit
+from lmuscale.sweep import Trial, load_sweep
+from lmuscale.sweep.grids import chosen_learning_rates
+from lmuscale.train import run
+
+STAGED = f"""
+import json
+from pathlib import Path
+
+from lmuscale.sweep import Trial
+
+
+def get_trials(done):
+    yield Trial("first", {SMALL!r})
+    first = done.get("first")
+    if first is None:
+        yield Trial("second", {SMALL!r}, waits="the first trial's loss")
+    else:  # a config made from the first trial's result
+        yield Trial("second", {SMALL!r}, {{"train.seed": 1 + int(first["val_loss"] > 0)}})
+
+
+def after(workdir):
+    rows = [json.loads(line) for line in (workdir / "results.jsonl").read_text().splitlines()]
+    with open(Path(__file__).parent / "after.jsonl", "a") as f:
+        f.write(json.dumps({{r["trial"]: r["status"] for r in rows}}) + "\\n")
+"""
+
+
+@pytest.fixture(scope="module")
+def xla_cache(tmp_path_factory, byte_corpus) -> Path:
+    """The small config's train step compiled once, for both trials' workers (seeds are data)."""
+    folder = tmp_path_factory.mktemp("xla-cache")
+    with in_process(folder):
+        run(small(str(byte_corpus)), tmp_path_factory.mktemp("warm-up"), progress=False)
+    return folder
+
+
+def test_a_staged_sweep_runs_its_later_stage_in_the_same_command(
+    tmp_path, byte_corpus, xla_cache, monkeypatch
+):
+    sweep = tmp_path / "staged.py"
+    sweep.write_text(STAGED)
+    work = tmp_path / "work"
+    monkeypatch.setenv("LMUSCALE_TEST_DATA", str(byte_corpus))
+
+    before = load_sweep(sweep, work)
+    assert [t.name for t in before.waiting] == ["second"]
+    assert before.waiting[0].waits == "the first trial's loss"
+
+    out = run_sweep(sweep, work, byte_corpus, extra_env=cache_env(xla_cache))
+    assert out.returncode == Exit.FINISHED, out.stdout + out.stderr
+    assert "2 trials, 0 already done, 1 to run (local), 1 waiting for others" in out.stdout
+    rows = {
+        r["trial"]: r for r in map(json.loads, (work / "results.jsonl").read_text().splitlines())
+    }
+    assert {name: row["status"] for name, row in rows.items()} == {
+        "first": "finished",
+        "second": "finished",
+    }
+    second = json.loads((work / "trials" / rows["second"]["folder"] / "config.json").read_text())
+    assert second["train"]["seed"] == 2  # made from the first trial's (positive) loss
+    index = json.loads((work / "sweep.json").read_text())["trials"]
+    assert index == {name: f"trials/{row['folder']}" for name, row in rows.items()}
+    # `after` ran once, when both stages had finished, not after the first
+    calls = (tmp_path / "after.jsonl").read_text().splitlines()
+    assert [json.loads(c) for c in calls] == [{"first": "finished", "second": "finished"}]
+
+    after = load_sweep(sweep, work)
+    assert not after.waiting and rows["second"]["folder"] == after.trials[1].folder_name
+    again = run_sweep(sweep, work, byte_corpus, extra_env=cache_env(xla_cache))
+    assert again.returncode == Exit.FINISHED and "2 already done, 0 to run" in again.stdout
+
+
+def test_a_trial_left_waiting_is_named_and_the_sweep_is_unfinished(tmp_path, monkeypatch):
+    sweep = tmp_path / "waits.py"
+    sweep.write_text(
+        "from lmuscale.sweep import Trial\n\n\ndef get_trials():\n"
+        f"    yield Trial('later', {SMALL!r}, waits='run sweeps/other.py first')\n"
+        "\n\ndef after(workdir):\n    raise SystemExit('after must not run')\n"
+    )
+    monkeypatch.setenv("LMUSCALE_TEST_DATA", str(tmp_path))
+    work = tmp_path / "work"
+    out = run_sweep(sweep, work, tmp_path)
+    assert out.returncode == Exit.UNFINISHED, out.stdout + out.stderr
+    assert "1 trial(s) not run: run sweeps/other.py first" in out.stdout
+    assert "after must not run" not in out.stdout + out.stderr
+    assert json.loads((work / "sweep.json").read_text())["trials"] == {}
+    assert not (work / "trials").exists() or not any((work / "trials").iterdir())
+    assert (work / "results.jsonl").read_text() == ""
+
+
+def test_waits_and_note_must_be_text(tmp_path, monkeypatch):
+    monkeypatch.setenv("LMUSCALE_TEST_DATA", str(tmp_path))
+    sweep = tmp_path / "bad.py"
+    sweep.write_text(
+        f"from lmuscale.sweep import Trial\n\n\ndef get_trials():\n"
+        f"    yield Trial('x', {SMALL!r}, waits=True)\n"
+    )
+    with pytest.raises(Exception, match=r"bad.py:5 \(trial 'x'\): waits is True; expected text"):
+        load_sweep(sweep)
+
+
+def _row(name, family, n, lr, loss, tokens=1000):
+    return {
+        "trial": name,
+        "family": family,
+        "N": n,
+        "steps": 10,
+        "tokens": tokens,
+        "learning_rate": lr,
+        "val_loss": loss,
+    }
+
+
+def test_chosen_learning_rates_wait_for_every_trial_and_choose_as_the_analysis_does():
+    grid = [Trial(f"a-lr{lr:g}", "x.py:y") for lr in (1e-3, 1e-2, 1e-1)]
+    grid += [Trial(f"b-lr{lr:g}", "x.py:y") for lr in (1e-3, 1e-2, 1e-1)]
+    losses_a = {1e-3: 3.0, 1e-2: 2.0, 1e-1: 2.5}
+    losses_b = {1e-3: 2.9, 1e-2: 2.2, 1e-1: None}  # diverged at 0.1: left out
+    done = {f"a-lr{lr:g}": _row(f"a-lr{lr:g}", "lmu", 1000, lr, v) for lr, v in losses_a.items()}
+    done |= {f"b-lr{lr:g}": _row(f"b-lr{lr:g}", "lmu", 8000, lr, v) for lr, v in losses_b.items()}
+
+    for missing in done:  # any trial not ended: no choice yet
+        assert chosen_learning_rates({k: v for k, v in done.items() if k != missing}, grid) is None
+    rates, choices = chosen_learning_rates(done, grid)
+    # a parabola in log10(rate) through (-3, 3.0), (-2, 2.0), (-1, 2.5): vertex at -2 + 0.5/3
+    small_n, large_n = sorted(choices, key=lambda c: c.n)
+    assert small_n.bracketed and math.isclose(math.log10(small_n.best), -2 + 1 / 6, rel_tol=1e-12)
+    assert not large_n.bracketed and large_n.best == 1e-2  # the grid's edge, once 0.1 is out
+    assert math.isclose(rates.interpolate("lmu", 1000), small_n.best, rel_tol=1e-12)
+    assert math.isclose(rates.interpolate("lmu", 8000), 1e-2, rel_tol=1e-12)
+    middle = math.exp((math.log(small_n.best) + math.log(1e-2)) / 2)
+    assert math.isclose(rates.interpolate("lmu", math.sqrt(8000 * 1000)), middle, rel_tol=1e-9)
