@@ -1,16 +1,18 @@
 """A compute-optimal comparison small enough for a laptop: LMU vs transformer at 3 budgets.
 
-    python -m lmuscale.sweep sweeps/isoflop_demo.py      (about 15 minutes on two CPU cores)
+    python -m lmuscale.sweep sweeps/isoflop_demo.py      (about 18 minutes on two CPU cores)
 
-The byte-level models of sweeps/demo.py (widths 4 to 64) on the embedded plays, at 3 compute
-budgets a factor 2 apart. Each budget trains 5 sizes per family, each for the steps the
-budget buys at its own FLOPs per token, with the warmup, cosine and evaluations scaled to its
-steps. The window of sizes is centred on 300 tokens per parameter for the LMU and 1,000 for
-the transformer: where these tiny models' optima lie (runs centred on 10, then 100, found most
-optima at or below the smallest size tried). ``after`` then runs the analysis: the IsoFLOP
-parabolas (Chinchilla's approach 2) and N_opt(C), the lower envelope of the evaluation curves
-(approach 1), and the tokens each family needs to reach a loss, into WORKDIR/analysis. Two
-sizes per family also train at 3 learning rates for 150 steps, for the learning-rate figure.
+The byte-level models of sweeps/demo.py (widths 4 to 64) on the embedded plays, in two stages.
+First a learning-rate grid: two sizes per family, each at four rates half a decade apart, for
+400 steps (about the median length of the IsoFLOP runs). Then, once those have ended, the
+IsoFLOP grid at the rates they chose (the analysis's parabola in log LR, interpolated in log N
+between the two sizes): 3 compute budgets a factor 2 apart, 5 sizes per family each, every run
+trained for the steps its budget buys at its own FLOPs per token, with the warmup, cosine and
+evaluations scaled to its steps. The window of sizes is centred on 300 tokens per parameter for
+the LMU and 1,000 for the transformer, where these tiny models' optima lie. ``after`` then runs
+the analysis: the IsoFLOP parabolas (Chinchilla's approach 2) and N_opt(C), the lower envelope
+of the evaluation curves (approach 1), the tokens each family needs to reach a loss, and the
+learning-rate figure, into WORKDIR/analysis.
 """
 
 import dataclasses
@@ -21,12 +23,14 @@ from lmuscale.train.config import load_module
 
 demo = load_module(Path(__file__).parent / "demo.py")  # the models and training of the demo
 
-BUDGETS = (8e10, 1.6e11, 3.2e11)  # training FLOPs
+BUDGETS = (6e10, 1.2e11, 2.4e11)  # training FLOPs
 WIDTHS = (4, 6, 8, 12, 16, 24, 32, 48, 64)
-# and a small learning-rate sweep, for the analysis's learning-rate figure and file
+# The learning-rate stage. At 500 steps a first grid found the LMUs best at 0.03 (N = 3.9k) and
+# 0.1 (N = 1.4k), and the transformers flat from 0.01 to 0.1 (N = 1.8k) and best at 0.01-0.03
+# (N = 6.6k): each family's four rates bracket those.
 LR_WIDTHS = (8, 16)
-LEARNING_RATES = (1e-3, 3e-3, 1e-2)
-LR_STEPS = 150
+LEARNING_RATES = {"lmu": (1e-2, 3e-2, 1e-1, 3e-1), "transformer": (3e-3, 1e-2, 3e-2, 1e-1)}
+LR_STEPS = 400
 THROUGHPUT = demo.THROUGHPUT
 
 
@@ -39,11 +43,14 @@ def config(model):
 
 def get_trials(done):
     """The learning-rate trials first; the IsoFLOP trials wait for the rates they choose."""
-    small = {
-        "lmu": [demo.lmu(d) for d in LR_WIDTHS],
-        "transformer": [demo.transformer(d) for d in LR_WIDTHS],
-    }
-    rate_trials = learning_rate_grid(small, LEARNING_RATES, config, steps=LR_STEPS)
+    small = {"lmu": demo.lmu, "transformer": demo.transformer}
+    rate_trials = [
+        trial
+        for family, model in small.items()
+        for trial in learning_rate_grid(
+            {family: [model(d) for d in LR_WIDTHS]}, LEARNING_RATES[family], config, steps=LR_STEPS
+        )
+    ]
     chosen = chosen_learning_rates(done, rate_trials)
     if chosen:
         rates, choices = chosen
