@@ -309,7 +309,7 @@ def test_owt2_dry_run_without_a_benchmark_says_it_guesses(tmp_path):
     assert all("| 100T | configured |" in line for line in trial_rows)
     assert stdout.splitlines()[-1] == (
         "FLOP/s for trials not yet measured: THROUGHPUT guess 1e+14 FLOP/s, as there is no GPU "
-        f"benchmark (gpu-*.json) in {tmp_path / 'benchmarks' / 'results'}"
+        f"benchmark (gpu-*.json, train_throughput-*.json) in {tmp_path / 'benchmarks' / 'results'}"
     )
 
 
