@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import argparse
 import ast
+import datetime
 import statistics
 import time
 from pathlib import Path
@@ -176,6 +177,7 @@ def main() -> None:
         out,
         {
             "benchmark": "train_throughput",
+            "written": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
             "machine": info,
             "versions": versions(),
             "args": {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()},

@@ -10,15 +10,22 @@ should fall as N grows. The whole sweep takes about five minutes on two CPU core
 """
 
 from lmuscale.models import LMUConfig, TransformerConfig
-from lmuscale.sweep import Trial
+from lmuscale.sweep import Throughput, Trial
 from lmuscale.train import base_config
 
 STEPS = 200
 WIDTHS = (16, 24, 32, 48)
 
-# Model FLOP/s per trial for --dry-run's estimate before any trial has run: on a 2-core CPU
-# these LMUs measured 3.5-4.9 GFLOP/s and these transformers 11-21.
-THROUGHPUT = 5e9
+# Model FLOP/s per trial for --dry-run's estimate before any trial has run: the median speed of
+# the logged steps of a fresh clone's `make demo` on a 2-core CPU (2026-11-25): LMUs 18.6 GFLOP/s
+# (15.9-22.8), transformers 19.6 (11.8-32.8). The dry run adds the CPU's per-trial start-up,
+# compilation and evaluation time (lmuscale.sweep.plan.OVERHEAD_SECONDS).
+THROUGHPUT = Throughput(
+    None,
+    families={"lmu": 1.86e10, "transformer": 1.96e10},
+    source="THROUGHPUT in sweeps/demo.py, measured on a 2-core CPU",
+    platform="cpu",
+)
 
 
 def lmu(d: int) -> LMUConfig:

@@ -263,7 +263,9 @@ def _starts(workdir: Path, row: dict) -> list[dict]:
     return [json.loads(line) for line in path.read_text().splitlines()]
 
 
-def test_failing_trial_is_marked_and_the_others_finish(tmp_path, byte_corpus, xla_cache):
+def test_failing_trial_is_marked_and_the_others_finish(
+    tmp_path, byte_corpus, xla_cache, monkeypatch
+):
     sweep = write_sweep(
         tmp_path,
         {
@@ -294,6 +296,16 @@ def test_failing_trial_is_marked_and_the_others_finish(tmp_path, byte_corpus, xl
         summary = json.loads((work / "trials" / row["folder"] / "summary.json").read_text())
         assert row["val_loss"] == summary["val_loss"] and row["test_loss"] == summary["test_loss"]
     assert rows["good"]["val_loss"] != rows["other"]["val_loss"]  # another seed
+    # The worker records when the runner started it, from which the dry run measures the
+    # time a trial takes beyond its steps.
+    for name in ("good", "other"):
+        start, end = _starts(work, rows[name])
+        assert start["spawned"] < start["time"] < end["time"]
+    monkeypatch.setenv("LMUSCALE_TEST_DATA", str(byte_corpus))
+    planned = plan(load_sweep(sweep).trials, work, Throughput(1e9, platform="gpu"))
+    assert {(r["overhead_source"], r["overhead"] > 0) for r in planned} == {
+        ("measured (2 finished trials)", True)
+    }
 
     # Run again: the finished trials are not run again; the failed one is tried again.
     again = run_sweep(sweep, work, byte_corpus, extra_env=cache)

@@ -11,7 +11,7 @@ import subprocess
 from pathlib import Path
 
 import pytest
-from sweep_files import sweep_command
+from sweep_files import sweep_command, write_sweep
 
 from lmuscale.models import fused_loss
 from lmuscale.outcomes import DamagedFile
@@ -309,7 +309,7 @@ def test_owt2_dry_run_without_a_benchmark_says_it_guesses(tmp_path):
     assert all("| 100T | configured |" in line for line in trial_rows)
     assert stdout.splitlines()[-1] == (
         "FLOP/s for trials not yet measured: THROUGHPUT guess 1e+14 FLOP/s, as there is no GPU "
-        f"benchmark (gpu-*.json) in {tmp_path / 'benchmarks' / 'results'}"
+        f"benchmark (gpu-*.json, train_throughput-*.json) in {tmp_path / 'benchmarks' / 'results'}"
     )
 
 
@@ -324,3 +324,239 @@ def test_a_newer_file_without_training_rows_does_not_hide_an_older_one(tmp_path)
     assert throughput.lookup("lmu", 100) == (3e13, "benchmark") and h100.name in throughput.source
     small = from_benchmarks(tmp_path, 1e14, batch=8)  # rows at another shape: none
     assert small.measured == {} and "no GPU benchmark training rows at 8 x 1024" in small.source
+
+
+def write_train_throughput(
+    folder: Path, name: str, device: str, rows: list, written: str | None = None, **machine
+) -> Path:
+    """``folder/train_throughput-<name>.json`` as benchmarks/train_throughput.py writes it."""
+    folder.mkdir(parents=True, exist_ok=True)
+    data = {
+        "benchmark": "train_throughput",
+        "machine": {"platform": "gpu", "device_kind": device, "device_count": 1, **machine},
+        "results": rows,
+    } | ({"written": written} if written else {})
+    path = folder / f"train_throughput-{name}.json"
+    path.write_text(json.dumps(data))
+    return path
+
+
+def result(model: str, n: int, tokens_per_second: float, flops: float, **extra) -> dict:
+    """A train_throughput.py result row (the keys read here, and a few others)."""
+    out = {"model": model, "seq_len": 1024, "batch": 512, "dtype": "bfloat16"}
+    out.update(non_embedding_params=n, train_flops_per_token=flops, step_seconds=1.0, mfu=0.1)
+    return out | {"tokens_per_second": tokens_per_second} | extra
+
+
+def test_train_throughput_files_newest_per_device_and_model(tmp_path, monkeypatch):
+    old = write_train_throughput(
+        tmp_path,
+        "h100",
+        H100,
+        [
+            result("lmu-1M", 1_000, 4e5, 8e7),
+            result("lmu-1M", 1_000, 9e9, 8e7, dtype="float32"),  # another dtype
+            result("lmu-1M", 1_000, 9e9, 8e7, batch=64),  # another shape
+            result("lmu_g-1M", 990, 2e5, 9e7),
+            result("transformer-1M", 1_004, 6e5, 7e7),
+            {"model": "lmu-55k", "seq_len": 1024, "batch": 512, "error": "OOM"},
+        ],
+    )  # no "written": its modification time, set here to before the other files
+    os.utime(old, (1.7e9, 1.7e9))
+    new = write_train_throughput(
+        tmp_path, "h100-new", H100, [result("lmu-1M", 1_000, 5e5, 8e7)], "2026-11-24T10:00:00"
+    )
+    write_benchmark(  # the same device in benchmarks/gpu.py's format, newer still: lmu_g only
+        tmp_path, H100, "2026-11-25T10:00:00+00:00", {"train/lmu_g": [row("lmu_g", 990, 7e13)]}
+    )
+    other = write_train_throughput(  # another device, written before the H100's newest
+        tmp_path, "a100", "NVIDIA A100", [result("lmu-1M", 1_000, 1e5, 8e7)], "2026-11-20"
+    )
+    cpu = write_train_throughput(  # a CPU, newest of all: not a figure unless named
+        tmp_path, "cpu", "cpu", [result("lmu-1M", 1_000, 1e3, 8e7)], "2026-11-26", platform="cpu"
+    )
+    throughput = from_benchmarks(tmp_path, default=1e14)
+    # Each model from the newest file of the H100's that has it, at 512 x 1024 in bfloat16.
+    assert throughput.measured == {
+        ("lmu", 1_000): 5e5 * 8e7,
+        ("lmu_g", 990): 7e13,
+        ("transformer", 1_004): 6e5 * 7e7,
+    }
+    # tokens/s where a row gives its FLOPs per token (these gpu rows do not)
+    assert throughput.tokens_per_second == {("lmu", 1_000): 5e5, ("transformer", 1_004): 6e5}
+    # A benchmarked model takes its tokens/s at today's FLOPs count; the others the FLOP/s.
+    assert throughput.lookup("lmu", 1_000, 9e7) == (5e5 * 9e7, "benchmark")
+    assert throughput.lookup("lmu", 1_000, 9e7, "float32") == (1e14, "configured")
+    assert throughput.lookup("lmu", 2_000, 9e7) == (5e5 * 8e7, "benchmark family")
+    assert throughput.platform == "gpu" and throughput.dtype == "bfloat16"
+    source = throughput.source
+    assert source.startswith("GPU benchmark ") and source.count(H100) == 3
+    assert f"{new.name} ({H100}, written 2026-11-24T10:00:00)" in source
+    assert f"{old.name} ({H100})" in source and other.name not in source
+    # $LMUSCALE_GPU_BENCHMARK picks another device, or the CPU file.
+    monkeypatch.setenv("LMUSCALE_GPU_BENCHMARK", "a100")
+    assert from_benchmarks(tmp_path).lookup("lmu", 1_000, 8e7) == (1e5 * 8e7, "benchmark")
+    monkeypatch.setenv("LMUSCALE_GPU_BENCHMARK", str(cpu))
+    named = from_benchmarks(tmp_path)
+    assert named.lookup("lmu", 1_000, 8e7) == (1e3 * 8e7, "benchmark")
+    assert named.platform == "cpu" and named.source.startswith("CPU benchmark")
+
+
+@pytest.mark.parametrize(
+    ("text", "message"),
+    [
+        ('{"benchmark": "gpu", "machine": {"device_kind": "X"}, "results": []}', "train_through"),
+        ('{"benchmark": "train_throughput", "machine": {"device_kind": "X"}}', '"results"'),
+        (
+            '{"benchmark": "train_throughput", "machine": {"device_kind": "X"}, "results": '
+            '[{"model": "lmu-1M", "non_embedding_params": 5, "tokens_per_second": 1e5}]}',
+            "results row 0 ('lmu-1M')",
+        ),
+    ],
+)
+def test_a_malformed_train_throughput_file_names_its_file_and_key(tmp_path, text, message):
+    (tmp_path / "train_throughput-broken.json").write_text(text)
+    with pytest.raises(BenchmarkError) as error:
+        load_benchmarks(tmp_path, default=1e14)
+    assert str(tmp_path / "train_throughput-broken.json") in str(error.value)
+    assert message in str(error.value)
+
+
+def _cells(stdout: str) -> dict[str, dict[str, str]]:
+    """The dry-run table's rows by trial, each as {column header: cell}."""
+    lines = [line for line in stdout.splitlines() if line.startswith("| ")]
+    header = [cell.strip() for cell in lines[0].strip("|").split("|")]
+    rows = [[c.strip() for c in line.strip("|").split("|")] for line in lines]
+    rows = [dict(zip(header, cells, strict=True)) for cells in rows]
+    return {r["trial"]: r for r in rows[1:]}
+
+
+def test_owt2_dry_run_with_the_committed_h100_benchmark(tmp_path, monkeypatch):
+    """The hours of lmu-1M and transformer-1M are the committed file's tokens/s (bf16, as the
+    paper configs compute), within 5% with the overhead; the table has the learning rate,
+    tokens in the figures' units and tokens per parameter; the missing OWT2 folder is named."""
+    from lmuscale.analysis.figures import human
+
+    committed = REPO / "benchmarks" / "results" / "train_throughput-h100.json"
+    sweep_path = _owt2_copy(tmp_path)
+    (tmp_path / "benchmarks" / "results").mkdir(parents=True)
+    shutil.copy(committed, tmp_path / "benchmarks" / "results")
+    data = json.loads(committed.read_text())
+    speeds = {
+        r["model"]: r["tokens_per_second"]
+        for r in data["results"]
+        if r["dtype"] == "bfloat16" and (r["seq_len"], r["batch"]) == (1024, 512)
+    }
+    missing = tmp_path / "no-owt2"
+    monkeypatch.setenv("LMUSCALE_OWT2", str(missing))
+    sweep = load_sweep(sweep_path)
+    rows = {r["trial"]: r for r in plan(sweep.trials, tmp_path / "w", sweep.throughput)}
+    env = {"LMUSCALE_OWT2": str(missing)}
+    out = subprocess.run(
+        sweep_command(sweep_path, tmp_path / "w", "--dry-run"),
+        capture_output=True,
+        text=True,
+        env={k: v for k, v in os.environ.items() if k != "LMUSCALE_GPU_BENCHMARK"}
+        | env
+        | {"JAX_PLATFORMS": "cpu"},
+    )
+    assert out.returncode == 0, out.stderr
+    cells = _cells(out.stdout)
+    for model in ("lmu-1M", "transformer-1M"):
+        r, expected = rows[model], rows[model]["tokens"] / speeds[model]
+        assert r["source"] == "benchmark"
+        assert r["seconds"] == pytest.approx(expected, rel=1e-9)
+        assert r["estimate"] == pytest.approx(expected, rel=0.05)
+        shown = cells[model]["est. time"]
+        assert shown.endswith(" h") and float(shown[:-2]) == pytest.approx(expected / 3600, 0.05)
+    copy = tmp_path / "benchmarks" / "results" / committed.name
+    device = data["machine"]["device_kind"]
+    assert f"GPU benchmark {copy} ({device})" in out.stdout.splitlines()[-1]
+    # The new columns: the learning rate, tokens as the figures count them, tokens per parameter.
+    for trial in sweep.trials:
+        r, c = rows[trial.name], cells[trial.name]
+        assert float(c["learning rate"]) == trial.config.optim.learning_rate
+        assert c["tokens"] == human(r["tokens"]) and c["tokens"][-1] == "B"
+        assert int(c["tokens/param"].replace(",", "")) == round(r["tokens"] / r["N"])
+    # One warning for the one data folder all 24 trials read, naming it, with the command.
+    (warning,) = out.stderr.strip().splitlines()
+    assert str(missing) in warning and "24 trial(s)" in warning
+    assert f"python -m lmuscale.data prepare owt2 INPUT --out {missing}" in warning
+
+
+def test_the_data_warning_names_each_missing_folder_once(tmp_path, byte_corpus, monkeypatch):
+    from lmuscale.sweep.plan import missing_data
+
+    monkeypatch.setenv("LMUSCALE_TEST_DATA", str(byte_corpus))
+    half = tmp_path / "half"  # a folder with no meta.json: not a prepared dataset
+    half.mkdir()
+    trials = {
+        "a": {},
+        "b": {"train.seed": 1},
+        "c": {"data.path": str(tmp_path / "gone")},
+        "d": {"data.path": str(half)},
+        "e": {"data.path": str(half), "train.seed": 1},
+        "f": {"data.path": str(tmp_path / "elsewhere"), "data.source": "shakespeare"},
+    }
+    sweep = load_sweep(write_sweep(tmp_path, trials))
+    warnings = missing_data(sweep.trials)
+    assert len(warnings) == 2  # "gone" and "half"; the prepared corpus and embedded data are not
+    gone, partial = warnings
+    assert f"{tmp_path / 'gone'}: no such folder" in gone and "1 trial(s) (c)" in gone
+    assert f"{half}: not a prepared dataset (no meta.json)" in partial
+    assert "2 trial(s) (d, e)" in partial and f"--out {half}" in partial
+
+
+def test_overhead_from_the_sweeps_finished_trials_else_the_default(
+    tmp_path, byte_corpus, monkeypatch
+):
+    import jax
+
+    from lmuscale.sweep.plan import OVERHEAD_SECONDS
+
+    monkeypatch.setenv("LMUSCALE_TEST_DATA", str(byte_corpus))
+    names = ("a", "b", "old", "resumed", "pending")
+    sweep = load_sweep(write_sweep(tmp_path, {n: {"train.seed": i} for i, n in enumerate(names)}))
+    work = tmp_path / "work"
+
+    def fake(name: str, speeds: list[float], *events: dict) -> None:
+        (trial,) = [t for t in sweep.trials if t.name == name]
+        folder = work / "trials" / trial.folder_name
+        folder.mkdir(parents=True)
+        lines = [json.dumps({"step": i, "tokens_per_second": s}) for i, s in enumerate(speeds)]
+        (folder / "metrics.jsonl").write_text("\n".join(lines) + "\n")
+        (folder / "attempts.jsonl").write_text("".join(json.dumps(e) + "\n" for e in events))
+
+    tokens = 12 * 8 * 32
+    start = {"event": "start", "spawned": 100.0, "time": 102.0}
+    fake("a", [1000.0, 3000.0, 2000.0], start, {"event": "end", "outcome": "finished", "time": 130})
+    start = {"event": "start", "spawned": 200.0, "time": 203.0}
+    fake("b", [tokens], start, {"event": "end", "outcome": "finished", "time": 215.0})
+    # not measured: started by a runner that did not record the process's start; two attempts
+    fake("old", [1e3], {"event": "start", "time": 1.0}, {"event": "end", "time": 99.0})
+    ended = {"event": "end", "outcome": "interrupted", "time": 9.0}
+    again = {"event": "start", "spawned": 10.0, "time": 11.0}
+    fake("resumed", [1e3], start | {"spawned": 0.0}, ended, again, ended | {"time": 20.0})
+    expected = ((130 - 100 - tokens / 2000) + (215 - 200 - 1)) / 2  # the median of two
+    rows = plan(sweep.trials, work, Throughput(1e9, platform="gpu"))
+    for r in rows:
+        assert (r["overhead"], r["overhead_source"]) == (
+            pytest.approx(expected),
+            "measured (2 finished trials)",
+        )
+        assert r["estimate"] == pytest.approx(r["seconds"] + expected)
+    assert f"{expected:.0f} s a trial" in table(rows) and "measured (2 finished" in table(rows)
+    # With no finished trial to measure: the Throughput's, else the default of its device kind.
+    fresh = tmp_path / "fresh"
+    for throughput, (seconds, source) in (
+        (Throughput(1e9, platform="gpu"), OVERHEAD_SECONDS["gpu"]),
+        (Throughput(1e9, platform="cpu"), OVERHEAD_SECONDS["cpu"]),
+        (Throughput(1e9), OVERHEAD_SECONDS.get(jax.default_backend(), OVERHEAD_SECONDS["gpu"])),
+        (Throughput(1e9, platform="cpu", overhead=5.0), (5.0, "configured")),
+    ):
+        rows = plan(sweep.trials, fresh, throughput)
+        assert {(r["overhead"], r["overhead_source"]) for r in rows} == {(seconds, source)}
+        assert sum(r["estimate"] for r in rows) == pytest.approx(
+            sum(r["total_flops"] for r in rows) / 1e9 + len(rows) * seconds
+        )
+    assert OVERHEAD_SECONDS["cpu"][1] == "CPU default" and "guess" in OVERHEAD_SECONDS["gpu"][1]

@@ -145,7 +145,16 @@ def percentile_interval(samples, ci: float):
 
 def human(x: float) -> str:
     """55000 -> "55k", 1.3e10 -> "13B", inf -> "inf": counts of parameters, tokens, FLOPs."""
-    for scale, suffix in ((1e12, "T"), (1e9, "B"), (1e6, "M"), (1e3, "k")):
+    if math.isfinite(x):
+        x = float(f"{x:.3g}")  # rounded first: 999.6k is "1M", not "1e+03k"
+    for scale, suffix in (
+        (1e18, "E"),
+        (1e15, "P"),
+        (1e12, "T"),
+        (1e9, "B"),
+        (1e6, "M"),
+        (1e3, "k"),
+    ):
         if math.isfinite(x) and abs(x) >= scale:
             return f"{x / scale:.3g}{suffix}"
     return f"{x:.3g}"

@@ -101,12 +101,20 @@ def _run(args: argparse.Namespace) -> int:
     workdir = Path(args.workdir or Path("runs") / Path(args.sweep).stem)
     sweep = load_sweep(args.sweep, workdir)
     if args.dry_run:
-        from lmuscale.sweep.plan import plan, table
+        from lmuscale.sweep.plan import missing_data, plan, table
 
         throughput = sweep.throughput
-        if args.throughput:
-            throughput = Throughput(args.throughput, source=f"--throughput {args.throughput:g}")
-        print(table(plan(select(sweep, args.only), workdir, throughput)))
+        if args.throughput:  # for every trial, on the device kind the sweep's figures are for
+            throughput = Throughput(
+                args.throughput,
+                source=f"--throughput {args.throughput:g}",
+                platform=throughput.platform,
+                overhead=throughput.overhead,
+            )
+        trials = select(sweep, args.only)
+        for warning in missing_data(trials):
+            print(warning, file=sys.stderr)
+        print(table(plan(trials, workdir, throughput)))
         print(f"FLOP/s for trials not yet measured: {throughput.source}")
         return Exit.FINISHED
     return run_sweep(

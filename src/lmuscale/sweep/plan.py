@@ -1,8 +1,11 @@
-"""``--dry-run``: the sweep as a table of sizes, tokens, FLOPs and an estimated time.
+"""``--dry-run``: the sweep as a table of sizes, learning rates, tokens, FLOPs and a time.
 
-A trial's time is its training FLOPs (not evaluation or compilation) over the first model
-FLOP/s of: ``measured`` (its metrics.jsonl), ``family`` (the median of its family's measured
-trials), then ``Throughput.lookup``.
+A trial's training time is its training FLOPs over the first model FLOP/s of: ``measured``
+(its metrics.jsonl), ``family`` (the median of its family's measured trials), then
+``Throughput.lookup``. Its estimate adds a per-trial overhead (process start-up, compilation,
+evaluation, checkpoints): the median of the sweep's finished trials' (attempts.jsonl, from
+the process's start to the trial's end, less the training time at its own speed), else
+``OVERHEAD_SECONDS`` for the device kind.
 """
 
 from __future__ import annotations
@@ -10,18 +13,57 @@ from __future__ import annotations
 import statistics
 from pathlib import Path
 
+from lmuscale.scaling.fits import human
 from lmuscale.sweep.runner import _duration
 from lmuscale.sweep.throughput import Throughput
 from lmuscale.sweep.trials import result_row
-from lmuscale.workdir import METRICS, read_log
+from lmuscale.workdir import ATTEMPTS, METRICS, read_log
+
+# Seconds a trial takes beyond its training steps at their median speed, where no trial of the
+# sweep has finished to measure it. CPU: the median of the 8 trials of sweeps/demo.py (13.7 s,
+# 10.8-19.3) and the 42 of the IsoFLOP demo (13.5 s, 7.5-19.5), 2-core machine, 2026-11-25.
+# GPU: not measured, a guess (JAX start-up, compiling and planning the step, evaluation).
+OVERHEAD_SECONDS = {"cpu": (14.0, "CPU default"), "gpu": (120.0, "GPU guess")}
+
+
+def _speeds(folder: Path) -> list[float]:
+    return [
+        r["tokens_per_second"] for r in read_log(folder / METRICS) if r.get("tokens_per_second")
+    ]
 
 
 def measured_flops(folder: Path, flops_per_token: float) -> float | None:
     """Median model FLOP/s of a trial's logged steps, or None before it has logged any."""
-    speeds = [
-        r["tokens_per_second"] for r in read_log(folder / METRICS) if r.get("tokens_per_second")
-    ]
+    speeds = _speeds(folder)
     return statistics.median(speeds) * flops_per_token if speeds else None
+
+
+def measured_overhead(folder: Path, tokens: int) -> float | None:
+    """Seconds from the worker's start to the trial's end beyond its steps at their median
+    speed, for a trial finished in one attempt whose runner recorded the start; else None."""
+    events = read_log(folder / ATTEMPTS)
+    speeds = _speeds(folder)
+    if len(events) != 2 or not speeds:
+        return None
+    start, end = events
+    if "spawned" not in start or end.get("outcome") != "finished":
+        return None
+    return max(0.0, end["time"] - start["spawned"] - tokens / statistics.median(speeds))
+
+
+def overhead(throughput: Throughput, rows: list[dict]) -> tuple[float, str]:
+    """(seconds, where from) of the per-trial overhead: see the module docstring."""
+    measured = [r["overhead"] for r in rows if r["overhead"] is not None]
+    if measured:
+        return statistics.median(measured), f"measured ({len(measured)} finished trials)"
+    if throughput.overhead is not None:
+        return throughput.overhead, "configured"
+    platform = throughput.platform
+    if not platform:
+        import jax
+
+        platform = jax.default_backend()
+    return OVERHEAD_SECONDS.get(platform, OVERHEAD_SECONDS["gpu"])
 
 
 def plan(trials, workdir: Path, throughput: Throughput) -> list[dict]:
@@ -30,51 +72,82 @@ def plan(trials, workdir: Path, throughput: Throughput) -> list[dict]:
     for trial in trials:
         folder = workdir / "trials" / trial.folder_name
         row = result_row(trial, folder)
+        row["dtype"] = trial.config.model.get("dtype")
         row["flops_per_second"] = measured_flops(folder, row["flops_per_token"])
         row["source"] = "measured" if row["flops_per_second"] else None
+        row["overhead"] = measured_overhead(folder, row["tokens"])
         if row["source"]:
             by_family.setdefault(row["family"], []).append(row["flops_per_second"])
         rows.append(row)
+    extra, extra_source = overhead(throughput, rows)
     for row in rows:
         if not row["source"] and row["family"] in by_family:
             row["flops_per_second"] = statistics.median(by_family[row["family"]])
             row["source"] = "family"
         elif not row["source"]:
-            row["flops_per_second"], row["source"] = throughput.lookup(row["family"], row["N"])
+            row["flops_per_second"], row["source"] = throughput.lookup(
+                row["family"], row["N"], row["flops_per_token"], row["dtype"]
+            )
         speed = row["flops_per_second"]
-        row["seconds"] = row["total_flops"] / speed if speed else None
+        row["seconds"] = row["total_flops"] / speed if speed else None  # the training steps
+        row["overhead"], row["overhead_source"] = extra, extra_source
+        row["estimate"] = row["seconds"] + extra if speed else None
     return rows
 
 
-def _count(n: float) -> str:
-    n = float(f"{n:.3g}")  # rounded first: 999.6 of a unit is 1 of the next, not "1e+03"
-    for unit, scale in (("E", 1e18), ("P", 1e15), ("T", 1e12), ("G", 1e9), ("M", 1e6), ("k", 1e3)):
-        if abs(n) >= scale:
-            return f"{n / scale:.3g}{unit}"
-    return f"{n:.3g}"
-
-
 def table(rows: list[dict]) -> str:
-    """The dry-run table as Markdown, with a total line."""
+    """The dry-run table as Markdown, with a total line and the overhead it includes."""
     header = (
-        "| trial | family | N (non-emb.) | total params | train FLOPs/token | tokens | total FLOPs "
-        "| FLOP/s | from | est. time | status |"
+        "| trial | family | N (non-emb.) | total params | learning rate | tokens | tokens/param "
+        "| train FLOPs/token | total FLOPs | FLOP/s | from | est. time | status |"
     )
-    lines = [header, "|---|---|---:|---:|---:|---:|---:|---:|---|---:|---|"]
+    lines = [header, "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---|---:|---|"]
     for r in rows:
         lines.append(
             f"| {r['trial']} | {r['family']} | {r['N']:,} | {r['total_params']:,} "
-            f"| {_count(r['flops_per_token'])} | {_count(r['tokens'])} "
-            f"| {_count(r['total_flops'])} "
-            f"| {_count(r['flops_per_second']) if r['flops_per_second'] else '-'} "
-            f"| {r['source'] or '-'} | {_duration(r['seconds'])} | {r['status']} |"
+            f"| {r['learning_rate']:.3g} | {human(r['tokens'])} | {r['tokens'] / r['N']:,.0f} "
+            f"| {human(r['flops_per_token'])} | {human(r['total_flops'])} "
+            f"| {human(r['flops_per_second']) if r['flops_per_second'] else '-'} "
+            f"| {r['source'] or '-'} | {_duration(r['estimate'])} | {r['status']} |"
         )
-    known = [r["seconds"] for r in rows if r["seconds"] is not None]
+    known = [r["estimate"] for r in rows if r["estimate"] is not None]
     total_time = _duration(sum(known)) if known else "-"
     if known and len(known) < len(rows):
         total_time += f" ({len(rows) - len(known)} unknown)"
     lines.append(
-        f"| **total** ({len(rows)}) | | | | | {_count(sum(r['tokens'] for r in rows))} "
-        f"| {_count(sum(r['total_flops'] for r in rows))} | | | {total_time} | |"
+        f"| **total** ({len(rows)}) | | | | | {human(sum(r['tokens'] for r in rows))} | "
+        f"| | {human(sum(r['total_flops'] for r in rows))} | | | {total_time} | |"
     )
+    if rows:
+        lines.append(
+            f"\nEach estimate includes {_duration(rows[0]['overhead'])} a trial of start-up, "
+            f"compilation, evaluation and checkpoints: {rows[0]['overhead_source']}."
+        )
     return "\n".join(lines)
+
+
+def missing_data(trials) -> list[str]:
+    """A warning line per data folder that trials read and that is not a prepared dataset
+    (embedded sources are prepared as the sweep starts, so they are never missing)."""
+    from lmuscale.data import EMBEDDED_SOURCES, DataError
+    from lmuscale.data.loader import open_dataset
+
+    readers: dict[str, list[str]] = {}
+    data = {}
+    for trial in trials:
+        if trial.config.data.source not in EMBEDDED_SOURCES:
+            readers.setdefault(trial.config.data.path, []).append(trial.name)
+            data[trial.config.data.path] = trial.config.data
+    warnings = []
+    for path, names in readers.items():
+        try:
+            open_dataset(path, verify=False)
+        except DataError as error:
+            why = str(error) if Path(path).is_dir() else f"{path}: no such folder"
+            shown = ", ".join(names[:3]) + (", ..." if len(names) > 3 else "")
+            warnings.append(
+                f"warning: the data of {len(names)} trial(s) ({shown}) is missing: {why}; "
+                f"prepare it first: python -m lmuscale.data prepare {data[path].source or 'SOURCE'}"
+                f" INPUT --out {path}"
+            )
+    return warnings

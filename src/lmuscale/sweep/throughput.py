@@ -1,10 +1,13 @@
 """The model FLOP/s a sweep's trials are assumed to reach before they have measured their own.
 
-A sweep file's ``THROUGHPUT`` is a number (``5e9``) or ``from_benchmarks(folder, default)``:
-the per-model training speeds ``benchmarks/gpu.py`` measured at 512 x 1024 tokens per step,
-from ``folder/gpu-<device>.json``. ``$LMUSCALE_GPU_BENCHMARK`` picks the file (a path, or part
-of the device name such as ``h100``; naming none is an error, not a silent guess); otherwise
-the most recently written one that was not measured on a CPU.
+A sweep file's ``THROUGHPUT`` is a number (``5e9``), a ``Throughput`` (per-family figures, a
+per-trial overhead), or ``from_benchmarks(folder, default)``: the training speeds measured at
+512 x 1024 tokens per step by ``benchmarks/gpu.py`` (``folder/gpu-<device>.json``) and
+``benchmarks/train_throughput.py`` (``folder/train_throughput-<device>.json``).
+``$LMUSCALE_GPU_BENCHMARK`` picks the device (a file, or part of the device name such as
+``h100``; naming none is an error, not a silent guess); otherwise that of the most recently
+written file not measured on a CPU. Of that device's files, each model's figure is the newest
+file's ("written", else the file's modification time).
 """
 
 from __future__ import annotations
@@ -22,6 +25,7 @@ from lmuscale.models import fused_loss
 from lmuscale.outcomes import DataError
 
 ENV = "LMUSCALE_GPU_BENCHMARK"
+PATTERNS = ("gpu-*.json", "train_throughput-*.json")
 
 
 class BenchmarkError(DataError):
@@ -31,23 +35,40 @@ class BenchmarkError(DataError):
 @dataclasses.dataclass(frozen=True)
 class Throughput:
     """Model FLOP/s per trial: ``measured`` maps (family, non-embedding N) to a benchmark's
-    figure, ``default`` covers the rest, and ``source`` says where they came from."""
+    figure (at the FLOPs count of its day; ``tokens_per_second`` holds its tokens/s where the
+    file gives that count), ``families`` and then ``default`` cover the rest, and ``source``
+    says where they came from. ``dtype``: the benchmark's; a trial computing in another does
+    not take it. ``platform`` ("gpu", "cpu"; "" for this machine's) and ``overhead`` (seconds
+    per trial, when known) set the dry run's start-up allowance (``lmuscale.sweep.plan``)."""
 
     default: float | None
     measured: Mapping[tuple[str, int], float] = dataclasses.field(default_factory=dict)
     source: str = ""
+    tokens_per_second: Mapping[tuple[str, int], float] = dataclasses.field(default_factory=dict)
+    families: Mapping[str, float] = dataclasses.field(default_factory=dict)
+    dtype: str = ""
+    platform: str = ""
+    overhead: float | None = None
 
-    def lookup(self, family: str, n: int) -> tuple[float | None, str | None]:
-        """(FLOP/s, label) for a model: ``"benchmark"`` (this model was benchmarked),
-        ``"benchmark family"`` (the median of its family's), ``"configured"`` (the default),
-        or (None, None) when there is no figure at all."""
-        if (family, n) in self.measured:
-            return self.measured[(family, n)], "benchmark"
-        same_family = [speed for (f, _), speed in self.measured.items() if f == family]
+    def lookup(
+        self, family: str, n: int, flops_per_token: float | None = None, dtype: str | None = None
+    ) -> tuple[float | None, str | None]:
+        """(FLOP/s, label) for a model: ``"benchmark"`` (this model was benchmarked: its
+        tokens/s times ``flops_per_token`` where both are known), ``"benchmark family"`` (the
+        median of its family's), ``"configured"`` (``families``, then the default), or
+        (None, None) when there is no figure at all."""
+        benchmark = {} if dtype and self.dtype and dtype != self.dtype else self.measured
+        if (family, n) in benchmark:
+            speed = self.tokens_per_second.get((family, n))
+            if speed and flops_per_token:
+                return speed * flops_per_token, "benchmark"
+            return benchmark[(family, n)], "benchmark"
+        same_family = [speed for (f, _), speed in benchmark.items() if f == family]
         if same_family:
             return statistics.median(same_family), "benchmark family"
-        if self.default:
-            return self.default, "configured"
+        figure = self.families.get(family) or self.default
+        if figure:
+            return figure, "configured"
         return None, None
 
 
@@ -57,83 +78,137 @@ class _Benchmark:
     platform: str  # "gpu", "tpu", "cpu"
     device: str  # the device kind, e.g. "NVIDIA H100 80GB HBM3"
     devices: int
-    written: str  # as the file gives it
-    when: datetime  # written, parsed (UTC where it names no zone)
-    speeds: dict[tuple[str, int], float]
+    written: str | None  # as the file gives it
+    when: datetime  # written, parsed (UTC where it names no zone), else the file's mtime
+    speeds: dict[tuple[str, int], tuple[float, float | None]]  # FLOP/s, tokens/s
+
+    @property
+    def name(self) -> str:
+        return self.device + (f" x{self.devices}" if self.devices != 1 else "")
 
 
 def from_benchmarks(
-    folder: str | Path, default: float | None = None, *, seq_len: int = 1024, batch: int = 512
+    folder: str | Path,
+    default: float | None = None,
+    *,
+    seq_len: int = 1024,
+    batch: int = 512,
+    dtype: str = "bfloat16",
 ) -> Throughput:
-    """The GPU benchmark in ``folder`` (see the module docstring), or else just ``default``,
+    """The GPU benchmarks in ``folder`` (see the module docstring), or else just ``default``,
     with a ``source`` (which ``--dry-run`` prints) that says it is a guess, and why."""
     if default is not None and not (isinstance(default, int | float) and default > 0):
         raise BenchmarkError(f"from_benchmarks: default must be a positive FLOP/s, not {default!r}")
     default = default and float(default)
     try:
-        return load_benchmarks(folder, default, seq_len=seq_len, batch=batch)
+        return load_benchmarks(folder, default, seq_len=seq_len, batch=batch, dtype=dtype)
     except BenchmarkError as error:
         guess = f"THROUGHPUT guess {default:g} FLOP/s" if default else "no FLOP/s"
-        return Throughput(default, source=f"{guess}, as {error}")
+        return Throughput(default, source=f"{guess}, as {error}", platform="gpu")
 
 
 def load_benchmarks(
-    folder: str | Path, default: float | None = None, *, seq_len: int = 1024, batch: int = 512
+    folder: str | Path,
+    default: float | None = None,
+    *,
+    seq_len: int = 1024,
+    batch: int = 512,
+    dtype: str = "bfloat16",
 ) -> Throughput:
     """``from_benchmarks`` without its fallback: where there is no benchmark to use (none in
     ``folder``, a file that cannot be read, ``$LMUSCALE_GPU_BENCHMARK`` naming none), a
     ``BenchmarkError`` that says why."""
     folder = Path(folder)
-    found = [_read(path, seq_len, batch) for path in sorted(folder.glob("gpu-*.json"))]
+    shape = (seq_len, batch, dtype)
+    paths = sorted(p for pattern in PATTERNS for p in folder.glob(pattern))
+    found = [_read(path, shape) for path in paths]
     choice = os.environ.get(ENV, "")
     if choice:
-        benchmark = _pick(choice, found, folder, seq_len, batch)
+        chosen = _pick(choice, found, folder, shape)
     else:
-        # benchmarks/gpu.py run on a CPU (to check it, or to plan memory) writes gpu-cpu.json:
-        # no figure for a sweep's trials, unless $LMUSCALE_GPU_BENCHMARK names it.
+        # benchmarks run on a CPU (to check them, or to plan memory) give no figure for a
+        # sweep's trials, unless $LMUSCALE_GPU_BENCHMARK names them.
         usable = [b for b in found if b.platform != "cpu" and b.speeds]
         if not usable:
-            what = f"training rows at {batch} x {seq_len} tokens" if found else "(gpu-*.json)"
+            what = (
+                f"training rows at {batch} x {seq_len} tokens in {dtype}"
+                if found
+                else f"({', '.join(PATTERNS)})"
+            )
             raise BenchmarkError(f"there is no GPU benchmark {what} in {_short(folder)}")
-        benchmark = max(usable, key=lambda b: b.when)
-    device = benchmark.device + (f" x{benchmark.devices}" if benchmark.devices != 1 else "")
-    source = f"GPU benchmark {_short(benchmark.path)} ({device}, written {benchmark.written})"
+        device = max(usable, key=lambda b: b.when).name
+        chosen = [b for b in usable if b.name == device]
+    speeds: dict[tuple[str, int], tuple[float, float | None]] = {}
+    used = []
+    for benchmark in sorted(chosen, key=lambda b: b.when, reverse=True):  # newest first
+        new = {key: value for key, value in benchmark.speeds.items() if key not in speeds}
+        speeds |= new
+        if new:
+            written = f", written {benchmark.written}" if benchmark.written else ""
+            used.append(f"{_short(benchmark.path)} ({benchmark.name}{written})")
+    platform = chosen[0].platform if chosen else "gpu"
+    source = f"{platform.upper()} benchmark {'; '.join(used) or 'with no rows'}"
     if default:
         source += f"; models and families it lacks: {default:g} FLOP/s"
-    return Throughput(default, benchmark.speeds, source)
+    return Throughput(
+        default,
+        {key: flops for key, (flops, _) in speeds.items()},
+        source,
+        {key: tokens for key, (_, tokens) in speeds.items() if tokens},
+        dtype=dtype,
+        platform=platform,
+    )
 
 
-def _read(path: Path, seq_len: int, batch: int) -> _Benchmark:
-    """A benchmark file, checked for the keys this module reads."""
+def _read(path: Path, shape: tuple[int, int, str]) -> _Benchmark:
+    """A benchmark file of either kind, checked for the keys this module reads."""
     try:
         data = json.loads(path.read_text())
     except (OSError, UnicodeDecodeError, json.JSONDecodeError) as error:
         raise BenchmarkError(f"{path}: not a readable JSON file ({error})") from None
+    kind, key = (
+        ("gpu", "parts") if path.name.startswith("gpu-") else ("train_throughput", "results")
+    )
     problem = None
     machine = data.get("machine") if isinstance(data, dict) else None
-    if not isinstance(data, dict) or data.get("benchmark") != "gpu":
-        problem = 'expected an object with "benchmark": "gpu"'
+    if not isinstance(data, dict) or data.get("benchmark") != kind:
+        problem = f'expected an object with "benchmark": "{kind}"'
     elif not isinstance(machine, dict) or not isinstance(machine.get("device_kind"), str):
         problem = 'expected "machine": {"device_kind": "...", ...}'
-    elif not isinstance(data.get("parts"), dict):
+    elif kind == "gpu" and not isinstance(data.get("parts"), dict):
         problem = 'expected "parts": {"train/FAMILY": {"rows": [...]}, ...}'
+    elif kind == "train_throughput" and not isinstance(data.get("results"), list):
+        problem = 'expected "results": [{"model": ..., "tokens_per_second": ...}, ...]'
     if problem:
         raise BenchmarkError(f"{path}: {problem}")
-    try:
-        when = datetime.fromisoformat(data.get("written"))
-    except (TypeError, ValueError):
-        raise BenchmarkError(
-            f'{path}: "written" is {data.get("written")!r}; expected an ISO time such as '
-            '"2026-11-23T10:00:00+00:00"'
-        ) from None
+    written = data.get("written")
+    if written is None and kind == "train_throughput":  # it wrote no time before issue 35
+        when = datetime.fromtimestamp(path.stat().st_mtime, UTC)
+    else:
+        try:
+            when = datetime.fromisoformat(written)
+        except (TypeError, ValueError):
+            raise BenchmarkError(
+                f'{path}: "written" is {written!r}; expected an ISO time such as '
+                '"2026-11-23T10:00:00+00:00"'
+            ) from None
+    if kind == "gpu":
+        rows = [
+            (f'parts["{name}"]', part.get("rows") if isinstance(part, dict) else None)
+            for name, part in data[key].items()
+            if name.startswith("train/")
+        ]
+        auto = _auto_loss(machine)
+    else:
+        rows, auto = [("results", data[key])], "xla"  # train_throughput ran the XLA loss
     return _Benchmark(
         path,
         str(machine.get("platform", "gpu")),
         machine["device_kind"],
         machine.get("device_count", 1),
-        data["written"],
+        written,
         when if when.tzinfo else when.replace(tzinfo=UTC),
-        _speeds(path, data["parts"], seq_len, batch, _auto_loss(machine)),
+        _speeds(path, rows, shape, auto),
     )
 
 
@@ -150,53 +225,70 @@ def _auto_loss(machine: dict) -> str:
 
 
 def _speeds(
-    path: Path, parts: dict, seq_len: int, batch: int, auto: str
-) -> dict[tuple[str, int], float]:
-    """Model FLOP/s by (family, N), the median of the ``train/*`` rows at ``batch`` x
-    ``seq_len`` that ran the cross-entropy ``loss_impl="auto"`` takes on that device (rows
-    that do not name it ran "xla"); rows without a speed, or with ``error``, are left out."""
-    speeds: dict[tuple[str, int], list[float]] = {}
-    for name, part in parts.items():
-        if not name.startswith("train/"):
-            continue
-        rows = part.get("rows") if isinstance(part, dict) else None
+    path: Path, parts: list[tuple[str, list | None]], shape: tuple[int, int, str], auto: str
+) -> dict[tuple[str, int], tuple[float, float | None]]:
+    """(model FLOP/s, tokens/s) by (family, N): the medians of the training rows (gpu.py's
+    ``train/*`` parts; train_throughput.py's results) at ``shape`` (seq_len, batch, dtype)
+    that ran the cross-entropy ``loss_impl="auto"`` takes on that device (rows that do not
+    name it ran "xla"). tokens/s only where the row gives its FLOPs per token; rows without a
+    speed, or with ``error``, are left out."""
+    speeds: dict[tuple[str, int], list[tuple[float, float | None]]] = {}
+    for where, rows in parts:
         if not isinstance(rows, list):
-            raise BenchmarkError(f'{path}: parts["{name}"] has no "rows" list')
+            raise BenchmarkError(f'{path}: {where} has no "rows" list')
         for i, row in enumerate(rows):
-            speed = row.get("model_flops_per_second") if isinstance(row, dict) else None
-            if speed is None or "error" in row:
+            if not isinstance(row, dict) or "error" in row:
                 continue
-            family, n = row.get("family"), row.get("non_embedding_params")
-            if not (
-                isinstance(family, str)
-                and isinstance(n, int)
-                and isinstance(speed, int | float)
-                and speed > 0
-            ):
+            model, family = row.get("model"), row.get("family")
+            if where == "results" and family is None and isinstance(model, str):
+                family = model.rsplit("-", 1)[0]  # train_throughput names "lmu_g-1M" only
+            n, per_token = row.get("non_embedding_params"), row.get("train_flops_per_token")
+            if where == "results":
+                speed = row.get("tokens_per_second")
+                flops = speed * per_token if _positive(speed) and _positive(per_token) else None
+                wanted = '"model" (FAMILY-SIZE), "train_flops_per_token" and "tokens_per_second"'
+            else:
+                flops = row.get("model_flops_per_second")
+                if flops is None:
+                    continue
+                wanted = 'a "family" name, a positive "model_flops_per_second"'
+            if not (isinstance(family, str) and isinstance(n, int) and _positive(flops)):
                 raise BenchmarkError(
-                    f'{path}: parts["{name}"] row {i} ({row.get("model")!r}): expected a '
-                    '"family" name, an integer "non_embedding_params" and a positive '
-                    f'"model_flops_per_second"; got {family!r}, {n!r}, {speed!r}'
+                    f"{path}: {where} row {i} ({model!r}): expected {wanted} and an integer "
+                    f'"non_embedding_params"; got {family!r}, {n!r}, {flops!r}'
                 )
-            shape = (row.get("seq_len"), row.get("batch"), row.get("loss_impl", "xla"))
-            if shape == (seq_len, batch, auto):
-                speeds.setdefault((family, n), []).append(float(speed))
-    return {key: statistics.median(values) for key, values in speeds.items()}
+            tokens = flops / per_token if _positive(per_token) else None
+            got = (row.get("seq_len"), row.get("batch"), row.get("dtype", shape[2]))
+            if got == shape and row.get("loss_impl", "xla") == auto:
+                speeds.setdefault((family, n), []).append((float(flops), tokens))
+    return {
+        key: (
+            statistics.median(f for f, _ in values),
+            statistics.median(t for _, t in values) if all(t for _, t in values) else None,
+        )
+        for key, values in speeds.items()
+    }
+
+
+def _positive(value) -> bool:
+    return isinstance(value, int | float) and not isinstance(value, bool) and value > 0
 
 
 def _pick(
-    choice: str, found: list[_Benchmark], folder: Path, seq_len: int, batch: int
-) -> _Benchmark:
-    """The benchmark ``$LMUSCALE_GPU_BENCHMARK`` names: a file, or one device's name in part."""
+    choice: str, found: list[_Benchmark], folder: Path, shape: tuple[int, int, str]
+) -> list[_Benchmark]:
+    """The benchmarks ``$LMUSCALE_GPU_BENCHMARK`` names: a file, or one device's name in part."""
     if Path(choice).is_file():
-        return _read(Path(choice), seq_len, batch)
+        return [_read(Path(choice), shape)]
     matches = [b for b in found if choice.lower() in b.device.lower()]
-    if len(matches) == 1:
-        return matches[0]
+    devices = sorted({b.name for b in matches})
+    if len(devices) == 1:
+        return matches
     if matches:
         raise BenchmarkError(
             f"{ENV}={choice!r} matches several GPU benchmarks in {folder}: "
-            f"{', '.join(b.path.name for b in matches)}; give more of the device name or a path"
+            f"{', '.join(f'{b.path.name} ({b.name})' for b in matches)}; give more of the "
+            "device name or a path"
         )
     listed = ", ".join(f"{b.path.name} ({b.device})" for b in found) or "none"
     raise BenchmarkError(

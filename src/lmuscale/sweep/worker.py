@@ -32,6 +32,9 @@ ENDED = (Exit.FINISHED, Exit.DIVERGED, Exit.STOPPED, Exit.INTERRUPTED)
 PARENT = "LMUSCALE_SWEEP_PARENT"  # the pid of the runner (or SLURM task) that started us
 # "RANK/TASKS" when the trial spans several processes (SLURM tasks): each runs a worker
 TASK = "LMUSCALE_SWEEP_TASK"
+# when the runner started this process (time.time()): attempts.jsonl's "spawned", from which
+# the dry run measures a trial's start-up (lmuscale.sweep.plan)
+SPAWNED = "LMUSCALE_SWEEP_SPAWNED"
 
 
 def task() -> tuple[int, int]:
@@ -57,7 +60,7 @@ def start(folder: Path, started: str, env: dict, log: str = LOG, **popen) -> sub
             stdout=out,
             stderr=subprocess.STDOUT,
             stdin=subprocess.DEVNULL,
-            env=os.environ | env | {PARENT: str(os.getpid())},
+            env=os.environ | env | {PARENT: str(os.getpid()), SPAWNED: repr(time.time())},
             **popen,
         )
 
@@ -94,7 +97,8 @@ def train(folder: Path) -> int:
         if final is not None:
             return Exit.FINISHED if final == "finished" else Exit.DIVERGED
         (folder / ERROR).unlink(missing_ok=True)
-        _attempt(folder, {"event": "start"})
+        spawned = os.environ.get(SPAWNED)
+        _attempt(folder, {"event": "start"} | ({"spawned": float(spawned)} if spawned else {}))
         try:
             summary = run(_config(folder, tasks), folder, progress=False, locked=True)
         except BaseException as error:
