@@ -18,6 +18,7 @@ learning-rate figure, into WORKDIR/analysis.
 import dataclasses
 from pathlib import Path
 
+from lmuscale.sweep import Throughput
 from lmuscale.sweep.grids import chosen_learning_rates, isoflop_grid, learning_rate_grid
 from lmuscale.train.config import load_module
 
@@ -31,7 +32,15 @@ WIDTHS = (4, 6, 8, 12, 16, 24, 32, 48, 64)
 LR_WIDTHS = (8, 16)
 LEARNING_RATES = {"lmu": (1e-2, 3e-2, 1e-1, 3e-1), "transformer": (3e-3, 1e-2, 3e-2, 1e-1)}
 LR_STEPS = 400
-THROUGHPUT = demo.THROUGHPUT
+# Model FLOP/s per trial for --dry-run's estimate before any trial has run: the median of each
+# family's trials in a fresh clone's run of this sweep's first version (budgets 8e10-3.2e11, 42
+# trials) on a 2-core CPU (2026-11-25): these narrower models run slower per FLOP than the demo's.
+THROUGHPUT = Throughput(
+    None,
+    families={"lmu": 1.26e10, "transformer": 9.6e9},
+    source="THROUGHPUT in sweeps/isoflop_demo.py, measured on a 2-core CPU",
+    platform="cpu",
+)
 
 
 def config(model):

@@ -147,3 +147,23 @@ def test_chosen_learning_rates_wait_for_every_trial_and_choose_as_the_analysis_d
     assert math.isclose(rates.interpolate("lmu", 8000), 1e-2, rel_tol=1e-12)
     middle = math.exp((math.log(small_n.best) + math.log(1e-2)) / 2)
     assert math.isclose(rates.interpolate("lmu", math.sqrt(8000 * 1000)), middle, rel_tol=1e-9)
+
+
+def test_the_dry_run_shows_waiting_trials_and_notes(tmp_path, monkeypatch):
+    from lmuscale.sweep.plan import plan, table
+
+    monkeypatch.setenv("LMUSCALE_TEST_DATA", str(tmp_path))
+    sweep = tmp_path / "noted.py"
+    sweep.write_text(
+        "from lmuscale.sweep import Trial\n\n\ndef get_trials():\n"
+        f"    yield Trial('now', {SMALL!r}, note='rate from a file')\n"
+        f"    yield Trial('later', {SMALL!r}, waits='the rate file')\n"
+        f"    yield Trial('later2', {SMALL!r}, {{'train.seed': 3}}, waits='the rate file')\n"
+    )
+    loaded = load_sweep(sweep, tmp_path / "work")
+    text = table(plan(loaded.trials, tmp_path / "work", loaded.throughput))
+    lines = {line.split(" | ")[0].strip("| "): line for line in text.splitlines()}
+    assert lines["now"].endswith("| pending | rate from a file |")
+    assert lines["later"].endswith("| waits | - |") and "| - |" in lines["later"]
+    assert "| 0.01 |" in lines["now"] and "| 0.01 |" not in lines["later"]
+    assert "2 trial(s) wait for the rate file;" in text

@@ -76,6 +76,9 @@ def plan(trials, workdir: Path, throughput: Throughput) -> list[dict]:
         row["flops_per_second"] = measured_flops(folder, row["flops_per_token"])
         row["source"] = "measured" if row["flops_per_second"] else None
         row["overhead"] = measured_overhead(folder, row["tokens"])
+        row["waits"], row["note"] = trial.waits, trial.note
+        if trial.waits:
+            row["status"] = "waits"
         if row["source"]:
             by_family.setdefault(row["family"], []).append(row["flops_per_second"])
         rows.append(row)
@@ -97,18 +100,25 @@ def plan(trials, workdir: Path, throughput: Throughput) -> list[dict]:
 
 def table(rows: list[dict]) -> str:
     """The dry-run table as Markdown, with a total line and the overhead it includes."""
+    notes = any(r.get("note") for r in rows)
     header = (
         "| trial | family | N (non-emb.) | total params | learning rate | tokens | tokens/param "
         "| train FLOPs/token | total FLOPs | FLOP/s | from | est. time | status |"
+        + (" note |" if notes else "")
     )
-    lines = [header, "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---|---:|---|"]
+    lines = [
+        header,
+        "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---|---:|---|" + "---|" * notes,
+    ]
     for r in rows:
         lines.append(
             f"| {r['trial']} | {r['family']} | {r['N']:,} | {r['total_params']:,} "
-            f"| {r['learning_rate']:.3g} | {human(r['tokens'])} | {r['tokens'] / r['N']:,.0f} "
+            f"| {'-' if r.get('waits') else format(r['learning_rate'], '.3g')} "
+            f"| {human(r['tokens'])} | {r['tokens'] / r['N']:,.0f} "
             f"| {human(r['flops_per_token'])} | {human(r['total_flops'])} "
             f"| {human(r['flops_per_second']) if r['flops_per_second'] else '-'} "
             f"| {r['source'] or '-'} | {_duration(r['estimate'])} | {r['status']} |"
+            + (f" {r.get('note') or '-'} |" if notes else "")
         )
     known = [r["estimate"] for r in rows if r["estimate"] is not None]
     total_time = _duration(sum(known)) if known else "-"
@@ -122,6 +132,12 @@ def table(rows: list[dict]) -> str:
         lines.append(
             f"\nEach estimate includes {_duration(rows[0]['overhead'])} a trial of start-up, "
             f"compilation, evaluation and checkpoints: {rows[0]['overhead_source']}."
+        )
+    waits = [r["waits"] for r in rows if r.get("waits")]
+    for reason in dict.fromkeys(waits):
+        lines.append(
+            f"{waits.count(reason)} trial(s) wait for {reason}; the runner starts them once "
+            "the trials before them have ended (their learning rate is shown as -)."
         )
     return "\n".join(lines)
 
