@@ -13,7 +13,7 @@ import importlib.util
 import json
 import re
 import sys
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -83,8 +83,10 @@ def config_hash(config: ConfigDict | dict) -> str:
     return hashlib.sha256(text.encode()).hexdigest()[:12]
 
 
-def load_sweep(path: str | Path) -> Sweep:
-    """Run the sweep file and resolve every trial; errors name the file and line."""
+def load_sweep(path: str | Path, overrides: Sequence[str] = ()) -> Sweep:
+    """Run the sweep file and resolve every trial; errors name the file and line.
+    ``overrides``: ``KEY=VALUE`` strings (the command line's ``--config.KEY=VALUE``) applied to
+    every trial after its own."""
     path = Path(path)
     if path.suffix != ".py" or not path.is_file():
         raise SweepError(f"sweep file {str(path)!r} not found (expected a .py file)")
@@ -118,13 +120,23 @@ def load_sweep(path: str | Path) -> Sweep:
         if trial.role not in ROLES:
             raise SweepError(f"{where}: role is {trial.role!r}; expected one of {', '.join(ROLES)}")
         seen[trial.name] = _short(trial.origin)
-        resolved.append(_resolve(trial, path.parent, where, group=path.stem))
+        resolved.append(_resolve(trial, path.parent, where, path.stem, overrides))
     throughput = _throughput(path, getattr(module, "THROUGHPUT", None))
     slurm = getattr(module, "SLURM", {})
     if not isinstance(slurm, dict):
         raise SweepError(f"{path}: SLURM must be a dict of submitit parameters")
     after = getattr(module, "after", None)
     return Sweep(path, resolved, throughput, dict(slurm), after)
+
+
+def twins(trials: list[ResolvedTrial]) -> list[list[str]]:
+    """The names of trials whose configs differ in nothing but the name (they would train the
+    same model), in groups; none for a sensible sweep, but an override can make some."""
+    groups = {}
+    for trial in trials:
+        unnamed = {k: v for k, v in flatten(trial.config).items() if k != "name"}
+        groups.setdefault(config_hash(unnamed), []).append(trial.name)
+    return [names for names in groups.values() if len(names) > 1]
 
 
 def _throughput(path: Path, value) -> Throughput:
@@ -140,8 +152,11 @@ def _throughput(path: Path, value) -> Throughput:
     return Throughput(float(value), source=f"THROUGHPUT {value:g} FLOP/s in {path}")
 
 
-def _resolve(trial: Trial, folder: Path, where: str, group: str = "") -> ResolvedTrial:
-    """``trial``'s checked config and its hash; ``group``: the W&B group when it names none."""
+def _resolve(
+    trial: Trial, folder: Path, where: str, group: str = "", overrides: Sequence[str] = ()
+) -> ResolvedTrial:
+    """``trial``'s checked config and its hash; ``group``: the W&B group when it names none;
+    ``overrides``: command-line ``KEY=VALUE`` strings applied after the trial's own."""
     try:
         if isinstance(trial.config, str):
             file, sep, name = trial.config.partition(":")
@@ -157,17 +172,22 @@ def _resolve(trial: Trial, folder: Path, where: str, group: str = "") -> Resolve
         with config.unlocked():
             config.name = trial.name
         override(config, [f"{key}={_text(value)}" for key, value in trial.overrides.items()])
-        with config.unlocked():
-            if config.data.path:
-                config.data.path = str(Path(config.data.path).absolute())
-            if config.log.wandb and not config.log.wandb_group:
-                config.log.wandb_group = group  # a log.* key: the hash stays the same
     except ConfigError as error:
         # override() speaks of the command line; here the keys come from the sweep file.
         message = str(error).removeprefix("command line: ")
         raise SweepError(f"{where}: {message.replace('--config.', 'overrides: ')}") from None
     except Exception as error:
         raise SweepError(f"{where}: {type(error).__name__}: {error}") from None
+    try:
+        if overrides:
+            override(config, list(overrides))
+        with config.unlocked():
+            if config.data.path:
+                config.data.path = str(Path(config.data.path).absolute())
+            if config.log.wandb and not config.log.wandb_group:
+                config.log.wandb_group = group  # a log.* key: the hash stays the same
+    except ConfigError as error:
+        raise SweepError(f"{where}: {error}") from None
     config.lock()
     return ResolvedTrial(trial.name, config, config_hash(config), trial.role)
 
