@@ -35,7 +35,10 @@ def parse(argv: list[str]) -> argparse.Namespace:
         help="trials whose name matches these globs (a,b*,...) (default: every trial)",
     )
     parser.add_argument(
-        "--executor", choices=("local", "slurm"), default="local", help="(default: local)"
+        "--executor",
+        choices=("local", "slurm"),
+        default="local",
+        help="where the trials run (default: local)",
     )
     parser.add_argument(
         "--parallel",
