@@ -15,12 +15,15 @@ import numpy as np
 import orbax.checkpoint as ocp
 import pytest
 from small_config import small
+from sweep_files import write_sweep
 from test_models import init, jiggle, tiny
 
 from lmuscale import generate
 from lmuscale.data.tokenizer import byte_tokenizer
 from lmuscale.models import build, named_config
 from lmuscale.outcomes import Exit
+from lmuscale.sweep import load_sweep
+from lmuscale.sweep.runner import folders
 from lmuscale.train import model_config, optim, run
 from lmuscale.train import step as step_lib
 from lmuscale.train.checkpoint import Checkpoints, Found, locate, read_variables
@@ -365,3 +368,64 @@ def test_a_temperature_that_is_not_a_finite_number_is_refused(value, capsys):
     assert out == ""
     line = f"error: --temperature must be >= 0 and finite, got {float(value)}"
     assert err.splitlines()[-1].endswith(line), err
+
+
+@pytest.fixture
+def sweep_folder(trained, byte_corpus, tmp_path, monkeypatch):
+    """A sweep's folder as the runner makes it, with trials lmu-a (pending), lmu-ab (finished:
+    the trained run) and tf-x (interrupted: the trained run less its summary)."""
+    _, workdir = trained
+    monkeypatch.setenv("LMUSCALE_TEST_DATA", str(byte_corpus))
+    trials = {"lmu-a": {}, "lmu-ab": {"train.seed": 1}, "tf-x": {}}
+    sweep = load_sweep(write_sweep(tmp_path, trials))
+    paths = folders(sweep, tmp_path / "sweep", sweep.trials)
+    for name in ("lmu-ab", "tf-x"):
+        shutil.copytree(workdir, paths[name], dirs_exist_ok=True)
+    (paths["tf-x"] / "summary.json").unlink()
+    return tmp_path / "sweep", paths
+
+
+def test_a_sweep_trial_is_chosen_by_its_name_or_a_unique_prefix(sweep_folder, capsys):
+    sweep, paths = sweep_folder
+    argv = ["--prompt", "the", "--tokens", "16", "--seed", "2"]
+    assert generate.main(["--workdir", str(paths["lmu-ab"]), *argv]) == 0
+    direct = capsys.readouterr()
+    for trial, name in (("lmu-ab", "lmu-ab"), ("tf", "tf-x")):
+        assert generate.main(["--workdir", str(sweep), "--trial", trial, *argv]) == 0, trial
+        out, err = capsys.readouterr()
+        assert out == direct.out
+        assert f"parameters from {paths[name]}/checkpoints/4/state" in err
+    # lmu-a is a name, though also a prefix of lmu-ab: its folder, which has no checkpoint
+    assert generate.main(["--workdir", str(sweep), "--trial", "lmu-a", *argv]) == Exit.IO
+    assert capsys.readouterr().err.startswith(
+        f"error: {paths['lmu-a']}/checkpoints: no checkpoint yet"
+    )
+
+
+def test_a_sweep_folder_lists_its_trials_when_none_or_several_match(sweep_folder, capsys):
+    sweep, paths = sweep_folder
+    val_loss = json.loads((paths["lmu-ab"] / "summary.json").read_text())["val_loss"]
+    rows = {
+        "lmu-a": "  lmu-a   pending",
+        "lmu-ab": f"  lmu-ab  finished, val loss {val_loss:.4f}",
+        "tf-x": "  tf-x    interrupted",
+    }
+    every = list(rows)
+    cases = {  # the arguments: the first line, the trials listed
+        (): (f"{sweep} is a sweep's folder; choose a trial with --trial NAME (or a prefix)", every),
+        ("--trial", "lmu"): (
+            f"--trial lmu: 2 trials of {sweep} start with it",
+            ["lmu-a", "lmu-ab"],
+        ),
+        ("--trial", "x"): (f"--trial x: no trial of {sweep} starts with it; its trials", every),
+    }
+    for extra, (head, names) in cases.items():
+        assert generate.main(["--workdir", str(sweep), *extra]) == Exit.ARGUMENTS, extra
+        out, err = capsys.readouterr()
+        assert out == "" and err.splitlines() == [f"error: {head}:", *map(rows.get, names)], extra
+    # --trial needs a sweep's folder
+    assert generate.main(["--workdir", str(paths["lmu-ab"]), "--trial", "a"]) == Exit.ARGUMENTS
+    assert "is not a sweep's folder (no sweep.json)" in capsys.readouterr().err
+    with pytest.raises(SystemExit) as stopped:
+        generate.main(["--trial", "lmu-ab"])
+    assert stopped.value.code == 2

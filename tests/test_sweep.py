@@ -27,12 +27,15 @@ from sweep_files import SMALL, environment, run_sweep, sweep_command, wait_for, 
 from lmuscale.models import count_params
 from lmuscale.outcomes import Exit
 from lmuscale.sweep import SweepError, Throughput, Trial, config_hash, load_sweep
+from lmuscale.sweep.__main__ import parse as sweep_parse
 from lmuscale.sweep.__main__ import slurm_params
 from lmuscale.sweep.local import gpu_slots
 from lmuscale.sweep.plan import plan, table
 from lmuscale.sweep.runner import select
+from lmuscale.sweep.spec import _resolve, twins
 from lmuscale.sweep.trials import RESULT_FIELDS
 from lmuscale.train import load, model_config, run
+from lmuscale.train.config import flatten
 from lmuscale.workdir import Lock as TrialLock
 from lmuscale.workdir import is_locked
 
@@ -163,6 +166,79 @@ def test_dry_run_cli_writes_nothing(tmp_path):
     assert "| lmu-1M | lmu | 1,000,053 |" in out.stdout
     assert "| transformer-1M-10x | transformer | 1,004,496 |" in out.stdout
     assert not (tmp_path / "w").exists()
+
+
+# -- command-line overrides (--config.KEY=VALUE on every trial) -----------------------------
+
+
+def test_overrides_apply_to_every_trial_after_its_own(tmp_path, byte_corpus, monkeypatch):
+    monkeypatch.setenv("LMUSCALE_TEST_DATA", str(byte_corpus))
+    trials = {"a": {"train.steps": 7}, "b": {}, "c": {"optim.learning_rate": 0.02}}
+    path = write_sweep(tmp_path, trials)
+    plain = load_sweep(path)
+    command_line = ["train.steps=9", "train.seed=3"]
+    changed = load_sweep(path, overrides=command_line)
+    for before, after in zip(plain.trials, changed.trials, strict=True):
+        old, new = flatten(before.config), flatten(after.config)
+        assert (new["train.steps"], new["train.seed"]) == (9, 3), after.name
+        assert {k for k in old if old[k] != new[k]} <= {"train.steps", "train.seed"}
+        assert after.key != before.key and after.key == config_hash(after.config)
+        # the same config and folder as a sweep file whose trial sets these keys itself
+        merged = Trial(after.name, SMALL, {**trials[after.name], "train.steps": 9, "train.seed": 3})
+        assert _resolve(merged, tmp_path, "here").key == after.key
+    assert len({t.folder_name for t in changed.trials}) == 3
+    # A learning rate for every trial makes b and c the same run but for the name.
+    assert twins(plain.trials) == []
+    assert twins(load_sweep(path, overrides=["optim.learning_rate=0.01"]).trials) == [["b", "c"]]
+
+
+def test_a_bad_override_is_named_with_its_close_match(tmp_path, byte_corpus, monkeypatch):
+    monkeypatch.setenv("LMUSCALE_TEST_DATA", str(byte_corpus))
+    path = write_sweep(tmp_path, {"a": {}, "b": {}})
+    cases = {
+        "train.stepz=9": "--config.train.stepz: unknown config key 'train.stepz'; did you "
+        "mean 'train.steps'?",
+        "train.steps=nine": "--config.train.steps: expected an int, got 'nine'",
+        "train.steps=1": "command line: optim.warmup_steps (2) must be below train.steps (1)",
+    }
+    for item, message in cases.items():
+        with pytest.raises(SweepError) as error:
+            load_sweep(path, overrides=[item])
+        assert str(error.value) == f"{path}:5 (trial 'a'): {message}", item
+
+
+def test_sweep_command_line_takes_config_keys_in_either_form():
+    args = sweep_parse(["--config.train.steps", "5", "s.py", "--only", "a", "--config.x.y=b"])
+    assert (args.sweep, args.only, args.overrides) == ("s.py", "a", ["train.steps=5", "x.y=b"])
+    assert sweep_parse(["s.py"]).overrides == []
+
+
+def test_dry_run_shows_the_overrides_and_refuses_a_bad_key(tmp_path, byte_corpus):
+    path = write_sweep(tmp_path, {"a": {}, "b": {"optim.learning_rate": 0.02}})
+    argv = ["--dry-run", "--config.train.steps", "30", "--config.optim.learning_rate=0.02"]
+    out = subprocess.run(
+        sweep_command(path, tmp_path / "w", *argv),
+        capture_output=True,
+        text=True,
+        env=environment(byte_corpus),
+    )
+    assert out.returncode == 0, out.stderr
+    lines = out.stdout.splitlines()
+    assert lines[0] == "overrides for every trial: train.steps=30 optim.learning_rate=0.02"
+    assert [line.split(" | ")[5] for line in lines if line.startswith("| a ")] == ["7.68k"]
+    assert "trials a, b differ only in name: they would train the same model" in out.stderr
+    assert not (tmp_path / "w").exists()
+    out = subprocess.run(
+        sweep_command(path, tmp_path / "w", "--dry-run", "--config.optim.learning_rat=0.1"),
+        capture_output=True,
+        text=True,
+        env=environment(byte_corpus),
+    )
+    assert out.returncode == Exit.CONFIG and out.stdout == ""
+    assert out.stderr == (
+        f"error: {path}:5 (trial 'a'): --config.optim.learning_rat: unknown config key "
+        "'optim.learning_rat'; did you mean 'optim.learning_rate'?\n"
+    )
 
 
 def test_trial_lock_is_exclusive_and_dies_with_its_holder(tmp_path):

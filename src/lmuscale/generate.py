@@ -8,7 +8,9 @@ naming its first bad byte, with either tokenizer.
 
 Where the parameters come from (never a training checkpoint's optimiser state):
 - ``--workdir W``: a training workdir. The model and tokenizer are those of ``W/config.json``,
-  the parameters those of the newest checkpoint in ``W/checkpoints``.
+  the parameters those of the newest checkpoint in ``W/checkpoints``. For a sweep's folder
+  (``runs/demo``), ``--trial NAME`` picks a trial (a unique prefix is enough); without it the
+  trials are listed.
 - ``--checkpoint P``: the workdir, one of its checkpoints (``W/checkpoints/N``) or that
   checkpoint's ``state`` folder all mean the same; the workdir's config gives the model unless
   ``--model`` is given. ``P`` may also be an orbax checkpoint of the variables alone, for
@@ -18,7 +20,7 @@ Where the parameters come from (never a training checkpoint's optimiser state):
 
 Exit status (``lmuscale.outcomes``): 0 when the text was printed; 8 for a workdir, checkpoint
 or config.json that cannot be used (missing, truncated or corrupt, or of another model: the
-message names the path); 2 for bad arguments.
+message names the path); 2 for bad arguments (a sweep folder without a ``--trial`` it names).
 """
 
 from __future__ import annotations
@@ -34,10 +36,10 @@ import numpy as np
 
 from lmuscale.data.tokenizer import TOKENIZERS, Tokenizer, get_tokenizer
 from lmuscale.models import NAMES, LanguageModel, ModelConfig, build, decode, named_config
-from lmuscale.outcomes import StorageError, report
+from lmuscale.outcomes import Exit, StorageError, report
 from lmuscale.train.checkpoint import CheckpointError, locate, newest, read_variables
 from lmuscale.train.config import model_config, upgrade
-from lmuscale.workdir import CONFIG, read_json
+from lmuscale.workdir import CONFIG, read_json, status, summary
 
 DEFAULT_MODEL = "lmu-1M"
 
@@ -111,6 +113,41 @@ def run_config(workdir: Path) -> tuple[ModelConfig, Tokenizer]:
     return config, tokenizer
 
 
+def sweep_trial(workdir: Path, trial: str | None) -> Path:
+    """``workdir``, or for a sweep's folder (``sweep.json``) the folder of the trial that
+    ``trial`` names or is the unique prefix of; ValueError, listing the trials, otherwise."""
+    index = read_json(workdir / "sweep.json") if workdir.is_dir() else None
+    if index is None:
+        if trial is not None:
+            raise ValueError(f"--trial {trial}: {workdir} is not a sweep's folder (no sweep.json)")
+        return workdir
+    trials = index.get("trials")
+    if not isinstance(trials, dict) or not all(isinstance(v, str) for v in trials.values()):
+        raise CheckpointError(f"{workdir / 'sweep.json'}: no 'trials' map of names to folders")
+    matches = [n for n in trials if n == trial] or [
+        n for n in trials if trial and n.startswith(trial)
+    ]
+    if len(matches) == 1:
+        return workdir / trials[matches[0]]
+    if trial is None:
+        head = f"{workdir} is a sweep's folder; choose a trial with --trial NAME (or a prefix)"
+    elif matches:
+        head = f"--trial {trial}: {len(matches)} trials of {workdir} start with it"
+    else:
+        head = f"--trial {trial}: no trial of {workdir} starts with it; its trials"
+    names = matches or list(trials)
+    width = max(map(len, names))
+    lines = [f"{head}:"]
+    for name in names:
+        folder = workdir / trials[name]
+        state = status(folder)
+        loss = (summary(folder) or {}).get("val_loss") if state == "finished" else None
+        lines.append(
+            f"  {name:<{width}}  {state}" + (f", val loss {loss:.4f}" if loss is not None else "")
+        )
+    raise ValueError("\n".join(lines))
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
         prog="python -m lmuscale.generate",
@@ -124,7 +161,9 @@ def main(argv: list[str] | None = None) -> int:
     )
     source = parser.add_mutually_exclusive_group()
     source.add_argument(
-        "--workdir", type=Path, help="training workdir: its model and newest checkpoint"
+        "--workdir",
+        type=Path,
+        help="training workdir: its model and newest checkpoint; or a sweep's folder",
     )
     source.add_argument(
         "--checkpoint",
@@ -132,18 +171,36 @@ def main(argv: list[str] | None = None) -> int:
         help="W, W/checkpoints/N, W/checkpoints/N/state, or an orbax checkpoint of the "
         "variables (default: random init)",
     )
-    parser.add_argument("--prompt", default="", help="text to continue (default: <|endoftext|>)")
-    parser.add_argument("--tokens", type=int, default=64, help="new tokens to sample")
-    parser.add_argument("--temperature", type=float, default=1.0, help="0 means greedy")
-    parser.add_argument("--seed", type=int, default=0, help="sampling (and init) seed")
     parser.add_argument(
-        "--tokenizer", choices=sorted(TOKENIZERS), help="default: the workdir's, else gpt2"
+        "--trial",
+        metavar="NAME",
+        help="the trial of the sweep's folder --workdir (a unique prefix is enough)",
+    )
+    parser.add_argument("--prompt", default="", help="text to continue (default: <|endoftext|>)")
+    parser.add_argument(
+        "--tokens", type=int, default=64, help="new tokens to sample (default: %(default)s)"
+    )
+    parser.add_argument(
+        "--temperature", type=float, default=1.0, help="0 means greedy (default: %(default)s)"
+    )
+    parser.add_argument(
+        "--seed", type=int, default=0, help="sampling (and init) seed (default: %(default)s)"
+    )
+    parser.add_argument(
+        "--tokenizer", choices=sorted(TOKENIZERS), help="(default: the workdir's, else gpt2)"
     )
     args = parser.parse_args(argv)
+    if args.trial is not None and args.workdir is None:
+        parser.error("--trial needs --workdir, the sweep's folder")
 
     try:
         if args.workdir is not None:
-            checkpoint = newest(args.workdir)
+            try:
+                workdir = sweep_trial(args.workdir, args.trial)
+            except ValueError as error:  # a listing of trials: not argparse's one line
+                print(f"error: {error}", file=sys.stderr)
+                return Exit.ARGUMENTS
+            checkpoint = newest(workdir)
         elif args.checkpoint is not None:
             checkpoint = locate(args.checkpoint)
         else:

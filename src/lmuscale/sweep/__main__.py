@@ -11,13 +11,16 @@ import signal
 import sys
 from pathlib import Path
 
-from lmuscale.outcomes import Exit, run_main
+from lmuscale.outcomes import ConfigError, Exit, run_main
+from lmuscale.train.config import split_overrides
 
 
 def parse(argv: list[str]) -> argparse.Namespace:
     parser = argparse.ArgumentParser(
         prog="python -m lmuscale.sweep",
         description="Run (or resume) the trials of a sweep file and collect their results.",
+        epilog="Override a config key of every trial with --config.KEY=VALUE, e.g. "
+        "--config.train.steps=100 (the trials' folders change with it).",
     )
     parser.add_argument("sweep", help="a sweep file, e.g. sweeps/owt2.py")
     parser.add_argument("--workdir", help="folder of the sweep (default: runs/SWEEP_NAME)")
@@ -27,9 +30,16 @@ def parse(argv: list[str]) -> argparse.Namespace:
         help="print sizes, tokens, FLOPs and estimated times, and run nothing",
     )
     parser.add_argument(
-        "--only", metavar="PATTERN", help="trials whose name matches these globs (a,b*,...)"
+        "--only",
+        metavar="PATTERN",
+        help="trials whose name matches these globs (a,b*,...) (default: every trial)",
     )
-    parser.add_argument("--executor", choices=("local", "slurm"), default="local")
+    parser.add_argument(
+        "--executor",
+        choices=("local", "slurm"),
+        default="local",
+        help="where the trials run (default: local)",
+    )
     parser.add_argument(
         "--parallel",
         type=int,
@@ -54,7 +64,12 @@ def parse(argv: list[str]) -> argparse.Namespace:
         "THROUGHPUT (a number or a GPU benchmark)",
     )
     parser.add_argument("--quiet", action="store_true", help="no progress bar")
-    args = parser.parse_args(argv)
+    try:
+        overrides, rest = split_overrides(argv)
+    except ConfigError as error:
+        parser.error(str(error))
+    args = parser.parse_args(rest)
+    args.overrides = overrides
     if args.parallel is not None and args.parallel < 1:
         parser.error("--parallel must be at least 1")
     if args.detach and args.executor != "slurm":
@@ -95,11 +110,20 @@ def _run(args: argparse.Namespace) -> int:
     for sig in (signal.SIGTERM, signal.SIGHUP):
         signal.signal(sig, signal.default_int_handler)
     from lmuscale.sweep.runner import run_sweep, select
-    from lmuscale.sweep.spec import load_sweep
+    from lmuscale.sweep.spec import load_sweep, twins
     from lmuscale.sweep.throughput import Throughput
 
     workdir = Path(args.workdir or Path("runs") / Path(args.sweep).stem)
-    sweep = load_sweep(args.sweep, workdir)
+    sweep = load_sweep(args.sweep, workdir, args.overrides)
+    if args.overrides:
+        print(f"overrides for every trial: {' '.join(args.overrides)}", flush=True)
+        for names in twins(select(sweep, args.only)):
+            print(
+                f"warning: with these overrides, trials {', '.join(names)} differ only in "
+                "name: they would train the same model",
+                file=sys.stderr,
+                flush=True,
+            )
     if args.dry_run:
         from lmuscale.sweep.plan import missing_data, plan, table
 

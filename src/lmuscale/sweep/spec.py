@@ -19,7 +19,7 @@ import inspect
 import json
 import re
 import sys
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -82,6 +82,7 @@ class Sweep:
     slurm: dict = dataclasses.field(default_factory=dict)
     after: Callable[[Path], Any] | None = None
     workdir: Path | None = None  # where the ended trials given to get_trials were read
+    overrides: tuple[str, ...] = ()  # the command line's, for every trial
 
     @property
     def name(self) -> str:
@@ -94,7 +95,7 @@ class Sweep:
     def reload(self, workdir: Path | None = None) -> Sweep:
         """The sweep file read again, given the ended trials in ``workdir`` (default: where
         it was read before): trials that waited for those may now run."""
-        return load_sweep(self.path, workdir or self.workdir)
+        return load_sweep(self.path, workdir or self.workdir, self.overrides)
 
 
 def config_hash(config: ConfigDict | dict) -> str:
@@ -104,9 +105,13 @@ def config_hash(config: ConfigDict | dict) -> str:
     return hashlib.sha256(text.encode()).hexdigest()[:12]
 
 
-def load_sweep(path: str | Path, workdir: str | Path | None = None) -> Sweep:
+def load_sweep(
+    path: str | Path, workdir: str | Path | None = None, overrides: Sequence[str] = ()
+) -> Sweep:
     """Run the sweep file and resolve every trial; errors name the file and line. A sweep in
-    stages is given the ended trials in ``workdir`` (none without one)."""
+    stages is given the ended trials in ``workdir`` (none without one). ``overrides``:
+    ``KEY=VALUE`` strings (the command line's ``--config.KEY=VALUE``) applied to every trial
+    after its own."""
     path = Path(path)
     if path.suffix != ".py" or not path.is_file():
         raise SweepError(f"sweep file {str(path)!r} not found (expected a .py file)")
@@ -125,7 +130,7 @@ def load_sweep(path: str | Path, workdir: str | Path | None = None) -> Sweep:
     workdir = None if workdir is None else Path(workdir)
     done: dict[str, dict] = {}
     while True:
-        resolved = _trials(path, get_trials, done if staged else None)
+        resolved = _trials(path, get_trials, done if staged else None, overrides)
         if not (staged and workdir and any(t.waits for t in resolved)):
             break
         now = _ended(resolved, workdir)
@@ -137,10 +142,10 @@ def load_sweep(path: str | Path, workdir: str | Path | None = None) -> Sweep:
     if not isinstance(slurm, dict):
         raise SweepError(f"{path}: SLURM must be a dict of submitit parameters")
     after = getattr(module, "after", None)
-    return Sweep(path, resolved, throughput, dict(slurm), after, workdir)
+    return Sweep(path, resolved, throughput, dict(slurm), after, workdir, tuple(overrides))
 
 
-def _trials(path: Path, get_trials, done: dict | None) -> list[ResolvedTrial]:
+def _trials(path: Path, get_trials, done: dict | None, overrides=()) -> list[ResolvedTrial]:
     """``get_trials`` (given ``done`` unless it is None) called and its trials resolved."""
     try:
         trials = list(get_trials() if done is None else get_trials(dict(done)))
@@ -169,7 +174,7 @@ def _trials(path: Path, get_trials, done: dict | None) -> list[ResolvedTrial]:
             if not isinstance(getattr(trial, key), str):
                 raise SweepError(f"{where}: {key} is {getattr(trial, key)!r}; expected text")
         seen[trial.name] = _short(trial.origin)
-        resolved.append(_resolve(trial, path.parent, where, group=path.stem))
+        resolved.append(_resolve(trial, path.parent, where, path.stem, overrides))
     return resolved
 
 
@@ -186,6 +191,16 @@ def _ended(trials: list[ResolvedTrial], workdir: Path) -> dict[str, dict]:
     return rows
 
 
+def twins(trials: list[ResolvedTrial]) -> list[list[str]]:
+    """The names of trials whose configs differ in nothing but the name (they would train the
+    same model), in groups; none for a sensible sweep, but an override can make some."""
+    groups = {}
+    for trial in trials:
+        unnamed = {k: v for k, v in flatten(trial.config).items() if k != "name"}
+        groups.setdefault(config_hash(unnamed), []).append(trial.name)
+    return [names for names in groups.values() if len(names) > 1]
+
+
 def _throughput(path: Path, value) -> Throughput:
     if isinstance(value, Throughput):
         return value
@@ -199,8 +214,11 @@ def _throughput(path: Path, value) -> Throughput:
     return Throughput(float(value), source=f"THROUGHPUT {value:g} FLOP/s in {path}")
 
 
-def _resolve(trial: Trial, folder: Path, where: str, group: str = "") -> ResolvedTrial:
-    """``trial``'s checked config and its hash; ``group``: the W&B group when it names none."""
+def _resolve(
+    trial: Trial, folder: Path, where: str, group: str = "", overrides: Sequence[str] = ()
+) -> ResolvedTrial:
+    """``trial``'s checked config and its hash; ``group``: the W&B group when it names none;
+    ``overrides``: command-line ``KEY=VALUE`` strings applied after the trial's own."""
     try:
         if isinstance(trial.config, str):
             file, sep, name = trial.config.partition(":")
@@ -216,17 +234,22 @@ def _resolve(trial: Trial, folder: Path, where: str, group: str = "") -> Resolve
         with config.unlocked():
             config.name = trial.name
         override(config, [f"{key}={_text(value)}" for key, value in trial.overrides.items()])
-        with config.unlocked():
-            if config.data.path:
-                config.data.path = str(Path(config.data.path).absolute())
-            if config.log.wandb and not config.log.wandb_group:
-                config.log.wandb_group = group  # a log.* key: the hash stays the same
     except ConfigError as error:
         # override() speaks of the command line; here the keys come from the sweep file.
         message = str(error).removeprefix("command line: ")
         raise SweepError(f"{where}: {message.replace('--config.', 'overrides: ')}") from None
     except Exception as error:
         raise SweepError(f"{where}: {type(error).__name__}: {error}") from None
+    try:
+        if overrides:
+            override(config, list(overrides))
+        with config.unlocked():
+            if config.data.path:
+                config.data.path = str(Path(config.data.path).absolute())
+            if config.log.wandb and not config.log.wandb_group:
+                config.log.wandb_group = group  # a log.* key: the hash stays the same
+    except ConfigError as error:
+        raise SweepError(f"{where}: {error}") from None
     config.lock()
     return ResolvedTrial(
         trial.name, config, config_hash(config), trial.role, trial.waits.strip(), trial.note

@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 import sys
 
-from lmuscale.outcomes import Exit, run_main
+from lmuscale.outcomes import ConfigError, Exit, run_main
 
 
 def parse(argv: list[str] | None) -> tuple[argparse.Namespace, list[str]]:
@@ -20,18 +20,14 @@ def parse(argv: list[str] | None) -> tuple[argparse.Namespace, list[str]]:
     parser.add_argument("--workdir", required=True, help="folder for checkpoints, logs, summary")
     parser.add_argument("--quiet", action="store_true", help="no progress bar")
     args, rest = parser.parse_known_args(argv)
-    overrides = []
-    items = iter(rest)
-    for item in items:
-        if not item.startswith("--config."):
-            parser.error(f"unrecognized argument {item!r} (config keys are --config.KEY=VALUE)")
-        key_value = item[len("--config.") :]
-        if "=" not in key_value:
-            value = next(items, None)
-            if value is None:
-                parser.error(f"{item} needs a value")
-            key_value = f"{key_value}={value}"
-        overrides.append(key_value)
+    from lmuscale.train.config import split_overrides  # after --help: it imports JAX
+
+    try:
+        overrides, unknown = split_overrides(rest)
+    except ConfigError as error:
+        parser.error(str(error))
+    if unknown:
+        parser.error(f"unrecognized argument {unknown[0]!r} (config keys are --config.KEY=VALUE)")
     return args, overrides
 
 

@@ -346,6 +346,25 @@ def _parse(key: str, text: str, current):
     return text
 
 
+def split_overrides(argv: list[str]) -> tuple[list[str], list[str]]:
+    """``argv``'s ``--config.KEY=VALUE`` and ``--config.KEY VALUE`` as ``KEY=VALUE`` strings
+    (for ``override``), and the other arguments."""
+    overrides, rest = [], []
+    items = iter(argv)
+    for item in items:
+        if not item.startswith("--config."):
+            rest.append(item)
+            continue
+        key_value = item[len("--config.") :]
+        if "=" not in key_value:
+            value = next(items, None)
+            if value is None:
+                raise ConfigError(f"{item} needs a value")
+            key_value = f"{key_value}={value}"
+        overrides.append(key_value)
+    return overrides, rest
+
+
 def override(config: ConfigDict, overrides: list[str], checker=check) -> ConfigDict:
     """Apply ``key=value`` strings (``train.steps=100``), each typed like the key's default."""
     values = flatten(config)
