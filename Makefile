@@ -1,12 +1,13 @@
-# The two set-up commands of the README. Each creates .venv on first use.
+# The two set-up commands of the README, and `make notebooks`. Each creates .venv on first use
+# and installs what it needs: `make demo` the package alone, `make test` the package and its
+# dev extra, `make notebooks` the notebooks extra. One stamp each, so that any order works.
 PYTHON ?= python3
 VENV := .venv
 BIN := $(VENV)/bin
-STAMP := $(VENV)/.installed
 
-.PHONY: demo test
+.PHONY: demo test notebooks
 
-demo: $(STAMP)
+demo: $(VENV)/.installed-demo
 	$(BIN)/python -m lmuscale.sweep sweeps/demo.py
 
 # Two pytest workers, each taking whole test files (module fixtures are built once): many
@@ -14,15 +15,26 @@ demo: $(STAMP)
 # scripts/slurm/install.sh installs slurm-wlm and munge (as root, with apt-get) for the SLURM
 # tests; where it cannot, it says so and those tests skip. The 15 slowest tests are listed
 # at the end, to keep the suite within CI's time budget.
-test: $(STAMP)
+test: $(VENV)/.installed-dev
 	bash scripts/slurm/install.sh
 	$(BIN)/ruff check .
 	$(BIN)/ruff format --check .
 	$(BIN)/python -m pytest -n 2 --dist loadfile --durations=15
 
-$(STAMP): pyproject.toml
+# Runs analysis/*.ipynb on runs/demo/results.jsonl (or $LMUSCALE_RESULTS), from any folder.
+notebooks: $(VENV)/.installed-notebooks
+	$(BIN)/python analysis/run_notebooks.py
+
+$(VENV)/.created:
 	@$(PYTHON) -c 'import sys; sys.exit(0 if sys.version_info >= (3, 11) else "lmuscale needs Python >= 3.11: run with PYTHON=python3.11 (or newer)")'
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install --upgrade pip
-	$(BIN)/python -m pip install -e '.[dev]'
-	touch $(STAMP)
+	touch $@
+
+$(VENV)/.installed-demo: pyproject.toml | $(VENV)/.created
+	$(BIN)/python -m pip install -e .
+	touch $@
+
+$(VENV)/.installed-%: pyproject.toml | $(VENV)/.created
+	$(BIN)/python -m pip install -e '.[$*]'
+	touch $@

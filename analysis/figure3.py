@@ -16,7 +16,8 @@
 #
 # Measured points per family, power-law fits with bootstrap CI bands, and (for GPT-2 tokens)
 # Kaplan's transformer at 25k steps, the LSTM fit and the paper's LMU and LMU_G fits.
-# Set `LMUSCALE_RESULTS` to a sweep's `results.jsonl` (default: the demo sweep's).
+# Set `LMUSCALE_RESULTS` to a sweep's `results.jsonl` (default: the demo sweep's,
+# `runs/demo/results.jsonl` in this repository).
 
 # %%
 import os
@@ -26,17 +27,21 @@ from IPython.display import Image, display
 
 from lmuscale.analysis import figures, fit_all, load_results
 
-RESULTS = Path(os.environ.get("LMUSCALE_RESULTS", "../runs/demo/results.jsonl"))
+# this folder: the script's under python, the notebook's under Jupyter (its working folder)
+HERE = Path(__file__).resolve().parent if "__file__" in globals() else Path.cwd()
+RESULTS = Path(os.environ.get("LMUSCALE_RESULTS", HERE.parent / "runs/demo/results.jsonl"))
 N_BOOT = int(os.environ.get("LMUSCALE_N_BOOT", "1000"))
 results = load_results(RESULTS)
 fits = fit_all(results, n_boot=N_BOOT, ci=0.95, seed=0)
 
 # %% [markdown]
-# Saved as PNG and PDF in an `analysis` folder beside the results, then shown:
+# Saved as PNG and PDF in a `notebooks` folder beside the results (never in the sweep's own
+# `analysis` folder, which `python -m lmuscale.analysis` writes), then shown:
 
 # %%
 fig = figures.figure3(results, fits)
-(RESULTS.parent / "analysis").mkdir(exist_ok=True)
-saved = figures.save(fig, RESULTS.parent / "analysis" / "fig3")
+OUT = RESULTS.parent / "notebooks"
+OUT.mkdir(exist_ok=True)
+saved = figures.save(fig, OUT / "fig3")
 print(*saved, sep="\n")
 display(Image(filename=str(saved[0])))

@@ -18,7 +18,8 @@
 # has `transformer-SIZE-10x`), and Kaplan's L(N, S) at that budget for GPT-2 tokens. Then the
 # transformer steps each LMU run's loss would take by Kaplan's eq. 1.6: infinite where the
 # loss is below the transformer's infinite-training limit.
-# Set `LMUSCALE_RESULTS` to a sweep's `results.jsonl` (default: the demo sweep's).
+# Set `LMUSCALE_RESULTS` to a sweep's `results.jsonl` (default: the demo sweep's,
+# `runs/demo/results.jsonl` in this repository).
 
 # %%
 import math
@@ -30,18 +31,22 @@ from IPython.display import Image, display
 from lmuscale import scaling
 from lmuscale.analysis import figures, fit_all, load_results
 
-RESULTS = Path(os.environ.get("LMUSCALE_RESULTS", "../runs/demo/results.jsonl"))
+# this folder: the script's under python, the notebook's under Jupyter (its working folder)
+HERE = Path(__file__).resolve().parent if "__file__" in globals() else Path.cwd()
+RESULTS = Path(os.environ.get("LMUSCALE_RESULTS", HERE.parent / "runs/demo/results.jsonl"))
 N_BOOT = int(os.environ.get("LMUSCALE_N_BOOT", "1000"))
 results = load_results(RESULTS)
 fits = fit_all(results, n_boot=N_BOOT, ci=0.95, seed=0)
 
 # %% [markdown]
-# Saved as PNG and PDF in an `analysis` folder beside the results, then shown:
+# Saved as PNG and PDF in a `notebooks` folder beside the results (never in the sweep's own
+# `analysis` folder, which `python -m lmuscale.analysis` writes), then shown:
 
 # %%
 fig = figures.figure5(results, fits)
-(RESULTS.parent / "analysis").mkdir(exist_ok=True)
-saved = figures.save(fig, RESULTS.parent / "analysis" / "fig5")
+OUT = RESULTS.parent / "notebooks"
+OUT.mkdir(exist_ok=True)
+saved = figures.save(fig, OUT / "fig5")
 print(*saved, sep="\n")
 display(Image(filename=str(saved[0])))
 

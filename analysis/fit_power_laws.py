@@ -17,7 +17,8 @@
 # Every family at every token budget gets a pure power law L = (Nc / N)^alpha (least squares
 # in log space, OLS standard errors, bootstrap CIs) and the saturating form L = E + A / N^alpha;
 # a family with two or more budgets also gets the Chinchilla form L = E + A/N^alpha + B/D^beta.
-# Set `LMUSCALE_RESULTS` to a sweep's `results.jsonl` (default: the demo sweep's).
+# Set `LMUSCALE_RESULTS` to a sweep's `results.jsonl` (default: the demo sweep's,
+# `runs/demo/results.jsonl` in this repository).
 
 # %%
 import os
@@ -28,7 +29,9 @@ from IPython.display import Markdown, display
 from lmuscale import scaling
 from lmuscale.analysis import fit_all, load_results
 
-RESULTS = Path(os.environ.get("LMUSCALE_RESULTS", "../runs/demo/results.jsonl"))
+# this folder: the script's under python, the notebook's under Jupyter (its working folder)
+HERE = Path(__file__).resolve().parent if "__file__" in globals() else Path.cwd()
+RESULTS = Path(os.environ.get("LMUSCALE_RESULTS", HERE.parent / "runs/demo/results.jsonl"))
 N_BOOT = int(os.environ.get("LMUSCALE_N_BOOT", "1000"))
 results = load_results(RESULTS)
 print(f"{len(results.runs)} runs ({', '.join(results.families)}) from {RESULTS}")
