@@ -251,6 +251,25 @@ def test_without_a_terminal_a_line_every_log_step_holds_the_logged_numbers(
     assert "\r" not in out + err  # no bar
 
 
+def test_the_time_left_is_this_session_s_pace_since_its_first_step(monkeypatch):
+    from types import SimpleNamespace
+
+    from lmuscale.train import loop
+
+    now = [100.0]
+    monkeypatch.setattr(loop, "time", SimpleNamespace(perf_counter=lambda: now[0]))
+    clock = loop.Clock(elapsed_before=50.0)  # a session resumed after step 2
+    assert clock.seconds_left(3, 20) is None
+    now[0] = 130.0  # the first step done, compiled: the pace starts here
+    clock.restart(3)
+    assert clock.seconds_left(3, 20) is None
+    now[0] = 138.0
+    clock.restart(7)  # after a hook: the pace still counts from step 3
+    now[0] = 142.0
+    assert clock.seconds_left(9, 20) == pytest.approx(12.0 / 6 * 11)
+    assert clock.elapsed() == pytest.approx(50.0 + 42.0)
+
+
 def test_the_demo_writes_tensorboard_events_in_the_folders_it_had():
     """Its trials log to TensorBoard (which ``test_tensorboard_holds_the_same_scalars`` reads
     back), and turning that on left every trial's hash, so its folder, as it was."""
