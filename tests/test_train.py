@@ -263,7 +263,7 @@ def test_the_time_left_is_this_session_s_pace_since_its_first_step(monkeypatch):
     now[0] = 130.0  # the first step done, compiled: the pace starts here
     clock.restart(3)
     assert clock.seconds_left(3, 20) is None
-    now[0] = 138.0
+    now[0] = 140.0
     clock.restart(7)  # after a hook: the pace still counts from step 3
     now[0] = 142.0
     assert clock.seconds_left(9, 20) == pytest.approx(12.0 / 6 * 11)
