@@ -54,7 +54,8 @@ def config(model):
     c.optim.update(learning_rate=3e-3, warmup_steps=20)
     c.eval.update(every=50, global_batch=32, batches=4, final_batches=16)
     c.checkpoint.update(every=50, keep=1)
-    c.log.update(every=10, progress=False, tensorboard=False)
+    # TensorBoard events in each trial's folder (log.* keys leave the trial's hash as it was).
+    c.log.update(every=10, progress=False, tensorboard=True)
     return c
 
 

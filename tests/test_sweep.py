@@ -13,6 +13,7 @@ import contextlib
 import csv
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -298,6 +299,58 @@ def test_slurm_parameters_from_the_command_line():
     }
 
 
+def test_without_a_bar_the_sweep_prints_trials_steps_and_an_eta_every_interval(tmp_path, capsys):
+    from types import SimpleNamespace
+
+    from lmuscale.sweep.runner import Progress
+
+    steps = {"a": 10, "b": 10, "c": 20, "d": 10}
+    paths = {name: tmp_path / name for name in steps}
+    for path in paths.values():
+        path.mkdir()
+    trials = [
+        SimpleNamespace(name=n, config=SimpleNamespace(train=SimpleNamespace(steps=s)))
+        for n, s in steps.items()
+    ]
+
+    def logged(name, step):
+        with open(paths[name] / "metrics.jsonl", "a") as f:
+            f.write(json.dumps({"step": step}) + "\n")
+
+    (paths["a"] / "summary.json").write_text('{"status": "finished"}')
+    logged("c", 4)
+    (paths["d"] / "error.json").write_text("{}")
+    now = [100.0]
+    progress = Progress(paths, trials, show=False, every=30.0, clock=lambda: now[0])
+    progress.update({})
+    assert capsys.readouterr().out == (
+        "sweep: 1/4 trials done, 0 running, 3 left (1 of them failed); 14/50 steps; "
+        "0 s elapsed, ETA unknown\n"
+    )
+    lock = TrialLock(paths["b"])
+    assert lock.acquire()
+    logged("b", 6)
+    now[0] = 129.0  # before the interval has passed: no line
+    progress.update({paths["b"]: "running"})
+    assert capsys.readouterr().out == ""
+    now[0] = 130.0  # 6 steps in 30 s: the 30 steps left take 150 s
+    progress.update({paths["b"]: "running"})
+    assert capsys.readouterr().out == (
+        "sweep: 1/4 trials done, 1 running, 2 left (1 of them failed); 20/50 steps; "
+        "30 s elapsed, ETA 2.5 min\n"
+    )
+    lock.release()
+    (paths["b"] / "summary.json").write_text('{"status": "diverged"}')
+    now[0] = 131.0
+    progress.close()  # a last line, whatever the interval
+    assert capsys.readouterr().out.startswith("sweep: 2/4 trials done, 0 running, 2 left")
+    # With a bar, no lines.
+    bar = Progress(paths, trials, show=True, clock=lambda: now[0])
+    bar.update({})
+    bar.close()
+    assert capsys.readouterr().out == ""
+
+
 # -- the runner, end to end ------------------------------------------------------------------
 
 
@@ -382,6 +435,14 @@ def test_failing_trial_is_marked_and_the_others_finish(
     assert {(r["overhead_source"], r["overhead"] > 0) for r in planned} == {
         ("measured (2 finished trials)", True)
     }
+    # With output to a pipe: the runner's progress line, and each step's loss in the trial's log.
+    assert re.search(r"^sweep: \d/3 trials done, \d running, \d left.*, ETA ", out.stdout, re.M)
+    log = (work / "trials" / rows["good"]["folder"] / "train.log").read_text()
+    metrics = (work / "trials" / rows["good"]["folder"] / "metrics.jsonl").read_text()
+    losses = [json.loads(line)["loss"] for line in metrics.splitlines()]
+    logged = re.findall(r"^step (\d+)/12: loss (\S+) ", log, re.M)
+    assert [int(step) for step, _ in logged] == list(range(1, 13))
+    assert [float(loss) for _, loss in logged] == pytest.approx(losses, abs=5e-5)
 
     # Run again: the finished trials are not run again; the failed one is tried again.
     again = run_sweep(sweep, work, byte_corpus, extra_env=cache)

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import math
+import re
 from pathlib import Path
 
 import pytest
@@ -66,6 +67,7 @@ def test_a_staged_sweep_runs_its_later_stage_in_the_same_command(
     out = run_sweep(sweep, work, byte_corpus, extra_env=cache_env(xla_cache))
     assert out.returncode == Exit.FINISHED, out.stdout + out.stderr
     assert "2 trials, 0 already done, 1 to run (local), 1 waiting for others" in out.stdout
+    assert re.search(r"^sweep: 0/1 trials done, .*; 1 more wait for these$", out.stdout, re.M)
     rows = {
         r["trial"]: r for r in map(json.loads, (work / "results.jsonl").read_text().splitlines())
     }

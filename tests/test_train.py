@@ -225,6 +225,66 @@ def test_tensorboard_holds_the_same_scalars(finished):
     assert sorted(scalars["eval/val_loss"]) == [4, 8, 12]
 
 
+LINE = re.compile(
+    r"^step (\d+)/12: loss (\S+) \((\d+)-step mean (\S+)\), (\S+) tokens/s, .+ elapsed, ETA (.+)$"
+)
+
+
+def test_without_a_terminal_a_line_every_log_step_holds_the_logged_numbers(
+    byte_corpus, tmp_path, capsys
+):
+    config = small(str(byte_corpus))
+    config.log.update(every=5, progress=True)  # a bar is asked for, but stderr is captured
+    run(config, tmp_path)
+    out, err = capsys.readouterr()
+    lines = [LINE.match(line) for line in out.splitlines() if LINE.match(line)]
+    records = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    assert [int(m[1]) for m in lines] == [r["step"] for r in records] == [5, 10, 12]
+    for m, r, mean_of in zip(lines, records, (5, 5, 2), strict=True):
+        assert float(m[2]) == pytest.approx(r["loss"], abs=5e-5)
+        assert (int(m[3]), float(m[4])) == (mean_of, pytest.approx(r["loss_mean"], abs=5e-5))
+        assert m[5] == f"{r['tokens_per_second']:,.0f}"
+    assert lines[-1][6] == "0 s" and "unknown" not in lines[0][6]
+    evals = [json.loads(line) for line in (tmp_path / "eval.jsonl").read_text().splitlines()]
+    val = [float(v) for v in re.findall(r"^step \d+: val loss (\S+) nats", out, re.M)]
+    assert val == pytest.approx([e["val_loss"] for e in evals], abs=5e-5) and len(val) == 3
+    assert "\r" not in out + err  # no bar
+
+
+def test_the_time_left_is_this_session_s_pace_since_its_first_step(monkeypatch):
+    from types import SimpleNamespace
+
+    from lmuscale.train import loop
+
+    now = [100.0]
+    monkeypatch.setattr(loop, "time", SimpleNamespace(perf_counter=lambda: now[0]))
+    clock = loop.Clock(elapsed_before=50.0)  # a session resumed after step 2
+    assert clock.seconds_left(3, 20) is None
+    now[0] = 130.0  # the first step done, compiled: the pace starts here
+    clock.restart(3)
+    assert clock.seconds_left(3, 20) is None
+    now[0] = 140.0
+    clock.restart(7)  # after a hook: the pace still counts from step 3
+    now[0] = 142.0
+    assert clock.seconds_left(9, 20) == pytest.approx(12.0 / 6 * 11)
+    assert clock.elapsed() == pytest.approx(50.0 + 42.0)
+
+
+def test_the_demo_writes_tensorboard_events_in_the_folders_it_had():
+    """Its trials log to TensorBoard (which ``test_tensorboard_holds_the_same_scalars`` reads
+    back), and turning that on left every trial's hash, so its folder, as it was."""
+    from pathlib import Path
+
+    from lmuscale.sweep import config_hash, load_sweep
+
+    sweep = load_sweep(Path(__file__).resolve().parent.parent / "sweeps" / "demo.py")
+    for trial in sweep.trials:
+        assert trial.config.log.tensorboard
+        before = trial.config.copy_and_resolve_references()
+        before.log.tensorboard = False
+        assert config_hash(before) == trial.key
+
+
 def test_the_profile_traces_exactly_the_chosen_steps(finished):
     _, workdir, _ = finished
     traces = list((workdir / "profile").glob("plugins/profile/*/perfetto_trace.json.gz"))

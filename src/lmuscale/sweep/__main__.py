@@ -63,7 +63,9 @@ def parse(argv: list[str]) -> argparse.Namespace:
         help="model FLOP/s per trial for --dry-run's estimate, instead of the sweep's "
         "THROUGHPUT (a number or a GPU benchmark)",
     )
-    parser.add_argument("--quiet", action="store_true", help="no progress bar")
+    parser.add_argument(
+        "--quiet", action="store_true", help="no progress bar: a line at least once a minute"
+    )
     try:
         overrides, rest = split_overrides(argv)
     except ConfigError as error:

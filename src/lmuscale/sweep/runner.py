@@ -18,7 +18,11 @@ from lmuscale.files import atomic_write_json
 from lmuscale.outcomes import Exit
 from lmuscale.sweep.spec import ResolvedTrial, Sweep, SweepError
 from lmuscale.sweep.trials import prepare_folder, result_row, write_results
+from lmuscale.train.metrics import duration as _duration
 from lmuscale.workdir import DONE, METRICS, last_record, read_json, status
+
+# Without a bar, the sweep's progress line comes this often: under a minute, polls included.
+LINE_SECONDS = 50.0
 
 
 def select(sweep: Sweep, only: str | None) -> list[ResolvedTrial]:
@@ -67,10 +71,21 @@ def results(workdir: Path, sweep: Sweep) -> list[dict]:
 
 
 class Progress:
-    """A bar over the steps of every selected trial, read from their metrics.jsonl."""
+    """A bar over the steps of every selected trial, read from their metrics.jsonl; without
+    one (``show`` false), a line every ``every`` seconds of ``clock``: trials done, running and
+    left, steps, and an ETA at the pace of this invocation's steps."""
 
-    def __init__(self, paths: dict[str, Path], trials: list[ResolvedTrial], show: bool):
+    def __init__(
+        self,
+        paths: dict[str, Path],
+        trials: list[ResolvedTrial],
+        show: bool,
+        every: float = LINE_SECONDS,
+        clock=time.monotonic,
+        waiting: int = 0,
+    ):
         self.paths = paths
+        self.waiting = waiting  # trials of a later stage, not counted in the line's trials
         self.steps = {t.name: t.config.train.steps for t in trials}
         self.bar = tqdm(
             total=sum(self.steps.values()),
@@ -79,22 +94,46 @@ class Progress:
             dynamic_ncols=True,
             desc="sweep",
         )
-        self.last = 0.0
+        self.every = 2.0 if show else every
+        self.clock = clock
+        self.last = None
+        self.first = None  # (time, steps done) at the first update
 
-    def step_of(self, name: str) -> int:
-        if status(self.paths[name]) in DONE:
+    def step_of(self, name: str, state: str) -> int:
+        if state in DONE:
             return self.steps[name]
         record = last_record(self.paths[name] / METRICS)
         return min(int(record["step"]), self.steps[name]) if record else 0
 
     def update(self, active: dict[Path, str], force: bool = False) -> None:
-        if self.bar.disable or (not force and time.monotonic() - self.last < 2.0):
+        now = self.clock()
+        if not force and self.last is not None and now - self.last < self.every:
             return
-        self.last = time.monotonic()
-        self.bar.n = sum(self.step_of(name) for name in self.paths)
-        names = [p.name.rsplit("-", 1)[0] for p, s in active.items() if s == "running"]
-        self.bar.set_postfix_str(", ".join(names) or "-", refresh=False)
-        self.bar.refresh()
+        self.last = now
+        states = {name: status(path) for name, path in self.paths.items()}
+        done = sum(self.step_of(name, state) for name, state in states.items())
+        if not self.bar.disable:
+            self.bar.n = done
+            names = [p.name.rsplit("-", 1)[0] for p, s in active.items() if s == "running"]
+            self.bar.set_postfix_str(", ".join(names) or "-", refresh=False)
+            self.bar.refresh()
+            return
+        self.first = self.first or (now, done)
+        counts = {s: sum(state == s for state in states.values()) for s in ("running", "failed")}
+        finished = sum(state in DONE for state in states.values())
+        left = len(states) - finished - counts["running"]
+        total, (t0, done0) = self.bar.total, self.first
+        eta = "ETA unknown"
+        if done > done0 and now > t0:
+            eta = f"ETA {_duration((total - done) * (now - t0) / (done - done0))}"
+        failed = f" ({counts['failed']} of them failed)" if counts["failed"] else ""
+        later = f"; {self.waiting} more wait for these" if self.waiting else ""
+        print(
+            f"sweep: {finished}/{len(states)} trials done, {counts['running']} running, "
+            f"{left} left{failed}; {done}/{total} steps; {_duration(now - t0)} elapsed, {eta}"
+            + later,
+            flush=True,
+        )
 
     def write(self, text: str) -> None:
         self.bar.write(text) if not self.bar.disable else print(text, flush=True)
@@ -135,17 +174,6 @@ def results_table(rows: list[dict]) -> str:
             f"| {number(r['val_bits_per_byte'])} | {_duration(r['wall_seconds'])} | {r['status']} |"
         )
     return "\n".join(lines)
-
-
-def _duration(seconds) -> str:
-    if seconds is None:
-        return "-"
-    seconds = float(seconds)
-    if seconds < 90:
-        return f"{seconds:.0f} s"
-    if seconds < 5400:
-        return f"{seconds / 60:.1f} min"
-    return f"{seconds / 3600:.1f} h"
 
 
 def run_sweep(
@@ -196,7 +224,7 @@ def _run_stage(sweep, workdir, only, executor, parallel, detach, slurm, show) ->
             print("run the same command without --detach to wait for the results", flush=True)
             return 0
     if todo:
-        progress = Progress(paths, trials, show)
+        progress = Progress(paths, trials, show, waiting=len(chosen) - len(trials))
         try:
             if executor == "local":
                 _run_local(sweep, workdir, [paths[t.name] for t in todo], parallel, progress)

@@ -18,7 +18,9 @@ def parse(argv: list[str] | None) -> tuple[argparse.Namespace, list[str]]:
         "--config", required=True, help="FILE.py[:NAME], e.g. experiments/owt2.py:tiny"
     )
     parser.add_argument("--workdir", required=True, help="folder for checkpoints, logs, summary")
-    parser.add_argument("--quiet", action="store_true", help="no progress bar")
+    parser.add_argument(
+        "--quiet", action="store_true", help="no progress bar: a line every log.every steps"
+    )
     args, rest = parser.parse_known_args(argv)
     from lmuscale.train.config import split_overrides  # after --help: it imports JAX
 

@@ -15,6 +15,7 @@ import dataclasses
 import itertools
 import math
 import signal
+import sys
 import threading
 import time
 from collections.abc import Callable
@@ -42,7 +43,7 @@ from lmuscale.train import config as config_lib
 from lmuscale.train import memory, optim, wandb_log
 from lmuscale.train import step as step_lib
 from lmuscale.train.checkpoint import Checkpoints, restore_target
-from lmuscale.train.metrics import MetricsLog, StepMetrics, device_peak, mfu
+from lmuscale.train.metrics import MetricsLog, StepMetrics, device_peak, mfu, progress_line
 from lmuscale.train.profile import StepTrace
 
 # A scheduler's notices of preemption or time limit, and Ctrl-C.
@@ -175,13 +176,15 @@ def run(
     The workdir is locked (``locked``: by the caller already): a second process on it raises
     ``workdir.WorkdirBusy``. Before any step: ``ConfigError`` (config, dataset or workdir),
     ``OutOfMemoryBudget``, ``DamagedFile`` (a resumed run's logs); ``TrainingDiverged`` later.
+    Process 0 shows a bar when ``progress`` (default ``log.progress``) and stderr is a terminal,
+    else prints a line every ``log.every`` steps (``metrics.progress_line``).
     """
     c = config
     config_lib.check(c)
     initialize_distributed(c.distributed)
     workdir = Path(workdir)
     primary = jax.process_index() == 0
-    show = (c.log.progress if progress is None else progress) and primary
+    show = (c.log.progress if progress is None else progress) and primary and sys.stderr.isatty()
     model_config = config_lib.model_config(c.model)
     check_workdir(c, workdir)
     summary = workdir_lib.finished(workdir)
@@ -225,17 +228,24 @@ def _train(c, workdir: Path, model_config, dataset, mesh, primary: bool, show: b
 
 
 class Clock:
-    """Wall-clock seconds across sessions, and the training speed since the last ``restart``."""
+    """Wall-clock seconds across sessions, the training speed since the last ``restart``, and
+    the time left at this session's pace since its first ``restart`` (hooks included)."""
 
     def __init__(self, elapsed_before: float):
         self.before, self.t0 = elapsed_before, time.perf_counter()
-        self.since = None  # (time, step)
+        self.since = self.first = None  # (time, step)
 
     def elapsed(self) -> float:
         return self.before + time.perf_counter() - self.t0
 
     def restart(self, step: int) -> None:
         self.since = (time.perf_counter(), step)
+        self.first = self.first or self.since
+
+    def seconds_left(self, step: int, last: int) -> float | None:
+        if self.first is None or step <= self.first[1]:
+            return None
+        return (time.perf_counter() - self.first[0]) / (step - self.first[1]) * (last - step)
 
     def steps_per_second(self, step: int) -> float | None:
         if self.since is None:
@@ -363,6 +373,7 @@ class Session:
         self.peak = device_peak(program.model_config.dtype, c.peak_flops)
         self.lost = False  # another process died: close() must not wait for it
         self.clock = Clock(meta.get("elapsed", 0.0))
+        self.lines = primary and not show  # a plain line per log step instead of the bar
         self.bar = tqdm(
             total=c.train.steps,
             initial=self.start,
@@ -383,6 +394,7 @@ class Session:
         steps_per_second = self.clock.steps_per_second(done)
         speed = steps_per_second * self.tokens_per_step if steps_per_second else None
         devices = self.mesh.devices.size
+        mean_of = len(self.metrics.window)
         record = {
             "step": done,
             "loss": m["loss"],
@@ -398,6 +410,9 @@ class Session:
         self.log.write("train", record)
         self.checkpoints.check()  # a save that failed in the background is named here
         self.bar.set_postfix(loss=f"{m['loss']:.4f}", tok_s=f"{speed or 0:,.0f}")
+        if self.lines:
+            left = self.clock.seconds_left(done, self.c.train.steps)
+            print(progress_line(record, self.c.train.steps, mean_of, left), flush=True)
 
     def validate(self, done: int) -> None:
         self.fetch()
@@ -408,8 +423,11 @@ class Session:
         scale = float(jax.device_get(plateau.scale))
         record = {"step": done, "val_loss": result.loss, "val_tokens": result.tokens}
         self.log.write("eval", {**record, "lr_scale": scale, "elapsed": self.clock.elapsed()})
+        line = f"step {done}: val loss {result.loss:.4f} nats (lr scale {scale:g})"
         if not self.bar.disable:
-            self.bar.write(f"step {done}: val loss {result.loss:.4f} nats (lr scale {scale:g})")
+            self.bar.write(line)
+        elif self.lines:
+            print(line, flush=True)
 
     def checkpoint(self, done: int) -> None:
         self.fetch()  # never a checkpoint of a step not known to be finite

@@ -306,12 +306,17 @@ def write(workdir: Path, the_plan: Plan) -> None:
 
 
 def describe(the_plan: Plan) -> str:
-    """One line for the log: the count, the estimate and where the count came from."""
+    """One line for the log: the count and how it was decided, and XLA's estimate of the
+    step's memory per device against the budget."""
     count = the_plan.microbatches
+    why = "train.microbatches; 0 plans the fewest that fit in memory"
+    if the_plan.budget is not None:
+        why = f"the fewest that fit the budget; {the_plan.note}"
     text = (
-        f"{count} micro-batch{'es' if count > 1 else ''}, estimated "
-        f"{the_plan.estimate.total / GB:.3g} GB per device"
+        f"{count} micro-batch{'es' if count > 1 else ''} per step ({why}), XLA estimates its "
+        f"memory at {the_plan.estimate.total / GB:.3g} GB per device"
     )
     if the_plan.budget is not None:
-        text += f" of a {the_plan.budget.bytes / GB:.3g} GB budget ({the_plan.budget.source})"
-    return f"{text}; {the_plan.note}"
+        budget = the_plan.budget
+        text += f" against a budget of {budget.bytes / GB:.3g} GB ({budget.source})"
+    return text

@@ -1,4 +1,5 @@
-"""What a run records: metrics.jsonl and eval.jsonl (data first), TensorBoard, W&B, MFU.
+"""What a run records: metrics.jsonl and eval.jsonl (data first), TensorBoard, W&B, MFU, and
+the plain progress line printed instead of a bar when the output is not a terminal.
 
 Only process 0 writes. A resumed run cuts both JSONL files back to the restored step and starts
 TensorBoard with ``purge_step`` (which hides the old events past it): each step appears once.
@@ -40,6 +41,30 @@ def device_peak(dtype: str, configured: float = 0.0) -> float | None:
 def mfu(tokens_per_second: float, train_flops_per_token: float, devices: int, peak) -> float | None:
     """Achieved model FLOP/s over the devices' peak (None if unknown)."""
     return tokens_per_second * train_flops_per_token / (devices * peak) if peak else None
+
+
+def duration(seconds) -> str:
+    """``seconds`` for a person: "42 s", "3.5 min" or "2.1 h" ("-" for None)."""
+    if seconds is None:
+        return "-"
+    seconds = float(seconds)
+    if seconds < 90:
+        return f"{seconds:.0f} s"
+    if seconds < 5400:
+        return f"{seconds / 60:.1f} min"
+    return f"{seconds / 3600:.1f} h"
+
+
+def progress_line(record: dict, steps: int, mean_of: int, seconds_left: float | None) -> str:
+    """One line for a ``metrics.jsonl`` record of a run of ``steps`` steps, whose ``loss_mean``
+    is the mean of ``mean_of`` steps' losses."""
+    speed = record["tokens_per_second"]
+    return (
+        f"step {record['step']}/{steps}: loss {record['loss']:.4f} ({mean_of}-step mean "
+        f"{record['loss_mean']:.4f}), {f'{speed:,.0f}' if speed else '?'} tokens/s, "
+        f"{duration(record['elapsed'])} elapsed, "
+        + ("ETA unknown" if seconds_left is None else f"ETA {duration(seconds_left)}")
+    )
 
 
 def _json_value(value):
