@@ -1,18 +1,19 @@
 """A compute-optimal comparison small enough for a laptop: LMU vs transformer at 3 budgets.
 
-    python -m lmuscale.sweep sweeps/isoflop_demo.py      (about 18 minutes on two CPU cores)
+    python -m lmuscale.sweep sweeps/isoflop_demo.py      (about 17 minutes on two CPU cores)
 
 The byte-level models of sweeps/demo.py (widths 4 to 64) on the embedded plays, in two stages.
-First a learning-rate grid: two sizes per family, each at four rates half a decade apart, for
+First a learning-rate grid: two sizes per family, each at three rates half a decade apart, for
 400 steps (about the median length of the IsoFLOP runs). Then, once those have ended, the
 IsoFLOP grid at the rates they chose (the analysis's parabola in log LR, interpolated in log N
-between the two sizes): 3 compute budgets a factor 2 apart, 5 sizes per family each, every run
-trained for the steps its budget buys at its own FLOPs per token, with the warmup, cosine and
-evaluations scaled to its steps. The window of sizes is centred on 300 tokens per parameter for
-the LMU and 1,000 for the transformer, where these tiny models' optima lie. ``after`` then runs
-the analysis: the IsoFLOP parabolas (Chinchilla's approach 2) and N_opt(C), the lower envelope
-of the evaluation curves (approach 1), the tokens each family needs to reach a loss, and the
-learning-rate figure, into WORKDIR/analysis.
+between the two sizes): 3 compute budgets a factor 2 apart (4.5e10 to 1.8e11 FLOPs), 5 sizes
+per family each, every run trained for the steps its budget buys at its own FLOPs per token,
+with the warmup, cosine and evaluations scaled to its steps. The window of sizes is centred on
+100 tokens per parameter for the LMU and 250 for the transformer, where these tiny models'
+optima lay at those rates. ``after`` then runs the analysis: the IsoFLOP parabolas
+(Chinchilla's approach 2) and N_opt(C), the lower envelope of the evaluation curves (approach
+1), the tokens each family needs to reach a loss, and the learning-rate figure, into
+WORKDIR/analysis.
 """
 
 import dataclasses
@@ -24,20 +25,21 @@ from lmuscale.train.config import load_module
 
 demo = load_module(Path(__file__).parent / "demo.py")  # the models and training of the demo
 
-BUDGETS = (6e10, 1.2e11, 2.4e11)  # training FLOPs
+BUDGETS = (4.5e10, 9e10, 1.8e11)  # training FLOPs
 WIDTHS = (4, 6, 8, 12, 16, 24, 32, 48, 64)
-# The learning-rate stage. At 500 steps a first grid found the LMUs best at 0.03 (N = 3.9k) and
-# 0.1 (N = 1.4k), and the transformers flat from 0.01 to 0.1 (N = 1.8k) and best at 0.01-0.03
-# (N = 6.6k): each family's four rates bracket those.
+# The learning-rate stage: three rates per family around the best of a wider grid (0.01-0.3 for
+# the LMUs, 0.003-0.1 for the transformers, these sizes and steps), which were 0.1 for both
+# LMUs and 0.03 for both transformers.
 LR_WIDTHS = (8, 16)
-LEARNING_RATES = {"lmu": (1e-2, 3e-2, 1e-1, 3e-1), "transformer": (3e-3, 1e-2, 3e-2, 1e-1)}
+LEARNING_RATES = {"lmu": (3e-2, 1e-1, 3e-1), "transformer": (1e-2, 3e-2, 1e-1)}
 LR_STEPS = 400
-# Model FLOP/s per trial for --dry-run's estimate before any trial has run: the median of each
-# family's trials in a fresh clone's run of this sweep's first version (budgets 8e10-3.2e11, 42
-# trials) on a 2-core CPU (2026-11-25): these narrower models run slower per FLOP than the demo's.
+# Model FLOP/s per trial for --dry-run's estimate before any trial has run: the median over each
+# family's trials of their median step speed, in a fresh clone's run of an earlier version of
+# this sweep (46 trials, budgets 6e10-2.4e11) on a 2-core CPU, 2026-11-25: these narrow models
+# run slower per FLOP than the demo's.
 THROUGHPUT = Throughput(
     None,
-    families={"lmu": 1.26e10, "transformer": 9.6e9},
+    families={"lmu": 1.06e10, "transformer": 8.9e9},
     source="THROUGHPUT in sweeps/isoflop_demo.py, measured on a 2-core CPU",
     platform="cpu",
 )
@@ -76,7 +78,7 @@ def get_trials(done):
         BUDGETS,
         config,
         per_budget=5,
-        tokens_per_param={"lmu": 300.0, "transformer": 1000.0},
+        tokens_per_param={"lmu": 100.0, "transformer": 250.0},
         min_steps=40,
         learning_rate=rates.interpolate if chosen else None,
         learning_rate_from=source if chosen else "",

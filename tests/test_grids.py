@@ -150,7 +150,7 @@ def test_any_n_gets_a_grid_point_and_table_rows_are_unchanged():
 @pytest.mark.parametrize(
     ("sweep", "count", "budgets"),
     [
-        ("isoflop_demo.py", 46, (6e10, 1.2e11, 2.4e11)),
+        ("isoflop_demo.py", 42, (4.5e10, 9e10, 1.8e11)),
         ("isoflop.py", 105, tuple(10 ** (15 + 0.75 * k) for k in range(5))),
     ],
 )
