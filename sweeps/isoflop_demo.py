@@ -8,12 +8,12 @@ First a learning-rate grid: two sizes per family, each at three rates half a dec
 IsoFLOP grid at the rates they chose (the analysis's parabola in log LR, interpolated in log N
 between the two sizes): 3 compute budgets a factor 2 apart (4.5e10 to 1.8e11 FLOPs), 5 sizes
 per family each, every run trained for the steps its budget buys at its own FLOPs per token,
-with the warmup, cosine and evaluations scaled to its steps. The window of sizes is centred on
-100 tokens per parameter for the LMU and 250 for the transformer, where these tiny models'
-optima lay at those rates. ``after`` then runs the analysis: the IsoFLOP parabolas
-(Chinchilla's approach 2) and N_opt(C), the lower envelope of the evaluation curves (approach
-1), the tokens each family needs to reach a loss, and the learning-rate figure, into
-WORKDIR/analysis.
+with the warmup, cosine and evaluations scaled to its steps, and at least 150 of them (shorter
+runs of these models trained badly at these rates). The window of sizes is centred on 250
+tokens per parameter for the LMU and 300 for the transformer, where their optima lay.
+``after`` then runs the analysis: the IsoFLOP parabolas (Chinchilla's approach 2) and
+N_opt(C), the lower envelope of the evaluation curves (approach 1), the tokens each family
+needs to reach a loss, and the learning-rate figure, into WORKDIR/analysis.
 """
 
 import dataclasses
@@ -78,8 +78,8 @@ def get_trials(done):
         BUDGETS,
         config,
         per_budget=5,
-        tokens_per_param={"lmu": 100.0, "transformer": 250.0},
-        min_steps=40,
+        tokens_per_param={"lmu": 250.0, "transformer": 300.0},
+        min_steps=150,
         learning_rate=rates.interpolate if chosen else None,
         learning_rate_from=source if chosen else "",
     )
