@@ -5,8 +5,8 @@
 Byte-level models (vocabulary 256, so the embedding is small next to N) on the 38 plays of the
 embedded corpus, prepared into data/shakespeare-bytes on first use with no network. Every
 trial sees the same 200 steps of 16 x 128 bytes (410k tokens), so at these sizes the loss
-should fall as N grows. The whole sweep takes about five minutes on two CPU cores; then
-``after`` fits and draws Figures 3-5 into WORKDIR/analysis.
+should fall as N grows. The whole sweep takes about three and a half minutes on two CPU cores;
+then ``after`` fits and draws Figures 3-5 into WORKDIR/analysis.
 """
 
 from lmuscale.models import LMUConfig, TransformerConfig
@@ -16,13 +16,13 @@ from lmuscale.train import base_config
 STEPS = 200
 WIDTHS = (16, 24, 32, 48)
 
-# Model FLOP/s per trial for --dry-run's estimate before any trial has run: the median speed of
-# the logged steps of a fresh clone's `make demo` on a 2-core CPU (2026-11-25): LMUs 18.6 GFLOP/s
-# (15.9-22.8), transformers 19.6 (11.8-32.8). The dry run adds the CPU's per-trial start-up,
-# compilation and evaluation time (lmuscale.sweep.plan.OVERHEAD_SECONDS).
+# Model FLOP/s per trial for --dry-run's estimate before any trial has run: the median, over
+# three fresh-clone runs of `make demo` on a 2-core CPU (2026-11-25), of each family's median
+# step speed: LMUs 13.8 GFLOP/s (13.3-18.6), transformers 16.8 (16.5-19.6). The dry run adds
+# the CPU's per-trial start-up, compilation and evaluation time (plan.OVERHEAD_SECONDS).
 THROUGHPUT = Throughput(
     None,
-    families={"lmu": 1.86e10, "transformer": 1.96e10},
+    families={"lmu": 1.38e10, "transformer": 1.68e10},
     source="THROUGHPUT in sweeps/demo.py, measured on a 2-core CPU",
     platform="cpu",
 )
