@@ -1,6 +1,6 @@
 """A compute-optimal comparison small enough for a laptop: LMU vs transformer at 3 budgets.
 
-    python -m lmuscale.sweep sweeps/isoflop_demo.py      (about 17 minutes on two CPU cores)
+    python -m lmuscale.sweep sweeps/isoflop_demo.py      (about 16 minutes on two CPU cores)
 
 The byte-level models of sweeps/demo.py (widths 4 to 64) on the embedded plays, in two stages.
 First a learning-rate grid: two sizes per family, each at three rates half a decade apart, for
