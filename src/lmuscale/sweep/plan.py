@@ -14,9 +14,9 @@ import statistics
 from pathlib import Path
 
 from lmuscale.scaling.fits import human
-from lmuscale.sweep.runner import _duration
 from lmuscale.sweep.throughput import Throughput
 from lmuscale.sweep.trials import result_row
+from lmuscale.train.metrics import duration
 from lmuscale.workdir import ATTEMPTS, METRICS, read_log
 
 # Seconds a trial takes beyond its training steps at their median speed, where no trial of the
@@ -117,11 +117,11 @@ def table(rows: list[dict]) -> str:
             f"| {human(r['tokens'])} | {r['tokens'] / r['N']:,.0f} "
             f"| {human(r['flops_per_token'])} | {human(r['total_flops'])} "
             f"| {human(r['flops_per_second']) if r['flops_per_second'] else '-'} "
-            f"| {r['source'] or '-'} | {_duration(r['estimate'])} | {r['status']} |"
+            f"| {r['source'] or '-'} | {duration(r['estimate'])} | {r['status']} |"
             + (f" {r.get('note') or '-'} |" if notes else "")
         )
     known = [r["estimate"] for r in rows if r["estimate"] is not None]
-    total_time = _duration(sum(known)) if known else "-"
+    total_time = duration(sum(known)) if known else "-"
     if known and len(known) < len(rows):
         total_time += f" ({len(rows) - len(known)} unknown)"
     lines.append(
@@ -130,7 +130,7 @@ def table(rows: list[dict]) -> str:
     )
     if rows:
         lines.append(
-            f"\nEach estimate includes {_duration(rows[0]['overhead'])} a trial of start-up, "
+            f"\nEach estimate includes {duration(rows[0]['overhead'])} a trial of start-up, "
             f"compilation, evaluation and checkpoints: {rows[0]['overhead_source']}."
         )
     waits = [r["waits"] for r in rows if r.get("waits")]

@@ -18,7 +18,7 @@ from lmuscale.files import atomic_write_json
 from lmuscale.outcomes import Exit
 from lmuscale.sweep.spec import ResolvedTrial, Sweep, SweepError
 from lmuscale.sweep.trials import prepare_folder, result_row, write_results
-from lmuscale.train.metrics import duration as _duration
+from lmuscale.train.metrics import duration
 from lmuscale.workdir import DONE, METRICS, last_record, read_json, status
 
 # Without a bar, the sweep's progress line comes this often: under a minute, polls included.
@@ -125,12 +125,12 @@ class Progress:
         total, (t0, done0) = self.bar.total, self.first
         eta = "ETA unknown"
         if done > done0 and now > t0:
-            eta = f"ETA {_duration((total - done) * (now - t0) / (done - done0))}"
+            eta = f"ETA {duration((total - done) * (now - t0) / (done - done0))}"
         failed = f" ({counts['failed']} of them failed)" if counts["failed"] else ""
         later = f"; {self.waiting} more wait for these" if self.waiting else ""
         print(
             f"sweep: {finished}/{len(states)} trials done, {counts['running']} running, "
-            f"{left} left{failed}; {done}/{total} steps; {_duration(now - t0)} elapsed, {eta}"
+            f"{left} left{failed}; {done}/{total} steps; {duration(now - t0)} elapsed, {eta}"
             + later,
             flush=True,
         )
@@ -148,7 +148,7 @@ def describe(row: dict) -> str:
     if state == "finished":
         return (
             f"{name}: finished, val loss {row['val_loss']:.4f}, test loss {row['test_loss']:.4f} "
-            f"({_duration(row['wall_seconds'])})"
+            f"({duration(row['wall_seconds'])})"
         )
     if state in ("failed", "diverged"):
         first = (row["error"] or "").strip().splitlines()
@@ -171,7 +171,7 @@ def results_table(rows: list[dict]) -> str:
         lines.append(
             f"| {r['trial']} | {r['family']} | {r['N']:,} | {r['total_params']:,} "
             f"| {r['tokens']:,} | {number(r['val_loss'])} | {number(r['test_loss'])} "
-            f"| {number(r['val_bits_per_byte'])} | {_duration(r['wall_seconds'])} | {r['status']} |"
+            f"| {number(r['val_bits_per_byte'])} | {duration(r['wall_seconds'])} | {r['status']} |"
         )
     return "\n".join(lines)
 
