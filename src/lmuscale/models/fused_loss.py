@@ -15,7 +15,6 @@ cotangent. ``interpret=True`` runs the kernels on any backend (the tests, on CPU
 from __future__ import annotations
 
 import functools
-import re
 
 import jax
 import jax.numpy as jnp
@@ -23,7 +22,9 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pl_triton
 
-LOSS_IMPLS = ("auto", "xla", "pallas")
+from lmuscale import kernels
+
+LOSS_IMPLS = kernels.IMPLS
 
 # Device kinds where benchmarks/cross_entropy.py (results committed under benchmarks/results/)
 # measured the kernels' forward+backward faster than the XLA path at the paper's micro-batch.
@@ -37,7 +38,6 @@ FASTER_THAN_XLA: frozenset[str] = frozenset()
 TILE_BYTES = 32 * 1024
 MAX_TILE = 64
 MIN_TILE = 16  # Triton's matrix products need every dimension >= 16
-MIN_CAPABILITY = (8, 0)  # bf16 tensor-core products in Triton: Ampere and newer
 # Triton's launch: warps per program and the software-pipelining depth of the tile loops. Naming
 # Triton's parameters picks the Triton lowering on a GPU (the default may be Mosaic GPU, which
 # lowers no transposed product).
@@ -47,42 +47,20 @@ _pallas_call = functools.partial(
 
 
 def unsupported_reason(devices=None) -> str | None:
-    """Why the kernels cannot run on ``devices`` (default: this run's), or None: they need one
-    NVIDIA GPU of compute capability >= 8.0. They are not partitioned, so under a sharded
-    ``jit`` XLA would gather every device's tokens onto each device."""
-    devices = jax.devices() if devices is None else list(devices)
-    device = devices[0]
-    if device.platform != "gpu":
-        return f"this run's devices are {device.platform} ({device.device_kind})"
-    # NVIDIA's "major.minor"; a ROCm GPU has its gfx name here.
-    capability = str(getattr(device, "compute_capability", ""))
-    if not re.fullmatch(r"\d+\.\d+", capability):
-        return (
-            f"the GPU is not an NVIDIA one ({device.device_kind}, {capability or 'no'} capability)"
-        )
-    if tuple(int(part) for part in capability.split(".")) < MIN_CAPABILITY:
-        return f"the GPU {device.device_kind} has compute capability {capability}, below 8.0"
-    if len(devices) > 1:
-        return f"this run has {len(devices)} devices, and the kernels are not partitioned yet"
-    return None
+    """Why the kernels cannot run on ``devices`` (``kernels.unsupported_reason``), or None."""
+    return kernels.unsupported_reason(devices)
 
 
 def resolve(impl: str, devices=None) -> str:
     """What a config's ``loss_impl`` runs on ``devices`` (default: this run's): "xla" or
-    "pallas". "pallas" where the kernels cannot run is a ``ValueError`` naming why."""
-    if impl not in LOSS_IMPLS:
-        raise ValueError(f"loss_impl must be one of {LOSS_IMPLS}, got {impl!r}")
-    if impl == "xla":
-        return "xla"
-    devices = jax.devices() if devices is None else list(devices)
-    reason = unsupported_reason(devices)
-    if impl == "pallas" and reason is not None:
-        raise ValueError(
-            f'loss_impl="pallas": the fused cross-entropy kernels need one NVIDIA GPU of '
-            f'compute capability >= 8.0, but {reason}; use "auto" or "xla"'
-        )
-    faster = reason is None and devices[0].device_kind in FASTER_THAN_XLA
-    return "pallas" if impl == "pallas" or faster else "xla"
+    "pallas", by the switch every kernel shares (``kernels.resolve``)."""
+    return kernels.resolve(
+        impl,
+        key="loss_impl",
+        kernels="the fused cross-entropy kernels",
+        faster=FASTER_THAN_XLA,
+        devices=devices,
+    )
 
 
 def _tile_logits(h_txD, w_vxD):

@@ -1,0 +1,65 @@
+"""The switch every Pallas kernel shares: a config key "auto", "xla" or "pallas".
+
+- "xla" runs the XLA path everywhere.
+- "pallas" runs the kernels, and is a ``ValueError`` naming why where they cannot run.
+- "auto" runs the kernels only on a device kind where a committed GPU benchmark measured them
+  faster than the XLA path (each kernel's ``FASTER_THAN_XLA``), the XLA path elsewhere (a CPU,
+  a TPU, another GPU). It never falls back silently from a run that asked for "pallas".
+
+The kernels (``models.fused_loss``, ``memory_kernel``) are written for Pallas's Triton lowering:
+one NVIDIA GPU of compute capability >= 8.0.
+"""
+
+from __future__ import annotations
+
+import re
+
+import jax
+
+IMPLS = ("auto", "xla", "pallas")
+MIN_CAPABILITY = (8, 0)  # bf16 tensor-core products in Triton: Ampere and newer
+
+
+def unsupported_reason(devices=None) -> str | None:
+    """Why the kernels cannot run on ``devices`` (default: this run's), or None: they need one
+    NVIDIA GPU of compute capability >= 8.0. They are not partitioned, so under a sharded
+    ``jit`` XLA would gather every device's inputs onto each device."""
+    devices = jax.devices() if devices is None else list(devices)
+    device = devices[0]
+    if device.platform != "gpu":
+        return f"this run's devices are {device.platform} ({device.device_kind})"
+    # NVIDIA's "major.minor"; a ROCm GPU has its gfx name here.
+    capability = str(getattr(device, "compute_capability", ""))
+    if not re.fullmatch(r"\d+\.\d+", capability):
+        return (
+            f"the GPU is not an NVIDIA one ({device.device_kind}, {capability or 'no'} capability)"
+        )
+    if tuple(int(part) for part in capability.split(".")) < MIN_CAPABILITY:
+        return f"the GPU {device.device_kind} has compute capability {capability}, below 8.0"
+    if len(devices) > 1:
+        return f"this run has {len(devices)} devices, and the kernels are not partitioned yet"
+    return None
+
+
+def check(key: str, impl: str) -> None:
+    """A ``ValueError`` naming ``key`` unless ``impl`` is one of ``IMPLS``."""
+    if impl not in IMPLS:
+        raise ValueError(f"{key} must be one of {IMPLS}, got {impl!r}")
+
+
+def resolve(impl: str, *, key: str, kernels: str, faster: frozenset[str], devices=None) -> str:
+    """What a config's ``key`` = ``impl`` runs on ``devices`` (default: this run's): "xla" or
+    "pallas". ``kernels`` names them in the error for "pallas" where they cannot run; ``faster``
+    is the device kinds where a benchmark measured them faster than XLA (what "auto" takes)."""
+    check(key, impl)
+    if impl == "xla":
+        return "xla"
+    devices = jax.devices() if devices is None else list(devices)
+    reason = unsupported_reason(devices)
+    if impl == "pallas" and reason is not None:
+        raise ValueError(
+            f'{key}="pallas": {kernels} need one NVIDIA GPU of compute capability >= 8.0, '
+            f'but {reason}; use "auto" or "xla"'
+        )
+    measured_faster = reason is None and devices[0].device_kind in faster
+    return "pallas" if impl == "pallas" or measured_faster else "xla"
