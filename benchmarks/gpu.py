@@ -11,17 +11,21 @@ Parts (``--only`` takes shell patterns of these names):
   micro-batch plan) at --batch x --seq-len tokens (512 x 1024): the planned micro-batches,
   XLA's memory estimate, the device's peak bytes in use so far in the process (it only grows,
   so it bounds each model's peak from above), the median step time of --steps steps after
-  a warm-up step, tokens/s and MFU by Table 2's FLOP count, and the cross-entropy that ran
-  (``loss_impl``: --loss-impl, "auto" by default, resolved). An out-of-memory or other failure
-  is recorded in the model's row, and the rest go on. Rows of another loss_impl are kept.
+  a warm-up step, tokens/s and MFU by Table 2's FLOP count, and the kernels that ran
+  (``loss_impl``: --loss-impl, and for the LMU families ``memory_impl``: --memory-impl; "auto"
+  by default, resolved). An out-of-memory or other failure is recorded in the model's row, and
+  the rest go on. Rows of another loss_impl or memory_impl are kept.
 - ``plan/FAMILY``: the same configs compiled and planned only, no step run (not a default
   part). On a CPU it checks that every paper config compiles and fits a budget such as
   --budget-gb 80, by XLA:CPU's estimate: a CPU has no flash attention and lays buffers out
   its own way, so a GPU's estimates differ.
 - ``long``: lmu-55k, transformer-55k and lmu_g-55k at n = --long-seq-len (8192), with
   --batch x --seq-len / n sequences per step and the plan.
-- ``block``: one LMU block of lmu-1M (FFN, implicit attention, FFN), forward+backward, with
-  the FFT memory and the chunked one (``lmu_memory.bench_block``), in bfloat16.
+- ``block``: one LMU block of lmu-1M (FFN, implicit attention, FFN) at --block-batch x
+  --block-seq-len (64 x 1024), forward and forward+backward, in --block-dtypes (bfloat16 and
+  float32): the FFT memory, and per --block-chunks the XLA chunked path and the fused Pallas
+  kernels (``memory_kernel``; the row says why not where they cannot run), with TFLOP/s and
+  the kernels' largest differences from the XLA path (``lmu_memory.bench_block``).
 - ``loss``: the cross-entropy's forward+backward alone at d = 48 and 204, --xent-batch x
   --seq-len tokens (64 x 1024), bfloat16 and float32, by the XLA path and by the fused Pallas
   kernels (skipped where they cannot run), with the kernels' largest differences from the
@@ -65,6 +69,7 @@ import jax
 import numpy as np
 from common import machine, print_table, slug, timed_steps, train_step_for, versions, write_json
 
+from lmuscale.memory_kernel import MEMORY_IMPLS
 from lmuscale.models import count_params, flops_per_token
 from lmuscale.models.fused_loss import LOSS_IMPLS
 from lmuscale.models.sizes import FAMILIES, SIZES
@@ -76,6 +81,7 @@ from lmuscale.train.metrics import device_peak, mfu
 ROOT = Path(__file__).resolve().parents[1]
 EXPERIMENT = ROOT / "experiments" / "owt2.py"
 LONG_MODELS = ("lmu-55k", "transformer-55k", "lmu_g-55k")
+DTYPES = ("bfloat16", "float32")
 GB = 1e9
 
 
@@ -86,6 +92,7 @@ def paper_config(
     budget_gb: float,
     dtype: str | None = None,
     loss_impl: str = "auto",
+    memory_impl: str = "auto",
 ):
     """experiments/owt2.py's config ``name`` at ``batch`` x ``seq_len`` tokens per step."""
     config = config_lib.load(f"{EXPERIMENT}:{name}")
@@ -95,6 +102,8 @@ def paper_config(
         f"train.memory_budget_gb={budget_gb}",
         f"model.loss_impl={loss_impl}",
     ]
+    if "memory_impl" in config.model:
+        items.append(f"model.memory_impl={memory_impl}")
     if "max_len" in config.model and config.model.max_len < seq_len:
         items.append(f"model.max_len={seq_len}")  # the transformer's learned positions
     if dtype:
@@ -128,7 +137,7 @@ def _model_row(name: str, config) -> dict:
         "seq_len": config.data.seq_len,
         "batch": config.train.global_batch,
         "dtype": model.dtype,
-        "loss_impl": config_lib.loss_implementation(model),  # the one that runs, never "auto"
+        **config_lib.kernel_implementations(model),  # what runs, never "auto"
         "train_flops_per_token": flops_per_token(model, config.data.seq_len).train,
     }
 
@@ -213,9 +222,7 @@ def part_train(family: str, args, plan_only: bool) -> dict:
         extra = () if plan_only else (args.steps,)
 
         def one(name=name, measure=measure, extra=extra):
-            config = paper_config(
-                name, args.seq_len, args.batch, args.budget_gb, loss_impl=args.loss_impl
-            )
+            config = paper_config(name, args.seq_len, args.batch, args.budget_gb, **_impls(args))
             return measure(name, config, *extra)
 
         rows.append(_guarded(name, one))
@@ -228,9 +235,7 @@ def part_long(args) -> dict:
     for name in LONG_MODELS:
 
         def one(name=name):
-            config = paper_config(
-                name, args.long_seq_len, batch, args.budget_gb, loss_impl=args.loss_impl
-            )
+            config = paper_config(name, args.long_seq_len, batch, args.budget_gb, **_impls(args))
             return measure_train(name, config, args.steps)
 
         rows.append(_guarded(name, one))
@@ -241,8 +246,12 @@ def part_block(args) -> dict:
     from lmu_memory import SHAPES, bench_block
 
     shape = {**SHAPES["paper"], "n": args.block_seq_len}
-    rows = bench_block(shape, args.block_batch, args.steps, args.block_chunks, "bfloat16")
+    rows = bench_block(shape, args.block_batch, args.steps, args.block_chunks, args.block_dtypes)
     return {"rows": rows}
+
+
+def _impls(args) -> dict:
+    return {"loss_impl": args.loss_impl, "memory_impl": args.memory_impl}
 
 
 def part_loss(args) -> dict:
@@ -521,7 +530,7 @@ def summary_tables(record: dict) -> None:
             rows.append(
                 (
                     name,
-                    f"{r['model']} n={r['seq_len']}, {r.get('loss_impl', 'xla')} loss",
+                    f"{r['model']} n={r['seq_len']}, {_kernels(r)}",
                     r["microbatches"],
                     f"{r['estimate_gb']:.2f}",
                     peak,
@@ -539,20 +548,9 @@ def summary_tables(record: dict) -> None:
         )
     block = record["parts"].get("block")
     if block:
-        print_table(
-            "one lmu-1M block, forward+backward (bfloat16)",
-            ("memory", "batch", "n", "fwd ms", "fwd+bwd ms"),
-            [
-                (
-                    r["mode"],
-                    r["batch"],
-                    r["n"],
-                    _ms(r["forward"]),
-                    _ms(r["forward_backward"]),
-                )
-                for r in block["rows"]
-            ],
-        )
+        from lmu_memory import print_block_rows
+
+        print_block_rows(block["rows"], "one lmu-1M block (d 204, q 220, q' 22), median times")
     loss = record["parts"].get("loss")
     if loss:
         from cross_entropy import print_loss_rows
@@ -600,15 +598,18 @@ def summary_tables(record: dict) -> None:
 def merged(old_rows: list[dict], new_rows: list[dict]) -> list[dict]:
     """``new_rows`` and the ``old_rows`` of other models or shapes (e.g. sizes not run now)."""
 
-    def key(row):  # rows from before loss_impl was recorded ran the XLA path
-        return row.get("model"), row.get("seq_len"), row.get("batch"), row.get("loss_impl", "xla")
+    def key(row):  # rows from before a switch was recorded ran the XLA path
+        impls = (row.get("loss_impl", "xla"), row.get("memory_impl", "xla"))
+        return row.get("model"), row.get("seq_len"), row.get("batch"), *impls
 
     replaced = {key(row) for row in new_rows}
     return [row for row in old_rows if key(row) not in replaced] + new_rows
 
 
-def _ms(phase: dict) -> str:
-    return f"{phase['median_s'] * 1e3:.2f}" if "median_s" in phase else "error"
+def _kernels(row: dict) -> str:
+    """``xla loss`` or ``xla loss, pallas memory``: the kernels a train row ran."""
+    text = f"{row.get('loss_impl', 'xla')} loss"
+    return text + (f", {row['memory_impl']} memory" if "memory_impl" in row else "")
 
 
 def main(argv=None) -> None:
@@ -621,9 +622,12 @@ def main(argv=None) -> None:
     parser.add_argument("--steps", type=int, default=5, help="timed steps (after a warm-up)")
     parser.add_argument("--budget-gb", type=float, default=0.0, help="0: the device's default")
     parser.add_argument("--long-seq-len", type=int, default=8192)
-    parser.add_argument("--block-batch", type=int, default=16)
+    parser.add_argument("--block-batch", type=int, default=64)
     parser.add_argument("--block-seq-len", type=int, default=1024)
-    parser.add_argument("--block-chunks", nargs="+", type=int, default=[32, 64, 128])
+    parser.add_argument("--block-chunks", nargs="+", type=int, default=[64])
+    parser.add_argument(
+        "--block-dtypes", nargs="+", default=["bfloat16", "float32"], choices=DTYPES
+    )
     parser.add_argument("--loss-steps", type=int, default=300)
     parser.add_argument("--loss-batch", type=int, default=32)
     parser.add_argument("--loss-seq-len", type=int, default=1024)
@@ -631,6 +635,12 @@ def main(argv=None) -> None:
     parser.add_argument("--profile-batch", type=int, default=64, help="sequences, one micro-batch")
     parser.add_argument(
         "--loss-impl", choices=LOSS_IMPLS, default="auto", help="model.loss_impl of train/, long"
+    )
+    parser.add_argument(
+        "--memory-impl",
+        choices=MEMORY_IMPLS,
+        default="auto",
+        help="model.memory_impl of train/, long (LMU families)",
     )
     parser.add_argument("--xent-batch", type=int, default=64, help="loss: sequences")
     parser.add_argument("--xent-repeats", type=int, default=10, help="loss: timed calls")

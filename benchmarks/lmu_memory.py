@@ -21,7 +21,9 @@ the reduced modes). Times are medians over --repeats runs after one warm-up (com
 table gives each mode's speed-up over the scan (or over reduced, the FFT path, for the reduced
 modes) and XLA's ``cost_analysis()`` bytes accessed of the compiled function. A scan body is
 counted once by XLA, so the scan's bytes are not comparable. --block also times one whole
-``LMUBlock`` of the 1M model (FFN, implicit attention, FFN) per memory mode on (batch, n, d).
+``LMUBlock`` of the 1M model (FFN, implicit attention, FFN) on (batch, n, d) in each of
+--block-dtypes: the FFT memory, and per chunk the XLA chunked path and the fused Pallas kernels
+(``bench_block``; on a GPU where they run), with TFLOP/s by ``block_flops``.
 The JSON holds the machine, versions, shapes and every time.
 """
 
@@ -156,26 +158,98 @@ def add_speedups(rows: list[dict]) -> None:
             row[phase]["baseline"] = base_mode
 
 
-def bench_block(shape: dict, batch: int, repeats: int, chunks, dtype: str) -> list[dict]:
-    """One LMUBlock of the 1M model, forward+backward, per memory mode."""
+BLOCK_IMPLS = ("fft", "xla", "pallas")
+
+
+def block_flops(config, batch: int, n: int, chunk: int) -> float:
+    """One LMUBlock's forward FLOPs by the chunked algorithm, unpadded: the three chunk
+    products 2 (c + q) 3q' per channel and position, the chunk states and their passing, the
+    attention's sums (scores 2 d q'^2, w 2 q'^2, output 2 d q') and the two FFNs (4 d d' per
+    token each). The same count for the XLA path and the kernels, so their TFLOP/s compare as
+    speeds; forward+backward counts 3x."""
+    d, q, k = config.d, config.q, config.q_prime
+    c = min(chunk, n)
+    chunks = -(-n // c)
+    positions = batch * chunks * c
+    products = 2 * positions * d * (c + q) * 3 * k
+    states = 2 * positions * d * q + 2 * batch * chunks * d * q * q
+    attention = positions * (2 * d * k * k + 2 * k * k + 2 * d * k)
+    ffns = 4 * batch * n * d * (config.pre_ffn_dim + config.post_ffn_dim)
+    return float(products + states + attention + ffns)
+
+
+def _largest_differences(got, want) -> dict:
+    """The kernel's output and gradients against the XLA path's at the same inputs: the largest
+    absolute difference over the largest magnitude, of the output and of any gradient."""
+
+    def relative(a, b):
+        a, b = np.asarray(a, np.float32), np.asarray(b, np.float32)
+        return float(np.max(np.abs(a - b)) / max(np.max(np.abs(b)), 1e-30))
+
+    (out, grads), (out_want, grads_want) = got, want
+    pairs = zip(jax.tree.leaves(grads), jax.tree.leaves(grads_want), strict=True)
+    return {
+        "output_max_diff_rel_to_max": relative(out, out_want),
+        "grad_max_diff_rel_to_max": max(relative(a, b) for a, b in pairs),
+    }
+
+
+def bench_block(
+    shape: dict, batch: int, repeats: int, chunks, dtypes, impls=BLOCK_IMPLS, model="lmu-1M"
+) -> list[dict]:
+    """One LMUBlock of ``model``, forward and forward+backward, per memory: the FFT
+    ("fft"), the chunked products and attention in XLA ("xla") and fused in Pallas
+    ("pallas", ``memory_kernel``; a row that says why not where the kernels cannot run), for
+    each chunk and dtype. Rows: ``mode`` ("fft", "chunked/C" or "pallas/C"), ``impl``,
+    ``chunk``, times (``time_phases``), TFLOP/s by ``block_flops`` for the chunked rows, and
+    for the kernels their largest differences from the XLA path at the same chunk."""
+    from lmuscale import memory_kernel
+
     rng = np.random.default_rng(0)
-    config = named_config("lmu-1M", dtype=dtype, batch_chunk=0)  # the paper's largest block
-    x = jnp.asarray(rng.standard_normal((batch, shape["n"], config.d)), jnp.float32)
     rows = []
-    variants = [("fft", lmu.DEFAULT_CHUNK)] + [("chunked", c) for c in chunks]
-    for memory_mode, c in variants:
-        block = LMUBlock(dataclasses.replace(config, memory_mode=memory_mode, memory_chunk=c))
-        params = block.init(jax.random.key(0), x[:1, :8])
+    for dtype in dtypes:
+        config = named_config(model, dtype=dtype, batch_chunk=0)
+        x = jnp.asarray(rng.standard_normal((batch, shape["n"], config.d)), jnp.float32)
+        variants = [("fft", lmu.DEFAULT_CHUNK)] * ("fft" in impls)
+        variants += [(impl, c) for c in chunks for impl in ("xla", "pallas") if impl in impls]
+        outputs = {}  # the XLA path's output and gradients, per chunk
+        for impl, c in variants:
+            name = {"fft": "fft", "xla": f"chunked/{c}", "pallas": f"pallas/{c}"}[impl]
+            row = {"mode": name, "impl": impl, "chunk": c, "batch": batch, "n": shape["n"]}
+            row["dtype"] = dtype
+            reason = memory_kernel.unsupported_reason() if impl == "pallas" else None
+            if reason:
+                rows.append({**row, "skipped": f"the fused kernels cannot run here: {reason}"})
+                print(f"  block  {name}: skipped ({reason})", file=sys.stderr, flush=True)
+                continue
+            memory = {"memory_mode": "fft"} if impl == "fft" else {"memory_impl": impl}
+            block = LMUBlock(dataclasses.replace(config, memory_chunk=c, **memory))
+            params = block.init(jax.random.key(0), x[:1, :8])  # the same values for every row
 
-        def loss(params, x, block=block):
-            return 0.5 * jnp.sum(jnp.square(block.apply(params, x).astype(jnp.float32)))
+            def loss(params, x, block=block):
+                return 0.5 * jnp.sum(jnp.square(block.apply(params, x).astype(jnp.float32)))
 
-        name = "fft" if memory_mode == "fft" else f"chunked/{c}"
-        forward = jax.jit(block.apply)
-        backward = jax.jit(jax.grad(loss, argnums=(0, 1)))
-        row = {"mode": name, "batch": batch, "n": shape["n"], "dtype": dtype}
-        row.update(time_phases(f"block  {name}", forward, backward, (params, x), repeats))
-        rows.append(row)
+            forward = jax.jit(block.apply)
+            backward = jax.jit(jax.grad(loss, argnums=(0, 1)))
+            label = f"block  {name} {dtype}"
+            row.update(time_phases(label, forward, backward, (params, x), repeats))
+            if impl != "fft":
+                flops = block_flops(config, batch, shape["n"], c)
+                row["forward_flops"] = flops
+                for phase, count in (("forward", flops), ("forward_backward", 3 * flops)):
+                    if "median_s" in row[phase]:
+                        row[phase]["tflops_per_s"] = count / row[phase]["median_s"] / 1e12
+            if impl in ("xla", "pallas") and "error" not in row["forward_backward"]:
+                try:
+                    result = (forward(params, x), backward(params, x))
+                    if impl == "xla":
+                        outputs[(dtype, c)] = result
+                    elif (dtype, c) in outputs:
+                        row.update(_largest_differences(result, outputs[(dtype, c)]))
+                except Exception as error:  # an out-of-memory holding both: say so
+                    row["comparison_error"] = f"{type(error).__name__}: {error}"[:300]
+            rows.append(row)
+        outputs.clear()
     return rows
 
 
@@ -215,23 +289,37 @@ def print_rows(rows: list[dict], block_rows: list[dict], batch: int) -> None:
         left=3,
     )
     if block_rows:
-        table = [
-            (
-                r["mode"],
-                f"{r['batch']}x{r['n']}",
-                r["dtype"],
+        print_block_rows(block_rows, "One LMU block of lmu-1M (d 204, q 220, q' 22), median times")
+
+
+def _tflops(phase: dict) -> str:
+    value = phase.get("tflops_per_s")
+    return "-" if value is None else f"{value:.3g}"
+
+
+def print_block_rows(block_rows: list[dict], title: str) -> None:
+    """The block rows as a table: times, TFLOP/s (``block_flops``), XLA's bytes, and the
+    kernels' largest differences from the XLA path (or why a row did not run)."""
+    table = []
+    for r in block_rows:
+        if "skipped" in r:
+            cells = ("-",) * 5
+            note = r["skipped"]
+        else:
+            cells = (
                 _ms(r["forward"]).strip(),
+                _tflops(r["forward"]),
                 _ms(r["forward_backward"]).strip(),
+                _tflops(r["forward_backward"]),
                 _gb(r["forward_backward"]),
             )
-            for r in block_rows
-        ]
-        print_table(
-            "One LMU block of lmu-1M (d 204, q 220, q' 22), median times",
-            ("memory", "input", "dtype", "fwd ms", "fwd+bwd ms", "GB"),
-            table,
-            left=3,
-        )
+            note = r.get("comparison_error", "")
+            if "output_max_diff_rel_to_max" in r:
+                out, grads = r["output_max_diff_rel_to_max"], r["grad_max_diff_rel_to_max"]
+                note = f"out {out:.1e}, grads {grads:.1e}"
+        table.append((r["mode"], f"{r['batch']}x{r['n']}", r["dtype"], *cells, note[:70]))
+    header = ("memory", "input", "dtype", "fwd ms", "TFLOP/s", "fwd+bwd ms", "TFLOP/s", "GB")
+    print_table(title, (*header, "vs xla"), table, left=3)
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -242,7 +330,9 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--chunks", nargs="+", type=int, default=[32, 64, 128])
     parser.add_argument("--precisions", nargs="+", choices=lmu.PRECISIONS, default=["exact"])
     parser.add_argument("--block", action="store_true", help="also time one LMU block")
-    parser.add_argument("--block-dtype", default="float32", choices=["float32", "bfloat16"])
+    parser.add_argument(
+        "--block-dtypes", nargs="+", default=["float32"], choices=["float32", "bfloat16"]
+    )
     parser.add_argument("--repeats", type=int, default=5, help="timed runs after the warm-up")
     parser.add_argument("--out", type=Path, default=None, help="JSON file to write")
     args = parser.parse_args(argv)
@@ -262,7 +352,7 @@ def main(argv: list[str] | None = None) -> None:
         )
         if args.block:
             block_rows += bench_block(
-                shape, args.batch, args.repeats, args.chunks, args.block_dtype
+                shape, args.batch, args.repeats, args.chunks, args.block_dtypes
             )
     print_rows(rows, block_rows, args.batch)
 

@@ -4,14 +4,27 @@ shapes, against a float64 reference that shares nothing with them (the recurrenc
 
 from __future__ import annotations
 
+import dataclasses
+import functools
+import sys
+from pathlib import Path
+
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 import scipy.special
+from jax import lax
+from small_config import small
 from test_layers import reference_attention
+from test_models import PARALLEL_VS_RECURRENT, jiggle, random_tokens
 
 from lmuscale import layers, lmu, memory_kernel
+from lmuscale.models import build, decode, named_config
+from lmuscale.models.lmu import LMUConfig
+from lmuscale.sweep.spec import config_hash
+from lmuscale.train import base_config, run
+from lmuscale.train import config as config_lib
 
 THETA = 9.0
 
@@ -66,7 +79,8 @@ def value_and_grads(path, args, cotangent, **options):
     def loss(*args):
         return jnp.sum(path(*args, **options).astype(cotangent.dtype) * cotangent)
 
-    return jax.value_and_grad(loss, argnums=range(4))(*args)
+    # Compiled: in interpret mode an eager call traces the kernels again at every call.
+    return jax.jit(jax.value_and_grad(loss, argnums=range(4)))(*args)
 
 
 # (batch, n, channels, order q, q', chunk): n is never a multiple of the chunk; 5 steps in a
@@ -136,17 +150,19 @@ def test_the_kernels_are_causal():
     # input after t, across chunk boundaries (chunk 8, n 20).
     _, n, channels, order, reduced, chunk = SHAPES[0]
     u, l_3xKxQ, bias, p = inputs(1, n, channels, order, reduced, jnp.float32)
-    out = through_kernel(u, l_3xKxQ, bias, p, chunk=chunk)
+    forward = jax.jit(lambda u: through_kernel(u, l_3xKxQ, bias, p, chunk=chunk))
+    out = forward(u)
     for s in (3, 8, 13):
-        changed = through_kernel(u.at[0, s].add(1.0), l_3xKxQ, bias, p, chunk=chunk)
+        changed = forward(u.at[0, s].add(1.0))
         np.testing.assert_array_equal(changed[0, :s], out[0, :s])
         assert np.abs(changed[0, s:] - out[0, s:]).max() > 1e-3
 
-    def output_at(t):
-        return lambda u: through_kernel(u, l_3xKxQ, bias, p, chunk=chunk)[0, t].sum()
+    @jax.jit
+    def grad_of_output_at(u, t):
+        return jax.grad(lambda u: lax.dynamic_index_in_dim(forward(u)[0], t, 0, False).sum())(u)
 
     for t in (2, 9, 15):
-        grad = jax.grad(output_at(t))(u)
+        grad = grad_of_output_at(u, t)
         assert np.all(grad[0, t + 1 :] == 0) and np.abs(grad[0, : t + 1]).max() > 0
 
 
@@ -203,3 +219,137 @@ def test_bad_shapes_and_precisions_are_named():
         memory_kernel.memory_attention(x, w[:, :13], bias, p)
     with pytest.raises(ValueError, match=r"p \(K,\), got .* and \(5,\)"):
         memory_kernel.memory_attention(x, w, bias, jnp.zeros(5))
+
+
+# ---------------------------------------------------------------- the switch, and the models
+
+
+@pytest.fixture
+def interpreted(monkeypatch):
+    """The layers' "pallas" path, run in interpret mode as if this CPU could run the kernels:
+    ``memory_impl="pallas"`` resolves to the kernels, anything else to XLA. Returns the
+    operand shapes the kernels were traced with."""
+    calls, kernels = [], memory_kernel.memory_attention
+
+    def interpret(*args, **options):
+        calls.append(args[0].shape)
+        return kernels(*args, **options, interpret=True)
+
+    monkeypatch.setattr(memory_kernel, "memory_attention", interpret)
+    monkeypatch.setattr(memory_kernel, "resolve", lambda impl, devices=None: impl)
+    monkeypatch.setattr(memory_kernel, "unsupported_reason", lambda devices=None: None)
+    return calls
+
+
+def small_lmu(family: str, **overrides) -> LMUConfig:
+    """One layer; the tests run 21 tokens in chunks of 8 (the last chunk 5 steps)."""
+    config = LMUConfig(
+        d=8,
+        q=12,
+        q_prime=3,
+        theta=10.0,
+        pre_ffn_dim=8,
+        post_ffn_dim=8,
+        n_layers=1,
+        global_attention=family == "lmu_g",
+        n_heads=2,
+        vocab_size=31,
+        memory_chunk=8,
+        batch_chunk=0,
+    )
+    return dataclasses.replace(config, **overrides)
+
+
+@pytest.mark.parametrize("family", ["lmu", "lmu_g"])
+def test_a_model_through_the_kernels_equals_its_recurrence_and_the_xla_path(family, interpreted):
+    config = small_lmu(family, memory_impl="pallas")
+    model, xla_model = build(config), build(dataclasses.replace(config, memory_impl="xla"))
+    params = jiggle(jax.jit(model.init)(jax.random.key(0), jnp.zeros((1, 8), jnp.int32)), 0.3)
+    tokens = random_tokens(config, 2, 21)
+    interpreted.clear()  # init traced them too
+    parallel = jax.jit(model.apply)(params, tokens)
+    assert interpreted == [(2, 3, 8, 12 + 8)]  # through the kernels
+    recurrent, _ = decode(model, params, tokens)
+    assert float(jnp.abs(parallel).max()) > 3.0  # logits large enough to show an error
+    assert float(jnp.abs(parallel - recurrent).max()) <= PARALLEL_VS_RECURRENT
+
+    def loss(model):
+        return jax.jit(
+            jax.value_and_grad(
+                lambda p: model.apply(p, tokens[:, :-1], tokens[:, 1:], method=model.loss)[0]
+            )
+        )(params)
+
+    (got, got_grads), (want, want_grads) = loss(model), loss(xla_model)
+    np.testing.assert_allclose(got, want, rtol=1e-6)
+    got_grads, want_grads = (
+        np.concatenate([np.ravel(leaf) for leaf in jax.tree.leaves(grads)])
+        for grads in (got_grads, want_grads)
+    )
+    # Float32 rounding of two orders of summation, against the largest gradient.
+    assert np.abs(got_grads - want_grads).max() <= 1e-5 * np.abs(want_grads).max()
+
+
+def test_the_switch_is_checked_and_resolved_and_training_refuses_pallas_here():
+    for family in ("lmu", "lmu_g"):
+        assert named_config(f"{family}-55k").memory_impl == "auto"
+    with pytest.raises(ValueError, match=r"memory_impl must be one of .* got 'fused'"):
+        named_config("lmu-55k", memory_impl="fused")
+    with pytest.raises(ValueError, match=r'memory_impl="pallas" fuses .*memory_mode is .fft.'):
+        named_config("lmu-55k", memory_impl="pallas", memory_mode="fft")
+    assert config_lib.memory_implementation(named_config("lmu-55k")) == "xla"
+    assert config_lib.memory_implementation(named_config("transformer-55k")) is None
+    assert config_lib.kernel_implementations(named_config("lmu_g-55k")) == {
+        "loss_impl": "xla",
+        "memory_impl": "xla",
+    }
+    with pytest.raises(config_lib.ConfigError, match=r'model\.memory_impl="pallas".*cpu'):
+        config_lib.kernel_implementations(named_config("lmu-55k", memory_impl="pallas"))
+    # A layer made directly is checked too, and its "pallas" refused where it cannot run.
+    layer = layers.ImplicitSelfAttention(8, 2, 10.0, memory_impl="pallas")
+    with pytest.raises(ValueError, match=r'memory_impl="pallas": the fused LMU memory .*cpu'):
+        layer.init(jax.random.key(0), jnp.zeros((1, 4, 3)))
+    # A run saved before the key existed resumes as it ran, with the XLA path; the key does
+    # not change a trial's folder name (the same function to rounding, as loss_impl).
+    upgraded = config_lib.upgrade({"model": {"family": "lmu", "d": 8}})
+    assert upgraded["model"]["memory_impl"] == "xla"
+    assert "memory_impl" not in config_lib.upgrade({"model": {"family": "sru", "d": 8}})["model"]
+    config = base_config(named_config("lmu-55k"))
+    pallas = base_config(named_config("lmu-55k", memory_impl="pallas"))
+    assert config_hash(config) == config_hash(pallas)
+    assert config_lib.differences(config.to_dict(), pallas) == {}
+
+
+def test_training_refuses_pallas_here_before_it_writes_anything(byte_corpus, tmp_path):
+    config = small(str(byte_corpus))
+    config.model.memory_impl = "pallas"
+    with pytest.raises(config_lib.ConfigError, match=r'model\.memory_impl="pallas".*cpu'):
+        run(config, tmp_path / "run")
+    assert not (tmp_path / "run").exists()
+
+
+def test_the_block_benchmark_runs_the_kernels_and_compares_them_with_xla(interpreted):
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
+    try:
+        import lmu_memory
+    finally:
+        sys.path.pop(0)
+    shape = {"n": 12, "d": 48, "q": 50, "q_prime": 5, "theta": 350.0}
+    bench = functools.partial(lmu_memory.bench_block, shape, 1, 1, [8], ["float32"])
+    rows = bench(impls=("xla", "pallas"), model="lmu-55k")
+    assert [r["mode"] for r in rows] == ["chunked/8", "pallas/8"]
+    pallas = rows[1]
+    assert interpreted and "error" not in pallas["forward_backward"], pallas
+    for row in rows:
+        flops = row["forward_flops"]
+        assert flops == lmu_memory.block_flops(named_config("lmu-55k"), 1, 12, 8)
+        for phase, count in (("forward", flops), ("forward_backward", 3 * flops)):
+            assert row[phase]["tflops_per_s"] == count / row[phase]["median_s"] / 1e12
+    # The kernels' output and gradients against the XLA path's, in float32.
+    assert pallas["output_max_diff_rel_to_max"] <= 1e-5
+    assert pallas["grad_max_diff_rel_to_max"] <= 1e-4
+    # Where the kernels cannot run, their row says why and holds no time.
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(memory_kernel, "unsupported_reason", lambda devices=None: "no GPU here")
+        (skipped,) = bench(impls=("pallas",), model="lmu-55k")
+    assert skipped["skipped"].endswith("no GPU here") and "forward" not in skipped

@@ -13,6 +13,7 @@ from pathlib import Path
 import pytest
 from sweep_files import sweep_command, write_sweep
 
+from lmuscale import memory_kernel
 from lmuscale.models import fused_loss
 from lmuscale.outcomes import DamagedFile
 from lmuscale.sweep import BenchmarkError, SweepError, Throughput, from_benchmarks, load_sweep
@@ -111,6 +112,28 @@ def test_rows_of_the_cross_entropy_auto_would_not_take_are_left_out(tmp_path, mo
         tmp_path, H100, when, {"train/lmu": rows}, compute_capability="9.0", device_count=8
     )
     assert from_benchmarks(tmp_path, default=1e14).measured == measured
+
+
+def test_rows_of_the_lmu_memory_auto_would_not_take_are_left_out(tmp_path, monkeypatch):
+    rows = {
+        "train/lmu": [
+            row("lmu", 100, 2e13, memory_impl="xla"),
+            row("lmu", 100, 6e13, memory_impl="pallas"),
+            row("lmu", 300, 4e13),  # written before memory_impl was recorded: the XLA path
+        ],
+        "train/transformer": [row("transformer", 100, 5e13)],  # a family without the switch
+    }
+    when = "2026-11-23T10:00:00+00:00"
+    write_benchmark(tmp_path, H100, when, rows, compute_capability="9.0")
+    measured = {("lmu", 100): 2e13, ("lmu", 300): 4e13, ("transformer", 100): 5e13}
+    assert from_benchmarks(tmp_path, default=1e14).measured == measured
+    # Once the memory kernels are measured faster on this GPU, "auto" takes them: the LMU's
+    # XLA rows drop out, and the transformer's, which has no LMU memory, stay.
+    monkeypatch.setattr(memory_kernel, "FASTER_THAN_XLA", frozenset({H100}))
+    assert from_benchmarks(tmp_path, default=1e14).measured == {
+        ("lmu", 100): 6e13,
+        ("transformer", 100): 5e13,
+    }
 
 
 def test_without_a_benchmark_the_default_is_a_guess(tmp_path):

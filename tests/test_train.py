@@ -177,6 +177,8 @@ def test_final_losses_equal_a_direct_evaluation_of_every_window(finished, byte_c
         bits = per_position.mean() / math.log(2) * meta["tokens"] / meta["bytes"]
         assert summary[f"{split}_bits_per_byte"] == pytest.approx(bits, rel=1e-5)
     assert summary["status"] == "finished"
+    # What ran for each kernel switch ("auto" in the config), resolved on this CPU.
+    assert (summary["loss_impl"], summary["memory_impl"]) == ("xla", "xla")
     assert summary["params"]["non_embedding"] == count_params(model.config).non_embedding
     assert summary["tokens"] == 12 * 8 * 32
 

@@ -25,7 +25,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
-from lmuscale import lmu
+from lmuscale import kernels, lmu, memory_kernel
 
 Initializer = Callable[..., jax.Array]
 DEFAULT_INIT: Initializer = nn.initializers.lecun_normal()
@@ -165,12 +165,27 @@ implicit_attention.defvjp(_implicit_attention_fwd, _implicit_attention_bwd)
 MEMORY_MODES = ("chunked", "fft")
 
 
+def check_memory_impl(memory_mode: str, memory_impl: str, owner: str = "") -> None:
+    """A ``ValueError`` naming ``owner``'s key unless ``memory_impl`` is one of
+    ``memory_kernel.MEMORY_IMPLS``, and "pallas" comes with the chunked memory (the fused
+    kernels take the chunk products' operand; the FFT path has none)."""
+    kernels.check(f"{owner}memory_impl", memory_impl)
+    if memory_impl == "pallas" and memory_mode != "chunked":
+        raise ValueError(
+            f'{owner}memory_impl="pallas" fuses the chunked memory with the implicit attention, '
+            f'but {owner}memory_mode is {memory_mode!r}: use memory_mode="chunked", or '
+            f'memory_impl "auto" or "xla"'
+        )
+
+
 class ImplicitSelfAttention(nn.Module):
     """The LMU memory (window ``theta``, order ``q``) of a d-channel input, read by implicit
     self-attention through three learned ``L_i`` (``q_prime`` x q) to Q, K, V. In parallel
     mode only ``L M_t`` is formed, by chunked matrix products (``memory_mode`` "chunked",
     ``memory_chunk`` steps each; one bf16 pass in a bf16 model) or by FFT with the L_i folded
-    into the impulse response ("fft"). In step mode the state is the float32 memory
+    into the impulse response ("fft"). ``memory_impl`` picks how the chunked products and the
+    attention run: "xla", "pallas" (``memory_kernel``: fused, nothing q' wide in memory) or
+    "auto" (``memory_kernel.resolve``). In step mode the state is the float32 memory
     ``m_BxDxQ``. ``batch_chunk`` sequences (0: all) run at a time in parallel mode, each chunk
     rematerialised in the backward pass, so only one chunk's temporaries are alive."""
 
@@ -181,10 +196,12 @@ class ImplicitSelfAttention(nn.Module):
     memory_mode: str = "chunked"
     memory_chunk: int = lmu.DEFAULT_CHUNK
     batch_chunk: int = 0
+    memory_impl: str = "auto"
 
     def setup(self):
         if self.memory_mode not in MEMORY_MODES:
             raise ValueError(f"memory_mode must be one of {MEMORY_MODES}, got {self.memory_mode!r}")
+        check_memory_impl(self.memory_mode, self.memory_impl)
         k, q = self.q_prime, self.q
         # Fan-in is the order axis, the axis each L_i contracts.
         l_init = nn.initializers.variance_scaling(
@@ -211,7 +228,18 @@ class ImplicitSelfAttention(nn.Module):
             x_BxTxD.astype(jnp.float32), self.q, self.theta, chunk=self.memory_chunk, dtype=operand
         )
         c = x_BxJxDxZ.shape[-1] - self.q
-        weights = (lmu.chunk_weights(self.q, self.theta, c, l_KxQ) for l_KxQ in self.l)
+        weights = [lmu.chunk_weights(self.q, self.theta, c, l_KxQ) for l_KxQ in self.l]
+        if memory_kernel.resolve(self.memory_impl) == "pallas":
+            m_BxJxcxD = memory_kernel.memory_attention(
+                x_BxJxDxZ,
+                jnp.stack(weights),
+                self.bias,
+                self.p,
+                precision=precision,
+                dtype=self.dtype,
+            )
+            m_BxTxD = m_BxJxcxD.reshape(x_BxTxD.shape[0], -1, x_BxTxD.shape[2])
+            return m_BxTxD[:, :length]
         qkv_3xBxJxDxKxc = [
             lmu.chunk_product(x_BxJxDxZ, w_ZxKxc, precision, out_dtype=self.dtype)
             for w_ZxKxc in weights

@@ -20,6 +20,7 @@ from lmuscale.layers import (
     MEMORY_MODES,
     GlobalSelfAttention,
     ImplicitSelfAttention,
+    check_memory_impl,
     kv_cache,
     layer_norm,
 )
@@ -39,7 +40,9 @@ class LMUConfig(Registered):
     """Everything that fixes an LMU language model's function and parameter shapes. ``theta``
     is in tokens; ``q_prime`` is the rows of each L_i. The _G variant (``global_attention``,
     with ``n_heads``) ignores ``pre_ffn_dim``: attention replaces the pre-FFN. ``memory_mode``,
-    ``memory_chunk`` and ``batch_chunk`` are as in ``layers.ImplicitSelfAttention``: batch
+    ``memory_chunk``, ``memory_impl`` and ``batch_chunk`` are as in
+    ``layers.ImplicitSelfAttention`` (``memory_impl`` resolved only when a model traces its
+    memory, as ``loss_impl`` is when it traces its loss): batch
     chunks of 2 cut XLA's buffers for a (16, 1024) Adam step of lmu-1M on CPU from 7.7 to 2.1 GB;
     on an accelerator 0 with micro-batches is faster. The rest is as in ``base.RecurrentConfig``."""
 
@@ -59,6 +62,7 @@ class LMUConfig(Registered):
     remat: bool = False
     batch_chunk: int = 2
     loss_impl: str = "auto"
+    memory_impl: str = "auto"
 
     def __post_init__(self):
         check_config(
@@ -73,6 +77,7 @@ class LMUConfig(Registered):
                 f"LMUConfig.memory_mode must be one of {MEMORY_MODES}, got {self.memory_mode!r}"
             )
         check_positive(self, "memory_chunk")
+        check_memory_impl(self.memory_mode, self.memory_impl, "LMUConfig.")
         if self.batch_chunk < 0:
             raise ValueError(f"LMUConfig.batch_chunk must be >= 0, got {self.batch_chunk!r}")
         if self.global_attention and self.d % self.n_heads:
@@ -96,7 +101,14 @@ class LMUBlock(nn.Module):
             self.pre = FFN(c.pre_ffn_dim, dtype=dtype)
         self.norm_memory = layer_norm(dtype)
         self.memory = ImplicitSelfAttention(
-            c.q, c.q_prime, c.theta, dtype, c.memory_mode, c.memory_chunk, c.batch_chunk
+            c.q,
+            c.q_prime,
+            c.theta,
+            dtype,
+            c.memory_mode,
+            c.memory_chunk,
+            c.batch_chunk,
+            c.memory_impl,
         )
         self.norm_post = layer_norm(dtype)
         self.post = FFN(c.post_ffn_dim, dtype=dtype)

@@ -21,6 +21,8 @@ from datetime import UTC, datetime
 from pathlib import Path
 from types import SimpleNamespace
 
+from lmuscale import memory_kernel
+from lmuscale.models import family as families
 from lmuscale.models import fused_loss
 from lmuscale.outcomes import DataError
 
@@ -198,9 +200,9 @@ def _read(path: Path, shape: tuple[int, int, str]) -> _Benchmark:
             for name, part in data[key].items()
             if name.startswith("train/")
         ]
-        auto = _auto_loss(machine)
-    else:
-        rows, auto = [("results", data[key])], "xla"  # train_throughput ran the XLA loss
+        auto = _auto_kernels(machine)
+    else:  # train_throughput ran the XLA paths
+        rows, auto = [("results", data[key])], {"loss_impl": "xla", "memory_impl": "xla"}
     return _Benchmark(
         path,
         str(machine.get("platform", "gpu")),
@@ -212,8 +214,9 @@ def _read(path: Path, shape: tuple[int, int, str]) -> _Benchmark:
     )
 
 
-def _auto_loss(machine: dict) -> str:
-    """The cross-entropy ``loss_impl="auto"`` took on a benchmark's machine."""
+def _auto_kernels(machine: dict) -> dict[str, str]:
+    """What each kernel switch's "auto" took on a benchmark's machine: ``{"loss_impl": ...,
+    "memory_impl": ...}``."""
     devices = [
         SimpleNamespace(
             platform=machine.get("platform", "gpu"),
@@ -221,17 +224,31 @@ def _auto_loss(machine: dict) -> str:
             compute_capability=machine.get("compute_capability", ""),
         )
     ] * int(machine.get("device_count", 1))
-    return fused_loss.resolve("auto", devices)
+    return {
+        "loss_impl": fused_loss.resolve("auto", devices),
+        "memory_impl": memory_kernel.resolve("auto", devices),
+    }
+
+
+def _ran_auto(row: dict, family: str, auto: dict[str, str]) -> bool:
+    """Whether a benchmark row ran what "auto" takes (``auto``) for each of its family's kernel
+    switches; a row that names no choice ran "xla" (it predates the switch)."""
+    record = families.REGISTRY.get(family)
+    fields = {f.name for f in dataclasses.fields(record.config)} if record else set()
+    return all(row.get(key, "xla") == impl for key, impl in auto.items() if key in fields)
 
 
 def _speeds(
-    path: Path, parts: list[tuple[str, list | None]], shape: tuple[int, int, str], auto: str
+    path: Path,
+    parts: list[tuple[str, list | None]],
+    shape: tuple[int, int, str],
+    auto: dict[str, str],
 ) -> dict[tuple[str, int], tuple[float, float | None]]:
     """(model FLOP/s, tokens/s) by (family, N): the medians of the training rows (gpu.py's
     ``train/*`` parts; train_throughput.py's results) at ``shape`` (seq_len, batch, dtype)
-    that ran the cross-entropy ``loss_impl="auto"`` takes on that device (rows that do not
-    name it ran "xla"). tokens/s only where the row gives its FLOPs per token; rows without a
-    speed, or with ``error``, are left out."""
+    that ran the kernels "auto" takes on that device (``auto``: ``loss_impl`` and, for the
+    LMU families, ``memory_impl``; rows that do not name one ran "xla"). tokens/s only where
+    the row gives its FLOPs per token; rows without a speed, or with ``error``, are left out."""
     speeds: dict[tuple[str, int], list[tuple[float, float | None]]] = {}
     for where, rows in parts:
         if not isinstance(rows, list):
@@ -259,7 +276,7 @@ def _speeds(
                 )
             tokens = flops / per_token if _positive(per_token) else None
             got = (row.get("seq_len"), row.get("batch"), row.get("dtype", shape[2]))
-            if got == shape and row.get("loss_impl", "xla") == auto:
+            if got == shape and _ran_auto(row, family, auto):
                 speeds.setdefault((family, n), []).append((float(flops), tokens))
     return {
         key: (

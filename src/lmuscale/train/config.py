@@ -17,6 +17,7 @@ from pathlib import Path
 
 from ml_collections import ConfigDict
 
+from lmuscale import memory_kernel
 from lmuscale.models import ModelConfig, fused_loss
 from lmuscale.models import family as families
 from lmuscale.models.base import loss_impl_of
@@ -32,6 +33,7 @@ RESUMABLE_CHANGES = (
     "peak_flops",
     "train.memory_budget_gb",
     "model.loss_impl",  # the same loss to rounding (models.fused_loss)
+    "model.memory_impl",  # the same LMU memory to rounding (memory_kernel)
 )
 # Keys added after runs were saved, with the value those runs had in effect (``upgrade``).
 ADDED_KEYS = {
@@ -46,7 +48,7 @@ ADDED_KEYS = {
     "log.profile_start": 10,
 }
 # The same for model config fields, filled in only for a family whose config has the field.
-ADDED_MODEL_FIELDS = {"loss_impl": "xla"}
+ADDED_MODEL_FIELDS = {"loss_impl": "xla", "memory_impl": "xla"}
 POSITIVE = (lambda v: v >= 1, "> 0")
 NON_NEGATIVE = (lambda v: v >= 0, ">= 0")
 # Each checked key's valid values: (test, the range as the error message says it). Floats must
@@ -202,6 +204,29 @@ def loss_implementation(model: ModelConfig) -> str:
         return fused_loss.resolve(loss_impl_of(model))
     except ValueError as error:
         raise ConfigError(f"model.{error}") from None
+
+
+def memory_implementation(model: ModelConfig) -> str | None:
+    """The LMU memory this process runs for ``model.memory_impl``: "xla" or "pallas", or None
+    for a family without that key. A ``ConfigError`` where "pallas" cannot run here."""
+    impl = getattr(model, "memory_impl", None)
+    if impl is None:
+        return None
+    try:
+        return memory_kernel.resolve(impl)
+    except ValueError as error:
+        raise ConfigError(f"model.{error}") from None
+
+
+def kernel_implementations(model: ModelConfig) -> dict[str, str]:
+    """What runs for each kernel switch of ``model``: ``{"loss_impl": ..., "memory_impl": ...}``
+    (no "memory_impl" for a family without one), each "xla" or "pallas"; a ``ConfigError``
+    naming the key where "pallas" cannot run here, raised before anything is written."""
+    chosen = {"loss_impl": loss_implementation(model)}
+    memory = memory_implementation(model)
+    if memory is not None:
+        chosen["memory_impl"] = memory
+    return chosen
 
 
 def flatten(config, prefix: str = "") -> dict:

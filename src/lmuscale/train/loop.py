@@ -190,7 +190,7 @@ def run(
     summary = workdir_lib.finished(workdir)
     if summary is not None:
         return summary
-    config_lib.loss_implementation(model_config)  # "pallas" where it cannot run: refused now
+    config_lib.kernel_implementations(model_config)  # "pallas" where it cannot run: refused now
     if primary:
         wandb_log.require(c)
     dataset = open_data(c, model_config, primary, show)
@@ -306,7 +306,7 @@ class Program:
     """The run's model compiled for the mesh: its steps, initial state and FLOPs per token."""
 
     model_config: object
-    loss_impl: str  # the cross-entropy's implementation
+    kernels: dict  # what runs for each kernel switch (config.kernel_implementations)
     init: Callable[[], dict]
     shardings: dict  # the state's, a tree like it
     plan: memory.Plan
@@ -316,9 +316,17 @@ class Program:
     flops: object  # flops_per_token's
 
 
+KERNEL_NAMES = {"loss_impl": "cross-entropy", "memory_impl": "LMU memory"}
+
+
+def describe_kernels(kernels: dict) -> str:
+    """``cross-entropy: xla; LMU memory: xla``: what runs for each switch."""
+    return "; ".join(f"{KERNEL_NAMES[key]}: {impl}" for key, impl in kernels.items())
+
+
 def compile_program(c, workdir: Path, model_config, mesh, primary: bool) -> Program:
     """Plans the micro-batches (``train.memory``), writes plan.json and compiles the steps."""
-    loss_impl = config_lib.loss_implementation(model_config)
+    kernels = config_lib.kernel_implementations(model_config)
     model = build(model_config)
     tx, lr = optim.optimizer(c.optim, c.train.steps)
     plateau = optim.plateau(c.optim)
@@ -329,10 +337,10 @@ def compile_program(c, workdir: Path, model_config, mesh, primary: bool) -> Prog
     )
     if primary:
         memory.write(workdir, plan)
-        print(f"train step: {memory.describe(plan)}; cross-entropy: {loss_impl}", flush=True)
+        print(f"train step: {memory.describe(plan)}; {describe_kernels(kernels)}", flush=True)
     return Program(
         model_config=model_config,
-        loss_impl=loss_impl,
+        kernels=kernels,
         init=init,
         shardings=step_lib.state_shardings(mesh, abstract),
         plan=plan,
@@ -503,7 +511,7 @@ def sizes(c, program: Program) -> dict:
     return {
         "name": c.name,
         "family": program.model_config.family,
-        "loss_impl": program.loss_impl,
+        **program.kernels,
         "params": {**dataclasses.asdict(params), "total": params.total},
         "flops_per_token": {"forward": program.flops.forward, "train": program.flops.train},
         "seq_len": c.data.seq_len,
