@@ -38,8 +38,9 @@ def inputs(batch, n, channels, order, reduced, dtype, seed=0):
     return [jnp.asarray(a, dtype) for a in (u, l_3xKxQ, bias, p)]
 
 
-def through_kernel(u, l_3xKxQ, bias, p, *, chunk, precision="exact", dtype=None):
-    """The layer's chunked path with the fused kernels: ``m_BxTxD``."""
+def through_kernel(u, l_3xKxQ, bias, p, *, chunk, precision="exact", dtype=None, block=16):
+    """The layer's chunked path with the fused kernels, ``block`` channels at a time:
+    ``m_BxTxD``."""
     order = l_3xKxQ.shape[-1]
     operand = jnp.bfloat16 if precision == "fast" else None
     x, _ = lmu.chunk_operands(u, order, THETA, chunk=chunk, dtype=operand)
@@ -47,7 +48,7 @@ def through_kernel(u, l_3xKxQ, bias, p, *, chunk, precision="exact", dtype=None)
     w = jnp.stack([lmu.chunk_weights(order, THETA, c, l_KxQ, dtype=u.dtype) for l_KxQ in l_3xKxQ])
     dtype = u.dtype if dtype is None else dtype
     m = memory_kernel.memory_attention(
-        x, w, bias, p, precision=precision, dtype=dtype, interpret=True
+        x, w, bias, p, precision=precision, dtype=dtype, channel_block=block, interpret=True
     )
     return m.reshape(m.shape[0], -1, m.shape[-1])[:, : u.shape[1]]
 
@@ -88,7 +89,10 @@ def value_and_grads(path, args, cotangent, **options):
 SHAPES = [(2, 20, 3, 6, 4, 8), (1, 37, 5, 40, 3, 16), (2, 5, 2, 8, 2, 8)]
 
 
-@pytest.mark.parametrize("shape", SHAPES, ids=lambda s: "x".join(map(str, s)))
+# 40 channels are three blocks of 16, the last with 8 channels of padding.
+@pytest.mark.parametrize(
+    "shape", [*SHAPES, (2, 13, 40, 10, 3, 8)], ids=lambda s: "x".join(map(str, s))
+)
 def test_values_and_gradients_equal_the_float64_recurrence(shape):
     batch, n, channels, order, reduced, chunk = shape
     with jax.enable_x64(True):
@@ -169,9 +173,10 @@ def test_the_kernels_are_causal():
 @pytest.mark.parametrize(("dtype", "precision"), [(jnp.bfloat16, "fast"), (jnp.float32, "exact")])
 def test_the_kernels_lower_to_triton_for_an_nvidia_gpu(dtype, precision):
     # lmu-1M's layer (d 204, q 220, q' 22, chunk 64), lowered for CUDA here without a GPU:
-    # every primitive of the three kernels has a Triton lowering rule and every loaded block a
-    # shape Triton takes. Triton's compile (registers, shared memory), the run and its speed
-    # need the GPU (benchmarks/gpu.py's block part).
+    # every primitive of the four kernels has a Triton lowering rule and every loaded block a
+    # shape Triton takes. Triton's compile for an H100 (registers, shared memory) is checked
+    # by benchmarks/kernel_resources.py with the CUDA plugin; the run and its speed need the
+    # GPU (benchmarks/gpu.py's block part).
     x = jax.ShapeDtypeStruct((2, 3, 204, 64 + 220), dtype)
     w = jax.ShapeDtypeStruct((3, 64 + 220, 22, 64), jnp.float32)
     bias, p = jax.ShapeDtypeStruct((3, 22), jnp.float32), jax.ShapeDtypeStruct((22,), jnp.float32)
@@ -182,7 +187,8 @@ def test_the_kernels_lower_to_triton_for_an_nvidia_gpu(dtype, precision):
 
     step = jax.jit(jax.value_and_grad(loss, argnums=range(4)))
     text = step.trace(x, w, bias, p).lower(lowering_platforms=("cuda",)).as_text()
-    assert text.count("xla.gpu.triton") == 3  # forward, the operand's and the weights' gradients
+    # The forward; the scores' gradient, the operand's and the weights'.
+    assert text.count("xla.gpu.triton") == 4
 
 
 def test_the_gelu_without_erf_equals_the_exact_one():
@@ -260,15 +266,18 @@ def small_lmu(family: str, **overrides) -> LMUConfig:
     return dataclasses.replace(config, **overrides)
 
 
-@pytest.mark.parametrize("family", ["lmu", "lmu_g"])
-def test_a_model_through_the_kernels_equals_its_recurrence_and_the_xla_path(family, interpreted):
-    config = small_lmu(family, memory_impl="pallas")
+# The LMU one sequence at a time (batch_chunk 1: a rematerialised map over the batch).
+@pytest.mark.parametrize(("family", "batch_chunk"), [("lmu", 1), ("lmu_g", 0)])
+def test_a_model_through_the_kernels_equals_its_recurrence_and_the_xla_path(
+    family, batch_chunk, interpreted
+):
+    config = small_lmu(family, memory_impl="pallas", batch_chunk=batch_chunk)
     model, xla_model = build(config), build(dataclasses.replace(config, memory_impl="xla"))
     params = jiggle(jax.jit(model.init)(jax.random.key(0), jnp.zeros((1, 8), jnp.int32)), 0.3)
     tokens = random_tokens(config, 2, 21)
     interpreted.clear()  # init traced them too
     parallel = jax.jit(model.apply)(params, tokens)
-    assert interpreted == [(2, 3, 8, 12 + 8)]  # through the kernels
+    assert interpreted == [(batch_chunk or 2, 3, 8, 12 + 8)]  # through the kernels
     recurrent, _ = decode(model, params, tokens)
     assert float(jnp.abs(parallel).max()) > 3.0  # logits large enough to show an error
     assert float(jnp.abs(parallel - recurrent).max()) <= PARALLEL_VS_RECURRENT

@@ -1,0 +1,254 @@
+"""What each Pallas kernel asks of an H100, found without one: registers, spills, shared memory.
+
+    pip install "jax-cuda12-plugin==$(python -c 'import jaxlib; print(jaxlib.__version__)')"
+    JAX_PLATFORMS=cpu python benchmarks/kernel_resources.py [--sizes 55k 1M] [--out FILE]
+
+Each kernel (the fused LMU memory's three, ``memory_kernel``, at each Table 3 LMU size with its
+chunk of 64, and the fused cross-entropy's three, ``models.fused_loss``, at d = 48 and 204) is
+lowered for CUDA here, its Triton module compiled to PTX for sm_90a by the Triton that the CUDA
+plugin of this jaxlib carries (the compiler XLA runs on a GPU), and the PTX assembled by
+``ptxas -v`` (CUDA's, on PATH). Nothing runs: no GPU is needed, only the plugin's wheel, which
+imports on a machine without CUDA when ``JAX_PLATFORMS=cpu``.
+
+Each row: the shared memory the program needs (Triton's count), and from ptxas the registers
+per thread, the spill stores and loads (bytes of local-memory traffic the code has, not
+counts of execution) and the stack frame. An H100 gives a program at most 227 KB of shared
+memory (``SHARED_LIMIT``): a kernel asking more is refused when XLA compiles it, and so can
+never run there. Spills and stack are slow local memory. Times are not measured here:
+``benchmarks/gpu.py``'s ``block`` and ``loss`` parts measure them on a GPU.
+"""
+
+from __future__ import annotations
+
+import argparse
+import concurrent.futures
+import io
+import os
+import re
+import shutil
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+os.environ.setdefault("JAX_PLATFORMS", "cpu")
+
+import jax
+import jax.numpy as jnp
+from common import machine, print_table, versions, write_json
+
+from lmuscale import memory_kernel
+from lmuscale.models import fused_loss, named_config
+
+SHARED_LIMIT = 227 * 1024  # bytes of shared memory an H100 gives one program (block)
+ARCH = "9.0"  # the H100's compute capability; ptxas takes sm_90a, the features Triton uses
+CHUNK = 64  # lmu.DEFAULT_CHUNK, the paper configs' chunk
+PTXAS_SECONDS = 900
+
+
+def _lowering_hooks():
+    """The Triton lowering's module builder and the plugin's compiler, or a SystemExit that
+    says what to install."""
+    from jax._src.lib import triton
+    from jax._src.pallas.triton import lowering
+
+    jax.devices()  # starts the backends: the CUDA plugin registers its Triton compiler then
+    if not triton.has_compilation_handler("cuda"):
+        raise SystemExit(
+            "no Triton compiler for CUDA in this process: install the CUDA plugin of this "
+            f'jaxlib ({jax.__version__}): pip install "jax-cuda12-plugin=={jax.__version__}", '
+            "and run with JAX_PLATFORMS=cpu"
+        )
+    if shutil.which("ptxas") is None:
+        raise SystemExit("ptxas not found on PATH: it comes with the CUDA toolkit")
+    return lowering, triton
+
+
+def triton_modules(function, args) -> list[tuple[str, bytes]]:
+    """``(kernel name, Triton module bytecode)`` of every ``pallas_call`` in ``function``,
+    lowered for CUDA."""
+    lowering, _ = _lowering_hooks()
+    captured, build = [], lowering.lower_jaxpr_to_triton_module
+
+    def capture(jaxpr, *rest, **options):
+        result = build(jaxpr, *rest, **options)
+        buffer = io.BytesIO()
+        result.module.operation.write_bytecode(buffer)
+        captured.append((jaxpr.debug_info.func_name.lstrip("_"), buffer.getvalue()))
+        return result
+
+    lowering.lower_jaxpr_to_triton_module = capture
+    try:
+        jax.jit(function).trace(*args).lower(lowering_platforms=("cuda",))
+    finally:
+        lowering.lower_jaxpr_to_triton_module = build
+    return captured
+
+
+def _ptxas(ptx: str, folder: Path, name: str) -> dict:
+    path = folder / f"{name}.ptx"
+    path.write_text(ptx)
+    command = ["ptxas", "-v", f"-arch=sm_{ARCH.replace('.', '')}a", str(path), "-o", os.devnull]
+    try:
+        done = subprocess.run(command, capture_output=True, text=True, timeout=PTXAS_SECONDS)
+    except subprocess.TimeoutExpired:
+        return {"ptxas_error": f"ptxas ran over {PTXAS_SECONDS} s"}
+    if done.returncode:
+        return {"ptxas_error": done.stderr.strip()[-300:]}
+
+    def number(pattern):
+        found = re.search(pattern, done.stderr)
+        return int(found.group(1)) if found else None
+
+    return {
+        "registers": number(r"Used (\d+) registers"),
+        "spill_store_bytes": number(r"(\d+) bytes spill stores"),
+        "spill_load_bytes": number(r"(\d+) bytes spill loads"),
+        "stack_frame_bytes": number(r"(\d+) bytes stack frame"),
+    }
+
+
+def compile_rows(label: str, function, args, warps: int, stages: int) -> list[dict]:
+    """One row per kernel of ``function``: Triton's shared memory, and ptxas's counts."""
+    _, triton = _lowering_hooks()
+    rows, ptx = [], {}
+    for name, module in triton_modules(function, args):
+        row = {"case": label, "kernel": name, "num_warps": warps, "num_stages": stages}
+        try:
+            result = triton.compile(
+                "cuda", module, ARCH, num_warps=warps, num_ctas=1, num_stages=stages
+            )
+        except Exception as error:  # a Triton compile error: the kernel cannot run as written
+            rows.append({**row, "triton_error": f"{type(error).__name__}: {error}"[:500]})
+            continue
+        row["shared_bytes"] = result.smem_bytes
+        row["fits_h100"] = result.smem_bytes <= SHARED_LIMIT
+        ptx[len(rows)] = result.asm
+        rows.append(row)
+    with tempfile.TemporaryDirectory() as scratch, concurrent.futures.ThreadPoolExecutor() as pool:
+        done = {
+            i: pool.submit(_ptxas, text, Path(scratch), f"{label}-{rows[i]['kernel']}")
+            for i, text in ptx.items()
+        }
+        for i, future in done.items():
+            rows[i].update(future.result())
+    for row in rows:
+        _print_row(row)
+    return rows
+
+
+def memory_rows(size: str) -> list[dict]:
+    """The fused memory's kernels, forward and backward, at an LMU size's (d, q, q')."""
+    config = named_config(f"lmu-{size}")
+    d, q, k = config.d, config.q, config.q_prime
+    options = memory_kernel._pallas_call.keywords["compiler_params"]
+    rows = []
+    for dtype, precision in ((jnp.bfloat16, "fast"), (jnp.float32, "exact")):
+        x = jax.ShapeDtypeStruct((2, 3, d, CHUNK + q), dtype)
+        w = jax.ShapeDtypeStruct((3, CHUNK + q, k, CHUNK), jnp.float32)
+        bias, p = jax.ShapeDtypeStruct((3, k), jnp.float32), jax.ShapeDtypeStruct((k,), jnp.float32)
+
+        def loss(*args, precision=precision, dtype=dtype):
+            m = memory_kernel.memory_attention(*args, precision=precision, dtype=dtype)
+            return jnp.sum(m.astype(jnp.float32))
+
+        label = f"memory lmu-{size} {jnp.dtype(dtype).name}"
+        step = jax.value_and_grad(loss, argnums=range(4))
+        rows += compile_rows(label, step, (x, w, bias, p), options.num_warps, options.num_stages)
+    for row in rows:
+        row.update(d=d, q=q, q_prime=k, chunk=CHUNK)
+    return rows
+
+
+def loss_rows(width: int) -> list[dict]:
+    """The fused cross-entropy's kernels at width d (GPT-2's vocabulary, 2048 tokens)."""
+    options = fused_loss._pallas_call.keywords["compiler_params"]
+    rows = []
+    for dtype in (jnp.bfloat16, jnp.float32):
+        h = jax.ShapeDtypeStruct((2, 1024, width), dtype)
+        w = jax.ShapeDtypeStruct((50257, width), jnp.float32)
+        targets = jax.ShapeDtypeStruct((2, 1024), jnp.int32)
+
+        def loss(h, w, targets):
+            return jnp.mean(fused_loss.cross_entropy(h, w, targets))
+
+        label = f"loss d={width} {jnp.dtype(dtype).name}"
+        step = jax.value_and_grad(loss, argnums=(0, 1))
+        rows += compile_rows(label, step, (h, w, targets), options.num_warps, options.num_stages)
+    for row in rows:
+        row.update(d=width)
+    return rows
+
+
+def _print_row(row: dict) -> None:
+    problem = row.get("triton_error") or row.get("ptxas_error")
+    if problem:
+        print(f"  {row['case']} {row['kernel']}: {problem[:200]}", file=sys.stderr, flush=True)
+        return
+    print(
+        f"  {row['case']} {row['kernel']}: shared {row['shared_bytes'] / 1024:.0f} KB, "
+        f"{row['registers']} registers, spills {row['spill_store_bytes']} B",
+        file=sys.stderr,
+        flush=True,
+    )
+
+
+def print_rows(rows: list[dict]) -> None:
+    def cell(row, key, scale=1):
+        value = row.get(key)
+        return "-" if value is None else f"{value / scale:,.0f}"
+
+    table = [
+        (
+            row["case"],
+            row["kernel"],
+            cell(row, "shared_bytes", 1024),
+            "yes" if row.get("fits_h100") else "no",
+            cell(row, "registers"),
+            cell(row, "spill_store_bytes"),
+            cell(row, "spill_load_bytes"),
+            cell(row, "stack_frame_bytes"),
+            (row.get("triton_error") or row.get("ptxas_error") or "")[:60],
+        )
+        for row in rows
+    ]
+    header = ("case", "kernel", "shared KB", "fits", "regs", "spill st B", "spill ld B", "stack B")
+    print_table(
+        f"Pallas kernels compiled for sm_90a (an H100 gives a program {SHARED_LIMIT // 1024} KB "
+        "of shared memory)",
+        (*header, "error"),
+        table,
+        left=2,
+    )
+
+
+def main(argv=None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--sizes", nargs="+", default=["55k", "1M"], help="LMU Table 3 sizes")
+    parser.add_argument("--widths", nargs="+", type=int, default=[48, 204], help="loss: d")
+    parser.add_argument(
+        "--out",
+        type=Path,
+        default=Path(__file__).parent / "results" / "kernel_resources-sm90a.json",
+    )
+    args = parser.parse_args(argv)
+    _lowering_hooks()
+    rows = []
+    for size in args.sizes:
+        rows += memory_rows(size)
+    for width in args.widths:
+        rows += loss_rows(width)
+    print_rows(rows)
+    record = {
+        "benchmark": "kernel_resources",
+        "machine": machine(),
+        "versions": versions(),
+        "target": f"sm_{ARCH.replace('.', '')}a",
+        "shared_limit_bytes": SHARED_LIMIT,
+        "rows": rows,
+    }
+    write_json(args.out, record)
+
+
+if __name__ == "__main__":
+    main()
