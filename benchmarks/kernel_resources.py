@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import argparse
 import concurrent.futures
+import importlib.metadata
 import io
 import os
 import re
@@ -239,10 +240,15 @@ def main(argv=None) -> None:
     for width in args.widths:
         rows += loss_rows(width)
     print_rows(rows)
+    ptxas = subprocess.run(["ptxas", "--version"], capture_output=True, text=True).stdout
     record = {
         "benchmark": "kernel_resources",
         "machine": machine(),
         "versions": versions(),
+        "compilers": {
+            "jax-cuda12-plugin": importlib.metadata.version("jax-cuda12-plugin"),
+            "ptxas": ptxas.strip().splitlines()[-1] if ptxas.strip() else None,
+        },
         "target": f"sm_{ARCH.replace('.', '')}a",
         "shared_limit_bytes": SHARED_LIMIT,
         "rows": rows,
