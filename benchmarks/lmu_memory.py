@@ -212,7 +212,7 @@ def bench_block(
         x = jnp.asarray(rng.standard_normal((batch, shape["n"], config.d)), jnp.float32)
         variants = [("fft", lmu.DEFAULT_CHUNK)] * ("fft" in impls)
         variants += [(impl, c) for c in chunks for impl in ("xla", "pallas") if impl in impls]
-        outputs = {}  # the XLA path's output and gradients, per chunk
+        outputs = {}  # the XLA path's output and gradients in this dtype, per chunk
         for impl, c in variants:
             name = {"fft": "fft", "xla": f"chunked/{c}", "pallas": f"pallas/{c}"}[impl]
             row = {"mode": name, "impl": impl, "chunk": c, "batch": batch, "n": shape["n"]}
@@ -243,13 +243,12 @@ def bench_block(
                 try:
                     result = (forward(params, x), backward(params, x))
                     if impl == "xla":
-                        outputs[(dtype, c)] = result
-                    elif (dtype, c) in outputs:
-                        row.update(_largest_differences(result, outputs[(dtype, c)]))
+                        outputs[c] = result
+                    elif c in outputs:
+                        row.update(_largest_differences(result, outputs[c]))
                 except Exception as error:  # an out-of-memory holding both: say so
                     row["comparison_error"] = f"{type(error).__name__}: {error}"[:300]
             rows.append(row)
-        outputs.clear()
     return rows
 
 

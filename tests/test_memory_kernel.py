@@ -225,6 +225,9 @@ def test_bad_shapes_and_precisions_are_named():
         memory_kernel.memory_attention(x, w[:, :13], bias, p)
     with pytest.raises(ValueError, match=r"p \(K,\), got .* and \(5,\)"):
         memory_kernel.memory_attention(x, w, bias, jnp.zeros(5))
+    for block in (8, 48):
+        with pytest.raises(ValueError, match=rf"power of two >= 16, got {block}"):
+            memory_kernel.memory_attention(x, w, bias, p, channel_block=block)
 
 
 # ---------------------------------------------------------------- the switch, and the models

@@ -167,6 +167,12 @@ def _rows(block_index, shape: _Shape):
     return pl.ds(pl.multiple_of(block_index * shape.block, shape.block), shape.block)
 
 
+def _block(xu_ref, xm_ref, block_index, shape: _Shape):
+    """A chunk's operand for one block of channels: its input and state parts."""
+    rows = _rows(block_index, shape)
+    return _operand(xu_ref[rows, :], shape), _operand(xm_ref[rows, :], shape)
+
+
 def _weights_at(wu_ref, wm_ref, i, t, shape: _Shape):
     """Projection i's weights at step t of the chunk: ``(c' x K', q' x K')``."""
     return _operand(wu_ref[i, t], shape), _operand(wm_ref[i, t], shape)
@@ -224,7 +230,7 @@ def _forward_kernel(xu_ref, xm_ref, wu_ref, wm_ref, bias_ref, p_ref, m_ref, *sav
         weights = [_weights_at(wu_ref, wm_ref, i, t, shape) for i in range(3)]
 
         def scores_of_block(b, scores):
-            xu, xm = (_operand(ref[_rows(b, shape), :], shape) for ref in (xu_ref, xm_ref))
+            xu, xm = _block(xu_ref, xm_ref, b, shape)
             real = _real(b, shape)
             gq, gk = (
                 _operand(gelu_and_grad(_pre(xu, xm, weights[i], biases[i], shape))[0] * real, shape)
@@ -236,7 +242,7 @@ def _forward_kernel(xu_ref, xm_ref, wu_ref, wm_ref, bias_ref, p_ref, m_ref, *sav
         probs, w = _attention_weights(lax.fori_loop(0, blocks, scores_of_block, scores), p, shape)
 
         def output_of_block(b, carry):
-            xu, xm = (_operand(ref[_rows(b, shape), :], shape) for ref in (xu_ref, xm_ref))
+            xu, xm = _block(xu_ref, xm_ref, b, shape)
             gv = gelu_and_grad(_pre(xu, xm, weights[2], biases[2], shape))[0]
             out = jnp.sum(gv * w[None, :], axis=1)
             m_ref[pl.ds(t, 1), _rows(b, shape)] = out[None, :].astype(m_ref.dtype)
@@ -275,7 +281,7 @@ def _scores_grad_kernel(
         weights = _weights_at(wu_ref, wm_ref, 2, t, shape)
 
         def dw_of_block(b, dw):
-            xu, xm = (_operand(ref[_rows(b, shape), :], shape) for ref in (xu_ref, xm_ref))
+            xu, xm = _block(xu_ref, xm_ref, b, shape)
             gv = gelu_and_grad(_pre(xu, xm, weights, biases[2], shape))[0] * _real(b, shape)
             dm = dm_ref[t, _rows(b, shape)].astype(shape.wide)
             return dw + jnp.sum(gv * dm[:, None], axis=0)
@@ -393,10 +399,6 @@ def _sizes(x_BxJxDxZ, w_3xZxKxc):
     return channels, reduced, c, order
 
 
-def _block_for(channels: int, channel_block: int) -> int:
-    return min(channel_block, padded(channels))
-
-
 def _kernel_operands(x_BxJxDxZ, w_3xZxKxc, bias_3xK, p_K, block: int):
     """Zero-padded operands: the input and state parts of x, ``(B, J, D', c')`` and
     ``(B, J, D', q')`` with D' whole blocks of channels; of w by step, ``(3, c', c', K')`` and
@@ -423,9 +425,9 @@ def _per_chunk(*shape):
 
 
 def _shape(channels, reduced, block, precision, dtype, interpret) -> _Shape:
-    """ "exact" runs the products at float32 accuracy: true float32 (or float64) where the
-    kernels are interpreted, three bf16 passes on a GPU, as the XLA path does there
-    (``lmu._exact_precision``); "fast" one bf16 pass."""
+    """The kernels' static description. The products of "exact" run at float32 accuracy: true
+    float32 (or float64) where the kernels are interpreted, three bf16 passes on a GPU, as the
+    XLA path does there (``lmu._exact_precision``); those of "fast" in one bf16 pass."""
     wide = jnp.promote_types(dtype, jnp.float32)
     if precision == "fast":
         products = None
@@ -464,15 +466,22 @@ def _forward(operands, shape: _Shape, dtype, interpret, saved: bool):
     )(*operands)
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(4, 5, 6, 7))
-def _fused(x_BxJxDxZ, w_3xZxKxc, bias_3xK, p_K, precision, dtype, block, interpret):
-    """The forward alone (no gradient taken): the softmax and w are not written."""
+def _forward_of(x_BxJxDxZ, w_3xZxKxc, bias_3xK, p_K, precision, dtype, block, interpret, saved):
+    """``(m_BxJxcxD, saved)``: the output, unpadded, and the softmax and w of every step where
+    ``saved`` (else none)."""
     channels, _, c, _ = _sizes(x_BxJxDxZ, w_3xZxKxc)
     operands, shape = _setup(
         x_BxJxDxZ, w_3xZxKxc, bias_3xK, p_K, precision, dtype, block, interpret
     )
-    (m_BxJxcxD,) = _forward(operands, shape, dtype, interpret, saved=False)
-    return m_BxJxcxD[:, :, :c, :channels]
+    m_BxJxcxD, *residuals = _forward(operands, shape, dtype, interpret, saved)
+    return m_BxJxcxD[:, :, :c, :channels], residuals
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(4, 5, 6, 7))
+def _fused(x_BxJxDxZ, w_3xZxKxc, bias_3xK, p_K, precision, dtype, block, interpret):
+    """The forward alone (no gradient taken): the softmax and w are not written."""
+    args = (x_BxJxDxZ, w_3xZxKxc, bias_3xK, p_K, precision, dtype, block, interpret)
+    return _forward_of(*args, saved=False)[0]
 
 
 def _setup(x_BxJxDxZ, w_3xZxKxc, bias_3xK, p_K, precision, dtype, block, interpret):
@@ -483,13 +492,9 @@ def _setup(x_BxJxDxZ, w_3xZxKxc, bias_3xK, p_K, precision, dtype, block, interpr
 
 
 def _fused_fwd(x_BxJxDxZ, w_3xZxKxc, bias_3xK, p_K, precision, dtype, block, interpret):
-    channels, _, c, _ = _sizes(x_BxJxDxZ, w_3xZxKxc)
-    operands, shape = _setup(
-        x_BxJxDxZ, w_3xZxKxc, bias_3xK, p_K, precision, dtype, block, interpret
-    )
-    m_BxJxcxD, *saved = _forward(operands, shape, dtype, interpret, saved=True)
-    residuals = (x_BxJxDxZ, w_3xZxKxc, bias_3xK, p_K, *saved)
-    return m_BxJxcxD[:, :, :c, :channels], residuals
+    args = (x_BxJxDxZ, w_3xZxKxc, bias_3xK, p_K, precision, dtype, block, interpret)
+    m_BxJxcxD, saved = _forward_of(*args, saved=True)
+    return m_BxJxcxD, (x_BxJxDxZ, w_3xZxKxc, bias_3xK, p_K, *saved)
 
 
 def _fused_bwd(precision, dtype, block, interpret, residuals, dm_BxJxcxD):
@@ -619,6 +624,6 @@ def memory_attention(
         )
     if channel_block < MIN_TILE or channel_block & (channel_block - 1):
         raise ValueError(f"channel_block must be a power of two >= {MIN_TILE}, got {channel_block}")
-    block = _block_for(x_BxJxDxZ.shape[2], channel_block)
+    block = min(channel_block, padded(x_BxJxDxZ.shape[2]))
     args = (x_BxJxDxZ, w_3xZxKxc, bias_3xK, p_K, precision, jnp.dtype(dtype), block, interpret)
     return _fused(*args)
