@@ -38,7 +38,7 @@ import jax
 import jax.numpy as jnp
 from common import machine, print_table, versions, write_json
 
-from lmuscale import memory_kernel
+from lmuscale import kernels, memory_kernel
 from lmuscale.models import fused_loss, named_config
 
 SHARED_LIMIT = 227 * 1024  # bytes of shared memory an H100 gives one program (block)
@@ -80,10 +80,20 @@ def triton_modules(function, args) -> list[tuple[str, bytes]]:
 
     lowering.lower_jaxpr_to_triton_module = capture
     try:
-        jax.jit(function).trace(*args).lower(lowering_platforms=("cuda",))
+        kernels.lowered_for_cuda(function, *args)
     finally:
         lowering.lower_jaxpr_to_triton_module = build
     return captured
+
+
+def _plugin_versions() -> dict:
+    """The CUDA plugin that compiled the kernels, by package name (CUDA 12's or 13's)."""
+    names = ("jax-cuda12-plugin", "jax-cuda13-plugin")
+    installed = {
+        re.sub(r"[-_.]+", "-", d.metadata["Name"]).lower()
+        for d in importlib.metadata.distributions()
+    }
+    return {name: importlib.metadata.version(name) for name in names if name in installed}
 
 
 def _ptxas(ptx: str, folder: Path, name: str) -> dict:
@@ -246,7 +256,7 @@ def main(argv=None) -> None:
         "machine": machine(),
         "versions": versions(),
         "compilers": {
-            "jax-cuda12-plugin": importlib.metadata.version("jax-cuda12-plugin"),
+            **_plugin_versions(),
             "ptxas": ptxas.strip().splitlines()[-1] if ptxas.strip() else None,
         },
         "target": f"sm_{ARCH.replace('.', '')}a",

@@ -19,7 +19,7 @@ from small_config import small
 from test_layers import reference_attention
 from test_models import PARALLEL_VS_RECURRENT, jiggle, random_tokens
 
-from lmuscale import layers, lmu, memory_kernel
+from lmuscale import kernels, layers, lmu, memory_kernel
 from lmuscale.models import build, decode, named_config
 from lmuscale.models.lmu import LMUConfig
 from lmuscale.sweep.spec import config_hash
@@ -185,8 +185,8 @@ def test_the_kernels_lower_to_triton_for_an_nvidia_gpu(dtype, precision):
         m = memory_kernel.memory_attention(*args, precision=precision, dtype=dtype)
         return jnp.sum(m.astype(jnp.float32))
 
-    step = jax.jit(jax.value_and_grad(loss, argnums=range(4)))
-    text = step.trace(x, w, bias, p).lower(lowering_platforms=("cuda",)).as_text()
+    step = jax.value_and_grad(loss, argnums=range(4))
+    text = kernels.lowered_for_cuda(step, x, w, bias, p).as_text()
     # The forward; the scores' gradient, the operand's and the weights'.
     assert text.count("xla.gpu.triton") == 4
 

@@ -63,3 +63,21 @@ def resolve(impl: str, *, key: str, kernels: str, faster: frozenset[str], device
         )
     measured_faster = reason is None and devices[0].device_kind in faster
     return "pallas" if impl == "pallas" or measured_faster else "xla"
+
+
+# The GPU the kernels are lowered for when there is none (``lowered_for_cuda``).
+CUDA_TARGET = "NVIDIA H100 80GB HBM3"
+
+
+def lowered_for_cuda(function, *args, device_kind: str = CUDA_TARGET):
+    """``jax.jit(function)`` traced at ``args`` (arrays or ``ShapeDtypeStruct``) and lowered for
+    CUDA on any machine, a CPU one included: the checks that every kernel has a Triton lowering,
+    and ``benchmarks/kernel_resources.py``'s compile for an H100. Pallas's Triton lowering reads
+    the target GPU from the abstract mesh (jax >= 0.11 refuses to lower with no GPU otherwise),
+    so the lowering runs under a one-device mesh of ``device_kind``."""
+    from jax.sharding import AbstractDevice, AbstractMesh, AxisType, use_abstract_mesh
+
+    target = AbstractDevice(device_kind=device_kind, num_cores=None, platform="cuda")
+    mesh = AbstractMesh((1,), ("x",), (AxisType.Explicit,), abstract_device=target)
+    with use_abstract_mesh(mesh):
+        return jax.jit(function).trace(*args).lower(lowering_platforms=("cuda",))
