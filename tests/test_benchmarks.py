@@ -3,9 +3,12 @@
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
+
+import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -107,17 +110,84 @@ def test_an_unknown_part_is_named():
     assert "'trian/*' matches no part" in done.stderr
 
 
+def _gpu_module():
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    try:
+        import gpu
+    finally:
+        sys.path.remove(str(ROOT / "benchmarks"))
+    return gpu
+
+
+def test_parts_run_in_the_order_only_names_them():
+    gpu = _gpu_module()
+    names = ["train/lmu", "train/transformer", "train/lstm", "profile", "block"]
+    picked = gpu.chosen(names, ["train/transformer", "profile", "train/*", "profile"])
+    assert picked == ["train/transformer", "profile", "train/lmu", "train/lstm"]
+
+
+def test_a_spent_time_budget_starts_nothing_and_keeps_the_json_s_earlier_parts(tmp_path):
+    out = tmp_path / "gpu-cpu.json"
+    earlier = {"rows": [], "skipped": "an earlier run's", "args": {}}
+    out.write_text(json.dumps({"machine": {"device_kind": "cpu"}, "parts": {"attention": earlier}}))
+    # Importing JAX alone takes longer than a millisecond: nothing may start.
+    _gpu(out, "--time-budget", "0.001", "--only", "plan/transformer", "long")
+    record = json.loads(out.read_text())
+    assert record["parts"] == {"attention": earlier}
+    assert record["not_started"] == {"time_budget_s": 0.001, "what": ["plan/transformer", "long"]}
+
+
+def test_a_train_part_stopped_part_way_keeps_the_models_that_finished(tmp_path, monkeypatch):
+    # The second model's measurement is stopped (as a command's time limit would stop it):
+    # the first model's row is in the JSON already, the part marked unfinished.
+    gpu = _gpu_module()
+    calls = []
+
+    def measure_plan(name, config):
+        calls.append(name)
+        if len(calls) == 2:
+            raise KeyboardInterrupt
+        return {"model": name, "seq_len": config.data.seq_len, "microbatches": 1, "estimate_gb": 1}
+
+    monkeypatch.setattr(gpu, "measure_plan", measure_plan)
+    out = tmp_path / "gpu-cpu.json"
+    argv = ["--out", str(out), "--only", "plan/transformer", "--sizes", "55k", "100k"]
+    with pytest.raises(KeyboardInterrupt):
+        gpu.main([*argv, "--seq-len", "16", "--batch", "4", "--microbatches", "2"])
+    part = json.loads(out.read_text())["parts"]["plan/transformer"]
+    (row,) = part["rows"]
+    assert (row["model"], row["seq_len"]) == ("transformer-55k", 16)
+    assert part["unfinished"] is True and part["args"]["microbatches"] == 2
+    assert calls == ["transformer-55k", "transformer-100k"]
+
+
+def test_the_gpu_session_script_writes_its_files_into_out(tmp_path):
+    # benchmarks/gpu_session.sh with this Python: the attention part (skipped on a CPU, with
+    # the reason), then a spent budget for the rest; its JSON, log and device record in $OUT.
+    wheels = tmp_path / "no-wheels"  # this Python has the project's dependencies
+    wheels.mkdir()
+    out = tmp_path / "out"
+    env = {**os.environ, "PYTHON": sys.executable, "OUT": str(out), "WHEELS": str(wheels)}
+    command = ["bash", str(ROOT / "benchmarks" / "gpu_session.sh"), "600", "--only", "attention"]
+    done = subprocess.run(command, capture_output=True, text=True, timeout=600, env=env)
+    assert done.returncode == 0, done.stderr[-3000:] + done.stdout[-3000:]
+    assert sorted(p.name for p in out.iterdir()) == ["device.txt", "gpu-cpu.json", "gpu.log"]
+    record = json.loads((out / "gpu-cpu.json").read_text())
+    assert list(record["parts"]) == ["attention"]
+    assert record["parts"]["attention"]["skipped"].startswith("cuDNN attention is not used")
+    assert record["parts"]["attention"]["args"]["microbatches"] == 8
+    assert record["not_started"] == {"time_budget_s": 600, "what": []}
+    assert "jax " in (out / "device.txt").read_text()
+    assert "wrote " in (out / "gpu.log").read_text()
+
+
 def test_the_profile_part_ranks_a_traced_programs_operations_and_names_their_source(tmp_path):
     # The parsing half of gpu.py's profile part, on a small program traced here: a big matmul
     # and a small one run three times, so the big one leads and counts once a step.
     import jax
     import jax.numpy as jnp
 
-    sys.path.insert(0, str(ROOT / "benchmarks"))
-    try:
-        import gpu
-    finally:
-        sys.path.remove(str(ROOT / "benchmarks"))
+    gpu = _gpu_module()
 
     def program(a, b):
         return a @ a, jnp.tanh(b @ b)
