@@ -3,30 +3,40 @@
 #
 #   bash benchmarks/gpu_session.sh [SECONDS [gpu.py options ...]]
 #
-# For a GPU lent for minutes, not hours: gpu.py runs the parts below in this order and starts
-# none after SECONDS (default 420; give the command about two minutes more, since a part that
-# has started runs to its end). Each part, and each model of a train part, is in the JSON as
-# soon as it is done, so a run stopped part-way keeps what finished.
+# For a GPU lent for minutes, not hours. benchmarks/gpu.py runs these groups of parts in this
+# order, each group in a process of its own (a part that breaks its process, such as a kernel's
+# first run on this GPU, leaves the later groups to run), and none is started after SECONDS
+# (default 420; give the command about two minutes more, since a part that has started runs to
+# its end):
 #
 # 1. train/lmu, train/transformer at 1M and 55k: the paper step, 512 x 1024 tokens in bf16,
-#    in 8 micro-batches of 64 (--microbatches 8: no planning compiles), with MFU;
-# 2. profile: one 64-sequence micro-batch of lmu-1M and transformer-1M traced, top operations;
-# 3. block, loss: the LMU block and the cross-entropy, the XLA paths against the Pallas kernels;
-# 4. attention, the other families' train parts, long, precision.
+#    in 8 micro-batches of 64 (--microbatches 8: no planning compiles), with MFU; then the
+#    profile part: one 64-sequence micro-batch of lmu-1M and transformer-1M traced;
+# 2. block: one lmu-1M block, the FFT, the XLA chunked path and the fused memory kernels;
+# 3. loss: the cross-entropy alone, XLA's path and the fused kernels;
+# 4. attention, the other families' train parts (lmu_g, sru, sru_pp, lstm), long, precision.
 #
-# Writes into $OUT (default benchmarks/results): gpu-<device>.json, gpu.log, device.txt (the
-# GPU and JAX it saw) and, when under 16 MB, the two profiles' Perfetto traces. A machine
-# without network access that has JAX, flax, optax, orbax, scipy, matplotlib, tiktoken, pyarrow
-# and tqdm but not this project's other dependencies gets them from .whl/ (`make
-# offline-wheels` here fills it); the project itself is read from src/, not installed.
-# Options after SECONDS go to gpu.py, and a later --only or --sizes replaces the ones here.
+# Each part, and each model of a train part, is in the JSON as soon as it is done. Writes into
+# $OUT (default benchmarks/results): gpu-<device>.json, gpu.log, device.txt (the GPU and JAX
+# it saw) and the two profiles' Perfetto traces when under 15 MB. A machine without network
+# access whose Python has JAX, flax, optax, orbax, scipy, matplotlib, tiktoken, pyarrow and
+# tqdm but not this project's other dependencies gets them from $WHEELS (default .whl/, which
+# `make offline-wheels` fills); the project is read from src/, not installed. $PYTHON is the
+# Python (default python3). Options after SECONDS go to every gpu.py run (not --only).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 budget=${1:-420}
 shift $(($# > 0 ? 1 : 0))
+if ! [[ $budget =~ ^[0-9]+$ ]]; then
+    echo "gpu_session.sh: SECONDS must be a whole number of seconds, got '$budget'" >&2
+    exit 2
+fi
+options=("$@")
 python=${PYTHON:-python3}
 out=${OUT:-benchmarks/results}
 mkdir -p "$out"
+: >"$out/gpu.log"
+
 wheels=${WHEELS:-.whl}
 if compgen -G "$wheels/*.whl" >/dev/null; then
     site=$(mktemp -d)
@@ -40,12 +50,25 @@ export PYTHONPATH="$PWD/src${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
     "$python" -c 'import jax, jaxlib; print("jax", jax.__version__, "jaxlib", jaxlib.__version__, jax.devices())'
 } >"$out/device.txt" 2>&1
 
-started=$(mktemp)  # traces older than this are an earlier run's
-"$python" benchmarks/gpu.py --time-budget "$budget" --out-dir "$out" \
-    --sizes 1M 55k --microbatches 8 \
-    --only train/lmu train/transformer profile block loss attention 'train/*' long precision \
-    "$@" 2>&1 | tee "$out/gpu.log"
-status=${PIPESTATUS[0]}
+started=$(mktemp) # traces older than this are an earlier run's
+status=0
+SECONDS=0
+
+run() { # gpu.py on the parts named, with what is left of the budget
+    local left=$((budget - SECONDS))
+    if [ "$left" -le 0 ]; then
+        echo "not started, the time budget of $budget s being spent: $*" | tee -a "$out/gpu.log"
+        return
+    fi
+    "$python" benchmarks/gpu.py --time-budget "$left" --out-dir "$out" --sizes 1M 55k \
+        --microbatches 8 "${options[@]}" --only "$@" 2>&1 | tee -a "$out/gpu.log"
+    [ "${PIPESTATUS[0]}" -eq 0 ] || status=1
+}
+
+run train/lmu train/transformer profile
+run block
+run loss
+run attention train/lmu_g 'train/sru*' train/lstm long precision
 
 for model in lmu-1M transformer-1M; do
     find benchmarks/results/profile-*/"$model" -name perfetto_trace.json.gz -newer "$started" \

@@ -161,24 +161,30 @@ def test_a_train_part_stopped_part_way_keeps_the_models_that_finished(tmp_path, 
     assert calls == ["transformer-55k", "transformer-100k"]
 
 
-def test_the_gpu_session_script_writes_its_files_into_out(tmp_path):
-    # benchmarks/gpu_session.sh with this Python: the attention part (skipped on a CPU, with
-    # the reason), then a spent budget for the rest; its JSON, log and device record in $OUT.
+def test_the_gpu_session_script_runs_its_groups_in_the_budget_and_writes_into_out(tmp_path):
+    # benchmarks/gpu_session.sh with this Python and a budget of 1 s: the first group's
+    # process starts with 1 s left, which importing JAX all but spends (the options shrink
+    # whatever starts); the later groups are not started.
     wheels = tmp_path / "no-wheels"  # this Python has the project's dependencies
     wheels.mkdir()
     out = tmp_path / "out"
     env = {**os.environ, "PYTHON": sys.executable, "OUT": str(out), "WHEELS": str(wheels)}
-    command = ["bash", str(ROOT / "benchmarks" / "gpu_session.sh"), "600", "--only", "attention"]
+    tiny = ["--sizes", "55k", "--seq-len", "16", "--batch", "8", "--steps", "1"]
+    command = ["bash", str(ROOT / "benchmarks" / "gpu_session.sh"), "1", *tiny]
     done = subprocess.run(command, capture_output=True, text=True, timeout=600, env=env)
     assert done.returncode == 0, done.stderr[-3000:] + done.stdout[-3000:]
     assert sorted(p.name for p in out.iterdir()) == ["device.txt", "gpu-cpu.json", "gpu.log"]
-    record = json.loads((out / "gpu-cpu.json").read_text())
-    assert list(record["parts"]) == ["attention"]
-    assert record["parts"]["attention"]["skipped"].startswith("cuDNN attention is not used")
-    assert record["parts"]["attention"]["args"]["microbatches"] == 8
-    assert record["not_started"] == {"time_budget_s": 600, "what": []}
     assert "jax " in (out / "device.txt").read_text()
-    assert "wrote " in (out / "gpu.log").read_text()
+    log = (out / "gpu.log").read_text()
+    for group in ("block", "loss", "attention train/lmu_g train/sru* train/lstm long precision"):
+        assert f"not started, the time budget of 1 s being spent: {group}\n" in log
+    record = json.loads((out / "gpu-cpu.json").read_text())
+    first = ["train/lmu", "train/transformer", "profile"]
+    assert list(record["parts"]) + record["not_started"]["what"] == first  # in --only's order
+    assert record["not_started"]["time_budget_s"] == 1
+
+    bad = subprocess.run([*command[:2], "1.5"], capture_output=True, text=True, env=env)
+    assert bad.returncode == 2 and "SECONDS must be a whole number" in bad.stderr
 
 
 def test_the_profile_part_ranks_a_traced_programs_operations_and_names_their_source(tmp_path):
