@@ -2,7 +2,7 @@
 
     python benchmarks/gpu.py                      (the default parts; not yet timed on a GPU)
     python benchmarks/gpu.py --time-budget 420 --microbatches 8 --only train/lmu profile ...
-    bash benchmarks/gpu_session.sh                (the parts that matter most first, in 7 min)
+    bash benchmarks/gpu_session.sh     (what matters most first; nothing started after 7 min)
     python benchmarks/gpu.py --only 'train/lmu*' block
     python benchmarks/gpu.py --only 'plan/*' --budget-gb 80      (compiles only; runs on CPU)
 
@@ -201,7 +201,7 @@ class Deadline:
     """--time-budget: once ``seconds`` have passed since the script started, no part and no
     model is started (0: no budget), and what was not started is listed. A session lent a GPU
     has minutes of device time in all, so its first command runs what matters most first
-    (``gpu_first_call.sh``) and ends on time rather than being killed in the middle."""
+    (``gpu_session.sh``) and ends on time rather than being killed in the middle."""
 
     def __init__(self, seconds: float = 0.0):
         self.seconds, self.start, self.not_started = seconds, time.monotonic(), []
