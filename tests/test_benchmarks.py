@@ -163,8 +163,8 @@ def test_a_train_part_stopped_part_way_keeps_the_models_that_finished(tmp_path, 
 
 def test_the_gpu_session_script_runs_its_groups_in_the_budget_and_writes_into_out(tmp_path):
     # benchmarks/gpu_session.sh with this Python and a budget of 1 s: the first group's
-    # process starts with 1 s left, which importing JAX all but spends (the options shrink
-    # whatever starts); the later groups are not started.
+    # process starts with 1 s left, which its own start (importing JAX) spends (the options
+    # shrink whatever would start after all); the later groups are not started.
     wheels = tmp_path / "no-wheels"  # this Python has the project's dependencies
     wheels.mkdir()
     out = tmp_path / "out"
