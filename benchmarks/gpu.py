@@ -279,12 +279,16 @@ def part_train(family: str, args, plan_only: bool, keep=None) -> dict:
             )
             return measure(name, config, *extra)
 
-        _append(rows, _guarded(name, one), keep)
+        _append(rows, _guarded(name, one), keep, args.seq_len, args.batch)
     return {"rows": rows}
 
 
-def _append(rows: list, row: dict | None, keep) -> None:
+def _append(rows: list, row: dict | None, keep, seq_len: int, batch: int) -> None:
+    """``row`` (None: not started) into ``rows``; an error row gets the shape it was for, so
+    that a later run of the same model and shape replaces it (``merged``)."""
     if row is not None:
+        if "error" in row:
+            row = {**row, "seq_len": seq_len, "batch": batch}
         rows.append(row)
         if keep:
             keep(rows)
@@ -299,7 +303,7 @@ def part_long(args, keep=None) -> dict:
             config = paper_config(name, args.long_seq_len, batch, args.budget_gb, **_impls(args))
             return measure_train(name, config, args.steps)
 
-        _append(rows, _guarded(name, one), keep)
+        _append(rows, _guarded(name, one), keep, args.long_seq_len, batch)
     return {"rows": rows}
 
 
@@ -735,11 +739,17 @@ def main(argv=None) -> None:
     parser.add_argument("--xent-repeats", type=int, default=10, help="loss: timed calls")
     parser.add_argument("--profile-steps", type=int, default=3)
     parser.add_argument("--profile-top", type=int, default=10)
+    parser.add_argument(
+        "--session",
+        default="",
+        help="a name shared by the runs of one session: the JSON's not_started then lists "
+        "what each of them left out (default: this run's alone)",
+    )
     where = parser.add_mutually_exclusive_group()
     where.add_argument("--out", type=Path, help="the JSON (default results/gpu-<device>.json)")
     where.add_argument("--out-dir", type=Path, help="write gpu-<device>.json in this folder")
     args = parser.parse_args(argv)
-    DEADLINE.seconds = args.time_budget
+    DEADLINE.seconds, DEADLINE.not_started = args.time_budget, []
     info = machine()
     filename = f"gpu-{slug(info['device_kind'])}.json"
     out = args.out or (args.out_dir or ROOT / "benchmarks" / "results") / filename
@@ -751,16 +761,22 @@ def main(argv=None) -> None:
     timings = record.setdefault("part_seconds", {})
     settings = {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items()}
     earlier = dict(record["parts"])  # the parts of earlier runs, which rows are merged into
+    left_out = record.get("not_started", {})
+    same_session = args.session and left_out.get("session") == args.session
+    left_out_before = left_out.get("what", []) if same_session else []
 
-    def keep(name: str, result: dict, partial: bool = False) -> None:
+    def keep(name: str, result: dict, partial: bool = False, cut=()) -> None:
         """``name``'s result into the record, written at once: a run stopped part-way keeps
-        every part, and every model of a part, that finished."""
+        every part, and every model of a part, that finished. ``cut``: its models that the
+        time budget left out."""
         result = {**result, "args": settings}
         old = earlier.get(name)
         if old and name.startswith(MERGED_BY_MODEL):
             result["rows"] = merged(old["rows"], result["rows"])
-        if partial:
-            result["unfinished"] = True  # the models after these had not run yet
+        if partial or cut:
+            result["unfinished"] = True  # the models after these had not run (yet)
+        if cut:
+            result["not_started"] = list(cut)
         record["parts"][name] = result
         save()
 
@@ -771,8 +787,12 @@ def main(argv=None) -> None:
             versions=versions(),
             written=datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
             peak_flops={d: device_peak(d) for d in ("bfloat16", "float32")},
-            # this run's: what --time-budget left out
-            not_started={"time_budget_s": args.time_budget, "what": DEADLINE.not_started},
+            # what --time-budget left out, in this run (and this --session's earlier ones)
+            not_started={
+                "session": args.session,
+                "time_budget_s": args.time_budget,
+                "what": left_out_before + DEADLINE.not_started,
+            },
         )
         write_json(out, record, quiet=True)
 
@@ -781,12 +801,13 @@ def main(argv=None) -> None:
         if DEADLINE.passed(name):
             continue
         print(f"{name} ...", file=sys.stderr, flush=True)
-        start = time.perf_counter()
+        start, before = time.perf_counter(), len(DEADLINE.not_started)
         result = table[name]()
-        if result.get("rows") == [] and "skipped" not in result and DEADLINE.not_started:
+        cut = DEADLINE.not_started[before:]
+        if cut and not result.get("rows") and "skipped" not in result:
             continue  # every model of it was left out by the time budget
         timings[name] = time.perf_counter() - start
-        keep(name, result)
+        keep(name, result, cut=cut)
         print(f"{name}: {timings[name]:.0f} s", file=sys.stderr, flush=True)
     save()
     if DEADLINE.not_started:

@@ -22,8 +22,11 @@
 # access whose Python has JAX, flax, optax, orbax, scipy, matplotlib, tiktoken, pyarrow and
 # tqdm but not this project's other dependencies gets them from $WHEELS (default .whl/, which
 # `make offline-wheels` fills); the project is read from src/, not installed. $PYTHON is the
-# Python (default python3). Options after SECONDS go to every gpu.py run (not --only).
+# Python (default python3). Options after SECONDS go to every gpu.py run: not --only, --out
+# or --families (each group names its parts). The JSON's not_started lists what the budget
+# left out, in every group.
 set -uo pipefail
+SECONDS=0 # the budget counts from here: installing, starting the GPU and JAX included
 cd "$(dirname "$0")/.."
 budget=${1:-420}
 shift $(($# > 0 ? 1 : 0))
@@ -37,12 +40,13 @@ out=${OUT:-benchmarks/results}
 mkdir -p "$out"
 : >"$out/gpu.log"
 
+scratch=$(mktemp -d)
+trap 'rm -rf "$scratch"' EXIT
 wheels=${WHEELS:-.whl}
 if compgen -G "$wheels/*.whl" >/dev/null; then
-    site=$(mktemp -d)
-    "$python" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target "$site" \
-        "$wheels"/*.whl || exit 1
-    export PYTHONPATH=$site
+    "$python" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir \
+        --target "$scratch/site" "$wheels"/*.whl || exit 1
+    export PYTHONPATH="$scratch/site${PYTHONPATH:+:$PYTHONPATH}"
 fi
 export PYTHONPATH="$PWD/src${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
 {
@@ -50,29 +54,31 @@ export PYTHONPATH="$PWD/src${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
     "$python" -c 'import jax, jaxlib; print("jax", jax.__version__, "jaxlib", jaxlib.__version__, jax.devices())'
 } >"$out/device.txt" 2>&1
 
-started=$(mktemp) # traces older than this are an earlier run's
+touch "$scratch/started" # profiles' traces older than this are an earlier run's
+session="session-$(date +%s)-$$"
 status=0
-SECONDS=0
 
-run() { # gpu.py on the parts named, with what is left of the budget
+run() { # gpu.py on the parts named, with what is left of the budget (once spent, the JSON
+    # lists them as not started)
     local left=$((budget - SECONDS))
-    if [ "$left" -le 0 ]; then
-        echo "not started, the time budget of $budget s being spent: $*" | tee -a "$out/gpu.log"
-        return
-    fi
-    "$python" benchmarks/gpu.py --time-budget "$left" --out-dir "$out" --sizes 1M 55k \
-        --microbatches 8 "${options[@]}" --only "$@" 2>&1 | tee -a "$out/gpu.log"
+    [ "$left" -gt 0 ] || left=0.001
+    "$python" benchmarks/gpu.py --time-budget "$left" --session "$session" --out-dir "$out" \
+        --sizes 1M 55k --microbatches 8 ${options[@]+"${options[@]}"} --only "$@" 2>&1 |
+        tee -a "$out/gpu.log"
     [ "${PIPESTATUS[0]}" -eq 0 ] || status=1
 }
 
+traces() { # the two profiles' Perfetto traces into $OUT, where under 15 MB
+    for model in lmu-1M transformer-1M; do
+        find benchmarks/results/profile-*/"$model" -name perfetto_trace.json.gz \
+            -newer "$scratch/started" -size -15000000c \
+            -exec cp {} "$out/profile-$model.json.gz" \; 2>/dev/null
+    done
+}
+
 run train/lmu train/transformer profile
+traces # at once: a later group that the command's time limit stops cannot lose them
 run block
 run loss
 run attention train/lmu_g 'train/sru*' train/lstm long precision
-
-for model in lmu-1M transformer-1M; do
-    find benchmarks/results/profile-*/"$model" -name perfetto_trace.json.gz -newer "$started" \
-        -size -15M -exec cp {} "$out/profile-$model.json.gz" \; 2>/dev/null
-done
-rm -f "$started"
 exit "$status"
