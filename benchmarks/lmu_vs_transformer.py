@@ -6,11 +6,15 @@
 1. time: forward+backward of the loss (jitted ``value_and_grad``) of lmu-1M and
    transformer-1M on one 1024-token sequence, measured side by side: the two alternate
    --pairs times after a warm-up pair, and the result is the median of the pairwise ratios (the
-   machine's drift cancels within a pair).
+   machine's drift cancels within a pair). Two cut-down lmu-1M models run in the same rounds
+   (``LMU_PARTS``), to show where the LMU's time goes: one whose implicit attention only reads
+   the chunk products' outputs once (the least an attention that takes them from memory must
+   do, as the XLA path's does), and one without its memory.
 2. bytes: XLA's ``cost_analysis()`` bytes accessed and ``memory_analysis()`` temporaries of
    the compiled train step of ``lmuscale.train`` (Adam, schedule, norms, the chunked loss) at
-   (8, 1024) in float32, and at the paper configs' micro-batch, (64, 1024) in bfloat16 (a
-   proxy for a GPU's memory traffic, compiled only), the LMU with ``batch_chunk = 0``.
+   (8, 1024) in float32, the cut-down models too, and at the paper configs' micro-batch,
+   (64, 1024) in bfloat16 (a proxy for a GPU's memory traffic, compiled only), the LMU with
+   ``batch_chunk = 0``.
 3. long: lmu-55k and transformer-55k train steps on one sequence of each --long-lens, each in
    its own child process. XLA's buffer estimate (temporaries + arguments + outputs) comes
    from compiling; where it exceeds --memory-limit-gb the step is not run and the row says
@@ -21,12 +25,14 @@
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import statistics
 import subprocess
 import sys
 import time
 from pathlib import Path
+from unittest import mock
 
 import jax
 import jax.numpy as jnp
@@ -41,24 +47,62 @@ from common import (
     write_json,
 )
 
+from lmuscale import layers
 from lmuscale.models import build, named_config
 from lmuscale.train import step as step_lib
 
 GB = 1e9
 
 
-def loss_and_grad(name: str, seq_len: int, **overrides):
-    """A timed call: forward+backward of ``name``'s loss on one random sequence."""
+def _attention_reading_its_inputs_once(q_xDxKxc, k_xDxKxc, v_xDxKxc, bias_3xK, p_K, dtype):
+    # One pass over Q, K and V, nothing else: the least an attention that reads the chunk
+    # products' outputs from memory can cost.
+    del bias_3xK, p_K
+    return jnp.sum(q_xDxKxc + k_xDxKxc + v_xDxKxc, axis=-2).astype(dtype)
+
+
+def _no_memory(self, x_BxTxD):
+    del self
+    return jnp.zeros_like(x_BxTxD)
+
+
+# The LMU's parts, by what replaces which part while a model is traced: its cost is then the
+# model's cost without that part. The label is a row of the tables and a key of the JSON.
+LMU_PARTS = {
+    "lmu-1M": contextlib.nullcontext,
+    "lmu-1M, attention reads Q, K, V once": lambda: mock.patch.object(
+        layers, "implicit_attention", _attention_reading_its_inputs_once
+    ),
+    "lmu-1M without its memory": lambda: mock.patch.object(
+        layers.ImplicitSelfAttention, "__call__", _no_memory
+    ),
+}
+
+
+def loss_and_grad_program(name: str, seq_len: int, part=contextlib.nullcontext, **overrides):
+    """Forward+backward of ``name``'s loss on one random sequence, traced with ``part`` (a
+    context, as ``LMU_PARTS``'s) in force: ``(lowered, init)``, ``init()`` its parameters."""
     config = named_config(name, **overrides)
     model = build(config)
     rng = np.random.default_rng(0)
     tokens = jnp.asarray(rng.integers(0, config.vocab_size, (1, seq_len + 1)), jnp.int32)
-    params = jax.jit(model.init)(jax.random.key(0), tokens[:, :4])
-    grad = jax.jit(
-        jax.value_and_grad(
-            lambda p: model.apply(p, tokens[:, :-1], tokens[:, 1:], method=model.loss)[0]
-        )
-    )
+
+    def init():
+        with part():
+            return jax.jit(model.init)(jax.random.key(0), tokens[:, :4])
+
+    def loss(params):
+        return model.apply(params, tokens[:, :-1], tokens[:, 1:], method=model.loss)[0]
+
+    with part():
+        params = jax.eval_shape(model.init, jax.random.key(0), tokens[:, :4])
+        return jax.jit(jax.value_and_grad(loss)).lower(params), init
+
+
+def loss_and_grad(name: str, seq_len: int, part=contextlib.nullcontext, **overrides):
+    """A timed call: forward+backward of ``name``'s loss on one random sequence."""
+    lowered, init = loss_and_grad_program(name, seq_len, part, **overrides)
+    grad, params = lowered.compile(), init()
     jax.block_until_ready(grad(params))
 
     def run() -> float:
@@ -70,35 +114,40 @@ def loss_and_grad(name: str, seq_len: int, **overrides):
 
 
 def time_ratio(pairs: int) -> dict:
-    lmu = loss_and_grad("lmu-1M", 1024)
+    """lmu-1M's parts (``LMU_PARTS``) and transformer-1M, each timed once a round for
+    ``pairs`` rounds; the ratios pair each LMU time with the transformer's of its round."""
+    runs = {label: loss_and_grad("lmu-1M", 1024, part) for label, part in LMU_PARTS.items()}
     transformer = loss_and_grad("transformer-1M", 1024)
-    lmu(), transformer()  # the first calls after compiling run slow on a CPU: not counted
-    lmu_s, transformer_s = [], []
+    for run in (*runs.values(), transformer):
+        run()  # the first calls after compiling run slow on a CPU: not counted
+    seconds = {label: [] for label in runs}
+    transformer_s = []
     for _ in range(pairs):
-        lmu_s.append(lmu())
+        for label, run in runs.items():
+            seconds[label].append(run())
         transformer_s.append(transformer())
-    ratios = [a / b for a, b in zip(lmu_s, transformer_s, strict=True)]
-    return {
-        "lmu_s": lmu_s,
-        "transformer_s": transformer_s,
-        "ratios": ratios,
-        "median_ratio": statistics.median(ratios),
-    }
+    parts = {}
+    for label, lmu_s in seconds.items():
+        ratios = [a / b for a, b in zip(lmu_s, transformer_s, strict=True)]
+        parts[label] = {"lmu_s": lmu_s, "ratios": ratios, "median_ratio": statistics.median(ratios)}
+    return {**parts["lmu-1M"], "transformer_s": transformer_s, "parts": parts}
 
 
-def compiled_step(name: str, batch: int, seq_len: int, **overrides):
-    """The compiled train step of ``lmuscale.train`` and a state and batch to run it on."""
+def compiled_step(name: str, batch: int, seq_len: int, part=contextlib.nullcontext, **overrides):
+    """The compiled train step of ``lmuscale.train`` (traced with ``part`` in force) and a
+    state and batch to run it on."""
     positions = {"max_len": seq_len} if name.startswith("transformer") else {}
     config = named_config(name, **positions, **overrides)
-    train_step, init, mesh, abstract = train_step_for(config, seq_len)
-    tokens = jax.ShapeDtypeStruct(
-        (1, batch, seq_len + 1), jnp.int32, sharding=step_lib.batch_sharding(mesh, 3, axis=1)
-    )
-    shardings = step_lib.state_shardings(mesh, abstract)
-    state = jax.tree.map(
-        lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s), abstract, shardings
-    )
-    compiled = train_step.lower(state, tokens).compile()
+    with part():
+        train_step, init, mesh, abstract = train_step_for(config, seq_len)
+        tokens = jax.ShapeDtypeStruct(
+            (1, batch, seq_len + 1), jnp.int32, sharding=step_lib.batch_sharding(mesh, 3, axis=1)
+        )
+        shardings = step_lib.state_shardings(mesh, abstract)
+        state = jax.tree.map(
+            lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s), abstract, shardings
+        )
+        compiled = train_step.lower(state, tokens).compile()
 
     def make_inputs():
         rng = np.random.default_rng(0)
@@ -120,11 +169,24 @@ def analysis(compiled) -> dict:
     }
 
 
-def bytes_ratio(batch: int = 8, dtype: str = "float32") -> dict:
-    lmu = analysis(compiled_step("lmu-1M", batch, 1024, batch_chunk=0, dtype=dtype)[0])
+def bytes_ratio(batch: int = 8, dtype: str = "float32", parts: bool = False) -> dict:
+    """The train steps' figures (``analysis``); with ``parts``, also each of ``LMU_PARTS``."""
+    labels = list(LMU_PARTS) if parts else ["lmu-1M"]
+    lmu = {
+        label: analysis(
+            compiled_step("lmu-1M", batch, 1024, LMU_PARTS[label], batch_chunk=0, dtype=dtype)[0]
+        )
+        for label in labels
+    }
     transformer = analysis(compiled_step("transformer-1M", batch, 1024, dtype=dtype)[0])
-    ratio = lmu["bytes_accessed"] / transformer["bytes_accessed"]
-    return {"lmu": lmu, "transformer": transformer, "ratio": ratio, "batch": batch, "dtype": dtype}
+    ratio = lmu["lmu-1M"]["bytes_accessed"] / transformer["bytes_accessed"]
+    record = {"lmu": lmu["lmu-1M"], "transformer": transformer, "ratio": ratio}
+    if parts:
+        record["parts"] = {
+            label: {**figures, "ratio": figures["bytes_accessed"] / transformer["bytes_accessed"]}
+            for label, figures in lmu.items()
+        }
+    return {**record, "batch": batch, "dtype": dtype}
 
 
 def long_child(name: str, seq_len: int, limit_bytes: float) -> dict:
@@ -177,6 +239,15 @@ def show(result: dict, limit_gb: float) -> None:
         ],
         left=0,
     )
+    if "parts" in t:
+        print_table(
+            "where lmu-1M's time goes: its parts against transformer-1M in the same rounds",
+            ("model", "s (median)", "median ratio to transformer-1M"),
+            [
+                (label, f"{statistics.median(p['lmu_s']):.3f}", f"{p['median_ratio']:.2f}")
+                for label, p in t["parts"].items()
+            ],
+        )
     for b in (result["bytes"], result.get("bytes_paper")):
         if b is None:  # a file written before the paper's micro-batch was measured
             continue
@@ -193,7 +264,17 @@ def show(result: dict, limit_gb: float) -> None:
                 )
                 for name, key in (("lmu-1M", "lmu"), ("transformer-1M", "transformer"))
             ]
-            + [("ratio", f"{b['ratio']:.2f}", "", "")],
+            + [("ratio", f"{b['ratio']:.2f}", "", "")]
+            + [
+                (
+                    f"{label} (ratio {p['ratio']:.2f})",
+                    f"{p['bytes_accessed'] / GB:.2f}",
+                    f"{p['flops'] / 1e9:.0f}",
+                    f"{p['temp_bytes'] / GB:.2f}",
+                )
+                for label, p in b.get("parts", {}).items()
+                if label != "lmu-1M"
+            ],
         )
     rows = []
     for r in result["long"]:
@@ -235,7 +316,7 @@ def main(argv: list[str] | None = None) -> None:
     out = args.out or Path(__file__).parent / "results" / default
     result = {
         "time": time_ratio(args.pairs),
-        "bytes": bytes_ratio(),
+        "bytes": bytes_ratio(parts=True),
         "bytes_paper": bytes_ratio(64, "bfloat16"),
         "long": long_sequences(args.long_lens, args.memory_limit_gb * GB),
     }

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import importlib
 import json
 import os
 import subprocess
@@ -110,13 +111,16 @@ def test_an_unknown_part_is_named():
     assert "'trian/*' matches no part" in done.stderr
 
 
-def _gpu_module():
+def _benchmark(name: str):
     sys.path.insert(0, str(ROOT / "benchmarks"))
     try:
-        import gpu
+        return importlib.import_module(name)
     finally:
         sys.path.remove(str(ROOT / "benchmarks"))
-    return gpu
+
+
+def _gpu_module():
+    return _benchmark("gpu")
 
 
 def test_parts_run_in_the_order_only_names_them():
@@ -283,3 +287,23 @@ def test_the_profile_part_ranks_a_traced_programs_operations_and_names_their_sou
     assert not any(op["op"].startswith(("$", "Pjit")) or "::" in op["op"] for op in ops)
     top = ops[0]
     assert top["count"] == 1 and "dot_general" in top["source"], ops[:3]
+
+
+def test_the_lmu_s_parts_are_cut_out_while_it_is_traced_and_put_back_after():
+    # lmu_vs_transformer's breakdown of lmu-1M, here one layer of lmu-55k on 16 tokens: each
+    # cut-down model does less work than the one before it, its parameters are those it was
+    # traced with, and the model is whole again afterwards.
+    from lmuscale import layers
+
+    bench = _benchmark("lmu_vs_transformer")
+    whole_attention, whole_call = layers.implicit_attention, layers.ImplicitSelfAttention.__call__
+    flops, memory_params = {}, {}
+    for label, part in bench.LMU_PARTS.items():
+        lowered, init = bench.loss_and_grad_program("lmu-55k", 16, part, vocab_size=256, n_layers=1)
+        flops[label] = lowered.cost_analysis()["flops"]
+        memory_params[label] = sorted(init()["params"]["block_0"].get("memory", {}))
+    whole, attention_reads_once, no_memory = flops.values()
+    assert whole > attention_reads_once > no_memory > 0, flops
+    assert list(memory_params.values()) == [["bias", "l", "p"], ["bias", "l", "p"], []]
+    assert layers.implicit_attention is whole_attention
+    assert layers.ImplicitSelfAttention.__call__ is whole_call
