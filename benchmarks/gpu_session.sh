@@ -14,7 +14,9 @@
 #    profile part: one 64-sequence micro-batch of lmu-1M and transformer-1M traced;
 # 2. block: one lmu-1M block, the FFT, the XLA chunked path and the fused memory kernels;
 # 3. loss: the cross-entropy alone, XLA's path and the fused kernels;
-# 4. attention, the other families' train parts (lmu_g, sru, sru_pp, lstm), long, precision.
+# 4. attention, the other families' train parts (lmu_g, sru, sru_pp, lstm), long, precision;
+# 5. xla_options: the profile's micro-batch steps under each of XLA's GPU options, if time is
+#    left (the command's own time limit may stop it; the groups before are kept).
 #
 # Each part, and each model of a train part, is in the JSON as soon as it is done. Writes into
 # $OUT (default benchmarks/results): gpu-<device>.json, gpu.log, device.txt (the GPU and JAX
@@ -81,4 +83,5 @@ traces # at once: a later group that the command's time limit stops cannot lose 
 run block
 run loss
 run attention train/lmu_g 'train/sru*' train/lstm long precision
+run xla_options
 exit "$status"

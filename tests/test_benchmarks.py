@@ -244,7 +244,13 @@ def test_the_gpu_session_script_runs_its_groups_in_the_budget_and_writes_into_ou
     assert sorted(p.name for p in out.iterdir()) == ["device.txt", "gpu-cpu.json", "gpu.log"]
     assert "jax " in (out / "device.txt").read_text()
     log = (out / "gpu.log").read_text()
-    for group in ("block", "loss", "attention, train/lmu_g, train/sru, train/sru_pp"):
+    groups_named = (
+        "block",
+        "loss",
+        "attention, train/lmu_g, train/sru, train/sru_pp",
+        "xla_options",
+    )
+    for group in groups_named:
         assert f"not started, the time budget of 0.001 s being spent: {group}" in log
     record = json.loads((out / "gpu-cpu.json").read_text())
     groups = [
@@ -253,6 +259,7 @@ def test_the_gpu_session_script_runs_its_groups_in_the_budget_and_writes_into_ou
         ["loss"],
         ["attention", "train/lmu_g", "train/sru", "train/sru_pp", "train/lstm", "long"],
         ["precision"],
+        ["xla_options"],
     ]
     everything = [part for group in groups for part in group]
     assert list(record["parts"]) + record["not_started"]["what"] == everything  # in order
