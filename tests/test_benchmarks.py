@@ -314,3 +314,76 @@ def test_the_lmu_s_parts_are_cut_out_while_it_is_traced_and_put_back_after():
     assert list(memory_params.values()) == [["bias", "l", "p"], ["bias", "l", "p"], []]
     assert layers.implicit_attention is whole_attention
     assert layers.ImplicitSelfAttention.__call__ is whole_call
+
+
+# A compiled module as XLA's GPU compiler prints one, cut down: a loop of 8 trips whose body
+# reads one row of a (8, 256) f32 array through a slicing fusion and writes it back in place,
+# then a matmul after the loop.
+_HLO = """HloModule jit_f, entry_computation_layout={(f32[8,256]{1,0})->f32[8,128]{1,0}}
+
+%fused_row (param_0.1: f32[8,256], param_1.1: s32[]) -> f32[1,256] {
+  %param_0.1 = f32[8,256]{1,0} parameter(0)
+  %param_1.1 = s32[] parameter(1)
+  %constant.1 = s32[] constant(0)
+  ROOT %dynamic-slice.1 = f32[1,256]{1,0} dynamic-slice(%param_0.1, %param_1.1, %constant.1), \
+dynamic_slice_sizes={1,256}
+}
+
+%fused_put (param_0.2: f32[8,256], param_1.2: f32[1,256], param_2.2: s32[]) -> f32[8,256] {
+  %param_0.2 = f32[8,256]{1,0} parameter(0)
+  %param_1.2 = f32[1,256]{1,0} parameter(1)
+  %param_2.2 = s32[] parameter(2)
+  %constant.2 = s32[] constant(0)
+  %negate.1 = f32[1,256]{1,0} negate(%param_1.2), metadata={op_name="jit(f)/while/body/neg"}
+  ROOT %dynamic-update-slice.1 = f32[8,256]{1,0} dynamic-update-slice(%param_0.2, %negate.1, \
+%param_2.2, %constant.2)
+}
+
+%body (arg.1: (f32[8,256], s32[])) -> (f32[8,256], s32[]) {
+  %arg.1 = (f32[8,256]{1,0}, s32[]) parameter(0)
+  %x.1 = f32[8,256]{1,0} get-tuple-element(%arg.1), index=0
+  %i.1 = s32[] get-tuple-element(%arg.1), index=1
+  %row = f32[1,256]{1,0} fusion(%x.1, %i.1), kind=kLoop, calls=%fused_row, \
+metadata={op_name="jit(f)/while/body/dynamic_slice"}
+  %put = f32[8,256]{1,0} fusion(%x.1, %row, %i.1), kind=kLoop, calls=%fused_put
+  %one = s32[] constant(1)
+  %next = s32[] add(%i.1, %one)
+  ROOT %tuple.1 = (f32[8,256]{1,0}, s32[]) tuple(%put, %next)
+}
+
+ENTRY %main (a.1: f32[8,256], w.1: f32[256,128]) -> f32[8,128] {
+  %a.1 = f32[8,256]{1,0} parameter(0)
+  %w.1 = f32[256,128]{1,0} parameter(1)
+  %zero = s32[] constant(0)
+  %init = (f32[8,256]{1,0}, s32[]) tuple(%a.1, %zero)
+  %loop = (f32[8,256]{1,0}, s32[]) while(%init), condition=%cond, body=%body, \
+backend_config={"known_trip_count":{"n":"8"}}
+  %x.2 = f32[8,256]{1,0} get-tuple-element(%loop), index=0
+  ROOT %dot.1 = f32[8,128]{1,0} dot(%x.2, %w.1), lhs_contracting_dims={1}, \
+rhs_contracting_dims={0}, metadata={op_name="jit(f)/mlp/up/dot_general"}
+}
+""".replace("\\\n", "")
+
+
+def test_the_gpu_compile_s_kernels_count_what_they_move_and_loops_per_trip():
+    gpu_aot = _benchmark("gpu_aot")
+    rows = {r["name"]: r for r in gpu_aot.kernels(_HLO)}
+    assert set(rows) == {"row", "put", "next", "dot.1"}
+    row = 256 * 4
+    # The slicing fusion reads its row (not the array), the scalar index, writes the row.
+    assert rows["row"]["bytes"] == 8 * (row + 4 + row) and rows["row"]["launches"] == 8
+    # The update in place writes the row and counts it twice; the array it updates is not read.
+    assert rows["put"]["bytes"] == 8 * (2 * row + row + 4)
+    # A fusion whose own line names no source takes the first its body names.
+    assert rows["row"]["source"] == "jit(f)/while/body/dynamic_slice"
+    assert rows["put"]["source"] == "jit(f)/while/body/neg"
+    assert rows["next"]["bytes"] == 8 * 12
+    dot = rows["dot.1"]
+    assert dot["launches"] == 1 and dot["flops"] == 2 * 8 * 128 * 256
+    assert dot["bytes"] == 4 * (8 * 256 + 256 * 128 + 8 * 128)
+    assert gpu_aot.part_of(dot["source"]) == "feed-forward"
+    total = gpu_aot.summary(list(rows.values()))
+    assert total["bytes"] == sum(r["bytes"] for r in rows.values())
+    assert total["floor_seconds"] == pytest.approx(
+        sum(max(r["bytes"] / 3.35e12, r["flops"] / 989e12) for r in rows.values())
+    )
