@@ -10,8 +10,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+import scipy.special
 
-from lmuscale import lmu
+from lmuscale import layers, lmu
 from lmuscale.layers import ImplicitSelfAttention, ParallelLMU, implicit_attention
 
 
@@ -101,6 +102,23 @@ def reference_attention(q_xDxKxc, k_xDxKxc, v_xDxKxc, bias_3xK, p_K):
     scores = jnp.einsum("...di,...dj->...ij", q, k) / math.sqrt(q.shape[-2])
     m_prime_xKxD = jnp.einsum("...ij,...dj->...id", jax.nn.softmax(scores, -1), v)
     return jnp.moveaxis(jnp.einsum("i,...id->...d", p_K, m_prime_xKxD), -2, -1)
+
+
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.float64])
+@pytest.mark.parametrize("backend", ["cpu", "gpu"])
+def test_gelu_is_exact_through_erfc_here_and_through_erf_on_a_gpu(monkeypatch, backend, dtype):
+    # The form is chosen while tracing by the backend JAX computes on; both are x Phi(x) to
+    # the dtype's rounding, from deep in the negative tail to the positive side.
+    monkeypatch.setattr(jax, "default_backend", lambda: backend)
+    x = np.linspace(-12.0, 12.0, 4801)
+    want = x * 0.5 * scipy.special.erfc(-x / math.sqrt(2.0))
+    with jax.enable_x64(dtype == jnp.float64):
+        program = jax.jit(lambda v: layers.gelu(v)).lower(jnp.asarray(x, dtype))
+        got = np.asarray(program.compile()(jnp.asarray(x, dtype)), np.float64)
+    erf_ops = re.findall(r"chlo\.(erfc?) ", program.as_text())
+    assert erf_ops == (["erf"] if backend == "gpu" else ["erfc"])
+    eps = float(jnp.finfo(dtype).eps)
+    np.testing.assert_allclose(got, want, rtol=4 * eps, atol=16 * eps)
 
 
 @pytest.mark.parametrize("positions", [5, 1])

@@ -33,7 +33,23 @@ LAYER_NORM_EPSILON = 1e-5
 
 
 def gelu(x):
+    """The exact gelu ``x Phi(x)``: through erf on a GPU (``gelu_through_erf``), elsewhere
+    through erfc, as ``jax.nn.gelu`` computes it.
+
+    XLA's GPU compiler splits erfc's piecewise expansion over several kernels where it meets
+    the implicit attention's transposes, each writing float32 intermediates the size of Q, K
+    and V: compiled for an H100, lmu-1M's memory reads and writes 765 GB per 64-sequence
+    micro-batch through erfc, 167 GB through erf (``benchmarks/gpu_aot.py``). On a CPU, erfc
+    keeps the forward pass's gelu apart from ``gelu_grad``'s erf, which XLA would otherwise
+    share and keep alive (lmu-1M's step at (8, 1024): 5 GB more read, 1.2 GB more held)."""
+    if gelu_through_erf():
+        return x * (0.5 * (1.0 + lax.erf(x * (1.0 / math.sqrt(2.0)))))
     return nn.gelu(x, approximate=False)
+
+
+def gelu_through_erf() -> bool:
+    """Whether ``gelu`` goes through erf: where JAX computes on a GPU."""
+    return jax.default_backend() == "gpu"
 
 
 def layer_norm(dtype, name: str | None = None) -> nn.LayerNorm:
@@ -143,9 +159,8 @@ def _implicit_attention_bwd(dtype, residuals, dm_xDxc):
     # dgelu(Q)[d, i] = sum_k dscores[i, k] gelu(K)[d, k], and dgelu(K) likewise over i.
     dgq_xDxKxc = _sum_of_products(dscores_xKxKxc[..., None, :, :, :], gk[..., :, None, :, :], -2)
     dgk_xDxKxc = _sum_of_products(dscores_xKxKxc[..., None, :, :, :], gq[..., :, :, None, :], -3)
-    # gelu goes through erfc and gelu_grad through erf: different operations, so XLA does not
-    # keep the forward's transcendental results alive for this pass (with both through erf,
-    # the lmu-1M step at (8, 1024) held 1.2 GB more temporaries and read 5 GB more on a CPU).
+    # On a CPU gelu goes through erfc and gelu_grad through erf: different operations, so XLA
+    # does not keep the forward's transcendental results alive for this pass (``gelu``).
     dpre_3xxDxKxc = [
         (g * gelu_grad(pre.astype(wide))).astype(dtype)
         for g, pre in zip((dgq_xDxKxc, dgk_xDxKxc, dgv_xDxKxc), pre_3xxDxKxc, strict=True)
