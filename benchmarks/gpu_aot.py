@@ -2,16 +2,19 @@
 
     pip install "jax-cuda12-plugin==$(python -c 'import jaxlib; print(jaxlib.__version__)')"
     JAX_PLATFORMS=cpu python benchmarks/gpu_aot.py [--models lmu-1M transformer-1M]
-        [--batch 64] [--dtype bfloat16] [--top 10] [--out FILE]
+        [--batch 64] [--dtype bfloat16] [--impl auto] [--top 10] [--out FILE]
 
 XLA's GPU compiler compiles the train step of ``lmuscale.train`` (Adam, the chunked loss; one
 micro-batch of --batch sequences of 1024 tokens) for a one-device H100 topology
 (``jax.experimental.topologies``: no GPU and no driver, only the CUDA plugin's wheel, as for
 ``kernel_resources.py``). The model is traced as on a GPU (``jax.default_backend()`` reads
 "gpu" meanwhile, so ``layers.gelu`` and the exact precision take their GPU forms); what picks
-itself by the device it finds (the fused kernels and cuDNN's attention under "auto") takes
-XLA's path, since JAX finds a CPU. Triton's GEMM fusions are off: their tiles come from the
-autotuner, which needs a GPU, so cuBLAS's calls stand in for them.
+itself by the device it finds takes XLA's path, since JAX finds a CPU: cuDNN's attention, and
+the fused kernels under --impl "auto". --impl "pallas" sets the configs' ``loss_impl`` and
+``memory_impl`` to the fused Pallas kernels, lowered for the H100; their FLOPs are inside
+Triton's calls, not in the HLO, so their floors count their bytes only. Triton's GEMM fusions
+are off: their tiles come from the autotuner, which needs a GPU, so cuBLAS's calls stand in.
+XLA is this jaxlib's, which need not be the GPU machine's.
 
 From the compiled HLO, each kernel's HBM traffic is estimated as its operands plus its
 outputs (an operand a fusion only slices counts its slices; an update in place counts the
@@ -39,6 +42,7 @@ import jax
 import jax.numpy as jnp
 from common import machine, print_table, versions, write_json
 
+from lmuscale import kernels
 from lmuscale.models import build, named_config
 from lmuscale.train import base_config, optim
 from lmuscale.train import step as step_lib
@@ -89,16 +93,24 @@ def traced_as_on_a_gpu():
         yield
 
 
-def compiled_step_text(name: str, batch: int, dtype: str, devices) -> str:
-    """The HLO text of ``name``'s train step on one micro-batch, compiled for ``devices``."""
+def compiled_step_text(name: str, batch: int, dtype: str, devices, impl: str = "auto") -> str:
+    """The HLO text of ``name``'s train step on one micro-batch, compiled for ``devices``.
+    ``impl`` is the config's ``loss_impl`` and an LMU's ``memory_impl``: with "pallas" the fused
+    kernels are lowered for the GPU (JAX, finding a CPU here, would refuse them)."""
     positions = {"max_len": 1024} if name.startswith("transformer") else {}
-    memory = {"batch_chunk": 0} if name.startswith("lmu") else {}
-    config = named_config(name, dtype=dtype, **positions, **memory)
-    model, train = build(config), base_config(config)
-    tx, lr = optim.optimizer(train.optim, train.train.steps)
-    init = step_lib.init_fn(model, tx, optim.plateau(train.optim), 0, 1024)
-    mesh = step_lib.make_mesh(1, devices=devices)
-    with traced_as_on_a_gpu():
+    memory = {"batch_chunk": 0, "memory_impl": impl} if name.startswith("lmu") else {}
+    allowed = lambda devices=None: None  # noqa: E731 (the kernels' device check, passed)
+    kernels_lowered = (
+        mock.patch.object(kernels, "unsupported_reason", allowed)
+        if impl == "pallas"
+        else contextlib.nullcontext()
+    )
+    with kernels_lowered, traced_as_on_a_gpu():
+        config = named_config(name, dtype=dtype, loss_impl=impl, **positions, **memory)
+        model, train = build(config), base_config(config)
+        tx, lr = optim.optimizer(train.optim, train.train.steps)
+        init = step_lib.init_fn(model, tx, optim.plateau(train.optim), 0, 1024)
+        mesh = step_lib.make_mesh(1, devices=devices)
         abstract = jax.eval_shape(init)
         train_step = step_lib.make_train_step(model, tx, lr, mesh, abstract)
         shardings = step_lib.state_shardings(mesh, abstract)
@@ -223,7 +235,7 @@ def _gemm_flops(call: dict, shapes: dict) -> int:
     return 2 * _elements(",".join(map(str, _dims(call["shape"])))) * depth
 
 
-def kernels(hlo: str) -> list[dict]:
+def kernels_of(hlo: str) -> list[dict]:
     """Each kernel of a compiled HLO module: ``{"name", "op", "bytes", "flops", "launches",
     "shape", "source"}``, bytes and FLOPs summed over its launches (a loop's trips)."""
     found = computations(hlo)
@@ -289,17 +301,18 @@ def floor_seconds(row: dict) -> float:
     return max(row["bytes"] / HBM_BYTES_PER_S, row["flops"] / BF16_FLOPS_PER_S)
 
 
-# The part of a model a kernel belongs to, by the first of these its source names.
+# The part of a model a kernel belongs to: the first whose pattern its source matches, else
+# "other" (the optimizer, embedding, norms, and kernels whose source XLA did not keep).
 PARTS = (
-    ("memory", ("/memory/",)),
-    ("attention", ("/attention/",)),
-    ("loss", ("/while/", "loss/")),
-    ("feed-forward", ("/pre/", "/post/", "/mlp/", "/ffn/")),
+    ("memory", r"/memory/"),
+    ("attention", r"/attention/"),
+    ("loss", r"/while/|loss/|\.loss\)+/pallas_call"),
+    ("feed-forward", r"/(pre|post|mlp|ffn)/"),
 )
 
 
 def part_of(source: str) -> str:
-    return next((part for part, keys in PARTS if any(k in source for k in keys)), "other")
+    return next((part for part, pattern in PARTS if re.search(pattern, source)), "other")
 
 
 def summary(rows: list[dict]) -> dict:
@@ -324,16 +337,19 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--models", nargs="+", default=["lmu-1M", "transformer-1M"])
     parser.add_argument("--batch", type=int, default=64)
     parser.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float32"))
+    parser.add_argument("--impl", default="auto", choices=kernels.IMPLS)
     parser.add_argument("--top", type=int, default=10)
     parser.add_argument(
-        "--out", type=Path, default=Path(__file__).parent / "results" / "gpu_aot-h100.json"
+        "--out", type=Path, help="default: results/gpu_aot-h100.json (-pallas.json for pallas)"
     )
     args = parser.parse_args(argv)
+    suffix = "" if args.impl == "auto" else f"-{args.impl}"
+    out = args.out or Path(__file__).parent / "results" / f"gpu_aot-h100{suffix}.json"
     devices = h100().devices
     records = {}
     for name in args.models:
         start = time.perf_counter()
-        rows = kernels(compiled_step_text(name, args.batch, args.dtype, devices))
+        rows = kernels_of(compiled_step_text(name, args.batch, args.dtype, devices, args.impl))
         record = summary(rows) | {"compile_seconds": time.perf_counter() - start}
         record["top"] = sorted(rows, key=floor_seconds, reverse=True)[: args.top]
         records[name] = record
@@ -375,7 +391,7 @@ def main(argv: list[str] | None = None) -> None:
             ],
         )
     write_json(
-        args.out,
+        out,
         {
             "benchmark": "gpu_aot",
             "date": time.strftime("%Y-%m-%dT%H:%M:%S%z"),

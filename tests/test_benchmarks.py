@@ -367,7 +367,7 @@ rhs_contracting_dims={0}, metadata={op_name="jit(f)/mlp/up/dot_general"}
 
 def test_the_gpu_compile_s_kernels_count_what_they_move_and_loops_per_trip():
     gpu_aot = _benchmark("gpu_aot")
-    rows = {r["name"]: r for r in gpu_aot.kernels(_HLO)}
+    rows = {r["name"]: r for r in gpu_aot.kernels_of(_HLO)}
     assert set(rows) == {"row", "put", "next", "dot.1"}
     row = 256 * 4
     # The slicing fusion reads its row (not the array), the scalar index, writes the row.
@@ -382,6 +382,16 @@ def test_the_gpu_compile_s_kernels_count_what_they_move_and_loops_per_trip():
     assert dot["launches"] == 1 and dot["flops"] == 2 * 8 * 128 * 256
     assert dot["bytes"] == 4 * (8 * 256 + 256 * 128 + 8 * 128)
     assert gpu_aot.part_of(dot["source"]) == "feed-forward"
+    sources = {
+        "jit(step)/transpose(jvp(LMULanguageModel.loss))/pallas_call": "loss",
+        "jit(step)/jvp(LMULanguageModel.loss)/while/body/closed_call/reduce_sum": "loss",
+        "jit(step)/jvp(LMULanguageModel.loss)/LMULanguageModel.hidden/block_0/memory/"
+        "memory._attend/pallas_call": "memory",
+        "jit(step)/jvp(TransformerLanguageModel.loss)/TransformerLanguageModel.hidden/block_1/"
+        "attention/vmap()/mul": "attention",
+        "jit(step)/adam/mul": "other",
+    }
+    assert {s: gpu_aot.part_of(s) for s in sources} == sources
     total = gpu_aot.summary(list(rows.values()))
     assert total["bytes"] == sum(r["bytes"] for r in rows.values())
     assert total["floor_seconds"] == pytest.approx(
