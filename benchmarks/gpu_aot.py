@@ -93,15 +93,19 @@ def traced_as_on_a_gpu():
         yield
 
 
+def _no_reason_against(devices=None) -> None:
+    """``kernels.unsupported_reason`` for the GPU compiled for: none."""
+    del devices
+
+
 def compiled_step_text(name: str, batch: int, dtype: str, devices, impl: str = "auto") -> str:
     """The HLO text of ``name``'s train step on one micro-batch, compiled for ``devices``.
     ``impl`` is the config's ``loss_impl`` and an LMU's ``memory_impl``: with "pallas" the fused
     kernels are lowered for the GPU (JAX, finding a CPU here, would refuse them)."""
     positions = {"max_len": 1024} if name.startswith("transformer") else {}
     memory = {"batch_chunk": 0, "memory_impl": impl} if name.startswith("lmu") else {}
-    allowed = lambda devices=None: None  # noqa: E731 (the kernels' device check, passed)
     kernels_lowered = (
-        mock.patch.object(kernels, "unsupported_reason", allowed)
+        mock.patch.object(kernels, "unsupported_reason", _no_reason_against)
         if impl == "pallas"
         else contextlib.nullcontext()
     )
