@@ -306,12 +306,14 @@ def floor_seconds(row: dict) -> float:
 
 
 # The part of a model a kernel belongs to: the first whose pattern its source matches, else
-# "other" (the optimizer, embedding, norms, and kernels whose source XLA did not keep).
+# "other" (the optimizer, the embedding, and kernels whose source XLA did not keep). An LMU's
+# "pre" is its pre-FFN, or in lmu_g its global attention (projections "qkv" and "out").
 PARTS = (
     ("memory", r"/memory/"),
-    ("attention", r"/attention/"),
-    ("loss", r"/while/|loss/|\.loss\)+/pallas_call"),
+    ("attention", r"/attention/|/pre/(qkv|out|vmap)"),
     ("feed-forward", r"/(pre|post|mlp|ffn)/"),
+    ("other layers", r"\.hidden/"),  # recurrences, norms, residuals
+    ("loss", r"LanguageModel\.loss\)+/(while/|pallas_call|[^/]*$)"),
 )
 
 

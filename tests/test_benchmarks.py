@@ -389,6 +389,15 @@ def test_the_gpu_compile_s_kernels_count_what_they_move_and_loops_per_trip():
         "memory._attend/pallas_call": "memory",
         "jit(step)/jvp(TransformerLanguageModel.loss)/TransformerLanguageModel.hidden/block_1/"
         "attention/vmap()/mul": "attention",
+        "jit(step)/jvp(LMULanguageModel.loss)/LMULanguageModel.hidden/block_0/pre/qkv/"
+        "dot_general": "attention",
+        "jit(step)/jvp(LMULanguageModel.loss)/LMULanguageModel.hidden/block_0/pre/up/"
+        "dot_general": "feed-forward",
+        "jit(step)/jvp(SRULanguageModel.loss)/SRULanguageModel.hidden/block_0/while/body/mul": (
+            "other layers"
+        ),
+        "jit(step)/jvp(SRULanguageModel.loss)/reduce_sum": "loss",
+        "jit(step)/jvp(SRULanguageModel.loss)/SRULanguageModel.embed/gather": "other",
         "jit(step)/adam/mul": "other",
     }
     assert {s: gpu_aot.part_of(s) for s in sources} == sources
