@@ -81,9 +81,9 @@ def write_json(out: Path, record: dict, quiet: bool = False) -> None:
         print(f"\nwrote {out}")
 
 
-def train_step_for(config, seq_len: int):
+def train_step_for(config, seq_len: int, devices=None):
     """The jitted train step of ``lmuscale.train`` (Adam, schedule, plateau scale, norms, the
-    chunked loss) for a model config, on a mesh of all devices.
+    chunked loss) for a model config, on a mesh of ``devices`` (default: all of them).
 
     Returns ``(train_step, init, mesh, abstract_state)``; ``step_lib.init_state(init, mesh)``
     makes the state.
@@ -92,9 +92,24 @@ def train_step_for(config, seq_len: int):
     model = build(config)
     tx, lr = optim.optimizer(train.optim, train.train.steps)
     init = step_lib.init_fn(model, tx, optim.plateau(train.optim), 0, seq_len)
-    mesh = step_lib.make_mesh(1)
+    mesh = step_lib.make_mesh(1, devices=devices)
     abstract = jax.eval_shape(init)
     return step_lib.make_train_step(model, tx, lr, mesh, abstract), init, mesh, abstract
+
+
+def abstract_step_inputs(mesh, abstract_state, batch: int, seq_len: int):
+    """``(state, tokens)`` to lower a ``train_step_for`` step at, as shapes placed on ``mesh``:
+    one micro-batch of ``batch`` sequences of ``seq_len`` tokens."""
+    import jax.numpy as jnp
+
+    shardings = step_lib.state_shardings(mesh, abstract_state)
+    state = jax.tree.map(
+        lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s), abstract_state, shardings
+    )
+    tokens = jax.ShapeDtypeStruct(
+        (1, batch, seq_len + 1), jnp.int32, sharding=step_lib.batch_sharding(mesh, 3, axis=1)
+    )
+    return state, tokens
 
 
 def timed_steps(train_step, state, tokens, repeats: int) -> tuple[dict, list[float]]:

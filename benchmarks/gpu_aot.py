@@ -39,18 +39,15 @@ from unittest import mock
 
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 import jax
-import jax.numpy as jnp
-from common import machine, print_table, versions, write_json
+from common import abstract_step_inputs, machine, print_table, train_step_for, versions, write_json
 
 from lmuscale import kernels
-from lmuscale.models import build, named_config
-from lmuscale.train import base_config, optim
-from lmuscale.train import step as step_lib
+from lmuscale.models import named_config
+from lmuscale.train.metrics import PEAK_FLOPS
 
-HBM_BYTES_PER_S = 3.35e12  # H100 SXM
-BF16_FLOPS_PER_S = 989e12  # dense
 # The H100 SXM as XLA's GPU compiler describes a device (its GpuTargetConfig, text format).
-H100_TARGET = """
+H100_TARGET = (
+    """
 gpu_device_info {
   threads_per_block_limit: 1024
   threads_per_warp: 32
@@ -74,8 +71,11 @@ gpu_device_info {
 platform_name: "CUDA"
 dnn_version_info { major: 9 minor: 7 }
 runtime_version { major: 12 minor: 8 }
-device_description_str: "NVIDIA H100 80GB HBM3"
 """
+    + f'device_description_str: "{kernels.CUDA_TARGET}"\n'
+)
+HBM_BYTES_PER_S = float(re.search(r"memory_bandwidth: (\d+)", H100_TARGET).group(1))
+BF16_FLOPS_PER_S = dict(PEAK_FLOPS)["H100"]["bfloat16"]  # dense
 
 
 def h100():
@@ -111,20 +111,8 @@ def compiled_step_text(name: str, batch: int, dtype: str, devices, impl: str = "
     )
     with kernels_lowered, traced_as_on_a_gpu():
         config = named_config(name, dtype=dtype, loss_impl=impl, **positions, **memory)
-        model, train = build(config), base_config(config)
-        tx, lr = optim.optimizer(train.optim, train.train.steps)
-        init = step_lib.init_fn(model, tx, optim.plateau(train.optim), 0, 1024)
-        mesh = step_lib.make_mesh(1, devices=devices)
-        abstract = jax.eval_shape(init)
-        train_step = step_lib.make_train_step(model, tx, lr, mesh, abstract)
-        shardings = step_lib.state_shardings(mesh, abstract)
-        state = jax.tree.map(
-            lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s), abstract, shardings
-        )
-        tokens = jax.ShapeDtypeStruct(
-            (1, batch, 1025), jnp.int32, sharding=step_lib.batch_sharding(mesh, 3, axis=1)
-        )
-        lowered = train_step.lower(state, tokens)
+        train_step, _, mesh, abstract = train_step_for(config, 1024, devices)
+        lowered = train_step.lower(*abstract_step_inputs(mesh, abstract, batch, 1024))
     # Triton's GEMM tiles come from the autotuner, which needs a GPU.
     return lowered.compile({"xla_gpu_enable_triton_gemm": False}).as_text()
 

@@ -38,6 +38,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from common import (
+    abstract_step_inputs,
     compiled_figures,
     machine,
     peak_memory,
@@ -140,13 +141,7 @@ def compiled_step(name: str, batch: int, seq_len: int, part=contextlib.nullconte
     config = named_config(name, **positions, **overrides)
     with part():
         train_step, init, mesh, abstract = train_step_for(config, seq_len)
-        tokens = jax.ShapeDtypeStruct(
-            (1, batch, seq_len + 1), jnp.int32, sharding=step_lib.batch_sharding(mesh, 3, axis=1)
-        )
-        shardings = step_lib.state_shardings(mesh, abstract)
-        state = jax.tree.map(
-            lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s), abstract, shardings
-        )
+        state, tokens = abstract_step_inputs(mesh, abstract, batch, seq_len)
         compiled = train_step.lower(state, tokens).compile()
 
     def make_inputs():
