@@ -451,7 +451,9 @@ def hlo_sources(hlo_text: str) -> dict:
 
 def top_operations(folder: Path, steps: int, sources: dict) -> list[dict]:
     """Operations by total time per step in a jax.profiler trace: ``{"op", "ms", "count",
-    "source"}``, the source from ``hlo_sources`` of the compiled step.
+    "source"}``, the source from ``hlo_sources`` of the compiled step: by the event's
+    ``hlo_op``, else by its name (on a GPU, a kernel replayed in a command buffer, a CUDA
+    graph, has the buffer's name as ``hlo_op`` and its fusion's as its own name).
 
     The devices' events where the trace has a device process (a GPU's kernels); otherwise the
     host's, less the Python tracer's calls and the runtime's wrappers around them."""
@@ -466,7 +468,7 @@ def top_operations(folder: Path, steps: int, sources: dict) -> list[dict]:
         if e.get("ph") != "X" or "dur" not in e:
             continue
         name = e["name"]
-        ops.setdefault(name, e.get("args", {}).get("hlo_op", name))
+        ops.setdefault(name, (e.get("args", {}).get("hlo_op", name), name))
         if devices and e["pid"] not in devices:
             continue
         if not devices and (name.startswith(("$", "end: ", "PjitFunction")) or "::" in name):
@@ -479,7 +481,7 @@ def top_operations(folder: Path, steps: int, sources: dict) -> list[dict]:
             "op": n,
             "ms": totals[n] / 1e3 / steps,
             "count": counts[n] / steps,
-            "source": sources.get(ops[n], "")[-120:],
+            "source": next((sources[op] for op in ops[n] if op in sources), "")[-120:],
         }
         for n in ranked
     ]

@@ -296,6 +296,46 @@ def test_the_profile_part_ranks_a_traced_programs_operations_and_names_their_sou
     assert top["count"] == 1 and "dot_general" in top["source"], ops[:3]
 
 
+def test_the_profile_part_names_the_source_of_a_kernel_replayed_in_a_cuda_graph(tmp_path):
+    # As an H200 traced lmu-1M: a kernel run inside a command buffer has the buffer's name as
+    # hlo_op and its fusion's as its own name; a kernel outside one has its fusion as hlo_op.
+    # The host's events are not the device's operations.
+    import gzip
+
+    gpu = _gpu_module()
+    folder = tmp_path / "plugins" / "profile" / "run"
+    folder.mkdir(parents=True)
+    events = [
+        {"ph": "M", "pid": 1, "name": "process_name", "args": {"name": "/device:GPU:0"}},
+        {"ph": "M", "pid": 7, "name": "process_name", "args": {"name": "/host:CPU"}},
+        {"ph": "X", "pid": 7, "dur": 900.0, "name": "PjitFunction(step)"},
+    ]
+    for _ in range(2):  # two steps
+        events += [
+            {"ph": "X", "pid": 1, "dur": 6000.0, "name": "input_transpose_fusion_33",
+             "args": {"hlo_op": "command_buffer_272"}},
+            {"ph": "X", "pid": 1, "dur": 1000.0, "name": "void cutlass::Kernel2<gemm>()",
+             "args": {"hlo_op": "command_buffer_272"}},
+            {"ph": "X", "pid": 1, "dur": 2000.0, "name": "loop_pad_fusion",
+             "args": {"hlo_op": "loop_pad_fusion"}},
+        ]  # fmt: skip
+    (folder / "perfetto_trace.json.gz").write_bytes(
+        gzip.compress(json.dumps({"traceEvents": events}).encode())
+    )
+    sources = gpu.hlo_sources(
+        "  %input_transpose_fusion_33 = f32[4,8]{1,0} fusion(%p), kind=kInput, "
+        'metadata={op_name="jit(step)/jvp(ImplicitSelfAttention)/transpose"}\n'
+        "  %loop_pad_fusion = f32[8]{0} fusion(%q), kind=kLoop, "
+        'metadata={op_name="jit(step)/pad"}\n'
+    )
+    ops = gpu.top_operations(tmp_path, 2, sources)
+    assert [(op["op"], op["ms"], op["count"], op["source"]) for op in ops] == [
+        ("input_transpose_fusion_33", 6.0, 1, "jit(step)/jvp(ImplicitSelfAttention)/transpose"),
+        ("loop_pad_fusion", 2.0, 1, "jit(step)/pad"),
+        ("void cutlass::Kernel2<gemm>()", 1.0, 1, ""),
+    ]
+
+
 def test_the_lmu_s_parts_are_cut_out_while_it_is_traced_and_put_back_after():
     # lmu_vs_transformer's breakdown of lmu-1M, here one layer of lmu-55k on 16 tokens: each
     # cut-down model does less work than the one before it, its parameters are those it was
