@@ -245,7 +245,7 @@ def interpreted(monkeypatch):
         return kernels(*args, **options, interpret=True)
 
     monkeypatch.setattr(memory_kernel, "memory_attention", interpret)
-    monkeypatch.setattr(memory_kernel, "resolve", lambda impl, devices=None: impl)
+    monkeypatch.setattr(memory_kernel, "resolve", lambda impl, dtype, devices=None: impl)
     monkeypatch.setattr(memory_kernel, "unsupported_reason", lambda devices=None: None)
     return calls
 

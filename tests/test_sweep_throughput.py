@@ -99,15 +99,18 @@ def test_rows_of_the_cross_entropy_auto_would_not_take_are_left_out(tmp_path, mo
         row("lmu", 100, 2e13, loss_impl="xla"),
         row("lmu", 100, 6e13, loss_impl="pallas"),
         row("lmu", 300, 4e13),  # written before loss_impl was recorded: the XLA path
+        row("lmu", 100, 3e13, loss_impl="xla", dtype="float32"),
     ]
     when = "2026-11-23T10:00:00+00:00"
     write_benchmark(tmp_path, H100, when, {"train/lmu": rows}, compute_capability="9.0")
     measured = from_benchmarks(tmp_path, default=1e14).measured
     assert measured == {("lmu", 100): 2e13, ("lmu", 300): 4e13}
-    # Once a benchmark has put the kernels in FASTER_THAN_XLA for this GPU, "auto" takes them,
-    # on one device; on several it does not.
-    monkeypatch.setattr(fused_loss, "FASTER_THAN_XLA", frozenset({H100}))
+    # Once a benchmark has put the kernels in FASTER_THAN_XLA for this GPU in bfloat16, "auto"
+    # takes them there, on one device (on several it does not), and not in float32.
+    monkeypatch.setattr(fused_loss, "FASTER_THAN_XLA", frozenset({(H100, "bfloat16")}))
     assert from_benchmarks(tmp_path, default=1e14).measured == {("lmu", 100): 6e13}
+    in_float32 = from_benchmarks(tmp_path, default=1e14, dtype="float32").measured
+    assert in_float32 == {("lmu", 100): 3e13}
     write_benchmark(
         tmp_path, H100, when, {"train/lmu": rows}, compute_capability="9.0", device_count=8
     )
@@ -129,7 +132,7 @@ def test_rows_of_the_lmu_memory_auto_would_not_take_are_left_out(tmp_path, monke
     assert from_benchmarks(tmp_path, default=1e14).measured == measured
     # Once the memory kernels are measured faster on this GPU, "auto" takes them: the LMU's
     # XLA rows drop out, and the transformer's, which has no LMU memory, stay.
-    monkeypatch.setattr(memory_kernel, "FASTER_THAN_XLA", frozenset({H100}))
+    monkeypatch.setattr(memory_kernel, "FASTER_THAN_XLA", frozenset({(H100, "bfloat16")}))
     assert from_benchmarks(tmp_path, default=1e14).measured == {
         ("lmu", 100): 6e13,
         ("transformer", 100): 5e13,

@@ -2,9 +2,10 @@
 
 - "xla" runs the XLA path everywhere.
 - "pallas" runs the kernels, and is a ``ValueError`` naming why where they cannot run.
-- "auto" runs the kernels only on a device kind where a committed GPU benchmark measured them
-  faster than the XLA path (each kernel's ``FASTER_THAN_XLA``), the XLA path elsewhere (a CPU,
-  a TPU, another GPU). It never falls back silently from a run that asked for "pallas".
+- "auto" runs the kernels only on a device kind, in a compute dtype, where a committed GPU
+  benchmark measured them faster than the XLA path (each kernel's ``FASTER_THAN_XLA``), the XLA
+  path elsewhere (a CPU, a TPU, another GPU, another dtype). It never falls back silently from
+  a run that asked for "pallas".
 
 The kernels (``models.fused_loss``, ``memory_kernel``) are written for Pallas's Triton lowering:
 one NVIDIA GPU of compute capability >= 8.0.
@@ -15,6 +16,7 @@ from __future__ import annotations
 import re
 
 import jax
+import jax.numpy as jnp
 
 IMPLS = ("auto", "xla", "pallas")
 MIN_CAPABILITY = (8, 0)  # bf16 tensor-core products in Triton: Ampere and newer
@@ -47,10 +49,19 @@ def check(key: str, impl: str) -> None:
         raise ValueError(f"{key} must be one of {IMPLS}, got {impl!r}")
 
 
-def resolve(impl: str, *, key: str, kernels: str, faster: frozenset[str], devices=None) -> str:
-    """What a config's ``key`` = ``impl`` runs on ``devices`` (default: this run's): "xla" or
-    "pallas". ``kernels`` names them in the error for "pallas" where they cannot run; ``faster``
-    is the device kinds where a benchmark measured them faster than XLA (what "auto" takes)."""
+def resolve(
+    impl: str,
+    *,
+    key: str,
+    kernels: str,
+    faster: frozenset[tuple[str, str]],
+    dtype,
+    devices=None,
+) -> str:
+    """What a config's ``key`` = ``impl`` runs in compute ``dtype`` on ``devices`` (default:
+    this run's): "xla" or "pallas". ``kernels`` names them in the error for "pallas" where they
+    cannot run; ``faster`` is the (device kind, dtype name) pairs where a benchmark measured
+    them faster than XLA (what "auto" takes)."""
     check(key, impl)
     if impl == "xla":
         return "xla"
@@ -61,7 +72,8 @@ def resolve(impl: str, *, key: str, kernels: str, faster: frozenset[str], device
             f'{key}="pallas": {kernels} need one NVIDIA GPU of compute capability >= 8.0, '
             f'but {reason}; use "auto" or "xla"'
         )
-    measured_faster = reason is None and devices[0].device_kind in faster
+    measured = (devices[0].device_kind, jnp.dtype(dtype).name)
+    measured_faster = reason is None and measured in faster
     return "pallas" if impl == "pallas" or measured_faster else "xla"
 
 

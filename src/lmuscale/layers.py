@@ -244,7 +244,7 @@ class ImplicitSelfAttention(nn.Module):
         )
         c = x_BxJxDxZ.shape[-1] - self.q
         weights = [lmu.chunk_weights(self.q, self.theta, c, l_KxQ) for l_KxQ in self.l]
-        if memory_kernel.resolve(self.memory_impl) == "pallas":
+        if memory_kernel.resolve(self.memory_impl, self.dtype) == "pallas":
             m_BxJxcxD = memory_kernel.memory_attention(
                 x_BxJxDxZ,
                 jnp.stack(weights),

@@ -53,10 +53,11 @@ from lmuscale import kernels
 
 MEMORY_IMPLS = kernels.IMPLS
 
-# Device kinds where a committed GPU benchmark (benchmarks/gpu.py's ``block`` part, results under
-# benchmarks/results/) measured the kernels' forward+backward faster than the XLA chunked path.
-# None has been measured on a GPU yet.
-FASTER_THAN_XLA: frozenset[str] = frozenset()
+# (Device kind, compute dtype) where a committed GPU benchmark (benchmarks/gpu.py's ``block``
+# part, results under benchmarks/results/) measured the kernels' forward+backward faster than
+# the XLA chunked path. None yet: on the H200 (gpu-nvidia-h200.json, 2026-11-27) they took 3.3x
+# XLA's time in bfloat16 and 24x in float32.
+FASTER_THAN_XLA: frozenset[tuple[str, str]] = frozenset()
 
 PRECISIONS = ("exact", "fast")
 MIN_TILE = 16  # Triton's matrix products need every dimension >= 16
@@ -78,14 +79,15 @@ def unsupported_reason(devices=None) -> str | None:
     return kernels.unsupported_reason(devices)
 
 
-def resolve(impl: str, devices=None) -> str:
-    """What a config's ``memory_impl`` runs on ``devices`` (default: this run's): "xla" or
-    "pallas", by the switch every kernel shares (``kernels.resolve``)."""
+def resolve(impl: str, dtype, devices=None) -> str:
+    """What a config's ``memory_impl`` runs in compute ``dtype`` on ``devices`` (default: this
+    run's): "xla" or "pallas", by the switch every kernel shares (``kernels.resolve``)."""
     return kernels.resolve(
         impl,
         key="memory_impl",
         kernels="the fused LMU memory kernels",
         faster=FASTER_THAN_XLA,
+        dtype=dtype,
         devices=devices,
     )
 

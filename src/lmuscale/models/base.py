@@ -107,7 +107,7 @@ def cross_entropy(h_BxTxD, w_VxD, targets_BxT, chunk: int = LOSS_CHUNK, impl: st
     no logits. That needs the same cotangent at every position, as for the mean or sum; for any
     other, the gradient in w is NaN, never silently wrong (the one in h stays exact).
     """
-    if fused_loss.resolve(impl) == "pallas":
+    if fused_loss.resolve(impl, h_BxTxD.dtype) == "pallas":
         return fused_loss.cross_entropy(h_BxTxD, w_VxD, targets_BxT)
     return _cross_entropy(h_BxTxD, w_VxD, targets_BxT, chunk)
 
@@ -246,7 +246,8 @@ class LanguageModel(nn.Module):
                 f"inputs {inputs_BxT.shape} and targets {targets_BxT.shape} differ in shape"
             )
         h_BxTxD = self.hidden(inputs_BxT)
-        impl = loss_impl_of(self.config)
+        # resolved by the config's dtype, as the run's log and summary.json name it
+        impl = fused_loss.resolve(loss_impl_of(self.config), self.config.dtype)
         per_position = cross_entropy(h_BxTxD, self.embed.embedding, targets_BxT, chunk, impl)
         return per_position.mean(), per_position
 

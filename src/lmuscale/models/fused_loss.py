@@ -26,10 +26,12 @@ from lmuscale import kernels
 
 LOSS_IMPLS = kernels.IMPLS
 
-# Device kinds where benchmarks/cross_entropy.py (results committed under benchmarks/results/)
-# measured the kernels' forward+backward faster than the XLA path at the paper's micro-batch.
-# None has been measured on a GPU yet.
-FASTER_THAN_XLA: frozenset[str] = frozenset()
+# (Device kind, compute dtype) where a committed benchmark (benchmarks/gpu.py's ``loss`` part,
+# as benchmarks/cross_entropy.py's; results under benchmarks/results/) measured the kernels'
+# forward+backward faster than the XLA path at the paper's micro-batch, 64 x 1024 tokens, at
+# d = 48 and 204. The H200 (gpu-nvidia-h200.json, 2026-11-27): 2.0x at d = 48, 1.4x at 204 in
+# bfloat16; in float32 as fast at 48 and 14x slower at 204, so not there.
+FASTER_THAN_XLA: frozenset[tuple[str, str]] = frozenset({("NVIDIA H200", "bfloat16")})
 
 # Tiles on a GPU (``tiles``), not yet tuned on a device: one tile of an operand is at most
 # TILE_BYTES. At d = 204 (padded to 256) in bf16 that is 64 x 256, whose float32 accumulators
@@ -51,14 +53,15 @@ def unsupported_reason(devices=None) -> str | None:
     return kernels.unsupported_reason(devices)
 
 
-def resolve(impl: str, devices=None) -> str:
-    """What a config's ``loss_impl`` runs on ``devices`` (default: this run's): "xla" or
-    "pallas", by the switch every kernel shares (``kernels.resolve``)."""
+def resolve(impl: str, dtype, devices=None) -> str:
+    """What a config's ``loss_impl`` runs with h in ``dtype`` on ``devices`` (default: this
+    run's): "xla" or "pallas", by the switch every kernel shares (``kernels.resolve``)."""
     return kernels.resolve(
         impl,
         key="loss_impl",
         kernels="the fused cross-entropy kernels",
         faster=FASTER_THAN_XLA,
+        dtype=dtype,
         devices=devices,
     )
 

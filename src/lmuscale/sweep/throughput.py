@@ -200,7 +200,7 @@ def _read(path: Path, shape: tuple[int, int, str]) -> _Benchmark:
             for name, part in data[key].items()
             if name.startswith("train/")
         ]
-        auto = _auto_kernels(machine)
+        auto = _auto_kernels(machine, shape[2])
     else:  # train_throughput ran the XLA paths
         rows, auto = [("results", data[key])], {"loss_impl": "xla", "memory_impl": "xla"}
     return _Benchmark(
@@ -214,9 +214,9 @@ def _read(path: Path, shape: tuple[int, int, str]) -> _Benchmark:
     )
 
 
-def _auto_kernels(machine: dict) -> dict[str, str]:
-    """What each kernel switch's "auto" took on a benchmark's machine: ``{"loss_impl": ...,
-    "memory_impl": ...}``."""
+def _auto_kernels(machine: dict, dtype: str) -> dict[str, str]:
+    """What each kernel switch's "auto" took on a benchmark's machine in ``dtype``:
+    ``{"loss_impl": ..., "memory_impl": ...}``."""
     devices = [
         SimpleNamespace(
             platform=machine.get("platform", "gpu"),
@@ -225,8 +225,8 @@ def _auto_kernels(machine: dict) -> dict[str, str]:
         )
     ] * int(machine.get("device_count", 1))
     return {
-        "loss_impl": fused_loss.resolve("auto", devices),
-        "memory_impl": memory_kernel.resolve("auto", devices),
+        "loss_impl": fused_loss.resolve("auto", dtype, devices),
+        "memory_impl": memory_kernel.resolve("auto", dtype, devices),
     }
 
 

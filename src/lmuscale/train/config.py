@@ -201,7 +201,7 @@ def loss_implementation(model: ModelConfig) -> str:
     """The cross-entropy this process runs for ``model.loss_impl``: "xla" or "pallas". A
     ``ConfigError`` where "pallas" cannot run here."""
     try:
-        return fused_loss.resolve(loss_impl_of(model))
+        return fused_loss.resolve(loss_impl_of(model), model.dtype)
     except ValueError as error:
         raise ConfigError(f"model.{error}") from None
 
@@ -213,7 +213,7 @@ def memory_implementation(model: ModelConfig) -> str | None:
     if impl is None:
         return None
     try:
-        return memory_kernel.resolve(impl)
+        return memory_kernel.resolve(impl, model.dtype)
     except ValueError as error:
         raise ConfigError(f"model.{error}") from None
 
