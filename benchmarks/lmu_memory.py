@@ -22,26 +22,32 @@ table gives each mode's speed-up over the scan (or over reduced, the FFT path, f
 modes) and XLA's ``cost_analysis()`` bytes accessed of the compiled function. A scan body is
 counted once by XLA, so the scan's bytes are not comparable. --block also times one whole
 ``LMUBlock`` of the 1M model (FFN, implicit attention, FFN) on (batch, n, d) in each of
---block-dtypes: the FFT memory, and per chunk the XLA chunked path and the fused Pallas kernels
-(``bench_block``; on a GPU where they run), with TFLOP/s by ``block_flops``.
+--block-dtypes: the FFT memory, and per chunk the XLA chunked path, the same with the products
+written channels-last (``attend_channels_last``, an experiment for GPUs) and the fused Pallas
+kernels (``bench_block``; on a GPU where they run), with TFLOP/s by ``block_flops``.
 The JSON holds the machine, versions, shapes and every time.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
+import functools
+import math
 import statistics
 import sys
 import time
 from pathlib import Path
+from unittest import mock
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 from common import machine, print_table, versions, write_json
+from jax import lax
 
-from lmuscale import lmu
+from lmuscale import layers, lmu
 from lmuscale.models import named_config
 from lmuscale.models.lmu import LMUBlock
 
@@ -158,7 +164,58 @@ def add_speedups(rows: list[dict]) -> None:
             row[phase]["baseline"] = base_mode
 
 
-BLOCK_IMPLS = ("fft", "xla", "pallas")
+BLOCK_IMPLS = ("fft", "xla", "channels-last", "pallas")
+
+
+def attend_channels_last(self, x_BxTxD):
+    """``layers.ImplicitSelfAttention._attend`` (the chunked memory in XLA) with each chunk
+    product written as ``(q', c, B, J, d)``, the order ``dot_general(w, x)`` writes: the
+    attention's sums over d then run along the minor axis, as XLA's GPU reductions want, where
+    in ``(B, J, d, q', c)`` an H200 spent 68 of lmu-1M's 171 ms per micro-batch transposing
+    them (gpu-nvidia-h200.json's profile). Its backward pass is autodiff's; only the output,
+    ``(c, B, J, d)``, is moved. Patched in by ``bench_block`` to time it against the XLA path
+    (on a CPU it is slower: XLA's CPU backend wants the layers' order)."""
+    batch, length, width = x_BxTxD.shape
+    fast = jnp.dtype(self.dtype) == jnp.bfloat16
+    x_BxJxDxZ, _ = lmu.chunk_operands(
+        x_BxTxD.astype(jnp.float32),
+        self.q,
+        self.theta,
+        chunk=self.memory_chunk,
+        dtype=jnp.bfloat16 if fast else None,
+    )
+    c = x_BxJxDxZ.shape[-1] - self.q
+    wide = jnp.promote_types(self.dtype, jnp.float32)  # every sum, as in layers
+    options = {} if fast else {"precision": lax.Precision.HIGHEST}
+    to_5 = functools.partial(lax.broadcast_to_rank, rank=5)
+    gelus = []
+    for l_KxQ, b_K in zip(self.l, self.bias, strict=True):
+        w_ZxKxc = lmu.chunk_weights(self.q, self.theta, c, l_KxQ).astype(x_BxJxDxZ.dtype)
+        y_KxcxBxJxD = lax.dot_general(
+            w_ZxKxc,
+            x_BxJxDxZ,
+            (((0,), (3,)), ((), ())),
+            preferred_element_type=self.dtype,
+            **options,
+        )
+        bias_Kx1x1x1x1 = jnp.moveaxis(to_5(b_K.astype(wide)), -1, 0)
+        pre = (y_KxcxBxJxD.astype(wide) + bias_Kx1x1x1x1).astype(self.dtype)
+        gelus.append(layers.gelu(pre).astype(wide))
+    gq, gk, gv = gelus
+    # scores[i, k] = sum over d of gelu(Q)[i, d] gelu(K)[k, d]; the softmax runs over k.
+    scores_KxKxcxBxJ = jnp.sum(gq[:, None] * gk[None, :], axis=-1) / math.sqrt(width)
+    weights_KxKxcxBxJ = jax.nn.softmax(scores_KxKxcxBxJ, axis=1)
+    p_Kx1x1x1x1 = jnp.moveaxis(to_5(self.p.astype(wide)), -1, 0)
+    w_KxcxBxJ = jnp.sum(weights_KxKxcxBxJ * p_Kx1x1x1x1, axis=0)
+    m_cxBxJxD = functools.reduce(
+        jnp.add, (g * w[..., None] for g, w in zip(gv, w_KxcxBxJ, strict=True))
+    )
+    m_BxJxcxD = jnp.transpose(m_cxBxJxD.astype(self.dtype), (1, 2, 0, 3))
+    return m_BxJxcxD.reshape(batch, -1, width)[:, :length]
+
+
+def _channels_last():
+    return mock.patch.object(layers.ImplicitSelfAttention, "_attend", attend_channels_last)
 
 
 def block_flops(config, batch: int, n: int, chunk: int) -> float:
@@ -198,11 +255,12 @@ def bench_block(
     shape: dict, batch: int, repeats: int, chunks, dtypes, impls=BLOCK_IMPLS, model="lmu-1M"
 ) -> list[dict]:
     """One LMUBlock of ``model``, forward and forward+backward, per memory: the FFT
-    ("fft"), the chunked products and attention in XLA ("xla") and fused in Pallas
-    ("pallas", ``memory_kernel``; a row that says why not where the kernels cannot run), for
-    each chunk and dtype. Rows: ``mode`` ("fft", "chunked/C" or "pallas/C"), ``impl``,
-    ``chunk``, times (``time_phases``), TFLOP/s by ``block_flops`` for the chunked rows, and
-    for the kernels their largest differences from the XLA path at the same chunk."""
+    ("fft"), the chunked products and attention in XLA ("xla"), the same with the products
+    channels-last ("channels-last", ``attend_channels_last``) and fused in Pallas ("pallas",
+    ``memory_kernel``; a row that says why not where the kernels cannot run), for each chunk
+    and dtype. Rows: ``mode`` ("fft", "chunked/C", "channels-last/C" or "pallas/C"),
+    ``impl``, ``chunk``, times (``time_phases``), TFLOP/s by ``block_flops`` for the chunked
+    rows, and for the others their largest differences from the XLA path at the same chunk."""
     from lmuscale import memory_kernel
 
     rng = np.random.default_rng(0)
@@ -211,10 +269,11 @@ def bench_block(
         config = named_config(model, dtype=dtype, batch_chunk=0)
         x = jnp.asarray(rng.standard_normal((batch, shape["n"], config.d)), jnp.float32)
         variants = [("fft", lmu.DEFAULT_CHUNK)] * ("fft" in impls)
-        variants += [(impl, c) for c in chunks for impl in ("xla", "pallas") if impl in impls]
+        chunked = ("xla", "channels-last", "pallas")
+        variants += [(impl, c) for c in chunks for impl in chunked if impl in impls]
         outputs = {}  # the XLA path's output and gradients in this dtype, per chunk
         for impl, c in variants:
-            name = {"fft": "fft", "xla": f"chunked/{c}", "pallas": f"pallas/{c}"}[impl]
+            name = "fft" if impl == "fft" else f"{'chunked' if impl == 'xla' else impl}/{c}"
             row = {"mode": name, "impl": impl, "chunk": c, "batch": batch, "n": shape["n"]}
             row["dtype"] = dtype
             reason = memory_kernel.unsupported_reason() if impl == "pallas" else None
@@ -222,8 +281,10 @@ def bench_block(
                 rows.append({**row, "skipped": f"the fused kernels cannot run here: {reason}"})
                 print(f"  block  {name}: skipped ({reason})", file=sys.stderr, flush=True)
                 continue
-            memory = {"memory_mode": "fft"} if impl == "fft" else {"memory_impl": impl}
+            memory = {"memory_mode": "fft"} if impl == "fft" else {"memory_impl": "xla"}
+            memory = {"memory_impl": "pallas"} if impl == "pallas" else memory
             block = LMUBlock(dataclasses.replace(config, memory_chunk=c, **memory))
+            traced_as = _channels_last if impl == "channels-last" else contextlib.nullcontext
             params = block.init(jax.random.key(0), x[:1, :8])  # the same values for every row
 
             def loss(params, x, block=block):
@@ -232,14 +293,15 @@ def bench_block(
             forward = jax.jit(block.apply)
             backward = jax.jit(jax.grad(loss, argnums=(0, 1)))
             label = f"block  {name} {dtype}"
-            row.update(time_phases(label, forward, backward, (params, x), repeats))
+            with traced_as():  # the jitted functions are traced at their first call
+                row.update(time_phases(label, forward, backward, (params, x), repeats))
             if impl != "fft":
                 flops = block_flops(config, batch, shape["n"], c)
                 row["forward_flops"] = flops
                 for phase, count in (("forward", flops), ("forward_backward", 3 * flops)):
                     if "median_s" in row[phase]:
                         row[phase]["tflops_per_s"] = count / row[phase]["median_s"] / 1e12
-            if impl in ("xla", "pallas") and "error" not in row["forward_backward"]:
+            if impl != "fft" and "error" not in row["forward_backward"]:
                 try:
                     result = (forward(params, x), backward(params, x))
                     if impl == "xla":

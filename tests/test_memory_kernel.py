@@ -348,10 +348,22 @@ def test_the_block_benchmark_runs_the_kernels_and_compares_them_with_xla(interpr
         sys.path.pop(0)
     shape = {"n": 12, "d": 48, "q": 50, "q_prime": 5, "theta": 350.0}
     bench = functools.partial(lmu_memory.bench_block, shape, 1, 1, [8], ["float32"])
-    rows = bench(impls=("xla", "pallas"), model="lmu-55k")
-    assert [r["mode"] for r in rows] == ["chunked/8", "pallas/8"]
-    pallas = rows[1]
+    # The channels-last experiment is traced in place of the layer's attention (the calls
+    # counted), and the layer is whole again afterwards.
+    layer_attend, calls = layers.ImplicitSelfAttention._attend, []
+    channels_last = lmu_memory.attend_channels_last
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(
+            lmu_memory, "attend_channels_last", lambda *a: calls.append(1) or channels_last(*a)
+        )
+        rows = bench(impls=("xla", "channels-last", "pallas"), model="lmu-55k")
+    assert calls and layers.ImplicitSelfAttention._attend is layer_attend
+    assert [r["mode"] for r in rows] == ["chunked/8", "channels-last/8", "pallas/8"]
+    channels, pallas = rows[1:]
     assert interpreted and "error" not in pallas["forward_backward"], pallas
+    # Channels-last against the XLA path, both in float32: the same function to rounding.
+    assert channels["output_max_diff_rel_to_max"] <= 1e-5
+    assert channels["grad_max_diff_rel_to_max"] <= 1e-4
     for row in rows:
         flops = row["forward_flops"]
         assert flops == lmu_memory.block_flops(named_config("lmu-55k"), 1, 12, 8)
