@@ -59,6 +59,7 @@ replaces the rows of the models it ran and keeps the others; other parts are rep
 from __future__ import annotations
 
 import argparse
+import contextlib
 import datetime
 import fnmatch
 import gc
@@ -410,6 +411,22 @@ def part_attention(args) -> dict:
 
 
 PROFILE_MODELS = ("lmu-1M", "transformer-1M")
+
+
+def _channels_last():
+    from lmu_memory import channels_last
+
+    return channels_last()
+
+
+# What the profile part traces, by label: the model, and what is patched in while it is
+# traced. After the two models, lmu-1M with its chunk products written channels-last (the
+# experiment of lmu_memory.attend_channels_last), whose micro-batch compares with lmu-1M's.
+PROFILED = {
+    "lmu-1M": ("lmu-1M", contextlib.nullcontext),
+    "transformer-1M": ("transformer-1M", contextlib.nullcontext),
+    "lmu-1M channels-last": ("lmu-1M", _channels_last),
+}
 # XLA's GPU options to try on the micro-batch steps, each against the default. Command buffers
 # (CUDA graphs) by default cover fusions and library calls; the chunk-state scan and the loss
 # are while loops, which the WHILE and CONDITIONAL types add. A flag this XLA does not know is
@@ -495,8 +512,10 @@ def _show(row: dict, result: str = "step_seconds") -> None:
     )
 
 
-def profile_one(name: str, args, folder: Path) -> dict:
-    compiled, state, tokens = micro_batch_step(name, args)
+def profile_one(label: str, args, folder: Path) -> dict:
+    name, traced_as = PROFILED[label]
+    with traced_as():
+        compiled, state, tokens = micro_batch_step(name, args)
     state, _ = timed_steps(compiled, state, tokens, 2)  # after compiling, warm
     if folder.exists():
         shutil.rmtree(folder)
@@ -507,7 +526,7 @@ def profile_one(name: str, args, folder: Path) -> dict:
         jax.profiler.stop_trace()
     ops = top_operations(folder, args.profile_steps, hlo_sources(compiled.as_text()))
     return {
-        "model": name,
+        "model": label,
         "batch": args.profile_batch,
         "seq_len": args.seq_len,
         "step_seconds": statistics.median(times),
@@ -519,7 +538,10 @@ def profile_one(name: str, args, folder: Path) -> dict:
 
 def part_profile(args) -> dict:
     root = ROOT / "benchmarks" / "results" / f"profile-{slug(machine()['device_kind'])}"
-    rows = [_guarded(n, profile_one, n, args, root / n, show=_show) for n in PROFILE_MODELS]
+    rows = [
+        _guarded(label, profile_one, label, args, root / label.replace(" ", "-"), show=_show)
+        for label in PROFILED
+    ]
     return {"rows": [row for row in rows if row is not None]}
 
 

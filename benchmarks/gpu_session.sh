@@ -11,7 +11,8 @@
 #
 # 1. train/lmu, train/transformer at 1M and 55k: the paper step, 512 x 1024 tokens in bf16,
 #    in 8 micro-batches of 64 (--microbatches 8: no planning compiles), with MFU; then the
-#    profile part: one 64-sequence micro-batch of lmu-1M and transformer-1M traced;
+#    profile part: one 64-sequence micro-batch of lmu-1M and transformer-1M traced, then of
+#    lmu-1M with its chunk products channels-last (an experiment);
 # 2. block: one lmu-1M block, the FFT, the XLA chunked path and the fused memory kernels;
 # 3. loss: the cross-entropy alone, XLA's path and the fused kernels;
 # 4. attention, the other families' train parts (lmu_g, sru, sru_pp, lstm), long, precision;
@@ -20,7 +21,7 @@
 #
 # Each part, and each model of a train part, is in the JSON as soon as it is done. Writes into
 # $OUT (default benchmarks/results): gpu-<device>.json, gpu.log, device.txt (the GPU and JAX
-# it saw) and the two profiles' Perfetto traces when under 15 MB. A machine without network
+# it saw) and the three profiles' Perfetto traces when under 15 MB. A machine without network
 # access whose Python has JAX, flax, optax, orbax, scipy, matplotlib, tiktoken, pyarrow and
 # tqdm but not this project's other dependencies gets them from $WHEELS (default .whl/, which
 # `make offline-wheels` fills); the project is read from src/, not installed. $PYTHON is the
@@ -70,8 +71,8 @@ run() { # gpu.py on the parts named, with what is left of the budget (once spent
     [ "${PIPESTATUS[0]}" -eq 0 ] || status=1
 }
 
-traces() { # the two profiles' Perfetto traces into $OUT, where under 15 MB
-    for model in lmu-1M transformer-1M; do
+traces() { # the three profiles' Perfetto traces into $OUT, where under 15 MB
+    for model in lmu-1M transformer-1M lmu-1M-channels-last; do
         find benchmarks/results/profile-*/"$model" -name perfetto_trace.json.gz \
             -newer "$scratch/started" -size -15000000c \
             -exec cp {} "$out/profile-$model.json.gz" \; 2>/dev/null

@@ -214,7 +214,8 @@ def attend_channels_last(self, x_BxTxD):
     return m_BxJxcxD.reshape(batch, -1, width)[:, :length]
 
 
-def _channels_last():
+def channels_last():
+    """A context in which the LMU layers are traced with ``attend_channels_last``."""
     return mock.patch.object(layers.ImplicitSelfAttention, "_attend", attend_channels_last)
 
 
@@ -284,7 +285,7 @@ def bench_block(
             memory = {"memory_mode": "fft"} if impl == "fft" else {"memory_impl": "xla"}
             memory = {"memory_impl": "pallas"} if impl == "pallas" else memory
             block = LMUBlock(dataclasses.replace(config, memory_chunk=c, **memory))
-            traced_as = _channels_last if impl == "channels-last" else contextlib.nullcontext
+            traced_as = channels_last if impl == "channels-last" else contextlib.nullcontext
             params = block.init(jax.random.key(0), x[:1, :8])  # the same values for every row
 
             def loss(params, x, block=block):

@@ -336,6 +336,24 @@ def test_the_profile_part_names_the_source_of_a_kernel_replayed_in_a_cuda_graph(
     ]
 
 
+def test_the_profile_part_traces_the_channels_last_experiment_and_puts_the_layer_back():
+    from lmuscale import layers
+
+    gpu, lmu_memory = _gpu_module(), _benchmark("lmu_memory")
+
+    whole = layers.ImplicitSelfAttention._attend
+    traced = {}
+    for label, (model, traced_as) in gpu.PROFILED.items():
+        with traced_as():
+            traced[label] = (model, layers.ImplicitSelfAttention._attend)
+        assert layers.ImplicitSelfAttention._attend is whole
+    assert traced == {
+        "lmu-1M": ("lmu-1M", whole),
+        "transformer-1M": ("transformer-1M", whole),
+        "lmu-1M channels-last": ("lmu-1M", lmu_memory.attend_channels_last),
+    }
+
+
 def test_the_lmu_s_parts_are_cut_out_while_it_is_traced_and_put_back_after():
     # lmu_vs_transformer's breakdown of lmu-1M, here one layer of lmu-55k on 16 tokens: each
     # cut-down model does less work than the one before it, its parameters are those it was
