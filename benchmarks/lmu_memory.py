@@ -167,14 +167,54 @@ def add_speedups(rows: list[dict]) -> None:
 BLOCK_IMPLS = ("fft", "xla", "channels-last", "pallas")
 
 
+# The channels-last chunk product and its gradients, each product reading its operands and
+# writing its output in the orders the forward uses (as lmu._chunk_matmul does for the layers'
+# order): y = w^T x over Z; dx = dy^T w over (q', c); dw = x^T dy over (B, J, d).
+_CL_FORWARD = (((0,), (3,)), ((), ()))
+_CL_INPUT_GRAD = (((0, 1), (1, 2)), ((), ()))
+_CL_WEIGHT_GRAD = (((0, 1, 2), (2, 3, 4)), ((), ()))
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(2, 3))
+def _product_channels_last(w_ZxKxc, x_BxJxDxZ, out_dtype, fast: bool):
+    options = {} if fast else {"precision": lax.Precision.HIGHEST}
+    return lax.dot_general(
+        w_ZxKxc, x_BxJxDxZ, _CL_FORWARD, preferred_element_type=out_dtype, **options
+    )
+
+
+def _product_channels_last_fwd(w_ZxKxc, x_BxJxDxZ, out_dtype, fast):
+    y = _product_channels_last(w_ZxKxc, x_BxJxDxZ, out_dtype, fast)
+    return y, (w_ZxKxc, x_BxJxDxZ)
+
+
+def _product_channels_last_bwd(out_dtype, fast, residuals, dy_KxcxBxJxD):
+    del out_dtype
+    w_ZxKxc, x_BxJxDxZ = residuals
+    options = {} if fast else {"precision": lax.Precision.HIGHEST}
+    wide = jnp.promote_types(x_BxJxDxZ.dtype, jnp.float32)
+    product = functools.partial(lax.dot_general, preferred_element_type=wide, **options)
+    dy_KxcxBxJxD = dy_KxcxBxJxD.astype(x_BxJxDxZ.dtype)
+    dx_BxJxDxZ = product(dy_KxcxBxJxD, w_ZxKxc, _CL_INPUT_GRAD)
+    dw_ZxKxc = product(x_BxJxDxZ, dy_KxcxBxJxD, _CL_WEIGHT_GRAD)
+    return dw_ZxKxc.astype(w_ZxKxc.dtype), dx_BxJxDxZ.astype(x_BxJxDxZ.dtype)
+
+
+_product_channels_last.defvjp(_product_channels_last_fwd, _product_channels_last_bwd)
+
+
 def attend_channels_last(self, x_BxTxD):
     """``layers.ImplicitSelfAttention._attend`` (the chunked memory in XLA) with each chunk
     product written as ``(q', c, B, J, d)``, the order ``dot_general(w, x)`` writes: the
     attention's sums over d then run along the minor axis, as XLA's GPU reductions want, where
     in ``(B, J, d, q', c)`` an H200 spent 68 of lmu-1M's 171 ms per micro-batch transposing
-    them (gpu-nvidia-h200.json's profile). Its backward pass is autodiff's; only the output,
-    ``(c, B, J, d)``, is moved. Patched in by ``bench_block`` to time it against the XLA path
-    (on a CPU it is slower: XLA's CPU backend wants the layers' order)."""
+    them (gpu-nvidia-h200.json's profile). The products' backward is by hand
+    (``_product_channels_last``), the attention's autodiff's; only the output, ``(c, B, J,
+    d)``, is moved. Compiled for an H100 (benchmarks/gpu_aot.py), lmu-1M's memory then moves
+    90.4 GB per micro-batch of 64 x 1024 in bfloat16 against the layers' 167.0, with three
+    bfloat16 transposes of the products' gradients a layer left. Patched in by ``bench_block``
+    (and gpu.py's profile part) to time it against the XLA path; on a CPU it is slower, as
+    XLA's CPU backend wants the layers' order."""
     batch, length, width = x_BxTxD.shape
     fast = jnp.dtype(self.dtype) == jnp.bfloat16
     x_BxJxDxZ, _ = lmu.chunk_operands(
@@ -186,18 +226,11 @@ def attend_channels_last(self, x_BxTxD):
     )
     c = x_BxJxDxZ.shape[-1] - self.q
     wide = jnp.promote_types(self.dtype, jnp.float32)  # every sum, as in layers
-    options = {} if fast else {"precision": lax.Precision.HIGHEST}
     to_5 = functools.partial(lax.broadcast_to_rank, rank=5)
     gelus = []
     for l_KxQ, b_K in zip(self.l, self.bias, strict=True):
         w_ZxKxc = lmu.chunk_weights(self.q, self.theta, c, l_KxQ).astype(x_BxJxDxZ.dtype)
-        y_KxcxBxJxD = lax.dot_general(
-            w_ZxKxc,
-            x_BxJxDxZ,
-            (((0,), (3,)), ((), ())),
-            preferred_element_type=self.dtype,
-            **options,
-        )
+        y_KxcxBxJxD = _product_channels_last(w_ZxKxc, x_BxJxDxZ, self.dtype, fast)
         bias_Kx1x1x1x1 = jnp.moveaxis(to_5(b_K.astype(wide)), -1, 0)
         pre = (y_KxcxBxJxD.astype(wide) + bias_Kx1x1x1x1).astype(self.dtype)
         gelus.append(layers.gelu(pre).astype(wide))
