@@ -24,9 +24,10 @@ Parts (``--only`` takes shell patterns of these names):
   --batch x --seq-len / n sequences per step and the plan.
 - ``block``: one LMU block of lmu-1M (FFN, implicit attention, FFN) at --block-batch x
   --block-seq-len (64 x 1024), forward and forward+backward, in --block-dtypes (bfloat16 and
-  float32): the FFT memory, and per --block-chunks the XLA chunked path and the fused Pallas
+  float32): of --block-impls (default all), the FFT memory, and per --block-chunks the XLA
+  chunked path, the same with the products channels-last (an experiment) and the fused Pallas
   kernels (``memory_kernel``; the row says why not where they cannot run), with TFLOP/s and
-  the kernels' largest differences from the XLA path (``lmu_memory.bench_block``).
+  each one's largest differences from the XLA path (``lmu_memory.bench_block``).
 - ``loss``: the cross-entropy's forward+backward alone at d = 48 and 204, --xent-batch x
   --seq-len tokens (64 x 1024), bfloat16 and float32, by the XLA path and by the fused Pallas
   kernels (skipped where they cannot run), with the kernels' largest differences from the
@@ -76,6 +77,7 @@ from pathlib import Path
 import jax
 import numpy as np
 from common import machine, print_table, slug, timed_steps, train_step_for, versions, write_json
+from lmu_memory import BLOCK_IMPLS
 
 from lmuscale.memory_kernel import MEMORY_IMPLS
 from lmuscale.models import count_params, flops_per_token
@@ -312,7 +314,10 @@ def part_block(args) -> dict:
     from lmu_memory import SHAPES, bench_block
 
     shape = {**SHAPES["paper"], "n": args.block_seq_len}
-    rows = bench_block(shape, args.block_batch, args.steps, args.block_chunks, args.block_dtypes)
+    impls = [impl for impl in BLOCK_IMPLS if impl == "xla" or impl in args.block_impls]
+    rows = bench_block(
+        shape, args.block_batch, args.steps, args.block_chunks, args.block_dtypes, impls
+    )
     return {"rows": rows}
 
 
@@ -744,6 +749,13 @@ def main(argv=None) -> None:
     parser.add_argument("--block-chunks", nargs="+", type=int, default=[64])
     parser.add_argument(
         "--block-dtypes", nargs="+", default=["bfloat16", "float32"], choices=DTYPES
+    )
+    parser.add_argument(
+        "--block-impls",
+        nargs="+",
+        default=list(BLOCK_IMPLS),
+        choices=BLOCK_IMPLS,
+        help="block: the memories timed (the XLA chunked path always, the others' reference)",
     )
     parser.add_argument("--loss-steps", type=int, default=300)
     parser.add_argument("--loss-batch", type=int, default=32)
