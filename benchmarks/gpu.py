@@ -35,9 +35,9 @@ Parts (``--only`` takes shell patterns of these names):
 - ``attention``: cuDNN's flash attention (``layers.causal_attention``) against XLA's in
   bfloat16 at n = 1024 for Table 3's head widths, outputs and gradients; recorded as skipped
   where cuDNN's is not used (a CPU, float32, older GPUs).
-- ``precision``: lmu-55k trained by ``lmuscale.train.run`` for --loss-steps steps in float32
-  and in bfloat16 on the embedded Shakespeare plays (GPT-2 tokens, prepared into --loss-data
-  on first use), and the two loss curves compared.
+- ``precision``: --precision-model (lmu-55k) trained by ``lmuscale.train.run`` for --loss-steps
+  steps in float32 and in bfloat16 on the embedded Shakespeare plays (GPT-2 tokens, prepared
+  into --loss-data on first use), and the two loss curves compared.
 - ``profile``: lmu-1M's and transformer-1M's paper train steps compiled for one micro-batch
   of --profile-batch sequences, --profile-steps of them traced by ``jax.profiler``; the
   --profile-top operations by time per step (the devices' kernels where the trace has them,
@@ -337,11 +337,14 @@ def part_loss(args) -> dict:
 
 
 def part_precision(args) -> dict:
-    """lmu-55k's paper config in float32 and bfloat16, trained by ``run`` on the plays."""
+    """--precision-model's paper config (lmu-55k) in float32 and bfloat16, trained by ``run``
+    on the plays."""
     curves, summaries = {}, {}
     with tempfile.TemporaryDirectory() as scratch:
         for dtype in ("float32", "bfloat16"):
-            config = paper_config("lmu-55k", args.loss_seq_len, args.loss_batch, 0.0, dtype)
+            config = paper_config(
+                args.precision_model, args.loss_seq_len, args.loss_batch, 0.0, dtype
+            )
             warmup = max(1, args.loss_steps // 10)
             every = max(1, args.loss_steps // 3)
             config_lib.override(
@@ -368,7 +371,7 @@ def part_precision(args) -> dict:
     f32, bf16 = np.array(curves["float32"]), np.array(curves["bfloat16"])
     tail = max(1, len(f32) // 6)
     return {
-        "model": "lmu-55k",
+        "model": args.precision_model,
         "steps": args.loss_steps,
         "batch": args.loss_batch,
         "seq_len": args.loss_seq_len,
@@ -695,9 +698,9 @@ def summary_tables(record: dict) -> None:
     precision = record["parts"].get("precision")
     if precision:
         print(
-            f"\nlmu-55k, {precision['steps']} steps: bfloat16 - float32 training loss, max "
-            f"|difference| {precision['max_abs_difference']:.4f} nats, mean over the last sixth "
-            f"{precision['mean_difference_last_sixth']:+.4f}; val loss float32 "
+            f"\n{precision['model']}, {precision['steps']} steps: bfloat16 - float32 training "
+            f"loss, max |difference| {precision['max_abs_difference']:.4f} nats, mean over the "
+            f"last sixth {precision['mean_difference_last_sixth']:+.4f}; val loss float32 "
             f"{precision['val_loss']['float32']:.4f}, bfloat16 "
             f"{precision['val_loss']['bfloat16']:.4f}"
         )
@@ -756,6 +759,12 @@ def main(argv=None) -> None:
         default=list(BLOCK_IMPLS),
         choices=BLOCK_IMPLS,
         help="block: the memories timed (the XLA chunked path always, the others' reference)",
+    )
+    parser.add_argument(
+        "--precision-model",
+        default="lmu-55k",
+        choices=[f"{family}-{size}" for family in FAMILIES for size in SIZES],
+        help="precision: the paper config trained in float32 and bfloat16",
     )
     parser.add_argument("--loss-steps", type=int, default=300)
     parser.add_argument("--loss-batch", type=int, default=32)

@@ -24,9 +24,9 @@ def _gpu(out: Path, *args: str) -> str:
 def test_gpu_benchmark_parts_write_one_json(tmp_path):
     out = tmp_path / "gpu-cpu.json"
     small = ["--sizes", "55k", "--seq-len", "16", "--batch", "4", "--steps", "1"]
-    # The train part of the transformer, whose step compiles in about half the LMU's time: a
-    # train part's code is the same for every family, and the precision part below trains
-    # the LMU (lmu-55k's paper config, through lmuscale.train.run).
+    # The transformer, whose step compiles in about half the LMU's time, in the train part and
+    # the precision part below (through lmuscale.train.run): their code is the same for every
+    # family, and the LMU's train step is run by the train tests.
     _gpu(out, "--only", "train/transformer", "plan/transformer", *small, "--budget-gb", "50")
     first = json.loads(out.read_text())
     assert set(first["parts"]) == {"train/transformer", "plan/transformer"}
@@ -66,6 +66,8 @@ def test_gpu_benchmark_parts_write_one_json(tmp_path):
         "4",
         "--budget-gb",
         "50",
+        "--precision-model",
+        "transformer-55k",
         "--loss-steps",
         "3",
         "--loss-batch",
@@ -96,12 +98,13 @@ def test_gpu_benchmark_parts_write_one_json(tmp_path):
         else:
             assert r["skipped"].startswith("this run's devices are cpu")
     precision = second["parts"]["precision"]
+    assert (precision["model"], precision["steps"]) == ("transformer-55k", 3)
     f32, bf16 = precision["loss_float32"], precision["loss_bfloat16"]
     assert len(f32) == len(bf16) == 3 and f32 != bf16
     assert precision["max_abs_difference"] == max(
         abs(a - b) for a, b in zip(f32, bf16, strict=True)
     )
-    assert "bfloat16 - float32 training loss" in stdout
+    assert "transformer-55k, 3 steps: bfloat16 - float32 training loss" in stdout
 
 
 def test_an_unknown_part_is_named():
