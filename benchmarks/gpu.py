@@ -25,7 +25,8 @@ Parts (``--only`` takes shell patterns of these names):
 - ``block``: one LMU block of lmu-1M (FFN, implicit attention, FFN) at --block-batch x
   --block-seq-len (64 x 1024), forward and forward+backward, in --block-dtypes (bfloat16 and
   float32): of --block-impls (default all), the FFT memory, and per --block-chunks the XLA
-  chunked path, the same with the products channels-last (an experiment) and the fused Pallas
+  chunked path, the same with the products channels-last (experiments: the scores by sums,
+  and by batched products) and the fused Pallas
   kernels (``memory_kernel``; the row says why not where they cannot run), with TFLOP/s and
   each one's largest differences from the XLA path (``lmu_memory.bench_block``).
 - ``loss``: the cross-entropy's forward+backward alone at d = 48 and 204, --xent-batch x

@@ -164,7 +164,7 @@ def add_speedups(rows: list[dict]) -> None:
             row[phase]["baseline"] = base_mode
 
 
-BLOCK_IMPLS = ("fft", "xla", "channels-last", "pallas")
+BLOCK_IMPLS = ("fft", "xla", "channels-last", "channels-last-dots", "pallas")
 
 
 # The channels-last chunk product and its gradients, each product reading its operands and
@@ -203,7 +203,7 @@ def _product_channels_last_bwd(out_dtype, fast, residuals, dy_KxcxBxJxD):
 _product_channels_last.defvjp(_product_channels_last_fwd, _product_channels_last_bwd)
 
 
-def attend_channels_last(self, x_BxTxD):
+def attend_channels_last(self, x_BxTxD, scores_by_products: bool = False):
     """``layers.ImplicitSelfAttention._attend`` (the chunked memory in XLA) with each chunk
     product written as ``(q', c, B, J, d)``, the order ``dot_general(w, x)`` writes: the
     attention's sums over d then run along the minor axis, as XLA's GPU reductions want, where
@@ -214,7 +214,12 @@ def attend_channels_last(self, x_BxTxD):
     90.4 GB per micro-batch of 64 x 1024 in bfloat16 against the layers' 167.0, with three
     bfloat16 transposes of the products' gradients a layer left. Patched in by ``bench_block``
     (and gpu.py's profile part) to time it against the XLA path; on a CPU it is slower, as
-    XLA's CPU backend wants the layers' order."""
+    XLA's CPU backend wants the layers' order.
+
+    ``scores_by_products``: the scores as batched matrix products over d (batched over c, B
+    and J, from the gelus in the model's dtype, accumulated in float32), where the sum of
+    broadcast products reads each gelu(Q) and gelu(K) row q' times (the H200 spent 4.5 ms a
+    layer on that reduction in the layers' order); their gradients are products too."""
     batch, length, width = x_BxTxD.shape
     fast = jnp.dtype(self.dtype) == jnp.bfloat16
     x_BxJxDxZ, _ = lmu.chunk_operands(
@@ -233,10 +238,18 @@ def attend_channels_last(self, x_BxTxD):
         y_KxcxBxJxD = _product_channels_last(w_ZxKxc, x_BxJxDxZ, self.dtype, fast)
         bias_Kx1x1x1x1 = jnp.moveaxis(to_5(b_K.astype(wide)), -1, 0)
         pre = (y_KxcxBxJxD.astype(wide) + bias_Kx1x1x1x1).astype(self.dtype)
-        gelus.append(layers.gelu(pre).astype(wide))
-    gq, gk, gv = gelus
+        gelus.append(layers.gelu(pre))
+    gq, gk, gv = (g.astype(wide) for g in gelus)
     # scores[i, k] = sum over d of gelu(Q)[i, d] gelu(K)[k, d]; the softmax runs over k.
-    scores_KxKxcxBxJ = jnp.sum(gq[:, None] * gk[None, :], axis=-1) / math.sqrt(width)
+    if scores_by_products:
+        options = {} if fast else {"precision": lax.Precision.HIGHEST}
+        batched = (((4,), (4,)), ((1, 2, 3), (1, 2, 3)))  # -> (c, B, J, i, k)
+        scores_cxBxJxKxK = lax.dot_general(
+            gelus[0], gelus[1], batched, preferred_element_type=wide, **options
+        )
+        scores_KxKxcxBxJ = jnp.moveaxis(scores_cxBxJxKxK, (3, 4), (0, 1)) / math.sqrt(width)
+    else:
+        scores_KxKxcxBxJ = jnp.sum(gq[:, None] * gk[None, :], axis=-1) / math.sqrt(width)
     weights_KxKxcxBxJ = jax.nn.softmax(scores_KxKxcxBxJ, axis=1)
     p_Kx1x1x1x1 = jnp.moveaxis(to_5(self.p.astype(wide)), -1, 0)
     w_KxcxBxJ = jnp.sum(weights_KxKxcxBxJ * p_Kx1x1x1x1, axis=0)
@@ -247,9 +260,10 @@ def attend_channels_last(self, x_BxTxD):
     return m_BxJxcxD.reshape(batch, -1, width)[:, :length]
 
 
-def channels_last():
+def channels_last(scores_by_products: bool = False):
     """A context in which the LMU layers are traced with ``attend_channels_last``."""
-    return mock.patch.object(layers.ImplicitSelfAttention, "_attend", attend_channels_last)
+    attend = functools.partialmethod(attend_channels_last, scores_by_products=scores_by_products)
+    return mock.patch.object(layers.ImplicitSelfAttention, "_attend", attend)
 
 
 def block_flops(config, batch: int, n: int, chunk: int) -> float:
@@ -303,7 +317,7 @@ def bench_block(
         config = named_config(model, dtype=dtype, batch_chunk=0)
         x = jnp.asarray(rng.standard_normal((batch, shape["n"], config.d)), jnp.float32)
         variants = [("fft", lmu.DEFAULT_CHUNK)] * ("fft" in impls)
-        chunked = ("xla", "channels-last", "pallas")
+        chunked = ("xla", "channels-last", "channels-last-dots", "pallas")
         variants += [(impl, c) for c in chunks for impl in chunked if impl in impls]
         outputs = {}  # the XLA path's output and gradients in this dtype, per chunk
         for impl, c in variants:
@@ -318,7 +332,10 @@ def bench_block(
             memory = {"memory_mode": "fft"} if impl == "fft" else {"memory_impl": "xla"}
             memory = {"memory_impl": "pallas"} if impl == "pallas" else memory
             block = LMUBlock(dataclasses.replace(config, memory_chunk=c, **memory))
-            traced_as = channels_last if impl == "channels-last" else contextlib.nullcontext
+            traced_as = {
+                "channels-last": channels_last,
+                "channels-last-dots": functools.partial(channels_last, scores_by_products=True),
+            }.get(impl, contextlib.nullcontext)
             params = block.init(jax.random.key(0), x[:1, :8])  # the same values for every row
 
             def loss(params, x, block=block):

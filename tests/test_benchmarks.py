@@ -348,12 +348,21 @@ def test_the_profile_part_traces_the_channels_last_experiment_and_puts_the_layer
     traced = {}
     for label, (model, traced_as) in gpu.PROFILED.items():
         with traced_as():
-            traced[label] = (model, layers.ImplicitSelfAttention._attend)
+            attend = layers.ImplicitSelfAttention.__dict__["_attend"]
+            traced[label] = (
+                model,
+                getattr(attend, "func", attend),
+                getattr(attend, "keywords", {}),
+            )
         assert layers.ImplicitSelfAttention._attend is whole
     assert traced == {
-        "lmu-1M": ("lmu-1M", whole),
-        "transformer-1M": ("transformer-1M", whole),
-        "lmu-1M channels-last": ("lmu-1M", lmu_memory.attend_channels_last),
+        "lmu-1M": ("lmu-1M", whole, {}),
+        "transformer-1M": ("transformer-1M", whole, {}),
+        "lmu-1M channels-last": (
+            "lmu-1M",
+            lmu_memory.attend_channels_last,
+            {"scores_by_products": False},
+        ),
     }
 
 
