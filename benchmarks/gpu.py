@@ -26,9 +26,9 @@ Parts (``--only`` takes shell patterns of these names):
   --block-seq-len (64 x 1024), forward and forward+backward, in --block-dtypes (bfloat16 and
   float32): of --block-impls (default all), the FFT memory, and per --block-chunks the XLA
   chunked path, the same with the products channels-last (experiments: the scores by sums,
-  and by batched products) and the fused Pallas
-  kernels (``memory_kernel``; the row says why not where they cannot run), with TFLOP/s and
-  each one's largest differences from the XLA path (``lmu_memory.bench_block``).
+  and by batched products) and the fused Pallas kernels (``memory_kernel``; the row says why
+  not where they cannot run), with TFLOP/s and each one's largest differences from the XLA
+  path (``lmu_memory.bench_block``).
 - ``loss``: the cross-entropy's forward+backward alone at d = 48 and 204, --xent-batch x
   --seq-len tokens (64 x 1024), bfloat16 and float32, by the XLA path and by the fused Pallas
   kernels (skipped where they cannot run), with the kernels' largest differences from the
