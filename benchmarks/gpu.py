@@ -39,8 +39,9 @@ Parts (``--only`` takes shell patterns of these names):
 - ``precision``: --precision-model (lmu-55k) trained by ``lmuscale.train.run`` for --loss-steps
   steps in float32 and in bfloat16 on the embedded Shakespeare plays (GPT-2 tokens, prepared
   into --loss-data on first use), and the two loss curves compared.
-- ``profile``: lmu-1M's and transformer-1M's paper train steps compiled for one micro-batch
-  of --profile-batch sequences, --profile-steps of them traced by ``jax.profiler``; the
+- ``profile``: lmu-1M's and transformer-1M's paper train steps, then lmu-1M's with its chunk
+  products channels-last (``PROFILED``), compiled for one micro-batch of --profile-batch
+  sequences, --profile-steps of them traced by ``jax.profiler``; the
   --profile-top operations by time per step (the devices' kernels where the trace has them,
   else the host's), with the trace's folder under ``results/profile-<device>/``.
 - ``xla_options``: the same micro-batch steps compiled with each of ``XLA_OPTIONS`` (command
@@ -78,7 +79,7 @@ from pathlib import Path
 import jax
 import numpy as np
 from common import machine, print_table, slug, timed_steps, train_step_for, versions, write_json
-from lmu_memory import BLOCK_IMPLS
+from lmu_memory import BLOCK_IMPLS, channels_last
 
 from lmuscale.memory_kernel import MEMORY_IMPLS
 from lmuscale.models import count_params, flops_per_token
@@ -422,19 +423,13 @@ def part_attention(args) -> dict:
 PROFILE_MODELS = ("lmu-1M", "transformer-1M")
 
 
-def _channels_last():
-    from lmu_memory import channels_last
-
-    return channels_last()
-
-
 # What the profile part traces, by label: the model, and what is patched in while it is
 # traced. After the two models, lmu-1M with its chunk products written channels-last (the
 # experiment of lmu_memory.attend_channels_last), whose micro-batch compares with lmu-1M's.
 PROFILED = {
     "lmu-1M": ("lmu-1M", contextlib.nullcontext),
     "transformer-1M": ("transformer-1M", contextlib.nullcontext),
-    "lmu-1M channels-last": ("lmu-1M", _channels_last),
+    "lmu-1M channels-last": ("lmu-1M", channels_last),
 }
 # XLA's GPU options to try on the micro-batch steps, each against the default. Command buffers
 # (CUDA graphs) by default cover fusions and library calls; the chunk-state scan and the loss

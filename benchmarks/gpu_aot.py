@@ -2,7 +2,8 @@
 
     pip install "jax-cuda12-plugin==$(python -c 'import jaxlib; print(jaxlib.__version__)')"
     JAX_PLATFORMS=cpu python benchmarks/gpu_aot.py [--models lmu-1M transformer-1M]
-        [--batch 64] [--dtype bfloat16] [--impl auto] [--top 10] [--out FILE]
+        [--batch 64] [--dtype bfloat16] [--impl auto] [--attention layers] [--top 10]
+        [--out FILE]
 
 XLA's GPU compiler compiles the train step of ``lmuscale.train`` (Adam, the chunked loss; one
 micro-batch of --batch sequences of 1024 tokens) for a one-device H100 topology
@@ -14,7 +15,9 @@ the fused kernels under --impl "auto". --impl "pallas" sets the configs' ``loss_
 ``memory_impl`` to the fused Pallas kernels, lowered for the H100; their FLOPs are inside
 Triton's calls, not in the HLO, so their floors count their bytes only. Triton's GEMM fusions
 are off: their tiles come from the autotuner, which needs a GPU, so cuBLAS's calls stand in.
-XLA is this jaxlib's, which need not be the GPU machine's.
+XLA is this jaxlib's, which need not be the GPU machine's. --attention channels-last (or
+channels-last-dots) traces the LMUs with ``lmu_memory.attend_channels_last``, the experiment
+``gpu.py``'s block part times.
 
 From the compiled HLO, each kernel's HBM traffic is estimated as its operands plus its
 outputs (an operand a fusion only slices counts its slices; an update in place counts the
@@ -40,6 +43,7 @@ from unittest import mock
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 import jax
 from common import abstract_step_inputs, machine, print_table, train_step_for, versions, write_json
+from lmu_memory import channels_last
 
 from lmuscale import kernels
 from lmuscale.models import named_config
@@ -332,18 +336,32 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--batch", type=int, default=64)
     parser.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float32"))
     parser.add_argument("--impl", default="auto", choices=kernels.IMPLS)
+    parser.add_argument(
+        "--attention",
+        default="layers",
+        choices=("layers", "channels-last", "channels-last-dots"),
+        help="the LMUs' memory and attention: the layers', or lmu_memory's experiment",
+    )
     parser.add_argument("--top", type=int, default=10)
     parser.add_argument(
         "--out", type=Path, help="default: results/gpu_aot-h100.json (-pallas.json for pallas)"
     )
     args = parser.parse_args(argv)
     suffix = "" if args.impl == "auto" else f"-{args.impl}"
+    suffix += "" if args.attention == "layers" else f"-{args.attention}"
     out = args.out or Path(__file__).parent / "results" / f"gpu_aot-h100{suffix}.json"
     devices = h100().devices
+    traced_as = {
+        "layers": contextlib.nullcontext,
+        "channels-last": channels_last,
+        "channels-last-dots": lambda: channels_last(scores_by_products=True),
+    }[args.attention]
     records = {}
     for name in args.models:
         start = time.perf_counter()
-        rows = kernels_of(compiled_step_text(name, args.batch, args.dtype, devices, args.impl))
+        with traced_as():
+            text = compiled_step_text(name, args.batch, args.dtype, devices, args.impl)
+        rows = kernels_of(text)
         record = summary(rows) | {"compile_seconds": time.perf_counter() - start}
         record["top"] = sorted(rows, key=floor_seconds, reverse=True)[: args.top]
         records[name] = record

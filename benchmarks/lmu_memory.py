@@ -47,7 +47,7 @@ import numpy as np
 from common import machine, print_table, versions, write_json
 from jax import lax
 
-from lmuscale import layers, lmu
+from lmuscale import layers, lmu, memory_kernel
 from lmuscale.models import named_config
 from lmuscale.models.lmu import LMUBlock
 
@@ -176,27 +176,29 @@ _CL_WEIGHT_GRAD = (((0, 1, 2), (2, 3, 4)), ((), ()))
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(2, 3))
-def _product_channels_last(w_ZxKxc, x_BxJxDxZ, out_dtype, fast: bool):
-    options = {} if fast else {"precision": lax.Precision.HIGHEST}
+def _product_channels_last(w_ZxKxc, x_BxJxDxZ, precision: str, out_dtype):
+    # Operands and precision as the layers' product takes them (lmu._product_operands): bf16
+    # for "fast"; float32 accuracy for "exact" (three bf16 passes on a GPU).
+    x_BxJxDxZ, w_ZxKxc, options = lmu._product_operands(precision, x_BxJxDxZ, w_ZxKxc)
     return lax.dot_general(
         w_ZxKxc, x_BxJxDxZ, _CL_FORWARD, preferred_element_type=out_dtype, **options
     )
 
 
-def _product_channels_last_fwd(w_ZxKxc, x_BxJxDxZ, out_dtype, fast):
-    y = _product_channels_last(w_ZxKxc, x_BxJxDxZ, out_dtype, fast)
-    return y, (w_ZxKxc, x_BxJxDxZ)
+def _product_channels_last_fwd(w_ZxKxc, x_BxJxDxZ, precision, out_dtype):
+    y_KxcxBxJxD = _product_channels_last(w_ZxKxc, x_BxJxDxZ, precision, out_dtype)
+    return y_KxcxBxJxD, (w_ZxKxc, x_BxJxDxZ)
 
 
-def _product_channels_last_bwd(out_dtype, fast, residuals, dy_KxcxBxJxD):
+def _product_channels_last_bwd(precision, out_dtype, residuals, dy_KxcxBxJxD):
     del out_dtype
     w_ZxKxc, x_BxJxDxZ = residuals
-    options = {} if fast else {"precision": lax.Precision.HIGHEST}
-    wide = jnp.promote_types(x_BxJxDxZ.dtype, jnp.float32)
+    wide = jnp.promote_types(jnp.promote_types(x_BxJxDxZ.dtype, w_ZxKxc.dtype), jnp.float32)
+    in_x_BxJxDxZ, in_w_ZxKxc, options = lmu._product_operands(precision, x_BxJxDxZ, w_ZxKxc)
+    dy_KxcxBxJxD = dy_KxcxBxJxD.astype(in_w_ZxKxc.dtype)
     product = functools.partial(lax.dot_general, preferred_element_type=wide, **options)
-    dy_KxcxBxJxD = dy_KxcxBxJxD.astype(x_BxJxDxZ.dtype)
-    dx_BxJxDxZ = product(dy_KxcxBxJxD, w_ZxKxc, _CL_INPUT_GRAD)
-    dw_ZxKxc = product(x_BxJxDxZ, dy_KxcxBxJxD, _CL_WEIGHT_GRAD)
+    dx_BxJxDxZ = product(dy_KxcxBxJxD, in_w_ZxKxc, _CL_INPUT_GRAD)
+    dw_ZxKxc = product(in_x_BxJxDxZ, dy_KxcxBxJxD, _CL_WEIGHT_GRAD)
     return dw_ZxKxc.astype(w_ZxKxc.dtype), dx_BxJxDxZ.astype(x_BxJxDxZ.dtype)
 
 
@@ -219,9 +221,20 @@ def attend_channels_last(self, x_BxTxD, scores_by_products: bool = False):
     ``scores_by_products``: the scores as batched matrix products over d (batched over c, B
     and J, from the gelus in the model's dtype, accumulated in float32), where the sum of
     broadcast products reads each gelu(Q) and gelu(K) row q' times (the H200 spent 4.5 ms a
-    layer on that reduction in the layers' order); their gradients are products too."""
+    layer on that reduction in the layers' order); their gradients are products too.
+
+    The biases are added in float32 (so that autodiff sums their gradients in float32), the
+    layers' in the model's dtype: the same function to rounding. A layer that would not run
+    the chunked memory in XLA is refused by name."""
+    impl = memory_kernel.resolve(self.memory_impl, self.dtype)
+    if self.memory_mode != "chunked" or impl != "xla":
+        raise ValueError(
+            "attend_channels_last replaces the chunked memory in XLA, but this layer has "
+            f"memory_mode={self.memory_mode!r} and memory_impl={self.memory_impl!r} ({impl})"
+        )
     batch, length, width = x_BxTxD.shape
     fast = jnp.dtype(self.dtype) == jnp.bfloat16
+    precision = "fast" if fast else "exact"
     x_BxJxDxZ, _ = lmu.chunk_operands(
         x_BxTxD.astype(jnp.float32),
         self.q,
@@ -234,11 +247,11 @@ def attend_channels_last(self, x_BxTxD, scores_by_products: bool = False):
     to_5 = functools.partial(lax.broadcast_to_rank, rank=5)
     gelus = []
     for l_KxQ, b_K in zip(self.l, self.bias, strict=True):
-        w_ZxKxc = lmu.chunk_weights(self.q, self.theta, c, l_KxQ).astype(x_BxJxDxZ.dtype)
-        y_KxcxBxJxD = _product_channels_last(w_ZxKxc, x_BxJxDxZ, self.dtype, fast)
+        w_ZxKxc = lmu.chunk_weights(self.q, self.theta, c, l_KxQ)
+        y_KxcxBxJxD = _product_channels_last(w_ZxKxc, x_BxJxDxZ, precision, self.dtype)
         bias_Kx1x1x1x1 = jnp.moveaxis(to_5(b_K.astype(wide)), -1, 0)
-        pre = (y_KxcxBxJxD.astype(wide) + bias_Kx1x1x1x1).astype(self.dtype)
-        gelus.append(layers.gelu(pre))
+        pre_KxcxBxJxD = (y_KxcxBxJxD.astype(wide) + bias_Kx1x1x1x1).astype(self.dtype)
+        gelus.append(layers.gelu(pre_KxcxBxJxD))
     gq, gk, gv = (g.astype(wide) for g in gelus)
     # scores[i, k] = sum over d of gelu(Q)[i, d] gelu(K)[k, d]; the softmax runs over k.
     if scores_by_products:
@@ -306,10 +319,10 @@ def bench_block(
     ("fft"), the chunked products and attention in XLA ("xla"), the same with the products
     channels-last ("channels-last", ``attend_channels_last``) and fused in Pallas ("pallas",
     ``memory_kernel``; a row that says why not where the kernels cannot run), for each chunk
-    and dtype. Rows: ``mode`` ("fft", "chunked/C", "channels-last/C" or "pallas/C"),
+    and dtype; "channels-last-dots" with its scores by products. Rows: ``mode`` ("fft",
+    "chunked/C", "channels-last/C", "channels-last-dots/C" or "pallas/C"),
     ``impl``, ``chunk``, times (``time_phases``), TFLOP/s by ``block_flops`` for the chunked
     rows, and for the others their largest differences from the XLA path at the same chunk."""
-    from lmuscale import memory_kernel
 
     rng = np.random.default_rng(0)
     rows = []
@@ -329,8 +342,9 @@ def bench_block(
                 rows.append({**row, "skipped": f"the fused kernels cannot run here: {reason}"})
                 print(f"  block  {name}: skipped ({reason})", file=sys.stderr, flush=True)
                 continue
-            memory = {"memory_mode": "fft"} if impl == "fft" else {"memory_impl": "xla"}
-            memory = {"memory_impl": "pallas"} if impl == "pallas" else memory
+            memory = {"fft": {"memory_mode": "fft"}, "pallas": {"memory_impl": "pallas"}}.get(
+                impl, {"memory_impl": "xla"}
+            )
             block = LMUBlock(dataclasses.replace(config, memory_chunk=c, **memory))
             traced_as = {
                 "channels-last": channels_last,
@@ -344,23 +358,25 @@ def bench_block(
             forward = jax.jit(block.apply)
             backward = jax.jit(jax.grad(loss, argnums=(0, 1)))
             label = f"block  {name} {dtype}"
-            with traced_as():  # the jitted functions are traced at their first call
+            # The jitted functions are traced at their first call, maybe again in the
+            # comparison (after an error): both with the variant in force.
+            with traced_as():
                 row.update(time_phases(label, forward, backward, (params, x), repeats))
+                if impl != "fft" and "error" not in row["forward_backward"]:
+                    try:
+                        result = (forward(params, x), backward(params, x))
+                        if impl == "xla":
+                            outputs[c] = result
+                        elif c in outputs:
+                            row.update(_largest_differences(result, outputs[c]))
+                    except Exception as error:  # an out-of-memory holding both: say so
+                        row["comparison_error"] = f"{type(error).__name__}: {error}"[:300]
             if impl != "fft":
                 flops = block_flops(config, batch, shape["n"], c)
                 row["forward_flops"] = flops
                 for phase, count in (("forward", flops), ("forward_backward", 3 * flops)):
                     if "median_s" in row[phase]:
                         row[phase]["tflops_per_s"] = count / row[phase]["median_s"] / 1e12
-            if impl != "fft" and "error" not in row["forward_backward"]:
-                try:
-                    result = (forward(params, x), backward(params, x))
-                    if impl == "xla":
-                        outputs[c] = result
-                    elif c in outputs:
-                        row.update(_largest_differences(result, outputs[c]))
-                except Exception as error:  # an out-of-memory holding both: say so
-                    row["comparison_error"] = f"{type(error).__name__}: {error}"[:300]
             rows.append(row)
     return rows
 

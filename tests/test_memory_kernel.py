@@ -347,7 +347,7 @@ def test_the_block_benchmark_runs_the_kernels_and_compares_them_with_xla(interpr
     finally:
         sys.path.pop(0)
     shape = {"n": 12, "d": 48, "q": 50, "q_prime": 5, "theta": 350.0}
-    bench = functools.partial(lmu_memory.bench_block, shape, 1, 1, [8], ["float32"])
+    bench = functools.partial(lmu_memory.bench_block, shape, 1, 1, [8], dtypes=["float32"])
     # The channels-last experiment is traced in place of the layer's attention (the calls
     # counted), and the layer is whole again afterwards.
     layer_attend, calls = layers.ImplicitSelfAttention._attend, []
@@ -371,6 +371,14 @@ def test_the_block_benchmark_runs_the_kernels_and_compares_them_with_xla(interpr
     for row in channels:
         assert row["output_max_diff_rel_to_max"] <= 1e-5
         assert row["grad_max_diff_rel_to_max"] <= 1e-4
+    # A layer that would not run the chunked memory in XLA is refused, not replaced.
+    x = jnp.ones((1, 8, 4))
+    with lmu_memory.channels_last(), pytest.raises(ValueError, match="memory_mode='fft'"):
+        layers.ImplicitSelfAttention(8, 2, 10.0, memory_mode="fft").init(jax.random.key(0), x)
+    # In bfloat16 (bf16 operands, gelus and the scores' products): to bfloat16's rounding.
+    _, in_bf16 = bench(impls=("xla", "channels-last-dots"), model="lmu-55k", dtypes=["bfloat16"])
+    assert in_bf16["output_max_diff_rel_to_max"] <= 1e-2
+    assert in_bf16["grad_max_diff_rel_to_max"] <= 2e-2
     for row in rows:
         flops = row["forward_flops"]
         assert flops == lmu_memory.block_flops(named_config("lmu-55k"), 1, 12, 8)
