@@ -123,6 +123,7 @@ def test_rows_of_the_lmu_memory_auto_would_not_take_are_left_out(tmp_path, monke
             row("lmu", 100, 2e13, memory_impl="xla"),
             row("lmu", 100, 6e13, memory_impl="pallas"),
             row("lmu", 300, 4e13),  # written before memory_impl was recorded: the XLA path
+            row("lmu", 100, 3e13, memory_impl="xla", dtype="float32"),
         ],
         "train/transformer": [row("transformer", 100, 5e13)],  # a family without the switch
     }
@@ -137,6 +138,9 @@ def test_rows_of_the_lmu_memory_auto_would_not_take_are_left_out(tmp_path, monke
         ("lmu", 100): 6e13,
         ("transformer", 100): 5e13,
     }
+    # Measured in bfloat16 only: in float32 "auto" stays on XLA, whose row stays.
+    in_float32 = from_benchmarks(tmp_path, default=1e14, dtype="float32").measured
+    assert in_float32 == {("lmu", 100): 3e13}
 
 
 def test_without_a_benchmark_the_default_is_a_guess(tmp_path):
