@@ -25,7 +25,9 @@ update, twice), its FLOPs from its matmuls, and a loop body's kernels are counte
 trip. A kernel's floor is the longer of its bytes at 3.35 TB/s and its FLOPs at 989 TFLOP/s;
 their sum is a lower bound on the step's time, launch gaps and imperfect kernels aside. On
 the code of 2026-11-23 (``results/train_throughput-h100.json``), lmu-1M's measured micro-batch
-took 1.24x this estimate. The estimate is for comparing two versions of the code, or the
+took 1.24x this estimate; on the H200 on 2026-11-27 (``results/gpu-nvidia-h200.json``), 2.0x
+(lmu-1M: its transposes run far below the bandwidth the floor assumes) and 1.34x
+(transformer-1M). The estimate is for comparing two versions of the code, or the
 parts of one; the time itself is ``gpu.py``'s to measure on a GPU.
 """
 
