@@ -227,7 +227,7 @@ def attend_channels_last(self, x_BxTxD, scores_by_products: bool = False):
     layers' in the model's dtype: the same function to rounding. A layer that would not run
     the chunked memory in XLA is refused by name."""
     impl = memory_kernel.resolve(self.memory_impl, self.dtype)
-    if self.memory_mode != "chunked" or impl != "xla":
+    if self.memory_mode != "chunked" or impl == "pallas":
         raise ValueError(
             "attend_channels_last replaces the chunked memory in XLA, but this layer has "
             f"memory_mode={self.memory_mode!r} and memory_impl={self.memory_impl!r} ({impl})"
