@@ -79,12 +79,12 @@ from pathlib import Path
 import jax
 import numpy as np
 from common import machine, print_table, slug, timed_steps, train_step_for, versions, write_json
-from lmu_memory import BLOCK_IMPLS, channels_last
+from lmu_memory import BLOCK_IMPLS, SHAPES, bench_block, channels_last
 
 from lmuscale.memory_kernel import MEMORY_IMPLS
 from lmuscale.models import count_params, flops_per_token
 from lmuscale.models.fused_loss import LOSS_IMPLS
-from lmuscale.models.sizes import FAMILIES, SIZES
+from lmuscale.models.sizes import FAMILIES, NAMES, SIZES
 from lmuscale.train import config as config_lib
 from lmuscale.train import memory, run
 from lmuscale.train import step as step_lib
@@ -313,8 +313,6 @@ def part_long(args, keep=None) -> dict:
 
 
 def part_block(args) -> dict:
-    from lmu_memory import SHAPES, bench_block
-
     shape = {**SHAPES["paper"], "n": args.block_seq_len}
     impls = [impl for impl in BLOCK_IMPLS if impl == "xla" or impl in args.block_impls]
     rows = bench_block(
@@ -759,7 +757,7 @@ def main(argv=None) -> None:
     parser.add_argument(
         "--precision-model",
         default="lmu-55k",
-        choices=[f"{family}-{size}" for family in FAMILIES for size in SIZES],
+        choices=NAMES,
         help="precision: the paper config trained in float32 and bfloat16",
     )
     parser.add_argument("--loss-steps", type=int, default=300)

@@ -193,7 +193,7 @@ def _product_channels_last_fwd(w_ZxKxc, x_BxJxDxZ, precision, out_dtype):
 def _product_channels_last_bwd(precision, out_dtype, residuals, dy_KxcxBxJxD):
     del out_dtype
     w_ZxKxc, x_BxJxDxZ = residuals
-    wide = jnp.promote_types(jnp.promote_types(x_BxJxDxZ.dtype, w_ZxKxc.dtype), jnp.float32)
+    wide = lmu._compute_dtype(x_BxJxDxZ.dtype, w_ZxKxc.dtype)
     in_x_BxJxDxZ, in_w_ZxKxc, options = lmu._product_operands(precision, x_BxJxDxZ, w_ZxKxc)
     dy_KxcxBxJxD = dy_KxcxBxJxD.astype(in_w_ZxKxc.dtype)
     product = functools.partial(lax.dot_general, preferred_element_type=wide, **options)
@@ -243,7 +243,7 @@ def attend_channels_last(self, x_BxTxD, scores_by_products: bool = False):
         dtype=jnp.bfloat16 if fast else None,
     )
     c = x_BxJxDxZ.shape[-1] - self.q
-    wide = jnp.promote_types(self.dtype, jnp.float32)  # every sum, as in layers
+    wide = layers._wide(self.dtype)  # every sum, as in the layers
     to_5 = functools.partial(lax.broadcast_to_rank, rank=5)
     gelus = []
     for l_KxQ, b_K in zip(self.l, self.bias, strict=True):
