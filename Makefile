@@ -11,7 +11,8 @@ demo: $(VENV)/.installed-demo
 	$(BIN)/python -m lmuscale.sweep sweeps/demo.py
 
 # Two pytest workers, each taking whole test files (module fixtures are built once): many
-# tests wait on subprocesses or compile on one core, so two workers overlap them.
+# tests wait on subprocesses or compile on one core, so two workers overlap them. The files
+# run heaviest first (tests/conftest.py, HEAVIEST_FIRST), in that order: --no-loadscope-reorder.
 # scripts/slurm/install.sh installs slurm-wlm and munge (as root, with apt-get) for the SLURM
 # tests; where it cannot, it says so and those tests skip. The 15 slowest tests are listed
 # at the end, to keep the suite within CI's time budget.
@@ -19,7 +20,7 @@ test: $(VENV)/.installed-dev
 	bash scripts/slurm/install.sh
 	$(BIN)/ruff check .
 	$(BIN)/ruff format --check .
-	$(BIN)/python -m pytest -n 2 --dist loadfile --durations=15
+	$(BIN)/python -m pytest -n 2 --dist loadfile --no-loadscope-reorder --durations=15
 
 # Runs analysis/*.ipynb on runs/demo/results.jsonl (or $LMUSCALE_RESULTS), from any folder.
 notebooks: $(VENV)/.installed-notebooks
