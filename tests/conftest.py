@@ -30,12 +30,13 @@ jax.config.update("jax_numpy_rank_promotion", "raise")
 
 
 # The two pytest workers (`make test`: --dist loadfile --no-loadscope-reorder) each take whole
-# files, in collection order, the next file going to the first worker with room. The files start
-# heaviest first, so that the run does not end on one long file while the other worker idles.
-# xdist's scheduling replayed on the per-file seconds of a 2026-11-27 run (pytest --durations=0,
-# 2 CPU cores) ends the two workers at 990 and 1061 s in xdist's default order (most tests
-# first), at 1025 and 1026 s in this one. Files not named here run last, in their own order. Only
-# the wall time depends on the order: no test depends on another file's.
+# files in collection order: xdist queues up to two files on a worker and hands it the next one
+# when its queue runs low. The files start heaviest first, so that the run does not end on one
+# long file while the other worker idles. That scheduling (two files queued a worker) replayed on
+# the per-file seconds of a 2026-11-27 run (pytest --durations=0, 2 CPU cores) ends the two
+# workers at 990 and 1061 s in xdist's default order (most tests first), at 1025 and 1026 s in
+# this one. Files not named here run last, in their own order. Only the wall time depends on the
+# order: no test depends on another file's.
 HEAVIEST_FIRST = (
     "test_models",
     "test_memory_kernel",

@@ -82,7 +82,7 @@ def drawn_not_written(fig, path_without_suffix):
     """``figures.save`` for these tests: the figure is drawn (so a figure that cannot be drawn
     still fails), but no PNG or PDF is encoded and written. Which runs each figure and table
     takes is what these tests check; the files are test_analysis.py's and test_optimal.py's.
-    Writing both formats of every figure was 12 of the fixture's 23 s."""
+    Encoding and writing both formats of every figure took about 11 of the fixture's 23 s."""
     del path_without_suffix
     fig.canvas.draw()
     return []
