@@ -180,10 +180,12 @@ def bytes_ratio(batch: int = 8, dtype: str = "float32", parts: bool = False) -> 
         for label in labels
     }
     transformer = analysis(compiled_step("transformer-1M", batch, 1024, dtype=dtype)[0])
-    ratio = lmu["lmu-1M"]["bytes_accessed"] / transformer["bytes_accessed"]
-    all_trips = lmu["lmu-1M"]["bytes_all_trips"] / transformer["bytes_all_trips"]
-    record = {"lmu": lmu["lmu-1M"], "transformer": transformer, "ratio": ratio}
-    record["ratio_all_trips"] = all_trips
+    record = {
+        "lmu": lmu["lmu-1M"],
+        "transformer": transformer,
+        "ratio": lmu["lmu-1M"]["bytes_accessed"] / transformer["bytes_accessed"],
+        "ratio_all_trips": lmu["lmu-1M"]["bytes_all_trips"] / transformer["bytes_all_trips"],
+    }
     if parts:
         record["parts"] = {
             label: {**figures, "ratio": figures["bytes_accessed"] / transformer["bytes_accessed"]}
