@@ -198,6 +198,67 @@ def test_the_chunked_attention_moves_nothing_the_size_of_its_q_k_or_v(dtype):
     assert not _data_moves(hlo, q_size)
 
 
+def _library_fusions_summing_a_product(hlo_text: str, shape: tuple[int, ...]) -> list[str]:
+    """The YNNPACK fusions of an XLA:CPU module that reduce a float32 product of ``shape``
+    inside them, and how many such fusions there are in all: ``(found, count)``."""
+    bodies = dict(re.findall(r"\n(%[\w.\-]+) [^\n]*\{\n(.*?)\n\}", hlo_text, re.S))
+    fusions = re.findall(r"fusion\([^\n]*calls=(%[\w.\-]+)[^\n]*__ynn_fusion", hlo_text)
+    product = re.escape("f32[" + ",".join(map(str, shape)) + "]")
+    found = []
+    for name in fusions:
+        body = bodies.get(name, "")
+        products = set(re.findall(r"(%[\w.\-]+) = " + product + r"\{[^}]*\} multiply\(", body))
+        if any(r in products for r in re.findall(r" reduce\((%[\w.\-]+),", body)):
+            found.append(name)
+    return found, len(fusions)
+
+
+def test_the_gradient_sums_over_channels_a_product_computed_apart_on_a_cpu():
+    # XLA:CPU puts a sum over the channel axis, with the product it sums, into one YNNPACK
+    # fusion, which ran about 10x slower than the two apart at lmu-1M's shapes
+    # (layers._apart_from_its_sum): the compiled backward pass has no such fusion over a
+    # product the size of V. The shapes are large enough for XLA to use these fusions at all,
+    # and without the rounding the check finds dw's.
+    shape = (1, 2, 32, 4, 16)
+    rng = np.random.default_rng(0)
+    sizes = [shape, shape, shape, (3, shape[3]), (shape[3],), (*shape[:3], shape[4])]
+    args = [jnp.asarray(rng.standard_normal(size), jnp.float32) for size in sizes]
+
+    def forward_and_backward(*args_and_cotangent):
+        *args, cotangent = args_and_cotangent
+        out, vjp = jax.vjp(lambda *a: implicit_attention(*a, jnp.float32), *args)
+        return out, vjp(cotangent)
+
+    hlo = jax.jit(forward_and_backward).lower(*args).compile().as_text()
+    found, fusions = _library_fusions_summing_a_product(hlo, shape)
+    assert fusions, "no YNNPACK fusions here: the check (and the rounding) has nothing to do"
+    assert not found
+
+
+@pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float32, jnp.float64])
+def test_the_rounding_that_keeps_a_product_apart_changes_no_bit(dtype):
+    # Random bit patterns (normals, subnormals, NaNs) and zeros of both signs, infinities,
+    # the extremes: every number keeps its bits, and a NaN stays a NaN (its payload is free).
+    info = jnp.finfo(dtype)
+    with jax.enable_x64(dtype == jnp.float64):
+        bits = np.random.default_rng(0).integers(0, 2**info.bits, 4096, dtype=np.uint64)
+        unsigned = {16: np.uint16, 32: np.uint32, 64: np.uint64}[info.bits]
+        x = bits.astype(unsigned).view(np.dtype(dtype))
+        extremes = np.array([0.0, -0.0, np.inf, -np.inf, np.nan, float(info.tiny), float(info.max)])
+        x = np.concatenate([x, extremes.astype(np.dtype(dtype))])
+        y = np.asarray(jax.jit(layers._apart_from_its_sum)(jnp.asarray(x)))
+    mantissa = unsigned((1 << info.nmant) - 1)
+    exponent = unsigned(((1 << info.nexp) - 1) << info.nmant)
+
+    def is_nan(a):  # from the bits: NumPy's isnan warns on bfloat16 NaNs
+        bits = a.view(unsigned)
+        return ((bits & exponent) == exponent) & ((bits & mantissa) != 0)
+
+    nan = is_nan(x)
+    assert nan.any() and is_nan(y[nan]).all()
+    assert np.array_equal(y[~nan].view(unsigned), x[~nan].view(unsigned))
+
+
 def test_unknown_memory_mode_is_named():
     x = jnp.zeros((1, 4, 2))
     with pytest.raises(ValueError, match="memory_mode must be one of"):
