@@ -198,7 +198,9 @@ def test_the_chunked_attention_moves_nothing_the_size_of_its_q_k_or_v(dtype):
     assert not _data_moves(hlo, q_size)
 
 
-def _library_fusions_summing_a_product(hlo_text: str, shape: tuple[int, ...]) -> list[str]:
+def _library_fusions_summing_a_product(
+    hlo_text: str, shape: tuple[int, ...]
+) -> tuple[list[str], int]:
     """The YNNPACK fusions of an XLA:CPU module that reduce a float32 product of ``shape``
     inside them, and how many such fusions there are in all: ``(found, count)``."""
     bodies = dict(re.findall(r"\n(%[\w.\-]+) [^\n]*\{\n(.*?)\n\}", hlo_text, re.S))
