@@ -230,12 +230,8 @@ def long_sequences(lengths: list[int], limit_bytes: float) -> list[dict]:
     return records
 
 
-def _gb(value) -> str:
-    return "-" if value is None else f"{value / GB:.2f}"  # "-": a file from before the field
-
-
-def _ratio(value) -> str:
-    return "-" if value is None else f"{value:.2f}"
+def _or_dash(value, unit: float = 1.0) -> str:
+    return "-" if value is None else f"{value / unit:.2f}"  # "-": a file from before the field
 
 
 def show(result: dict, limit_gb: float) -> None:
@@ -272,18 +268,18 @@ def show(result: dict, limit_gb: float) -> None:
                 (
                     name,
                     f"{b[key]['bytes_accessed'] / GB:.2f}",
-                    _gb(b[key].get("bytes_all_trips")),
+                    _or_dash(b[key].get("bytes_all_trips"), GB),
                     f"{b[key]['flops'] / 1e9:.0f}",
                     f"{b[key]['temp_bytes'] / GB:.2f}",
                 )
                 for name, key in (("lmu-1M", "lmu"), ("transformer-1M", "transformer"))
             ]
-            + [("ratio", f"{b['ratio']:.2f}", _ratio(b.get("ratio_all_trips")), "", "")]
+            + [("ratio", f"{b['ratio']:.2f}", _or_dash(b.get("ratio_all_trips")), "", "")]
             + [
                 (
                     f"{label} (ratio {p['ratio']:.2f})",
                     f"{p['bytes_accessed'] / GB:.2f}",
-                    _gb(p.get("bytes_all_trips")),
+                    _or_dash(p.get("bytes_all_trips"), GB),
                     f"{p['flops'] / 1e9:.0f}",
                     f"{p['temp_bytes'] / GB:.2f}",
                 )
