@@ -121,9 +121,23 @@ def test_gelu_is_exact_through_erfc_here_and_through_erf_on_a_gpu(monkeypatch, b
     np.testing.assert_allclose(got, want, rtol=4 * eps, atol=16 * eps)
 
 
+def _channels_last(*args_and_dtype):
+    """``implicit_attention``'s function through ``implicit_attention_channels_last``: each
+    (B, D, q', P) input written (q', P, B, D) and the three stacked, the output put back."""
+    *qkv, bias_3xK, p_K, dtype = args_and_dtype
+    qkv_3xKxPxBxD = jnp.stack([jnp.transpose(x, (2, 3, 0, 1)) for x in qkv])
+    m_PxBxD = layers.implicit_attention_channels_last(qkv_3xKxPxBxD, bias_3xK, p_K, dtype)
+    return jnp.transpose(m_PxBxD, (1, 2, 0))
+
+
+ATTENTIONS = {"steps-last": implicit_attention, "channels-last": _channels_last}
+
+
+@pytest.mark.parametrize("layout", ATTENTIONS)
 @pytest.mark.parametrize("positions", [5, 1])
-def test_implicit_attention_and_its_gradient_equal_eqs_8_to_10_in_float64(positions):
-    # (2 sequences, 7 channels, q' = 3, positions): a chunk's steps, or one decoding step.
+def test_implicit_attention_and_its_gradient_equal_eqs_8_to_10_in_float64(positions, layout):
+    # (2 sequences, 7 channels, q' = 3, positions): a chunk's steps, or one decoding step. The
+    # attention in either layout: the layers' order (the CPU's), or channels last (a GPU's).
     rng = np.random.default_rng(0)
     with jax.enable_x64(True):
         args = [jnp.asarray(rng.standard_normal((2, 7, 3, positions))) for _ in range(3)]
@@ -133,7 +147,7 @@ def test_implicit_attention_and_its_gradient_equal_eqs_8_to_10_in_float64(positi
         def loss(attend):
             return lambda *a: jnp.sum(attend(*a) * cotangent)
 
-        ours = loss(lambda *a: implicit_attention(*a, jnp.float64))
+        ours = loss(lambda *a: ATTENTIONS[layout](*a, jnp.float64))
         want = jax.value_and_grad(loss(reference_attention), argnums=range(5))(*args)
         got = jax.value_and_grad(ours, argnums=range(5))(*args)
         np.testing.assert_allclose(got[0], want[0], rtol=1e-13)
@@ -142,9 +156,14 @@ def test_implicit_attention_and_its_gradient_equal_eqs_8_to_10_in_float64(positi
             np.testing.assert_allclose(g, w, rtol=1e-12, atol=1e-13, err_msg=name)
 
 
+@pytest.mark.parametrize("channels_last", [False, True])
 @pytest.mark.parametrize("chunk", [4, 7, 64])
-def test_chunked_and_fft_memory_give_the_same_attention_and_gradients(chunk):
-    # 21 steps: chunk 4 leaves a ragged last chunk of 1 step, 7 divides 21, 64 exceeds it.
+def test_chunked_and_fft_memory_give_the_same_attention_and_gradients(
+    chunk, channels_last, monkeypatch
+):
+    # 21 steps: chunk 4 leaves a ragged last chunk of 1 step, 7 divides 21, 64 exceeds it. The
+    # chunked memory as here, and as on a GPU: one product, written channels last.
+    monkeypatch.setattr(layers, "channels_last_memory", lambda: channels_last)
     x = jax.random.normal(jax.random.key(0), (3, 21, 10))
     results = []
     for mode in ("fft", "chunked"):
@@ -196,6 +215,38 @@ def test_the_chunked_attention_moves_nothing_the_size_of_its_q_k_or_v(dtype):
     assert max(math.prod(int(d) for d in shape.split(",")) for shape in shapes) >= q_size
     assert _data_moves(hlo, q_size // 4)  # the check sees the output's moves, a quarter of Q
     assert not _data_moves(hlo, q_size)
+
+
+def _lowered_results(text: str, op: str) -> list[int]:
+    """The element counts of every ``op`` result in a lowered (StableHLO) program."""
+    found = re.findall(rf"stablehlo\.{op}\b[^\n]*-> tensor<([\dx]*)x?[a-z]+\d*>", text)
+    return [math.prod(int(d) for d in dims.split("x") if d) for dims in found]
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_the_attention_as_on_a_gpu_takes_one_product_and_moves_only_its_output(dtype, monkeypatch):
+    # As on a GPU (channels_last_memory): Q, K and V come from one product, written (3 q', c,
+    # B, J, d), and the attention and its hand-written gradient read them there. The program
+    # as traced asks for no transpose of anything Q-sized: only the output, q' times smaller,
+    # is put in sequence order. (Compiled for an H100 with benchmarks/gpu_aot.py, XLA adds none
+    # either; XLA:CPU, which this path is not for, copies the products' gradient once.)
+    monkeypatch.setattr(layers, "channels_last_memory", lambda: True)
+    batch, length, width, order, reduced, chunk = 2, 64, 16, 12, 4, 16
+    layer = ImplicitSelfAttention(
+        order, reduced, 20.0, dtype=jnp.dtype(dtype), memory_chunk=chunk, batch_chunk=0
+    )
+    x = jax.random.normal(jax.random.key(0), (batch, length, width))
+    params = layer.init(jax.random.key(1), x)
+
+    def loss(params, x):
+        return jnp.sum(jnp.sin(layer.apply(params, x).astype(jnp.float32)))
+
+    text = jax.jit(jax.value_and_grad(loss, argnums=(0, 1))).lower(params, x).as_text()
+    q_size = batch * length * width * reduced
+    assert _lowered_results(text, "dot_general").count(3 * q_size) == 1
+    moves = _lowered_results(text, "transpose")
+    assert q_size // reduced in moves  # the output's, so the check sees transposes
+    assert max(moves) < q_size
 
 
 def _library_fusions_summing_a_product(

@@ -191,6 +191,91 @@ def _implicit_attention_bwd(dtype, residuals, dm_xDxc):
 implicit_attention.defvjp(_implicit_attention_fwd, _implicit_attention_bwd)
 
 
+def channels_last_memory() -> bool:
+    """Whether the chunked memory in XLA forms Q, K and V in one product written channels last,
+    (3 q', c, B, J, d), read by ``implicit_attention_channels_last``: where JAX computes on a
+    GPU. There XLA's reductions want the summed axis minor; in the order (B, J, d, q', c) an
+    H200 spent 68 of lmu-1M's 171 ms per micro-batch transposing Q, K and V
+    (results/gpu-nvidia-h200.json). Compiled for an H100 (benchmarks/gpu_aot.py), lmu-1M's
+    step then moves 203.5 GB per micro-batch of 64 x 1024 in bfloat16 against 290.9 (the
+    memory 75.6 against 167.0), a floor of 60.7 ms against 86.8; not yet timed on a GPU.
+    XLA's CPU backend is faster in the other order, which is kept off a GPU."""
+    return jax.default_backend() == "gpu"
+
+
+def _channels_last_pre(qkv_3xKx___xD, bias_3xK, dtype):
+    """``L_i M + b_i`` for Q, K, V in ``dtype``, each (q', positions..., d)."""
+    bias_3xKx___ = lax.broadcast_to_rank(bias_3xK.astype(dtype), qkv_3xKx___xD.ndim)
+    bias_3xKx___ = jnp.moveaxis(bias_3xKx___, (-2, -1), (0, 1))
+    return list(qkv_3xKx___xD.astype(dtype) + bias_3xKx___)
+
+
+def _implicit_attention_channels_last_fwd(qkv_3xKx___xD, bias_3xK, p_K, dtype):
+    """The forward pass of ``implicit_attention_channels_last``: ``m_x___xD`` and the
+    residuals, the input and the softmax's ``weights_KxKx___`` and ``w_Kx___``."""
+    wide = _wide(dtype)
+    gq, gk, gv = (
+        gelu(pre).astype(wide) for pre in _channels_last_pre(qkv_3xKx___xD, bias_3xK, dtype)
+    )
+    # scores[i, k] = sum over the d channels of gelu(Q)[i, d] gelu(K)[k, d], at every step:
+    # a reduction along the minor axis.
+    scores_KxKx___ = jnp.sum(gq[:, None] * gk[None, :], axis=-1)
+    weights_KxKx___ = jax.nn.softmax(scores_KxKx___ / math.sqrt(gq.shape[-1]), axis=1)
+    p_Kx1x___ = jnp.moveaxis(lax.broadcast_to_rank(p_K.astype(wide), weights_KxKx___.ndim), -1, 0)
+    w_Kx___ = jnp.sum(weights_KxKx___ * p_Kx1x___, axis=0)
+    m_x___xD = _sum_of_products(gv, w_Kx___[..., None], axis=0)
+    return m_x___xD.astype(dtype), (qkv_3xKx___xD, bias_3xK, p_K, weights_KxKx___, w_Kx___)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(3,))
+def implicit_attention_channels_last(qkv_3xKx___xD, bias_3xK, p_K, dtype):
+    """``implicit_attention`` on Q, K and V stacked and written channels last, as
+    ``lmu.chunk_product_channels_last`` writes one product of the three L_i: (3, q',
+    positions..., d) in, ``m_x___xD`` (positions..., d) out. Every sum over d runs along the
+    minor axis; the backward pass, by hand, returns the three gradients stacked as the product
+    takes them, and keeps of the arrays that size only the input."""
+    return _implicit_attention_channels_last_fwd(qkv_3xKx___xD, bias_3xK, p_K, dtype)[0]
+
+
+def _implicit_attention_channels_last_bwd(dtype, residuals, dm_x___xD):
+    qkv_3xKx___xD, bias_3xK, p_K, weights_KxKx___, w_Kx___ = residuals
+    wide = _wide(dtype)
+    pre_3xxKx___xD = _channels_last_pre(qkv_3xKx___xD, bias_3xK, dtype)
+    gq, gk, gv = (gelu(pre).astype(wide) for pre in pre_3xxKx___xD)
+    dm_1x___xD = dm_x___xD.astype(dtype).astype(wide)[None]
+    # m = gelu(V)^T w, w = p softmax(scores), scores = gelu(Q) gelu(K)^T / sqrt(d).
+    dgv_Kx___xD = w_Kx___[..., None] * dm_1x___xD
+    dw_1xKx___ = jnp.sum(dm_1x___xD * gv, axis=-1)[None]
+    p_Kx1x___ = jnp.moveaxis(lax.broadcast_to_rank(p_K.astype(wide), weights_KxKx___.ndim), -1, 0)
+    dp_K = jnp.sum(weights_KxKx___ * dw_1xKx___, axis=tuple(range(1, weights_KxKx___.ndim)))
+    dweights_KxKx___ = p_Kx1x___ * dw_1xKx___
+    inner_Kx1x___ = jnp.sum(weights_KxKx___ * dweights_KxKx___, axis=1, keepdims=True)
+    scale = 1.0 / math.sqrt(gq.shape[-1])
+    dscores_KxKx___x1 = (weights_KxKx___ * (dweights_KxKx___ - inner_Kx1x___) * scale)[..., None]
+    # dgelu(Q)[i, d] = sum_k dscores[i, k] gelu(K)[k, d], and dgelu(K) likewise over i.
+    dgq_Kx___xD = _sum_of_products(dscores_KxKx___x1, gk[None], axis=1)
+    dgk_Kx___xD = _sum_of_products(dscores_KxKx___x1, gq[:, None], axis=0)
+    dpre_3xxKx___xD = [
+        (g * gelu_grad(pre.astype(wide))).astype(dtype)
+        for g, pre in zip((dgq_Kx___xD, dgk_Kx___xD, dgv_Kx___xD), pre_3xxKx___xD, strict=True)
+    ]
+    # The bias gradients sum the stacked gradient as written: without the barrier XLA's GPU
+    # compiler recomputed the three gradients inside the sum (lmu-1M: 3.1 GB more a layer).
+    dqkv_3xKx___xD = lax.optimization_barrier(jnp.stack(dpre_3xxKx___xD))
+    positions_and_channels = tuple(range(2, qkv_3xKx___xD.ndim))
+    dbias_3xK = dqkv_3xKx___xD.astype(wide).sum(positions_and_channels)
+    return (
+        dqkv_3xKx___xD.astype(qkv_3xKx___xD.dtype),
+        dbias_3xK.astype(bias_3xK.dtype),
+        dp_K.astype(p_K.dtype),
+    )
+
+
+implicit_attention_channels_last.defvjp(
+    _implicit_attention_channels_last_fwd, _implicit_attention_channels_last_bwd
+)
+
+
 MEMORY_MODES = ("chunked", "fft")
 
 
@@ -211,7 +296,8 @@ class ImplicitSelfAttention(nn.Module):
     """The LMU memory (window ``theta``, order ``q``) of a d-channel input, read by implicit
     self-attention through three learned ``L_i`` (``q_prime`` x q) to Q, K, V. In parallel
     mode only ``L M_t`` is formed, by chunked matrix products (``memory_mode`` "chunked",
-    ``memory_chunk`` steps each; one bf16 pass in a bf16 model) or by FFT with the L_i folded
+    ``memory_chunk`` steps each; one bf16 pass in a bf16 model; on a GPU one product for the
+    three, written channels last: ``channels_last_memory``) or by FFT with the L_i folded
     into the impulse response ("fft"). ``memory_impl`` picks how the chunked products and the
     attention run: "xla", "pallas" (``memory_kernel``: fused, nothing q' wide in memory) or
     "auto" (``memory_kernel.resolve``). In step mode the state is the float32 memory
@@ -269,6 +355,18 @@ class ImplicitSelfAttention(nn.Module):
             )
             m_BxTxD = m_BxJxcxD.reshape(x_BxTxD.shape[0], -1, x_BxTxD.shape[2])
             return m_BxTxD[:, :length]
+        if channels_last_memory():
+            # One product for Q, K and V: its (3 q', c, B, J, d) output splits along its
+            # major axis, and only the attention's (c, B, J, d) output is moved.
+            y_3KxcxBxJxD = lmu.chunk_product_channels_last(
+                x_BxJxDxZ, jnp.concatenate(weights, axis=1), precision, out_dtype=self.dtype
+            )
+            qkv_3xKxcxBxJxD = y_3KxcxBxJxD.reshape(3, self.q_prime, *y_3KxcxBxJxD.shape[1:])
+            m_cxBxJxD = implicit_attention_channels_last(
+                qkv_3xKxcxBxJxD, self.bias, self.p, self.dtype
+            )
+            m_BxJxcxD = jnp.transpose(m_cxBxJxD, (1, 2, 0, 3))
+            return m_BxJxcxD.reshape(x_BxTxD.shape[0], -1, x_BxTxD.shape[2])[:, :length]
         qkv_3xBxJxDxKxc = [
             lmu.chunk_product(x_BxJxDxZ, w_ZxKxc, precision, out_dtype=self.dtype)
             for w_ZxKxc in weights

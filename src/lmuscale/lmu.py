@@ -436,11 +436,7 @@ def _chunk_matmul_bwd(precision, out_dtype, residuals, dy_BxJxCxKxc):
 _chunk_matmul.defvjp(_chunk_matmul_fwd, _chunk_matmul_bwd)
 
 
-def chunk_product(x_BxJxCxZ, w_ZxKxc, precision: str = "exact", out_dtype=None):
-    """Every chunk's outputs in one matrix product, ``y_BxJxCxKxc = [u_j; m_j]^T [T; R]``.
-    ``y`` stays in the layout the product writes (``sequence_from_chunks`` orders it by
-    position), rounded to ``out_dtype`` (default the operand's, at least float32; bfloat16
-    halves the bytes for a bfloat16 consumer). ``precision`` is as in ``memory_chunked``."""
+def _check_product(x_BxJxCxZ, w_ZxKxc, precision: str) -> None:
     if precision not in PRECISIONS:
         raise ValueError(f"precision must be one of {PRECISIONS}, got {precision!r}")
     if x_BxJxCxZ.ndim != 4 or w_ZxKxc.ndim != 3 or x_BxJxCxZ.shape[-1] != w_ZxKxc.shape[0]:
@@ -448,8 +444,61 @@ def chunk_product(x_BxJxCxZ, w_ZxKxc, precision: str = "exact", out_dtype=None):
             f"the chunk product takes an operand (batch, chunks, channels, Z) and weights "
             f"(Z, K, c) with the same Z, got {x_BxJxCxZ.shape} and {w_ZxKxc.shape}"
         )
+
+
+def chunk_product(x_BxJxCxZ, w_ZxKxc, precision: str = "exact", out_dtype=None):
+    """Every chunk's outputs in one matrix product, ``y_BxJxCxKxc = [u_j; m_j]^T [T; R]``.
+    ``y`` stays in the layout the product writes (``sequence_from_chunks`` orders it by
+    position), rounded to ``out_dtype`` (default the operand's, at least float32; bfloat16
+    halves the bytes for a bfloat16 consumer). ``precision`` is as in ``memory_chunked``."""
+    _check_product(x_BxJxCxZ, w_ZxKxc, precision)
     out_dtype = _compute_dtype(x_BxJxCxZ.dtype) if out_dtype is None else jnp.dtype(out_dtype)
     return _chunk_matmul(x_BxJxCxZ, w_ZxKxc, precision, out_dtype)
+
+
+# The chunk product written channels last, ``y_KxcxBxJxC``: the order ``dot_general(w, x)``
+# writes, with the channels C minor. Its gradients read dy in that order: dx = dy^T w over
+# (K, c); dw = x^T dy over (B, J, C).
+_CL_FORWARD = (((0,), (3,)), ((), ()))
+_CL_INPUT_GRAD = (((0, 1), (1, 2)), ((), ()))
+_CL_WEIGHT_GRAD = (((0, 1, 2), (2, 3, 4)), ((), ()))
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(2, 3))
+def _chunk_matmul_channels_last(x_BxJxCxZ, w_ZxKxc, precision: str, out_dtype):
+    x_BxJxCxZ, w_ZxKxc, options = _product_operands(precision, x_BxJxCxZ, w_ZxKxc)
+    return lax.dot_general(
+        w_ZxKxc, x_BxJxCxZ, _CL_FORWARD, preferred_element_type=out_dtype, **options
+    )
+
+
+def _chunk_matmul_channels_last_fwd(x_BxJxCxZ, w_ZxKxc, precision, out_dtype):
+    y_KxcxBxJxC = _chunk_matmul_channels_last(x_BxJxCxZ, w_ZxKxc, precision, out_dtype)
+    return y_KxcxBxJxC, (x_BxJxCxZ, w_ZxKxc)
+
+
+def _chunk_matmul_channels_last_bwd(precision, out_dtype, residuals, dy_KxcxBxJxC):
+    del out_dtype
+    x_BxJxCxZ, w_ZxKxc = residuals
+    wide = _compute_dtype(x_BxJxCxZ.dtype, w_ZxKxc.dtype)
+    in_x_BxJxCxZ, in_w_ZxKxc, options = _product_operands(precision, x_BxJxCxZ, w_ZxKxc)
+    dy_KxcxBxJxC = dy_KxcxBxJxC.astype(in_w_ZxKxc.dtype)
+    product = functools.partial(lax.dot_general, preferred_element_type=wide, **options)
+    dx_BxJxCxZ = product(dy_KxcxBxJxC, in_w_ZxKxc, _CL_INPUT_GRAD)
+    dw_ZxKxc = product(in_x_BxJxCxZ, dy_KxcxBxJxC, _CL_WEIGHT_GRAD)
+    return dx_BxJxCxZ.astype(x_BxJxCxZ.dtype), dw_ZxKxc.astype(w_ZxKxc.dtype)
+
+
+_chunk_matmul_channels_last.defvjp(_chunk_matmul_channels_last_fwd, _chunk_matmul_channels_last_bwd)
+
+
+def chunk_product_channels_last(x_BxJxCxZ, w_ZxKxc, precision: str = "exact", out_dtype=None):
+    """``chunk_product`` written channels last: ``y_KxcxBxJxC``, the same numbers with the
+    channels minor and the projection and step axes major, as a matrix product ``w^T x``
+    writes them (no transpose), for sums over the channels along the minor axis."""
+    _check_product(x_BxJxCxZ, w_ZxKxc, precision)
+    out_dtype = _compute_dtype(x_BxJxCxZ.dtype) if out_dtype is None else jnp.dtype(out_dtype)
+    return _chunk_matmul_channels_last(x_BxJxCxZ, w_ZxKxc, precision, out_dtype)
 
 
 def sequence_from_chunks(y_BxJx___xc, length: int):
