@@ -25,8 +25,9 @@ Parts (``--only`` takes shell patterns of these names):
 - ``block``: one LMU block of lmu-1M (FFN, implicit attention, FFN) at --block-batch x
   --block-seq-len (64 x 1024), forward and forward+backward, in --block-dtypes (bfloat16 and
   float32): of --block-impls (default all), the FFT memory, and per --block-chunks the XLA
-  chunked path, the same with the products channels-last (experiments: the scores by sums,
-  and by batched products) and the fused Pallas kernels (``memory_kernel``; the row says why
+  chunked path (on a GPU one product written channels last), the same in the layers' order
+  off a GPU ("steps-last"), the experiments with autodiff's gradient (the scores by sums, and
+  by batched products) and the fused Pallas kernels (``memory_kernel``; the row says why
   not where they cannot run), with TFLOP/s and each one's largest differences from the XLA
   path (``lmu_memory.bench_block``).
 - ``loss``: the cross-entropy's forward+backward alone at d = 48 and 204, --xent-batch x
@@ -40,8 +41,8 @@ Parts (``--only`` takes shell patterns of these names):
   steps in float32 and in bfloat16 on the embedded Shakespeare plays (GPT-2 tokens, prepared
   into --loss-data on first use), and the two loss curves compared.
 - ``profile``: lmu-1M's and transformer-1M's paper train steps, then lmu-1M's with its chunk
-  products channels-last (``PROFILED``), compiled for one micro-batch of --profile-batch
-  sequences, --profile-steps of them traced by ``jax.profiler``; the
+  products in the layers' order off a GPU (``PROFILED``), compiled for one micro-batch of
+  --profile-batch sequences, --profile-steps of them traced by ``jax.profiler``; the
   --profile-top operations by time per step (the devices' kernels where the trace has them,
   else the host's), with the trace's folder under ``results/profile-<device>/``.
 - ``xla_options``: the same micro-batch steps compiled with each of ``XLA_OPTIONS`` (command
@@ -79,7 +80,7 @@ from pathlib import Path
 import jax
 import numpy as np
 from common import machine, print_table, slug, timed_steps, train_step_for, versions, write_json
-from lmu_memory import BLOCK_IMPLS, SHAPES, bench_block, channels_last
+from lmu_memory import BLOCK_IMPLS, SHAPES, bench_block, steps_last
 
 from lmuscale.memory_kernel import MEMORY_IMPLS
 from lmuscale.models import count_params, flops_per_token
@@ -422,12 +423,13 @@ PROFILE_MODELS = ("lmu-1M", "transformer-1M")
 
 
 # What the profile part traces, by label: the model, and what is patched in while it is
-# traced. After the two models, lmu-1M with its chunk products written channels-last (the
-# experiment of lmu_memory.attend_channels_last), whose micro-batch compares with lmu-1M's.
+# traced. After the two models, lmu-1M with its chunk products in the layers' order off a GPU
+# (lmu_memory.steps_last), as every GPU step was before 2026-11-27: on a GPU the layers write
+# them channels last (layers.channels_last_memory), and the two micro-batches compare.
 PROFILED = {
     "lmu-1M": ("lmu-1M", contextlib.nullcontext),
     "transformer-1M": ("transformer-1M", contextlib.nullcontext),
-    "lmu-1M channels-last": ("lmu-1M", channels_last),
+    "lmu-1M steps-last": ("lmu-1M", steps_last),
 }
 # XLA's GPU options to try on the micro-batch steps, each against the default. Command buffers
 # (CUDA graphs) by default cover fusions and library calls; the chunk-state scan and the loss

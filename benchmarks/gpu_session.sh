@@ -12,9 +12,10 @@
 # 1. train/lmu, train/transformer at 1M and 55k: the paper step, 512 x 1024 tokens in bf16,
 #    in 8 micro-batches of 64 (--microbatches 8: no planning compiles), with MFU; then the
 #    profile part: one 64-sequence micro-batch of lmu-1M and transformer-1M traced, then of
-#    lmu-1M with its chunk products channels-last (an experiment);
-# 2. block: one lmu-1M block, the FFT, the XLA chunked path, its two channels-last experiments
-#    and the fused memory kernels (--block-impls and --block-dtypes after SECONDS pick fewer);
+#    lmu-1M with its chunk products in the order the layers use off a GPU (steps-last);
+# 2. block: one lmu-1M block, the FFT, the XLA chunked path, the same steps-last, two
+#    channels-last experiments and the fused memory kernels (--block-impls and
+#    --block-dtypes after SECONDS pick fewer);
 # 3. loss: the cross-entropy alone, XLA's path and the fused kernels;
 # 4. attention, the other families' train parts (lmu_g, sru, sru_pp, lstm), long, precision;
 # 5. xla_options: the profile's micro-batch steps under each of XLA's GPU options, if time is

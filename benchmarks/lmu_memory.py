@@ -164,45 +164,7 @@ def add_speedups(rows: list[dict]) -> None:
             row[phase]["baseline"] = base_mode
 
 
-BLOCK_IMPLS = ("fft", "xla", "channels-last", "channels-last-dots", "pallas")
-
-
-# The channels-last chunk product and its gradients, each product reading its operands and
-# writing its output in the orders the forward uses (as lmu._chunk_matmul does for the layers'
-# order): y = w^T x over Z; dx = dy^T w over (q', c); dw = x^T dy over (B, J, d).
-_CL_FORWARD = (((0,), (3,)), ((), ()))
-_CL_INPUT_GRAD = (((0, 1), (1, 2)), ((), ()))
-_CL_WEIGHT_GRAD = (((0, 1, 2), (2, 3, 4)), ((), ()))
-
-
-@functools.partial(jax.custom_vjp, nondiff_argnums=(2, 3))
-def _product_channels_last(w_ZxKxc, x_BxJxDxZ, precision: str, out_dtype):
-    # Operands and precision as the layers' product takes them (lmu._product_operands): bf16
-    # for "fast"; float32 accuracy for "exact" (three bf16 passes on a GPU).
-    x_BxJxDxZ, w_ZxKxc, options = lmu._product_operands(precision, x_BxJxDxZ, w_ZxKxc)
-    return lax.dot_general(
-        w_ZxKxc, x_BxJxDxZ, _CL_FORWARD, preferred_element_type=out_dtype, **options
-    )
-
-
-def _product_channels_last_fwd(w_ZxKxc, x_BxJxDxZ, precision, out_dtype):
-    y_KxcxBxJxD = _product_channels_last(w_ZxKxc, x_BxJxDxZ, precision, out_dtype)
-    return y_KxcxBxJxD, (w_ZxKxc, x_BxJxDxZ)
-
-
-def _product_channels_last_bwd(precision, out_dtype, residuals, dy_KxcxBxJxD):
-    del out_dtype
-    w_ZxKxc, x_BxJxDxZ = residuals
-    wide = lmu._compute_dtype(x_BxJxDxZ.dtype, w_ZxKxc.dtype)
-    in_x_BxJxDxZ, in_w_ZxKxc, options = lmu._product_operands(precision, x_BxJxDxZ, w_ZxKxc)
-    dy_KxcxBxJxD = dy_KxcxBxJxD.astype(in_w_ZxKxc.dtype)
-    product = functools.partial(lax.dot_general, preferred_element_type=wide, **options)
-    dx_BxJxDxZ = product(dy_KxcxBxJxD, in_w_ZxKxc, _CL_INPUT_GRAD)
-    dw_ZxKxc = product(in_x_BxJxDxZ, dy_KxcxBxJxD, _CL_WEIGHT_GRAD)
-    return dw_ZxKxc.astype(w_ZxKxc.dtype), dx_BxJxDxZ.astype(x_BxJxDxZ.dtype)
-
-
-_product_channels_last.defvjp(_product_channels_last_fwd, _product_channels_last_bwd)
+BLOCK_IMPLS = ("fft", "xla", "steps-last", "channels-last", "channels-last-dots", "pallas")
 
 
 def attend_channels_last(self, x_BxTxD, scores_by_products: bool = False):
@@ -210,13 +172,14 @@ def attend_channels_last(self, x_BxTxD, scores_by_products: bool = False):
     product written as ``(q', c, B, J, d)``, the order ``dot_general(w, x)`` writes: the
     attention's sums over d then run along the minor axis, as XLA's GPU reductions want, where
     in ``(B, J, d, q', c)`` an H200 spent 68 of lmu-1M's 171 ms per micro-batch transposing
-    them (gpu-nvidia-h200.json's profile). The products' backward is by hand
-    (``_product_channels_last``), the attention's autodiff's; only the output, ``(c, B, J,
-    d)``, is moved. Compiled for an H100 (benchmarks/gpu_aot.py), lmu-1M's memory then moves
-    90.4 GB per micro-batch of 64 x 1024 in bfloat16 against the layers' 167.0, with three
-    bfloat16 transposes of the products' gradients a layer left. Patched in by ``bench_block``
-    (and gpu.py's profile part) to time it against the XLA path; on a CPU it is slower, as
-    XLA's CPU backend wants the layers' order.
+    them (gpu-nvidia-h200.json's profile). The experiment the layers' GPU path
+    (``layers.channels_last_memory``) grew from: three products
+    (``lmu.chunk_product_channels_last``), and autodiff's gradient of the attention where the
+    layers have one product and a hand-written gradient; only the output, ``(c, B, J, d)``, is
+    moved. Compiled for an H100 (benchmarks/gpu_aot.py), lmu-1M's memory moves 90.4 GB per
+    micro-batch of 64 x 1024 in bfloat16 this way, against 167.0 in the layers' order (on
+    2026-11-27). Patched in by ``bench_block`` (and gpu.py's profile part) to time it against
+    the XLA path; on a CPU it is slower, as XLA's CPU backend wants the layers' order.
 
     ``scores_by_products``: the scores as batched matrix products over d (batched over c, B
     and J, from the gelus in the model's dtype, accumulated in float32), where the sum of
@@ -248,7 +211,7 @@ def attend_channels_last(self, x_BxTxD, scores_by_products: bool = False):
     gelus = []
     for l_KxQ, b_K in zip(self.l, self.bias, strict=True):
         w_ZxKxc = lmu.chunk_weights(self.q, self.theta, c, l_KxQ)
-        y_KxcxBxJxD = _product_channels_last(w_ZxKxc, x_BxJxDxZ, precision, self.dtype)
+        y_KxcxBxJxD = lmu.chunk_product_channels_last(x_BxJxDxZ, w_ZxKxc, precision, self.dtype)
         bias_Kx1x1x1x1 = jnp.moveaxis(to_5(b_K.astype(wide)), -1, 0)
         pre_KxcxBxJxD = (y_KxcxBxJxD.astype(wide) + bias_Kx1x1x1x1).astype(self.dtype)
         gelus.append(layers.gelu(pre_KxcxBxJxD))
@@ -271,6 +234,13 @@ def attend_channels_last(self, x_BxTxD, scores_by_products: bool = False):
     )
     m_BxJxcxD = jnp.transpose(m_cxBxJxD.astype(self.dtype), (1, 2, 0, 3))
     return m_BxJxcxD.reshape(batch, -1, width)[:, :length]
+
+
+def steps_last():
+    """A context in which the LMU layers are traced with the chunk products in the layers'
+    order, (B, J, d, q', c), whatever the backend: the XLA path off a GPU
+    (``layers.channels_last_memory``), for timing it on one."""
+    return mock.patch.object(layers, "channels_last_memory", lambda: False)
 
 
 def channels_last(scores_by_products: bool = False):
@@ -316,11 +286,13 @@ def bench_block(
     shape: dict, batch: int, repeats: int, chunks, dtypes, impls=BLOCK_IMPLS, model="lmu-1M"
 ) -> list[dict]:
     """One LMUBlock of ``model``, forward and forward+backward, per memory: the FFT
-    ("fft"), the chunked products and attention in XLA ("xla"), the same with the products
-    channels-last ("channels-last", ``attend_channels_last``) and fused in Pallas ("pallas",
+    ("fft"), the chunked products and attention in XLA ("xla": on a GPU one product written
+    channels last, elsewhere three in the layers' order), the layers' order on any backend
+    ("steps-last", ``steps_last``), the experiment with autodiff's gradient of the attention
+    ("channels-last", ``attend_channels_last``) and fused in Pallas ("pallas",
     ``memory_kernel``; a row that says why not where the kernels cannot run), for each chunk
     and dtype; "channels-last-dots" with its scores by products. Rows: ``mode`` ("fft",
-    "chunked/C", "channels-last/C", "channels-last-dots/C" or "pallas/C"),
+    "chunked/C", "steps-last/C", "channels-last/C", "channels-last-dots/C" or "pallas/C"),
     ``impl``, ``chunk``, times (``time_phases``), TFLOP/s by ``block_flops`` for the chunked
     rows, and for the others their largest differences from the XLA path at the same chunk."""
 
@@ -330,7 +302,7 @@ def bench_block(
         config = named_config(model, dtype=dtype, batch_chunk=0)
         x = jnp.asarray(rng.standard_normal((batch, shape["n"], config.d)), jnp.float32)
         variants = [("fft", lmu.DEFAULT_CHUNK)] * ("fft" in impls)
-        chunked = ("xla", "channels-last", "channels-last-dots", "pallas")
+        chunked = ("xla", "steps-last", "channels-last", "channels-last-dots", "pallas")
         variants += [(impl, c) for c in chunks for impl in chunked if impl in impls]
         outputs = {}  # the XLA path's output and gradients in this dtype, per chunk
         for impl, c in variants:
@@ -347,6 +319,7 @@ def bench_block(
             )
             block = LMUBlock(dataclasses.replace(config, memory_chunk=c, **memory))
             traced_as = {
+                "steps-last": steps_last,
                 "channels-last": channels_last,
                 "channels-last-dots": functools.partial(channels_last, scores_by_products=True),
             }.get(impl, contextlib.nullcontext)

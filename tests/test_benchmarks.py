@@ -339,30 +339,24 @@ def test_the_profile_part_names_the_source_of_a_kernel_replayed_in_a_cuda_graph(
     ]
 
 
-def test_the_profile_part_traces_the_channels_last_experiment_and_puts_the_layer_back():
+def test_the_profile_part_traces_the_layers_order_as_before_and_puts_the_layout_back():
+    # The third profile is lmu-1M with its products in the layers' order off a GPU, as every
+    # GPU step was before channels_last_memory; the others trace the layers as they are.
     from lmuscale import layers
 
-    gpu, lmu_memory = _gpu_module(), _benchmark("lmu_memory")
-
-    whole = layers.ImplicitSelfAttention._attend
+    gpu = _gpu_module()
+    whole, attend = layers.channels_last_memory, layers.ImplicitSelfAttention._attend
     traced = {}
     for label, (model, traced_as) in gpu.PROFILED.items():
         with traced_as():
-            attend = layers.ImplicitSelfAttention.__dict__["_attend"]
-            traced[label] = (
-                model,
-                getattr(attend, "func", attend),
-                getattr(attend, "keywords", {}),
-            )
-        assert layers.ImplicitSelfAttention._attend is whole
+            layout = layers.channels_last_memory()
+            traced[label] = (model, layout if layers.channels_last_memory is not whole else None)
+            assert layers.ImplicitSelfAttention._attend is attend
+        assert layers.channels_last_memory is whole
     assert traced == {
-        "lmu-1M": ("lmu-1M", whole, {}),
-        "transformer-1M": ("transformer-1M", whole, {}),
-        "lmu-1M channels-last": (
-            "lmu-1M",
-            lmu_memory.attend_channels_last,
-            {"scores_by_products": False},
-        ),
+        "lmu-1M": ("lmu-1M", None),
+        "transformer-1M": ("transformer-1M", None),
+        "lmu-1M steps-last": ("lmu-1M", False),
     }
 
 
