@@ -424,8 +424,9 @@ PROFILE_MODELS = ("lmu-1M", "transformer-1M")
 
 # What the profile part traces, by label: the model, and what is patched in while it is
 # traced. After the two models, lmu-1M with its chunk products in the layers' order off a GPU
-# (lmu_memory.steps_last), as every GPU step was before 2026-11-27: on a GPU the layers write
-# them channels last (layers.channels_last_memory), and the two micro-batches compare.
+# (lmu_memory.steps_last), as every GPU step measured before layers.channels_last_memory was
+# (gpu-nvidia-h200.json's included): on a GPU the layers now write them channels last, and
+# the two micro-batches compare.
 PROFILED = {
     "lmu-1M": ("lmu-1M", contextlib.nullcontext),
     "transformer-1M": ("transformer-1M", contextlib.nullcontext),

@@ -22,8 +22,9 @@ table gives each mode's speed-up over the scan (or over reduced, the FFT path, f
 modes) and XLA's ``cost_analysis()`` bytes accessed of the compiled function. A scan body is
 counted once by XLA, so the scan's bytes are not comparable. --block also times one whole
 ``LMUBlock`` of the 1M model (FFN, implicit attention, FFN) on (batch, n, d) in each of
---block-dtypes: the FFT memory, and per chunk the XLA chunked path, the same with the products
-written channels-last (``attend_channels_last``, an experiment for GPUs) and the fused Pallas
+--block-dtypes: the FFT memory, and per chunk the XLA chunked path (on a GPU one product
+written channels last), the same in the layers' order off a GPU ("steps-last"), the experiment
+with autodiff's gradient of the attention (``attend_channels_last``) and the fused Pallas
 kernels (``bench_block``; on a GPU where they run), with TFLOP/s by ``block_flops``.
 The JSON holds the machine, versions, shapes and every time.
 """

@@ -193,12 +193,13 @@ def _data_moves(hlo_text: str, min_elements: int) -> list[str]:
 
 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
-def test_the_chunked_attention_moves_nothing_the_size_of_its_q_k_or_v(dtype):
+def test_the_chunked_attention_moves_nothing_the_size_of_its_q_k_or_v(dtype, monkeypatch):
     # The chunk products write Q, K and V with each channel's steps last, and the attention
     # and its hand-written gradient read them there: the compiled forward+backward holds no
     # transpose or copy of an array that large, fused or not (the layout before this one,
     # Q, K, V in sequence order, held six per layer). Only the output, q' times smaller, is
-    # put in sequence order.
+    # put in sequence order. This is the CPU's path: compiled here, for here.
+    monkeypatch.setattr(layers, "channels_last_memory", lambda: False)
     batch, length, width, order, reduced, chunk = 2, 64, 16, 12, 4, 16
     layer = ImplicitSelfAttention(
         order, reduced, 20.0, dtype=jnp.dtype(dtype), memory_chunk=chunk, batch_chunk=0
@@ -247,6 +248,25 @@ def test_the_attention_as_on_a_gpu_takes_one_product_and_moves_only_its_output(d
     moves = _lowered_results(text, "transpose")
     assert q_size // reduced in moves  # the output's, so the check sees transposes
     assert max(moves) < q_size
+
+
+def test_the_attention_as_on_a_gpu_in_bfloat16_is_the_cpu_s_to_its_rounding(monkeypatch):
+    # The same bf16 layer through either path: outputs and gradients (input, L, biases, p)
+    # within bf16's rounding of each other.
+    layer = ImplicitSelfAttention(12, 3, 16.0, dtype=jnp.bfloat16, memory_chunk=8)
+    x = jax.random.normal(jax.random.key(0), (2, 21, 10))
+    params = jax.tree.map(lambda a: a + 0.3, layer.init(jax.random.key(1), x))
+    results = []
+    for channels_last in (False, True):
+        monkeypatch.setattr(layers, "channels_last_memory", lambda c=channels_last: c)
+
+        def loss(params, x):
+            return jnp.sum(jnp.sin(layer.apply(params, x).astype(jnp.float32)))
+
+        results.append(jax.jit(jax.value_and_grad(loss, argnums=(0, 1)))(params, x))
+    for got, want in zip(jax.tree.leaves(results[1]), jax.tree.leaves(results[0]), strict=True):
+        got, want = np.asarray(got, np.float32), np.asarray(want, np.float32)
+        assert np.abs(got - want).max() <= 2e-2 * np.abs(want).max()
 
 
 def _library_fusions_summing_a_product(

@@ -372,10 +372,34 @@ def test_a_fast_product_takes_its_operand_in_bfloat16_with_the_state_exact():
     assert f"tensor<{operand}xbf16>" in hlo and f"tensor<{operand}xf32>" not in hlo
 
 
-def test_the_chunk_product_names_mismatched_shapes():
+@pytest.mark.parametrize("product", [lmu.chunk_product, lmu.chunk_product_channels_last])
+def test_the_chunk_product_names_mismatched_shapes(product):
     x = jnp.zeros((1, 2, 3, 10))
     with pytest.raises(ValueError, match="the same Z"):
-        lmu.chunk_product(x, jnp.zeros((9, 2, 4)))
+        product(x, jnp.zeros((9, 2, 4)))
+    with pytest.raises(ValueError, match="precision must be one of"):
+        product(x, jnp.zeros((10, 2, 4)), "float32")
+
+
+@pytest.mark.parametrize("precision", ["exact", "fast"])
+def test_the_channels_last_product_and_its_gradients_are_the_product_s_moved(precision):
+    # (B, J, C, K, c) and (K, c, B, J, C) hold the same numbers: the values and both gradients,
+    # each by its own hand-written products, agree to float64's rounding ("exact") and to the
+    # float32 sums' order for bf16 operands ("fast").
+    rng = np.random.default_rng(17)
+    with jax.enable_x64(precision == "exact"):
+        dtype = jnp.float64 if precision == "exact" else jnp.float32
+        x = jnp.asarray(rng.standard_normal((2, 3, 5, 11)), dtype)
+        w = jnp.asarray(rng.standard_normal((11, 4, 6)), dtype)
+        dy = jnp.asarray(rng.standard_normal((2, 3, 5, 4, 6)), dtype)
+        y, vjp = jax.vjp(lambda x, w: lmu.chunk_product(x, w, precision), x, w)
+        y_cl, vjp_cl = jax.vjp(lambda x, w: lmu.chunk_product_channels_last(x, w, precision), x, w)
+        rtol = 1e-13 if precision == "exact" else 1e-6
+        np.testing.assert_allclose(jnp.transpose(y_cl, (2, 3, 4, 0, 1)), y, rtol=rtol)
+        got = vjp_cl(jnp.transpose(dy, (3, 4, 0, 1, 2)))
+        for name, g, want in zip(("x", "w"), got, vjp(dy), strict=True):
+            assert g.dtype == dtype, name
+            np.testing.assert_allclose(g, want, rtol=rtol, atol=rtol * 1e-3, err_msg=name)
 
 
 def test_chunked_gradients_equal_the_fft_path_in_float64():

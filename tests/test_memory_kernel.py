@@ -363,9 +363,11 @@ def test_the_block_benchmark_runs_the_kernels_and_compares_them_with_xla(interpr
     modes = ["chunked/8", "steps-last/8", "channels-last/8", "pallas/8"]
     assert [r["mode"] for r in rows] == modes
     steps_last, channels, pallas = rows[1:]
-    # Off a GPU the XLA path is in the layers' order already: the same program.
-    assert steps_last["output_max_diff_rel_to_max"] == 0
-    assert steps_last["grad_max_diff_rel_to_max"] == 0
+    # Off a GPU the XLA path is in the layers' order already: the same program (on a GPU,
+    # the same function to rounding).
+    exact = not layers.channels_last_memory()
+    assert steps_last["output_max_diff_rel_to_max"] <= (0 if exact else 1e-5)
+    assert steps_last["grad_max_diff_rel_to_max"] <= (0 if exact else 1e-4)
     assert interpreted and "error" not in pallas["forward_backward"], pallas
     # Channels-last against the XLA path, both in float32: the same function to rounding.
     assert channels["output_max_diff_rel_to_max"] <= 1e-5

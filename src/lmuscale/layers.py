@@ -36,10 +36,11 @@ def gelu(x):
     """The exact gelu ``x Phi(x)``: through erf on a GPU (``gelu_through_erf``), elsewhere
     through erfc, as ``jax.nn.gelu`` computes it.
 
-    XLA's GPU compiler splits erfc's piecewise expansion over several kernels where it meets
-    the implicit attention's transposes, each writing float32 intermediates the size of Q, K
-    and V: compiled for an H100, lmu-1M's memory reads and writes 765 GB per 64-sequence
-    micro-batch through erfc, 167 GB through erf (``benchmarks/gpu_aot.py``). On a CPU, erfc
+    XLA's GPU compiler split erfc's piecewise expansion over several kernels where it met
+    the implicit attention's transposes (of the layers' order before
+    ``channels_last_memory``), each writing float32 intermediates the size of Q, K and V:
+    compiled for an H100, lmu-1M's memory read and wrote 765 GB per 64-sequence micro-batch
+    through erfc, 167 GB through erf (``benchmarks/gpu_aot.py``). On a CPU, erfc
     keeps the forward pass's gelu apart from ``gelu_grad``'s erf, which XLA would otherwise
     share and keep alive (lmu-1M's step at (8, 1024): 5 GB more read, 1.2 GB more held)."""
     if gelu_through_erf():
@@ -91,8 +92,8 @@ _UNROLL = 64
 
 
 def _sum_of_products(a, b, axis: int):
-    """``sum(a * b, axis)`` for operands of equal rank that broadcast; ``axis`` counts from the
-    end and is short (the reduced order)."""
+    """``sum(a * b, axis)`` for operands of equal rank that broadcast; ``axis`` (from the front
+    if positive, from the end if negative) is short: the reduced order."""
     if a.shape[axis] > _UNROLL:
         return jnp.sum(a * b, axis=axis)
     terms = (
@@ -205,8 +206,8 @@ def channels_last_memory() -> bool:
 
 def _channels_last_pre(qkv_3xKx___xD, bias_3xK, dtype):
     """``L_i M + b_i`` for Q, K, V in ``dtype``, each (q', positions..., d)."""
-    bias_3xKx___ = lax.broadcast_to_rank(bias_3xK.astype(dtype), qkv_3xKx___xD.ndim)
-    bias_3xKx___ = jnp.moveaxis(bias_3xKx___, (-2, -1), (0, 1))
+    bias___x3xK = lax.broadcast_to_rank(bias_3xK.astype(dtype), qkv_3xKx___xD.ndim)
+    bias_3xKx___ = jnp.moveaxis(bias___x3xK, (-2, -1), (0, 1))
     return list(qkv_3xKx___xD.astype(dtype) + bias_3xKx___)
 
 
@@ -335,8 +336,7 @@ class ImplicitSelfAttention(nn.Module):
             qkv_3xBxDxKxT = jnp.split(y_BxDx3KxT, 3, axis=2)
             m_BxDxT = implicit_attention(*qkv_3xBxDxKxT, self.bias, self.p, self.dtype)
             return jnp.swapaxes(m_BxDxT, 1, 2)
-        # One chunk operand, and one product per projection (a single product for all three,
-        # sliced after, had XLA's CPU backend copy each slice and read the whole output each).
+        # One chunk operand for the three projections.
         precision = "fast" if jnp.dtype(self.dtype) == jnp.bfloat16 else "exact"
         operand = jnp.bfloat16 if precision == "fast" else None
         x_BxJxDxZ, _ = lmu.chunk_operands(
@@ -367,6 +367,8 @@ class ImplicitSelfAttention(nn.Module):
             )
             m_BxJxcxD = jnp.transpose(m_cxBxJxD, (1, 2, 0, 3))
             return m_BxJxcxD.reshape(x_BxTxD.shape[0], -1, x_BxTxD.shape[2])[:, :length]
+        # Off a GPU one product per projection: a single product for all three, sliced after,
+        # had XLA's CPU backend copy each slice and read the whole output each.
         qkv_3xBxJxDxKxc = [
             lmu.chunk_product(x_BxJxDxZ, w_ZxKxc, precision, out_dtype=self.dtype)
             for w_ZxKxc in weights
