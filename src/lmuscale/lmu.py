@@ -404,32 +404,42 @@ def _product_operands(precision: str, x_BxJxCxZ, w_ZxKxc):
 _FORWARD = (((3,), (0,)), ((), ()))
 _INPUT_GRAD = (((3, 4), (1, 2)), ((), ()))
 _WEIGHT_GRAD = (((0, 1, 2), (0, 1, 2)), ((), ()))
+# The same written channels last, (K, c, B, J, C) outputs, the order ``dot_general(w, x)``
+# writes: y = w^T x over Z; dx = dy^T w over (K, c); dw = x^T dy over (B, J, C).
+_CL_FORWARD = (((0,), (3,)), ((), ()))
+_CL_INPUT_GRAD = (((0, 1), (1, 2)), ((), ()))
+_CL_WEIGHT_GRAD = (((0, 1, 2), (2, 3, 4)), ((), ()))
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(2, 3))
-def _chunk_matmul(x_BxJxCxZ, w_ZxKxc, precision: str, out_dtype):
+@functools.partial(jax.custom_vjp, nondiff_argnums=(2, 3, 4))
+def _chunk_matmul(x_BxJxCxZ, w_ZxKxc, precision: str, out_dtype, channels_last: bool):
     x_BxJxCxZ, w_ZxKxc, options = _product_operands(precision, x_BxJxCxZ, w_ZxKxc)
-    return lax.dot_general(
-        x_BxJxCxZ, w_ZxKxc, _FORWARD, preferred_element_type=out_dtype, **options
+    operands = (
+        (w_ZxKxc, x_BxJxCxZ, _CL_FORWARD) if channels_last else (x_BxJxCxZ, w_ZxKxc, _FORWARD)
     )
+    return lax.dot_general(*operands, preferred_element_type=out_dtype, **options)
 
 
-def _chunk_matmul_fwd(x_BxJxCxZ, w_ZxKxc, precision, out_dtype):
-    return _chunk_matmul(x_BxJxCxZ, w_ZxKxc, precision, out_dtype), (x_BxJxCxZ, w_ZxKxc)
+def _chunk_matmul_fwd(x_BxJxCxZ, w_ZxKxc, precision, out_dtype, channels_last):
+    y = _chunk_matmul(x_BxJxCxZ, w_ZxKxc, precision, out_dtype, channels_last)
+    return y, (x_BxJxCxZ, w_ZxKxc)
 
 
-def _chunk_matmul_bwd(precision, out_dtype, residuals, dy_BxJxCxKxc):
+def _chunk_matmul_bwd(precision, out_dtype, channels_last, residuals, dy):
     # Written out so that both products read dy in the layout the forward product wrote it
-    # (JAX's own transpose had XLA copy it first): dx = dy w^T contracts its minor axes,
-    # dw = x^T dy its major ones, each accumulated in float32.
+    # (JAX's own transpose had XLA copy it first): dx = dy w^T contracts its (K, c) axes,
+    # dw = x^T dy its (B, J, C) ones, each accumulated in float32.
     del out_dtype
     x_BxJxCxZ, w_ZxKxc = residuals
     wide = _compute_dtype(x_BxJxCxZ.dtype, w_ZxKxc.dtype)
     in_x_BxJxCxZ, in_w_ZxKxc, options = _product_operands(precision, x_BxJxCxZ, w_ZxKxc)
-    dy_BxJxCxKxc = dy_BxJxCxKxc.astype(in_w_ZxKxc.dtype)
+    dy = dy.astype(in_w_ZxKxc.dtype)
+    input_grad, weight_grad = (
+        (_CL_INPUT_GRAD, _CL_WEIGHT_GRAD) if channels_last else (_INPUT_GRAD, _WEIGHT_GRAD)
+    )
     product = functools.partial(lax.dot_general, preferred_element_type=wide, **options)
-    dx_BxJxCxZ = product(dy_BxJxCxKxc, in_w_ZxKxc, _INPUT_GRAD)
-    dw_ZxKxc = product(in_x_BxJxCxZ, dy_BxJxCxKxc, _WEIGHT_GRAD)
+    dx_BxJxCxZ = product(dy, in_w_ZxKxc, input_grad)
+    dw_ZxKxc = product(in_x_BxJxCxZ, dy, weight_grad)
     return dx_BxJxCxZ.astype(x_BxJxCxZ.dtype), dw_ZxKxc.astype(w_ZxKxc.dtype)
 
 
@@ -453,43 +463,7 @@ def chunk_product(x_BxJxCxZ, w_ZxKxc, precision: str = "exact", out_dtype=None):
     halves the bytes for a bfloat16 consumer). ``precision`` is as in ``memory_chunked``."""
     _check_product(x_BxJxCxZ, w_ZxKxc, precision)
     out_dtype = _compute_dtype(x_BxJxCxZ.dtype) if out_dtype is None else jnp.dtype(out_dtype)
-    return _chunk_matmul(x_BxJxCxZ, w_ZxKxc, precision, out_dtype)
-
-
-# The chunk product written channels last, ``y_KxcxBxJxC``: the order ``dot_general(w, x)``
-# writes, with the channels C minor. Its gradients read dy in that order: dx = dy^T w over
-# (K, c); dw = x^T dy over (B, J, C).
-_CL_FORWARD = (((0,), (3,)), ((), ()))
-_CL_INPUT_GRAD = (((0, 1), (1, 2)), ((), ()))
-_CL_WEIGHT_GRAD = (((0, 1, 2), (2, 3, 4)), ((), ()))
-
-
-@functools.partial(jax.custom_vjp, nondiff_argnums=(2, 3))
-def _chunk_matmul_channels_last(x_BxJxCxZ, w_ZxKxc, precision: str, out_dtype):
-    x_BxJxCxZ, w_ZxKxc, options = _product_operands(precision, x_BxJxCxZ, w_ZxKxc)
-    return lax.dot_general(
-        w_ZxKxc, x_BxJxCxZ, _CL_FORWARD, preferred_element_type=out_dtype, **options
-    )
-
-
-def _chunk_matmul_channels_last_fwd(x_BxJxCxZ, w_ZxKxc, precision, out_dtype):
-    y_KxcxBxJxC = _chunk_matmul_channels_last(x_BxJxCxZ, w_ZxKxc, precision, out_dtype)
-    return y_KxcxBxJxC, (x_BxJxCxZ, w_ZxKxc)
-
-
-def _chunk_matmul_channels_last_bwd(precision, out_dtype, residuals, dy_KxcxBxJxC):
-    del out_dtype
-    x_BxJxCxZ, w_ZxKxc = residuals
-    wide = _compute_dtype(x_BxJxCxZ.dtype, w_ZxKxc.dtype)
-    in_x_BxJxCxZ, in_w_ZxKxc, options = _product_operands(precision, x_BxJxCxZ, w_ZxKxc)
-    dy_KxcxBxJxC = dy_KxcxBxJxC.astype(in_w_ZxKxc.dtype)
-    product = functools.partial(lax.dot_general, preferred_element_type=wide, **options)
-    dx_BxJxCxZ = product(dy_KxcxBxJxC, in_w_ZxKxc, _CL_INPUT_GRAD)
-    dw_ZxKxc = product(in_x_BxJxCxZ, dy_KxcxBxJxC, _CL_WEIGHT_GRAD)
-    return dx_BxJxCxZ.astype(x_BxJxCxZ.dtype), dw_ZxKxc.astype(w_ZxKxc.dtype)
-
-
-_chunk_matmul_channels_last.defvjp(_chunk_matmul_channels_last_fwd, _chunk_matmul_channels_last_bwd)
+    return _chunk_matmul(x_BxJxCxZ, w_ZxKxc, precision, out_dtype, False)
 
 
 def chunk_product_channels_last(x_BxJxCxZ, w_ZxKxc, precision: str = "exact", out_dtype=None):
@@ -498,7 +472,7 @@ def chunk_product_channels_last(x_BxJxCxZ, w_ZxKxc, precision: str = "exact", ou
     writes them (no transpose), for sums over the channels along the minor axis."""
     _check_product(x_BxJxCxZ, w_ZxKxc, precision)
     out_dtype = _compute_dtype(x_BxJxCxZ.dtype) if out_dtype is None else jnp.dtype(out_dtype)
-    return _chunk_matmul_channels_last(x_BxJxCxZ, w_ZxKxc, precision, out_dtype)
+    return _chunk_matmul(x_BxJxCxZ, w_ZxKxc, precision, out_dtype, True)
 
 
 def sequence_from_chunks(y_BxJx___xc, length: int):
