@@ -192,14 +192,8 @@ def _data_moves(hlo_text: str, min_elements: int) -> list[str]:
     return moves
 
 
-@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
-def test_the_chunked_attention_moves_nothing_the_size_of_its_q_k_or_v(dtype, monkeypatch):
-    # The chunk products write Q, K and V with each channel's steps last, and the attention
-    # and its hand-written gradient read them there: the compiled forward+backward holds no
-    # transpose or copy of an array that large, fused or not (the layout before this one,
-    # Q, K, V in sequence order, held six per layer). Only the output, q' times smaller, is
-    # put in sequence order. This is the CPU's path: compiled here, for here.
-    monkeypatch.setattr(layers, "channels_last_memory", lambda: False)
+def _lowered_layer_gradient(dtype: str):
+    """A small chunked layer's forward+backward, lowered, and the size of its Q."""
     batch, length, width, order, reduced, chunk = 2, 64, 16, 12, 4, 16
     layer = ImplicitSelfAttention(
         order, reduced, 20.0, dtype=jnp.dtype(dtype), memory_chunk=chunk, batch_chunk=0
@@ -210,8 +204,20 @@ def test_the_chunked_attention_moves_nothing_the_size_of_its_q_k_or_v(dtype, mon
     def loss(params, x):
         return jnp.sum(jnp.sin(layer.apply(params, x).astype(jnp.float32)))
 
-    hlo = jax.jit(jax.value_and_grad(loss, argnums=(0, 1))).lower(params, x).compile().as_text()
-    q_size = batch * length * width * reduced
+    lowered = jax.jit(jax.value_and_grad(loss, argnums=(0, 1))).lower(params, x)
+    return lowered, batch * length * width * reduced
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_the_chunked_attention_moves_nothing_the_size_of_its_q_k_or_v(dtype, monkeypatch):
+    # The chunk products write Q, K and V with each channel's steps last, and the attention
+    # and its hand-written gradient read them there: the compiled forward+backward holds no
+    # transpose or copy of an array that large, fused or not (the layout before this one,
+    # Q, K, V in sequence order, held six per layer). Only the output, q' times smaller, is
+    # put in sequence order. This is the CPU's path: compiled here, for here.
+    monkeypatch.setattr(layers, "channels_last_memory", lambda: False)
+    lowered, q_size = _lowered_layer_gradient(dtype)
+    hlo = lowered.compile().as_text()
     shapes = re.findall(r"(?:f32|bf16)\[([\d,]+)\]", hlo)
     assert max(math.prod(int(d) for d in shape.split(",")) for shape in shapes) >= q_size
     assert _data_moves(hlo, q_size // 4)  # the check sees the output's moves, a quarter of Q
@@ -232,21 +238,11 @@ def test_the_attention_as_on_a_gpu_takes_one_product_and_moves_only_its_output(d
     # is put in sequence order. (Compiled for an H100 with benchmarks/gpu_aot.py, XLA adds none
     # either; XLA:CPU, which this path is not for, copies the products' gradient once.)
     monkeypatch.setattr(layers, "channels_last_memory", lambda: True)
-    batch, length, width, order, reduced, chunk = 2, 64, 16, 12, 4, 16
-    layer = ImplicitSelfAttention(
-        order, reduced, 20.0, dtype=jnp.dtype(dtype), memory_chunk=chunk, batch_chunk=0
-    )
-    x = jax.random.normal(jax.random.key(0), (batch, length, width))
-    params = layer.init(jax.random.key(1), x)
-
-    def loss(params, x):
-        return jnp.sum(jnp.sin(layer.apply(params, x).astype(jnp.float32)))
-
-    text = jax.jit(jax.value_and_grad(loss, argnums=(0, 1))).lower(params, x).as_text()
-    q_size = batch * length * width * reduced
+    lowered, q_size = _lowered_layer_gradient(dtype)
+    text = lowered.as_text()
     assert _lowered_results(text, "dot_general").count(3 * q_size) == 1
     moves = _lowered_results(text, "transpose")
-    assert q_size // reduced in moves  # the output's, so the check sees transposes
+    assert q_size // 4 in moves  # the output's (q' = 4), so the check sees transposes
     assert max(moves) < q_size
 
 
