@@ -23,10 +23,11 @@
 #
 # Each part, and each model of a train part, is in the JSON as soon as it is done. Writes into
 # $OUT (default benchmarks/results): gpu-<device>.json, gpu.log, device.txt (the GPU and JAX
-# it saw) and the three profiles' Perfetto traces when under 15 MB. A machine without network
-# access whose Python has JAX, flax, optax, orbax, scipy, matplotlib, tiktoken, pyarrow and
-# tqdm but not this project's other dependencies gets them from $WHEELS (default .whl/, which
-# `make offline-wheels` fills); the project is read from src/, not installed. $PYTHON is the
+# it saw) and each profile's Perfetto trace, profile-<label>.json.gz, when under 15 MB. A
+# machine without network access whose Python has JAX, flax, optax, orbax, scipy, matplotlib,
+# tiktoken, pyarrow and tqdm but not this project's other dependencies gets them from $WHEELS
+# (default .whl/, which `make offline-wheels` fills); the project is read from src/, not
+# installed. $PYTHON is the
 # Python (default python3). Options after SECONDS go to every gpu.py run: not --only, --out
 # or --families (each group names its parts). The JSON's not_started lists what the budget
 # left out, in every group.
@@ -73,12 +74,14 @@ run() { # gpu.py on the parts named, with what is left of the budget (once spent
     [ "${PIPESTATUS[0]}" -eq 0 ] || status=1
 }
 
-traces() { # the three profiles' Perfetto traces into $OUT, where under 15 MB
-    for model in lmu-1M transformer-1M lmu-1M-channels-last; do
-        find benchmarks/results/profile-*/"$model" -name perfetto_trace.json.gz \
-            -newer "$scratch/started" -size -15000000c \
-            -exec cp {} "$out/profile-$model.json.gz" \; 2>/dev/null
-    done
+traces() { # each profile's Perfetto trace into $OUT, where under 15 MB: the trace in
+    # benchmarks/results/profile-<device>/<label>/... as profile-<label>.json.gz
+    local trace label
+    while IFS= read -r trace; do
+        label=${trace#benchmarks/results/profile-*/}
+        cp "$trace" "$out/profile-${label%%/*}.json.gz"
+    done < <(find benchmarks/results/profile-* -name perfetto_trace.json.gz \
+        -newer "$scratch/started" -size -15000000c 2>/dev/null)
 }
 
 run train/lmu train/transformer profile

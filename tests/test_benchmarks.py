@@ -272,6 +272,45 @@ def test_the_gpu_session_script_runs_its_groups_in_the_budget_and_writes_into_ou
     assert bad.returncode == 2 and "SECONDS must be a whole number" in bad.stderr
 
 
+# benchmarks/gpu.py's stand-in for the test below: its profile part leaves a Perfetto trace in
+# each profiled label's folder, as ``part_profile`` names them, and the other parts nothing.
+_STUB_GPU_PY = """
+import pathlib, sys
+if "profile" in sys.argv:
+    for label in LABELS:
+        folder = pathlib.Path("benchmarks/results/profile-stub") / label.replace(" ", "-")
+        trace = folder / "plugins" / "profile" / "1" / "perfetto_trace.json.gz"
+        trace.parent.mkdir(parents=True)
+        trace.write_text(label)
+"""
+
+
+def test_the_gpu_session_script_brings_every_profiles_trace_into_out(tmp_path):
+    # gpu_session.sh in a copy of the repository whose gpu.py only writes the profile part's
+    # traces: each profiled label's trace comes back in $OUT, and a trace from before the
+    # session does not (its folder is a label no longer profiled).
+    gpu = _gpu_module()
+    repo = tmp_path / "repo"
+    (repo / "benchmarks").mkdir(parents=True)
+    script = (ROOT / "benchmarks" / "gpu_session.sh").read_text()
+    (repo / "benchmarks" / "gpu_session.sh").write_text(script)
+    stub = f"LABELS = {list(gpu.PROFILED)!r}\n" + _STUB_GPU_PY
+    (repo / "benchmarks" / "gpu.py").write_text(stub)
+    old = repo / "benchmarks/results/profile-stub/an-old-label/plugins/perfetto_trace.json.gz"
+    old.parent.mkdir(parents=True)
+    old.write_text("before")
+    os.utime(old, (1e9, 1e9))
+    wheels, out = tmp_path / "no-wheels", tmp_path / "out"
+    wheels.mkdir()
+    env = {**os.environ, "PYTHON": sys.executable, "OUT": str(out), "WHEELS": str(wheels)}
+    command = ["bash", str(repo / "benchmarks" / "gpu_session.sh"), "60"]
+    done = subprocess.run(command, capture_output=True, text=True, timeout=120, env=env)
+    assert done.returncode == 0, done.stderr[-3000:] + done.stdout[-3000:]
+    traces = {p.name: p.read_text() for p in out.glob("profile-*.json.gz")}
+    want = {f"profile-{label.replace(' ', '-')}.json.gz": label for label in gpu.PROFILED}
+    assert want and traces == want
+
+
 def test_the_profile_part_ranks_a_traced_programs_operations_and_names_their_source(tmp_path):
     # The parsing half of gpu.py's profile part, on a small program traced here: a big matmul
     # and a small one run three times, so the big one leads and counts once a step.
