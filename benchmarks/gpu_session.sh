@@ -13,6 +13,8 @@
 #    in 8 micro-batches of 64 (--microbatches 8: no planning compiles), with MFU; then the
 #    profile part: one 64-sequence micro-batch of lmu-1M and transformer-1M traced, then of
 #    lmu-1M with its chunk products in the order the layers use off a GPU (steps-last);
+# 1b. train/lmu at 1M with the fused kernels, whichever "auto" picked above: the Pallas loss
+#    with XLA's memory, then the Pallas loss and memory (the rows are kept beside auto's);
 # 2. block: one lmu-1M block, the FFT, the XLA chunked path, the same steps-last, two
 #    channels-last experiments and the fused memory kernels (--block-impls and
 #    --block-dtypes after SECONDS pick fewer);
@@ -65,12 +67,20 @@ session="session-$(date +%s)-$$"
 status=0
 
 run() { # gpu.py on the parts named, with what is left of the budget (once spent, the JSON
-    # lists them as not started)
+    # lists them as not started); options of this group's own come first, ended by --
+    local own=()
+    if [[ " $* " == *" -- "* ]]; then
+        while [ "$1" != -- ]; do
+            own+=("$1")
+            shift
+        done
+        shift
+    fi
     local left=$((budget - SECONDS))
     [ "$left" -gt 0 ] || left=0.001
     "$python" benchmarks/gpu.py --time-budget "$left" --session "$session" --out-dir "$out" \
-        --sizes 1M 55k --microbatches 8 ${options[@]+"${options[@]}"} --only "$@" 2>&1 |
-        tee -a "$out/gpu.log"
+        --sizes 1M 55k --microbatches 8 ${options[@]+"${options[@]}"} ${own[@]+"${own[@]}"} \
+        --only "$@" 2>&1 | tee -a "$out/gpu.log"
     [ "${PIPESTATUS[0]}" -eq 0 ] || status=1
 }
 
@@ -86,6 +96,8 @@ traces() { # each profile's Perfetto trace into $OUT, where under 15 MB: the tra
 
 run train/lmu train/transformer profile
 traces # at once: a later group that the command's time limit stops cannot lose them
+run --sizes 1M --loss-impl pallas -- train/lmu
+run --sizes 1M --loss-impl pallas --memory-impl pallas -- train/lmu
 run block
 run loss
 run attention train/lmu_g 'train/sru*' train/lstm long precision

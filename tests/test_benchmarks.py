@@ -258,6 +258,8 @@ def test_the_gpu_session_script_runs_its_groups_in_the_budget_and_writes_into_ou
     record = json.loads((out / "gpu-cpu.json").read_text())
     groups = [
         ["train/lmu", "train/transformer", "profile"],
+        ["train/lmu"],  # at 1M with the Pallas loss
+        ["train/lmu"],  # and the Pallas memory
         ["block"],
         ["loss"],
         ["attention", "train/lmu_g", "train/sru", "train/sru_pp", "train/lstm", "long"],
