@@ -541,10 +541,16 @@ def profile_one(label: str, args, folder: Path) -> dict:
     }
 
 
+def profile_folder_name(label: str) -> str:
+    """The folder of ``label``'s trace in ``results/profile-<device>/`` (``gpu_session.sh``
+    copies each trace out as ``profile-<folder>.json.gz``)."""
+    return label.replace(" ", "-")
+
+
 def part_profile(args) -> dict:
     root = ROOT / "benchmarks" / "results" / f"profile-{slug(machine()['device_kind'])}"
     rows = [
-        _guarded(label, profile_one, label, args, root / label.replace(" ", "-"), show=_show)
+        _guarded(label, profile_one, label, args, root / profile_folder_name(label), show=_show)
         for label in PROFILED
     ]
     return {"rows": [row for row in rows if row is not None]}

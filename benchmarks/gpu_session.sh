@@ -29,10 +29,9 @@
 # machine without network access whose Python has JAX, flax, optax, orbax, scipy, matplotlib,
 # tiktoken, pyarrow and tqdm but not this project's other dependencies gets them from $WHEELS
 # (default .whl/, which `make offline-wheels` fills); the project is read from src/, not
-# installed. $PYTHON is the
-# Python (default python3). Options after SECONDS go to every gpu.py run: not --only, --out
-# or --families (each group names its parts). The JSON's not_started lists what the budget
-# left out, in every group.
+# installed. $PYTHON is the Python (default python3). Options after SECONDS go to every gpu.py
+# run: not --only, --out or --families (each group names its parts). The JSON's not_started
+# lists what the budget left out, in every group.
 set -uo pipefail
 SECONDS=0 # the budget counts from here: installing, starting the GPU and JAX included
 cd "$(dirname "$0")/.."

@@ -275,15 +275,15 @@ def test_the_gpu_session_script_runs_its_groups_in_the_budget_and_writes_into_ou
 
 
 # benchmarks/gpu.py's stand-in for the test below: its profile part leaves a Perfetto trace in
-# each profiled label's folder, as ``part_profile`` names them, and the other parts nothing.
+# each profiled label's folder (FOLDERS, as ``part_profile`` names them), the other parts
+# nothing.
 _STUB_GPU_PY = """
 import pathlib, sys
 if "profile" in sys.argv:
-    for label in LABELS:
-        folder = pathlib.Path("benchmarks/results/profile-stub") / label.replace(" ", "-")
-        trace = folder / "plugins" / "profile" / "1" / "perfetto_trace.json.gz"
-        trace.parent.mkdir(parents=True)
-        trace.write_text(label)
+    for folder in FOLDERS:
+        trace = pathlib.Path("benchmarks/results/profile-stub", folder, "plugins/profile/1")
+        trace.mkdir(parents=True)
+        (trace / "perfetto_trace.json.gz").write_text(folder)
 """
 
 
@@ -296,7 +296,8 @@ def test_the_gpu_session_script_brings_every_profiles_trace_into_out(tmp_path):
     (repo / "benchmarks").mkdir(parents=True)
     script = (ROOT / "benchmarks" / "gpu_session.sh").read_text()
     (repo / "benchmarks" / "gpu_session.sh").write_text(script)
-    stub = f"LABELS = {list(gpu.PROFILED)!r}\n" + _STUB_GPU_PY
+    folders = [gpu.profile_folder_name(label) for label in gpu.PROFILED]
+    stub = f"FOLDERS = {folders!r}\n" + _STUB_GPU_PY
     (repo / "benchmarks" / "gpu.py").write_text(stub)
     old = repo / "benchmarks/results/profile-stub/an-old-label/plugins/perfetto_trace.json.gz"
     old.parent.mkdir(parents=True)
@@ -309,8 +310,7 @@ def test_the_gpu_session_script_brings_every_profiles_trace_into_out(tmp_path):
     done = subprocess.run(command, capture_output=True, text=True, timeout=120, env=env)
     assert done.returncode == 0, done.stderr[-3000:] + done.stdout[-3000:]
     traces = {p.name: p.read_text() for p in out.glob("profile-*.json.gz")}
-    want = {f"profile-{label.replace(' ', '-')}.json.gz": label for label in gpu.PROFILED}
-    assert want and traces == want
+    assert folders and traces == {f"profile-{folder}.json.gz": folder for folder in folders}
 
 
 def test_the_profile_part_ranks_a_traced_programs_operations_and_names_their_source(tmp_path):
