@@ -446,7 +446,9 @@ def _chunk_matmul_bwd(precision, out_dtype, channels_last, residuals, dy):
 _chunk_matmul.defvjp(_chunk_matmul_fwd, _chunk_matmul_bwd)
 
 
-def _check_product(x_BxJxCxZ, w_ZxKxc, precision: str) -> None:
+def _checked_out_dtype(x_BxJxCxZ, w_ZxKxc, precision: str, out_dtype) -> jnp.dtype:
+    """A chunk product's output dtype (default the operand's, at least float32), once its
+    operands and precision are checked."""
     if precision not in PRECISIONS:
         raise ValueError(f"precision must be one of {PRECISIONS}, got {precision!r}")
     if x_BxJxCxZ.ndim != 4 or w_ZxKxc.ndim != 3 or x_BxJxCxZ.shape[-1] != w_ZxKxc.shape[0]:
@@ -454,6 +456,7 @@ def _check_product(x_BxJxCxZ, w_ZxKxc, precision: str) -> None:
             f"the chunk product takes an operand (batch, chunks, channels, Z) and weights "
             f"(Z, K, c) with the same Z, got {x_BxJxCxZ.shape} and {w_ZxKxc.shape}"
         )
+    return _compute_dtype(x_BxJxCxZ.dtype) if out_dtype is None else jnp.dtype(out_dtype)
 
 
 def chunk_product(x_BxJxCxZ, w_ZxKxc, precision: str = "exact", out_dtype=None):
@@ -461,8 +464,7 @@ def chunk_product(x_BxJxCxZ, w_ZxKxc, precision: str = "exact", out_dtype=None):
     ``y`` stays in the layout the product writes (``sequence_from_chunks`` orders it by
     position), rounded to ``out_dtype`` (default the operand's, at least float32; bfloat16
     halves the bytes for a bfloat16 consumer). ``precision`` is as in ``memory_chunked``."""
-    _check_product(x_BxJxCxZ, w_ZxKxc, precision)
-    out_dtype = _compute_dtype(x_BxJxCxZ.dtype) if out_dtype is None else jnp.dtype(out_dtype)
+    out_dtype = _checked_out_dtype(x_BxJxCxZ, w_ZxKxc, precision, out_dtype)
     return _chunk_matmul(x_BxJxCxZ, w_ZxKxc, precision, out_dtype, False)
 
 
@@ -470,8 +472,7 @@ def chunk_product_channels_last(x_BxJxCxZ, w_ZxKxc, precision: str = "exact", ou
     """``chunk_product`` written channels last: ``y_KxcxBxJxC``, the same numbers with the
     channels minor and the projection and step axes major, as a matrix product ``w^T x``
     writes them (no transpose), for sums over the channels along the minor axis."""
-    _check_product(x_BxJxCxZ, w_ZxKxc, precision)
-    out_dtype = _compute_dtype(x_BxJxCxZ.dtype) if out_dtype is None else jnp.dtype(out_dtype)
+    out_dtype = _checked_out_dtype(x_BxJxCxZ, w_ZxKxc, precision, out_dtype)
     return _chunk_matmul(x_BxJxCxZ, w_ZxKxc, precision, out_dtype, True)
 
 
