@@ -10,6 +10,7 @@ killed just before it), the arrays alone.
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import dataclasses
 import json
@@ -19,6 +20,7 @@ import re
 import shutil
 import sys
 import tempfile
+import traceback
 import zlib
 from pathlib import Path
 
@@ -73,6 +75,38 @@ def _orbax_traceback(record: logging.LogRecord) -> bool:
         and record.levelno >= logging.ERROR
         and f"{os.sep}orbax{os.sep}" in record.pathname
     )
+
+
+def _late_callback(unraisable) -> bool:
+    """Whether ``unraisable`` (a ``sys.unraisablehook`` argument) is tensorstore, from its own
+    thread, handing the end of a read or write to an asyncio loop that orbax has closed: after
+    one of a save's writes fails, orbax stops waiting for the others, and each that ends later
+    printed a traceback of ``Event loop is closed``. The error is named once, by ``wait``."""
+    error = unraisable.exc_value
+    frames = traceback.extract_tb(unraisable.exc_traceback)
+    return (
+        unraisable.object is None
+        and isinstance(error, RuntimeError)
+        and str(error) == "Event loop is closed"
+        and bool(frames)
+        and frames[0].name == "call_soon_threadsafe"
+        and frames[0].filename == asyncio.base_events.__file__
+    )
+
+
+def quiet_late_callbacks() -> None:
+    """Drop ``_late_callback``s from ``sys.unraisablehook`` for the rest of the process (they
+    come after the call that started them, so the filter stays); once a process."""
+    previous = sys.unraisablehook
+    if getattr(previous, "drops_late_callbacks", False):
+        return
+
+    def hook(unraisable) -> None:
+        if not _late_callback(unraisable):
+            previous(unraisable)
+
+    hook.drops_late_callbacks = True
+    sys.unraisablehook = hook
 
 
 def _whole(x) -> bool:
@@ -190,6 +224,7 @@ class Checkpoints:
         self.manager = ocp.CheckpointManager(self.directory, options=options)
         self.writing: int | None = None  # the step of the last save, until it is checked
         logging.getLogger("absl").addFilter(_orbax_traceback)
+        quiet_late_callbacks()
 
     def latest_step(self) -> int | None:
         return self.manager.latest_step()
@@ -396,6 +431,7 @@ def read_variables(path: Path, model):
     hint = _older(step) if step is not None else ""
     if step is not None:
         verify_files(step, hint)
+    quiet_late_callbacks()
     with contextlib.closing(ocp.PyTreeCheckpointHandler()) as handler:
         try:
             saved = handler.metadata(epath.Path(path)).tree
