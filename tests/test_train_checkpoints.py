@@ -426,3 +426,41 @@ def test_a_write_that_ends_after_orbax_closed_its_loop_prints_nothing(tmp_path, 
     assert done.returncode == 0, done.stderr
     assert "any other unraisable error is still shown" in done.stderr
     assert ("Event loop is closed" in done.stderr) is not quiet, done.stderr
+
+
+def test_a_file_list_that_cannot_be_written_is_named_and_its_arrays_are_read_back(
+    tmp_path, monkeypatch
+):
+    """The out-of-inodes run now and then ended in a traceback: the save's arrays were
+    written, then ``files.json`` found no free inode."""
+    import jax.numpy as jnp
+
+    from lmuscale.train import checkpoint
+    from lmuscale.train.checkpoint import CheckpointError, Checkpoints
+
+    def no_inode(path, obj):
+        raise OSError(28, "No space left on device", str(path))
+
+    folder = tmp_path / "checkpoints"
+    state = {"w": jnp.arange(6.0)}
+    checkpoints = Checkpoints(folder, keep=2)
+    try:
+        with monkeypatch.context() as patch:
+            patch.setattr(checkpoint, "atomic_write_json", no_inode)
+            checkpoints.save(3, state, {"step": 3})
+            with pytest.raises(CheckpointError) as raised:
+                checkpoints.wait()
+    finally:
+        checkpoints.close()
+    message = str(raised.value)
+    assert message.startswith(f"writing checkpoint 3 in {folder} failed (OSError: ")
+    assert "No space left on device" in message and "files.json" in message
+    assert message.endswith("; the checkpoints before it are kept")
+    assert not (folder / "3" / checkpoint.FILES).exists()
+    again = Checkpoints(folder, keep=2)  # checked by the arrays' CRC-32s alone
+    try:
+        step, restored, meta = again.restore_latest({"w": jnp.zeros(6)})
+    finally:
+        again.close()
+    assert step == 3 and meta["step"] == 3
+    assert restored["w"].tolist() == list(range(6))

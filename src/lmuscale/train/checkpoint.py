@@ -288,7 +288,10 @@ class Checkpoints:
             raise self._failed("writing", self.writing, error) from None
         folder = self.directory / str(self.writing)
         if self.writing is not None and jax.process_index() == 0 and folder.is_dir():
-            atomic_write_json(folder / FILES, _file_sums(folder))
+            try:  # the arrays are written; out of inodes, this file may not be
+                atomic_write_json(folder / FILES, _file_sums(folder))
+            except OSError as error:
+                raise self._failed("writing", self.writing, error) from None
         self.writing = None
 
     def restore(self, step: int, abstract_state) -> tuple[dict, dict]:
