@@ -9,7 +9,9 @@
    machine's drift cancels within a pair). Two cut-down lmu-1M models run in the same rounds
    (``LMU_PARTS``), to show where the LMU's time goes: one whose implicit attention only reads
    the chunk products' outputs once (the least an attention that takes them from memory must
-   do, as the XLA path's does), and one without its memory.
+   do, as the XLA path's does), and one without its memory. Each row also gives XLA's GFLOP
+   for its program and its minor page faults per call (run under
+   ``GLIBC_TUNABLES=glibc.malloc.hugetlb=1`` to see the times with few).
 2. bytes: XLA's ``cost_analysis()`` bytes accessed and ``memory_analysis()`` temporaries of
    the compiled train step of ``lmuscale.train`` (Adam, schedule, norms, the chunked loss) at
    (8, 1024) in float32, the cut-down models too, and at the paper configs' micro-batch,
@@ -31,6 +33,8 @@ from __future__ import annotations
 import argparse
 import contextlib
 import json
+import os
+import resource
 import statistics
 import subprocess
 import sys
@@ -105,38 +109,65 @@ def loss_and_grad_program(name: str, seq_len: int, part=contextlib.nullcontext, 
         return jax.jit(jax.value_and_grad(loss)).lower(params), init
 
 
+def minor_faults() -> int:
+    """This process's minor page faults so far (a first touch of a page the allocator has
+    just mapped, which the kernel then zeroes)."""
+    return resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+
+
 def loss_and_grad(name: str, seq_len: int, part=contextlib.nullcontext, **overrides):
-    """A timed call: forward+backward of ``name``'s loss on one random sequence."""
+    """A timed call: forward+backward of ``name``'s loss on one random sequence, ``(run,
+    flops)``: ``run()`` returns its seconds and the minor page faults it took; ``flops`` is
+    XLA's count for the program (at one sequence of 1024 tokens every loop has one trip,
+    but for the memory's state scans, which are small)."""
     lowered, init = loss_and_grad_program(name, seq_len, part, **overrides)
     grad, params = lowered.compile(), init()
     jax.block_until_ready(grad(params))
 
-    def run() -> float:
-        start = time.perf_counter()
+    def run() -> tuple[float, int]:
+        faults, start = minor_faults(), time.perf_counter()
         jax.block_until_ready(grad(params))
-        return time.perf_counter() - start
+        return time.perf_counter() - start, minor_faults() - faults
 
-    return run
+    return run, compiled_figures(grad)["flops"]
 
 
 def time_ratio(pairs: int) -> dict:
     """lmu-1M's parts (``LMU_PARTS``) and transformer-1M, each timed once a round for
-    ``pairs`` rounds; the ratios pair each LMU time with the transformer's of its round."""
+    ``pairs`` rounds; the ratios pair each LMU time with the transformer's of its round.
+    Beside the times, each program's GFLOP and its minor page faults per call (median): on a
+    CPU, XLA's buffers for a call are mapped afresh and each page's first touch is a fault."""
     runs = {label: loss_and_grad("lmu-1M", 1024, part) for label, part in LMU_PARTS.items()}
-    transformer = loss_and_grad("transformer-1M", 1024)
-    for run in (*runs.values(), transformer):
+    transformer, transformer_flops = loss_and_grad("transformer-1M", 1024)
+    for run, _ in (*runs.values(), (transformer, None)):
         run()  # the first calls after compiling run slow on a CPU: not counted
-    seconds = {label: [] for label in runs}
-    transformer_s = []
+    calls = {label: [] for label in runs}
+    transformer_calls = []
     for _ in range(pairs):
-        for label, run in runs.items():
-            seconds[label].append(run())
-        transformer_s.append(transformer())
+        for label, (run, _) in runs.items():
+            calls[label].append(run())
+        transformer_calls.append(transformer())
+    transformer_s = [seconds for seconds, _ in transformer_calls]
     parts = {}
-    for label, lmu_s in seconds.items():
+    for label, timed in calls.items():
+        lmu_s = [seconds for seconds, _ in timed]
         ratios = [a / b for a, b in zip(lmu_s, transformer_s, strict=True)]
-        parts[label] = {"lmu_s": lmu_s, "ratios": ratios, "median_ratio": statistics.median(ratios)}
-    return {**parts["lmu-1M"], "transformer_s": transformer_s, "parts": parts}
+        flops = runs[label][1]
+        parts[label] = {
+            "lmu_s": lmu_s,
+            "ratios": ratios,
+            "median_ratio": statistics.median(ratios),
+            "gflop": flops / 1e9,
+            "flop_ratio": flops / transformer_flops,
+            "minor_faults_per_call": statistics.median(faults for _, faults in timed),
+        }
+    return {
+        **parts["lmu-1M"],
+        "transformer_s": transformer_s,
+        "transformer_gflop": transformer_flops / 1e9,
+        "transformer_minor_faults_per_call": statistics.median(f for _, f in transformer_calls),
+        "parts": parts,
+    }
 
 
 def compiled_step(name: str, batch: int, seq_len: int, part=contextlib.nullcontext, **overrides):
@@ -234,6 +265,10 @@ def _or_dash(value, unit: float = 1.0) -> str:
     return "-" if value is None else f"{value / unit:.2f}"  # "-": a file from before the field
 
 
+def _faults(count) -> str:
+    return "-" if count is None else f"{count:,.0f}"
+
+
 def show(result: dict, limit_gb: float) -> None:
     t = result["time"]
     print_table(
@@ -249,13 +284,29 @@ def show(result: dict, limit_gb: float) -> None:
         left=0,
     )
     if "parts" in t:
+        transformer_row = (
+            "transformer-1M",
+            f"{statistics.median(t['transformer_s']):.3f}",
+            "1",
+            _or_dash(t.get("transformer_gflop")),
+            "1",
+            _faults(t.get("transformer_minor_faults_per_call")),
+        )
         print_table(
             "where lmu-1M's time goes: its parts against transformer-1M in the same rounds",
-            ("model", "s (median)", "median ratio to transformer-1M"),
+            ("model", "s (median)", "time ratio", "GFLOP", "FLOP ratio", "page faults/call"),
             [
-                (label, f"{statistics.median(p['lmu_s']):.3f}", f"{p['median_ratio']:.2f}")
+                (
+                    label,
+                    f"{statistics.median(p['lmu_s']):.3f}",
+                    f"{p['median_ratio']:.2f}",
+                    _or_dash(p.get("gflop")),
+                    _or_dash(p.get("flop_ratio")),
+                    _faults(p.get("minor_faults_per_call")),
+                )
                 for label, p in t["parts"].items()
-            ],
+            ]
+            + [transformer_row],
         )
     for b in (result["bytes"], result.get("bytes_paper")):
         if b is None:  # a file written before the paper's micro-batch was measured
@@ -340,6 +391,9 @@ def main(argv: list[str] | None = None) -> None:
             "machine": info,
             "versions": versions(),
             "args": {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()},
+            # glibc's malloc settings change the page faults above: a run under
+            # GLIBC_TUNABLES=glibc.malloc.hugetlb=1 maps XLA's buffers in huge pages
+            "glibc_tunables": os.environ.get("GLIBC_TUNABLES"),
             **result,
         },
     )
