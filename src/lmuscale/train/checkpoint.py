@@ -4,8 +4,8 @@
 A checkpoint ``checkpoints/STEP`` holds ``state/`` (the arrays), ``meta/`` (JSON, with a
 CRC-32 of every array process 0 holds whole) and ``files.json`` (each file's size and CRC-32,
 written once the save is complete). Reading checks the files before orbax opens any (so no
-failed read reports from orbax's threads), then the arrays; without ``files.json`` (older, or
-killed just before it), the arrays alone.
+failed read reports from orbax's threads), then the arrays; without ``files.json`` (older,
+killed just before it, or no room left to write it), the arrays alone.
 """
 
 from __future__ import annotations
@@ -81,9 +81,10 @@ def _late_callback(unraisable) -> bool:
     """Whether ``unraisable`` (a ``sys.unraisablehook`` argument) is tensorstore, from its own
     thread, handing the end of a read or write to an asyncio loop that orbax has closed: after
     one of a save's writes fails, orbax stops waiting for the others, and each that ends later
-    printed a traceback of ``Event loop is closed``. The error is named once, by ``wait``."""
+    printed a traceback of ``Event loop is closed``. The failure itself is named once, by the
+    call that waited for it."""
     error = unraisable.exc_value
-    frames = traceback.extract_tb(unraisable.exc_traceback)
+    frames = traceback.extract_tb(unraisable.exc_traceback, limit=1)
     return (
         unraisable.object is None
         and isinstance(error, RuntimeError)
@@ -96,7 +97,7 @@ def _late_callback(unraisable) -> bool:
 
 def quiet_late_callbacks() -> None:
     """Drop ``_late_callback``s from ``sys.unraisablehook`` for the rest of the process (they
-    come after the call that started them, so the filter stays); once a process."""
+    come after the call that started them, so the filter stays); nothing if it is in place."""
     previous = sys.unraisablehook
     if getattr(previous, "drops_late_callbacks", False):
         return
@@ -288,10 +289,15 @@ class Checkpoints:
             raise self._failed("writing", self.writing, error) from None
         folder = self.directory / str(self.writing)
         if self.writing is not None and jax.process_index() == 0 and folder.is_dir():
-            try:  # the arrays are written; out of inodes, this file may not be
-                atomic_write_json(folder / FILES, _file_sums(folder))
+            sums = _file_sums(folder)
+            try:  # the arrays are written (and older steps past ``keep`` removed)
+                atomic_write_json(folder / FILES, sums)
             except OSError as error:
-                raise self._failed("writing", self.writing, error) from None
+                raise CheckpointError(
+                    f"checkpoint {self.writing} in {self.directory} is written but its {FILES} is "
+                    f"not ({_reason(error)}); a resume checks its arrays by their CRC-32s alone. "
+                    "Free some space and run again to resume"
+                ) from None
         self.writing = None
 
     def restore(self, step: int, abstract_state) -> tuple[dict, dict]:
