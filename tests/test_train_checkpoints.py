@@ -437,22 +437,31 @@ def test_a_file_list_that_cannot_be_written_is_named_and_its_arrays_are_read_bac
 ):
     """The out-of-inodes run now and then ended in a traceback: the save's arrays were
     written, then ``files.json`` found no free inode."""
+    import errno
+
     import jax.numpy as jnp
 
     from lmuscale.train import checkpoint
     from lmuscale.train.checkpoint import CheckpointError, Checkpoints
 
-    def no_inode(path, obj):
-        raise OSError(28, "No space left on device", str(path))
+    refusal = OSError(errno.ENOSPC, "No space left on device")
+
+    def refused(path, obj):
+        refusal.filename = str(path)
+        raise refusal
 
     folder = tmp_path / "checkpoints"
     state = {"w": jnp.arange(6.0)}
     checkpoints = Checkpoints(folder, keep=2)
     try:
         with monkeypatch.context() as patch:
-            patch.setattr(checkpoint, "atomic_write_json", no_inode)
+            patch.setattr(checkpoint, "atomic_write_json", refused)
             checkpoints.save(3, state, {"step": 3})
             with pytest.raises(CheckpointError) as raised:
+                checkpoints.wait()
+            # Not for want of room: no advice to free any.
+            refusal.errno, refusal.strerror = errno.EACCES, "Permission denied"
+            with pytest.raises(CheckpointError, match=r"CRC-32s alone\. Run again to resume$"):
                 checkpoints.wait()
     finally:
         checkpoints.close()

@@ -13,6 +13,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import dataclasses
+import errno
 import json
 import logging
 import os
@@ -293,10 +294,12 @@ class Checkpoints:
             try:  # the arrays are written (and older steps past ``keep`` removed)
                 atomic_write_json(folder / FILES, sums)
             except OSError as error:
+                full = error.errno in (errno.ENOSPC, errno.EDQUOT)
                 raise CheckpointError(
                     f"checkpoint {self.writing} in {self.directory} is written but its {FILES} is "
                     f"not ({_reason(error)}); a resume checks its arrays by their CRC-32s alone. "
-                    "Free some space and run again to resume"
+                    + ("Free some space and run" if full else "Run")
+                    + " again to resume"
                 ) from None
         self.writing = None
 
