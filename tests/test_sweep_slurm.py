@@ -18,6 +18,7 @@ import time
 from pathlib import Path
 
 import pytest
+from compile_cache import env as cache_env
 from sweep_files import environment, run_sweep, sweep_command, wait_for, write_sweep
 
 REPO = Path(__file__).resolve().parent.parent
@@ -56,7 +57,10 @@ def test_slurm_sweep_survives_preemption(slurm_conf, tmp_path, byte_corpus):
     steps = 60
     sweep = write_sweep(tmp_path, {"a": {"train.steps": steps}, "b": {"train.seed": 1}})
     work = tmp_path / "work"
-    env = environment(byte_corpus) | {"SLURM_CONF": str(slurm_conf)}
+    # The requeued task and the local run load trial a's train step from the cache its first
+    # task wrote (a stop signal only sets a flag: a cache entry being written is finished).
+    cache = cache_env(tmp_path / "xla-cache")
+    env = environment(byte_corpus) | {"SLURM_CONF": str(slurm_conf)} | cache
     slurm = ["--executor", "slurm", "--slurm", "cpus_per_task=1", "--quiet"]
 
     detached = subprocess.run(
@@ -111,7 +115,7 @@ def test_slurm_sweep_survives_preemption(slurm_conf, tmp_path, byte_corpus):
     assert out_log.is_symlink() and out_log.resolve().is_file()
     assert "preempted" in (folder_a / f"slurm-{task_a}.err").read_text()
 
-    local = run_sweep(sweep, tmp_path / "local", byte_corpus, "--only", "a")
+    local = run_sweep(sweep, tmp_path / "local", byte_corpus, "--only", "a", extra_env=cache)
     assert local.returncode == 0, local.stdout + local.stderr
     reference = {
         json.loads(line)["trial"]: json.loads(line)
