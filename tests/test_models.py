@@ -397,10 +397,11 @@ def test_no_gradient_flows_from_the_future(family):
 PARALLEL_VS_RECURRENT = 1e-4
 
 
-# The baselines at 55k: at 1M each took 8-10 s on 2 CPU cores (mostly compiling 512 steps).
+# The LMUs at 1M and 55k, the baselines (the transformer among them) at 55k: at 1M each took
+# 8-12 s on 2 CPU cores (mostly compiling 512 steps).
 @pytest.mark.parametrize(
     "name",
-    ["lmu-1M", "lmu_g-1M", "transformer-1M", "lmu-55k", "sru-55k", "sru_pp-55k", "lstm-55k"],
+    ["lmu-1M", "lmu_g-1M", "lmu-55k", "transformer-55k", "sru-55k", "sru_pp-55k", "lstm-55k"],
 )
 def test_512_recurrent_steps_equal_the_parallel_forward(name):
     config = named_config(name)
