@@ -220,7 +220,10 @@ def _implicit_attention_channels_last_fwd(qkv_3xKx___xD, bias_3xK, p_K, dtype):
     )
     # scores[i, k] = sum over the d channels of gelu(Q)[i, d] gelu(K)[k, d], at every step:
     # a reduction along the minor axis.
-    scores_KxKx___ = jnp.sum(gq[:, None] * gk[None, :], axis=-1)
+    if SCORES_FORM == "dots":
+        scores_KxKx___ = jnp.einsum("i...d,k...d->ik...", gq, gk, precision=lax.Precision.HIGHEST)
+    else:
+        scores_KxKx___ = jnp.sum(gq[:, None] * gk[None, :], axis=-1)
     weights_KxKx___ = jax.nn.softmax(scores_KxKx___ / math.sqrt(gq.shape[-1]), axis=1)
     p_Kx1x___ = jnp.moveaxis(lax.broadcast_to_rank(p_K.astype(wide), weights_KxKx___.ndim), -1, 0)
     w_Kx___ = jnp.sum(weights_KxKx___ * p_Kx1x___, axis=0)
@@ -238,6 +241,35 @@ def implicit_attention_channels_last(qkv_3xKx___xD, bias_3xK, p_K, dtype):
     return _implicit_attention_channels_last_fwd(qkv_3xKx___xD, bias_3xK, p_K, dtype)[0]
 
 
+Q_PRIME_FORM = "broadcast"
+SCORES_FORM = "reduce"
+
+
+def _mixed_rows(mix_IxKx___x1, rows_Kx___xD):
+    rows = list(rows_Kx___xD)
+    return [
+        functools.reduce(jnp.add, (m * row for m, row in zip(mix_Kx___x1, rows, strict=True)))
+        for mix_Kx___x1 in mix_IxKx___x1
+    ]
+
+
+def _q_prime_products(dscores_KxKx___, gq_Kx___xD, gk_Kx___xD):
+    form = Q_PRIME_FORM
+    if form == "broadcast":
+        d = dscores_KxKx___[..., None]
+        return (
+            _sum_of_products(d, gk_Kx___xD[None], axis=1),
+            _sum_of_products(d, gq_Kx___xD[:, None], axis=0),
+        )
+    if form == "dots":
+        hi = lax.Precision.HIGHEST
+        return (
+            jnp.einsum("ik...,k...d->i...d", dscores_KxKx___, gk_Kx___xD, precision=hi),
+            jnp.einsum("ik...,i...d->k...d", dscores_KxKx___, gq_Kx___xD, precision=hi),
+        )
+    raise ValueError(form)
+
+
 def _implicit_attention_channels_last_bwd(dtype, residuals, dm_x___xD):
     qkv_3xKx___xD, bias_3xK, p_K, weights_KxKx___, w_Kx___ = residuals
     wide = _wide(dtype)
@@ -252,17 +284,27 @@ def _implicit_attention_channels_last_bwd(dtype, residuals, dm_x___xD):
     dweights_KxKx___ = p_Kx1x___ * dw_1xKx___
     inner_Kx1x___ = jnp.sum(weights_KxKx___ * dweights_KxKx___, axis=1, keepdims=True)
     scale = 1.0 / math.sqrt(gq.shape[-1])
-    dscores_KxKx___x1 = (weights_KxKx___ * (dweights_KxKx___ - inner_Kx1x___) * scale)[..., None]
+    dscores_KxKx___ = weights_KxKx___ * (dweights_KxKx___ - inner_Kx1x___) * scale
     # dgelu(Q)[i, d] = sum_k dscores[i, k] gelu(K)[k, d], and dgelu(K) likewise over i.
-    dgq_Kx___xD = _sum_of_products(dscores_KxKx___x1, gk[None], axis=1)
-    dgk_Kx___xD = _sum_of_products(dscores_KxKx___x1, gq[:, None], axis=0)
-    dpre_3xxKx___xD = [
-        (g * gelu_grad(pre.astype(wide))).astype(dtype)
-        for g, pre in zip((dgq_Kx___xD, dgk_Kx___xD, dgv_Kx___xD), pre_3xxKx___xD, strict=True)
-    ]
+    if Q_PRIME_FORM == "rows66":
+        d = dscores_KxKx___[..., None]
+        lists = (_mixed_rows(d, gk), _mixed_rows(jnp.swapaxes(d, 0, 1), gq), list(dgv_Kx___xD))
+        dpre66 = [
+            (g * gelu_grad(pre.astype(wide))).astype(dtype)
+            for gs, pres in zip(lists, pre_3xxKx___xD, strict=True)
+            for g, pre in zip(gs, pres, strict=True)
+        ]
+        stacked = jnp.stack(dpre66).reshape(qkv_3xKx___xD.shape)
+    else:
+        dgq_Kx___xD, dgk_Kx___xD = _q_prime_products(dscores_KxKx___, gq, gk)
+        dpre_3xxKx___xD = [
+            (g * gelu_grad(pre.astype(wide))).astype(dtype)
+            for g, pre in zip((dgq_Kx___xD, dgk_Kx___xD, dgv_Kx___xD), pre_3xxKx___xD, strict=True)
+        ]
+        stacked = jnp.stack(dpre_3xxKx___xD)
     # The bias gradients sum the stacked gradient as written: without the barrier XLA's GPU
     # compiler recomputed the three gradients inside the sum (lmu-1M: 3.1 GB more a layer).
-    dqkv_3xKx___xD = lax.optimization_barrier(jnp.stack(dpre_3xxKx___xD))
+    dqkv_3xKx___xD = lax.optimization_barrier(stacked)
     positions_and_channels = tuple(range(2, qkv_3xKx___xD.ndim))
     dbias_3xK = dqkv_3xKx___xD.astype(wide).sum(positions_and_channels)
     return (
