@@ -1,6 +1,24 @@
-"""Experiment: lmu-1M's micro-batch step on a GPU under each form of the channels-last
-attention's q' x q' sums (layers.Q_PRIME_FORM, layers.SCORES_FORM), then the best form's
-paper step (512 x 1024, 8 micro-batches) and its profile. Writes $OUT/q_prime_forms.json."""
+"""The channels-last attention's q' x q' sums on a GPU, in each form of ``layers.Q_PRIME_SUMS``.
+
+    python benchmarks/q_prime_forms.py [--budget SECONDS] [--steps 10] [--model lmu-1M]
+        [--out benchmarks/results/q_prime_forms.json]
+
+Compiles ``--model``'s paper train step for one micro-batch of 64 x 1024 tokens (as
+``gpu.py``'s profile part) with the attention's scores and its gradient's dgelu(Q), dgelu(K)
+formed by matrix products batched over the positions ("products", the layers' form) and by
+sums over broadcast products ("elementwise"), and times --steps steps of each (the median);
+then, where --budget allows, the paper step at 512 x 1024 in 8 micro-batches in the faster
+form, with each cross-entropy, and a ``jax.profiler`` trace of its micro-batch (the top
+operations, and the trace as ``profile-<model>-q-prime.json.gz`` beside --out). Each row is
+written as soon as it is timed. A compile on an H100 took 21-63 s.
+
+On an H100 (results/q_prime_forms-h100.json, 2026-11-28; the experiment's six forms, of which
+"dots/dots" is "products" and "broadcast/reduce" "elementwise"), lmu-1M's micro-batch took
+124.1 ms by products against 149.8 elementwise. ``SMOKE=1`` runs the script on a CPU at tiny
+shapes, with the GPU's layout, to check it.
+"""
+
+from __future__ import annotations
 
 import argparse
 import os
@@ -13,113 +31,115 @@ from unittest import mock
 sys.path.insert(0, str(Path(__file__).parent))
 import gpu
 import jax
-from common import machine, timed_steps, versions, write_json
+from common import machine, print_table, timed_steps, versions, write_json
 
 from lmuscale import layers
 
-START = time.perf_counter()
-BUDGET = float(sys.argv[1]) if len(sys.argv) > 1 else 230.0
-OUT = Path(os.environ.get("OUT", "benchmarks/results"))
-FORMS = [
-    ("broadcast", "reduce"),
-    ("dots", "reduce"),
-    ("rows66", "reduce"),
-    ("dots", "dots"),
-    ("broadcast", "dots"),
-    ("rows66", "dots"),
-]
-SMOKE = bool(os.environ.get("SMOKE"))  # a CPU check of this script at tiny shapes
-SEQ, MICRO, BATCH = (64, 1, 8) if SMOKE else (1024, 64, 512)
-args = argparse.Namespace(
-    seq_len=SEQ, profile_batch=MICRO, budget_gb=0.0, profile_steps=3, profile_top=20
-)
-if SMOKE:
-    layers.channels_last_memory = lambda: True
-record = {"machine": machine(), "versions": versions(), "micro_batch": [], "train": []}
+FORMS = ("products", "elementwise")
+SMOKE = bool(os.environ.get("SMOKE"))
 
 
-def left() -> float:
-    return BUDGET - (time.perf_counter() - START)
-
-
-def forms(q, s):
-    return mock.patch.multiple(layers, Q_PRIME_FORM=q, SCORES_FORM=s)
-
-
-for q, s in FORMS:
-    if left() < 20:
-        break
-    try:
-        t0 = time.perf_counter()
-        with forms(q, s):
-            compiled, state, tokens = gpu.micro_batch_step("lmu-1M", args)
-        compile_s = time.perf_counter() - t0
-        state, first = timed_steps(compiled, state, tokens, 2)
-        state, times = timed_steps(compiled, state, tokens, 10)
-        row = {
-            "q_prime": q,
-            "scores": s,
-            "compile_seconds": compile_s,
-            "step_seconds": statistics.median(times),
-            "step_seconds_all": times,
-        }
-    except Exception as error:  # one form's failure leaves the others
-        row = {"q_prime": q, "scores": s, "error": repr(error)[:2000]}
-    record["micro_batch"].append(row)
-    write_json(OUT / "q_prime_forms.json", record, quiet=True)
-    print(
-        q,
-        s,
-        row.get("step_seconds", row.get("error")),
-        f"({time.perf_counter() - START:.0f} s)",
-        flush=True,
+def main(argv=None) -> None:
+    start = time.perf_counter()
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--budget", type=float, default=300.0, help="seconds; nothing starts after")
+    parser.add_argument("--steps", type=int, default=10)
+    parser.add_argument("--model", default="lmu-1M")
+    parser.add_argument("--out", type=Path, default=Path("benchmarks/results/q_prime_forms.json"))
+    args = parser.parse_args(argv)
+    seq_len, micro, batch = (64, 1, 8) if SMOKE else (1024, 64, 512)
+    options = argparse.Namespace(
+        seq_len=seq_len, profile_batch=micro, budget_gb=0.0, profile_steps=3, profile_top=20
     )
+    if SMOKE:
+        layers.channels_last_memory = lambda: True
 
-timed = [r for r in record["micro_batch"] if "step_seconds" in r]
-best = min(timed, key=lambda r: r["step_seconds"])
-best_forms = (best["q_prime"], best["scores"])
-record["best"] = best_forms
-for loss in ("pallas", "xla"):
-    if left() < 45:
-        break
-    config = gpu.paper_config("lmu-1M", SEQ, BATCH, 0.0, loss_impl=loss, microbatches=8)
-    try:
-        with forms(*best_forms):
-            row = gpu.measure_train("lmu-1M", config, 5)
-    except Exception as error:
-        row = {"loss_impl": loss, "error": repr(error)[:2000]}
-    row["forms"] = best_forms
-    record["train"].append(row)
-    write_json(OUT / "q_prime_forms.json", record, quiet=True)
-    print(
-        "train",
-        loss,
-        row.get("step_seconds"),
-        row.get("mfu"),
-        f"({time.perf_counter() - START:.0f} s)",
-        flush=True,
+    def left() -> float:
+        return args.budget - (time.perf_counter() - start)
+
+    record = {
+        "benchmark": "q_prime_forms",
+        "machine": machine(),
+        "versions": versions(),
+        "model": args.model,
+        "micro_batch": [],
+        "train": [],
+    }
+    for form in FORMS:
+        if left() <= 0:
+            break
+        compile_start = time.perf_counter()
+        with mock.patch.object(layers, "Q_PRIME_SUMS", form):
+            compiled, state, tokens = gpu.micro_batch_step(args.model, options)
+        compile_seconds = time.perf_counter() - compile_start
+        state, _ = timed_steps(compiled, state, tokens, 2)
+        state, times = timed_steps(compiled, state, tokens, args.steps)
+        record["micro_batch"].append(
+            {
+                "form": form,
+                "batch": micro,
+                "seq_len": seq_len,
+                "compile_seconds": compile_seconds,
+                "step_seconds": statistics.median(times),
+                "step_seconds_all": times,
+            }
+        )
+        write_json(args.out, record, quiet=True)
+    rows = record["micro_batch"]
+    print_table(
+        f"{args.model}, one micro-batch of {micro} x {seq_len}",
+        ("q' sums", "ms", "compile s"),
+        [
+            (r["form"], f"{1e3 * r['step_seconds']:.1f}", f"{r['compile_seconds']:.0f}")
+            for r in rows
+        ],
     )
+    if not rows:
+        return
+    best = min(rows, key=lambda r: r["step_seconds"])["form"]
+    with mock.patch.object(layers, "Q_PRIME_SUMS", best):
+        for loss in ("auto", "xla"):
+            if left() <= 0:
+                break
+            config = gpu.paper_config(
+                args.model, seq_len, batch, 0.0, loss_impl=loss, microbatches=8
+            )
+            row = gpu.measure_train(args.model, config, 5)
+            record["train"].append({"form": best, **row})
+            write_json(args.out, record, quiet=True)
+            print(
+                f"{args.model} {batch} x {seq_len}, {row['loss_impl']} loss: "
+                f"{1e3 * row['step_seconds']:.1f} ms, MFU {row['mfu']}"
+            )
+        if left() > 0:
+            record["profile"] = profile(args, options, args.out.parent)
+            write_json(args.out, record, quiet=True)
+    write_json(args.out, record)
 
-if left() > 25:
-    folder = Path("/tmp/profile-best")
-    with forms(*best_forms):
-        compiled, state, tokens = gpu.micro_batch_step("lmu-1M", args)
+
+def profile(args, options, out: Path) -> dict:
+    """One micro-batch's trace in the layers' form: its top operations; the Perfetto trace
+    copied to ``out``."""
+    folder = Path("/tmp") / f"q-prime-profile-{os.getpid()}"
+    compiled, state, tokens = gpu.micro_batch_step(args.model, options)
     state, _ = timed_steps(compiled, state, tokens, 2)
     jax.profiler.start_trace(str(folder), create_perfetto_trace=True)
     try:
-        state, times = timed_steps(compiled, state, tokens, args.profile_steps)
+        state, times = timed_steps(compiled, state, tokens, options.profile_steps)
     finally:
         jax.profiler.stop_trace()
-    ops = gpu.top_operations(folder, args.profile_steps, gpu.hlo_sources(compiled.as_text()))
-    record["profile"] = {
-        "forms": best_forms,
+    ops = gpu.top_operations(folder, options.profile_steps, gpu.hlo_sources(compiled.as_text()))
+    for trace in folder.rglob("perfetto_trace.json.gz"):
+        (out / f"profile-{args.model}-q-prime.json.gz").write_bytes(trace.read_bytes())
+    for op in ops[: options.profile_top]:
+        print(f"{op['ms']:8.2f} ms {op['count']:5.0f}  {op['op'][:80]}")
+    return {
+        "form": layers.Q_PRIME_SUMS,
         "step_seconds": statistics.median(times),
         "traced_ms_per_step": sum(op["ms"] for op in ops),
-        "top_ops": ops[:25],
+        "top_ops": ops[: options.profile_top],
     }
-    write_json(OUT / "q_prime_forms.json", record, quiet=True)
-    for trace in folder.rglob("perfetto_trace.json.gz"):
-        (OUT / "profile-lmu-1M-best.json.gz").write_bytes(trace.read_bytes())
-    for op in ops[:25]:
-        print(f"{op['ms']:8.2f} {op['count']:5.0f} {op['op'][:70]}")
-print(f"done in {time.perf_counter() - START:.0f} s")
+
+
+if __name__ == "__main__":
+    main()

@@ -133,11 +133,22 @@ def _channels_last(*args_and_dtype):
 ATTENTIONS = {"steps-last": implicit_attention, "channels-last": _channels_last}
 
 
-@pytest.mark.parametrize("layout", ATTENTIONS)
+@pytest.mark.parametrize(
+    ("layout", "sums"),
+    [
+        ("steps-last", "elementwise"),
+        ("channels-last", "products"),
+        ("channels-last", "elementwise"),
+    ],
+)
 @pytest.mark.parametrize("positions", [5, 1])
-def test_implicit_attention_and_its_gradient_equal_eqs_8_to_10_in_float64(positions, layout):
+def test_implicit_attention_and_its_gradient_equal_eqs_8_to_10_in_float64(
+    positions, layout, sums, monkeypatch
+):
     # (2 sequences, 7 channels, q' = 3, positions): a chunk's steps, or one decoding step. The
-    # attention in either layout: the layers' order (the CPU's), or channels last (a GPU's).
+    # attention in either layout: the layers' order (the CPU's), or channels last (a GPU's),
+    # whose q' x q' sums are matrix products, or as a benchmark may set them, elementwise.
+    monkeypatch.setattr(layers, "Q_PRIME_SUMS", sums)
     rng = np.random.default_rng(0)
     with jax.enable_x64(True):
         args = [jnp.asarray(rng.standard_normal((2, 7, 3, positions))) for _ in range(3)]
@@ -233,17 +244,40 @@ def _lowered_results(text: str, op: str) -> list[int]:
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 def test_the_attention_as_on_a_gpu_takes_one_product_and_moves_only_its_output(dtype, monkeypatch):
     # As on a GPU (channels_last_memory): Q, K and V come from one product, written (3 q', c,
-    # B, J, d), and the attention and its hand-written gradient read them there. The program
-    # as traced asks for no transpose of anything Q-sized: only the output, q' times smaller,
-    # is put in sequence order. (Compiled for an H100 with benchmarks/gpu_aot.py, XLA adds none
-    # either; XLA:CPU, which this path is not for, copies the products' gradient once.)
+    # B, J, d), and the attention and its hand-written gradient read them there. With its q' x
+    # q' sums elementwise, the program as traced asks for no transpose of anything Q-sized:
+    # only the output, q' times smaller, is put in sequence order. (Compiled for an H100 with
+    # benchmarks/gpu_aot.py, XLA adds none either; XLA:CPU, which this path is not for, copies
+    # the products' gradient once.)
     monkeypatch.setattr(layers, "channels_last_memory", lambda: True)
+    monkeypatch.setattr(layers, "Q_PRIME_SUMS", "elementwise")
     lowered, q_size = _lowered_layer_gradient(dtype)
     text = lowered.as_text()
     assert _lowered_results(text, "dot_general").count(3 * q_size) == 1
     moves = _lowered_results(text, "transpose")
     assert q_size // 4 in moves  # the output's (q' = 4), so the check sees transposes
     assert max(moves) < q_size
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_the_attention_as_on_a_gpu_forms_its_q_prime_sums_by_products_over_the_positions(
+    dtype, monkeypatch
+):
+    # The GPU's form (Q_PRIME_SUMS, "products"): besides the one product of Q, K and V, the
+    # scores (q' x q' at each of the 128 positions) and dgelu(Q), dgelu(K) (Q-sized) are three
+    # matrix products batched over the positions. Those two gradients, which a batched product
+    # writes positions first, are the only Q-sized arrays the program as traced transposes.
+    monkeypatch.setattr(layers, "channels_last_memory", lambda: True)
+    lowered, q_size = _lowered_layer_gradient(dtype)
+    text = lowered.as_text()
+    products = _lowered_results(text, "dot_general")
+    scores_size = q_size * 4 // 16  # q' = 4 of the 16 channels' width, squared
+    assert products.count(3 * q_size) == 1
+    assert products.count(q_size) == 2
+    assert products.count(scores_size) == 1
+    moves = _lowered_results(text, "transpose")
+    assert q_size // 4 in moves
+    assert sorted(m for m in moves if m >= q_size) == [q_size, q_size]
 
 
 def test_the_attention_as_on_a_gpu_in_bfloat16_is_the_cpu_s_to_its_rounding(monkeypatch):

@@ -199,9 +199,28 @@ def channels_last_memory() -> bool:
     H200 spent 68 of lmu-1M's 171 ms per micro-batch transposing Q, K and V
     (results/gpu-nvidia-h200.json). Compiled for an H100 (benchmarks/gpu_aot.py), lmu-1M's
     step then moves 203.5 GB per micro-batch of 64 x 1024 in bfloat16 against 290.9 (the
-    memory 75.6 against 167.0), a floor of 60.7 ms against 86.8; not yet timed on a GPU.
-    XLA's CPU backend is faster in the other order, which is kept off a GPU."""
+    memory 75.6 against 167.0), a floor of 60.7 ms against 86.8; timed on an H100, the
+    micro-batch took 150.8 ms against 178.0 (results/gpu-nvidia-h100-80gb-hbm3.json's
+    profiles). XLA's CPU backend is faster in the other order, which is kept off a GPU."""
     return jax.default_backend() == "gpu"
+
+
+# How ``implicit_attention_channels_last`` forms its q' x q' sums over the channels, the scores
+# and, in the backward pass, dgelu(Q) and dgelu(K): "products", matrix products batched over
+# the positions (q' x d by d x q', q' x q' by q' x d), or "elementwise", sums over broadcast
+# products that XLA fuses in place. On an H100, lmu-1M's micro-batch of 64 x 1024 in bfloat16
+# took 124.1 ms by products against 149.8 elementwise (results/q_prime_forms-h100.json): the
+# elementwise backward's kernel ran a thread per output, each reading q' rows, every row so
+# read q' times over (13.0 ms a layer). Products move Q and K into cuBLAS's batch-major order
+# and back, which XLA's GPU compiler does at the bandwidth: compiled for an H100
+# (benchmarks/gpu_aot.py), the memory's traffic is 99.1 GB per micro-batch against 75.6, an
+# estimate that counts each array read once. benchmarks/q_prime_forms.py times both forms.
+Q_PRIME_SUMS = "products"
+
+
+def _per_position_product(subscripts: str, a, b):
+    """``jnp.einsum(subscripts, a, b)`` at full precision, the positions (``...``) a batch."""
+    return jnp.einsum(subscripts, a, b, precision=lax.Precision.HIGHEST)
 
 
 def _channels_last_pre(qkv_3xKx___xD, bias_3xK, dtype):
@@ -218,11 +237,10 @@ def _implicit_attention_channels_last_fwd(qkv_3xKx___xD, bias_3xK, p_K, dtype):
     gq, gk, gv = (
         gelu(pre).astype(wide) for pre in _channels_last_pre(qkv_3xKx___xD, bias_3xK, dtype)
     )
-    # scores[i, k] = sum over the d channels of gelu(Q)[i, d] gelu(K)[k, d], at every step:
-    # a reduction along the minor axis.
-    if SCORES_FORM == "dots":
-        scores_KxKx___ = jnp.einsum("i...d,k...d->ik...", gq, gk, precision=lax.Precision.HIGHEST)
-    else:
+    # scores[i, k] = sum over the d channels of gelu(Q)[i, d] gelu(K)[k, d], at every step.
+    if Q_PRIME_SUMS == "products":
+        scores_KxKx___ = _per_position_product("i...d,k...d->ik...", gq, gk)
+    else:  # a reduction along the minor axis
         scores_KxKx___ = jnp.sum(gq[:, None] * gk[None, :], axis=-1)
     weights_KxKx___ = jax.nn.softmax(scores_KxKx___ / math.sqrt(gq.shape[-1]), axis=1)
     p_Kx1x___ = jnp.moveaxis(lax.broadcast_to_rank(p_K.astype(wide), weights_KxKx___.ndim), -1, 0)
@@ -235,39 +253,11 @@ def _implicit_attention_channels_last_fwd(qkv_3xKx___xD, bias_3xK, p_K, dtype):
 def implicit_attention_channels_last(qkv_3xKx___xD, bias_3xK, p_K, dtype):
     """``implicit_attention`` on Q, K and V stacked and written channels last, as
     ``lmu.chunk_product_channels_last`` writes one product of the three L_i: (3, q',
-    positions..., d) in, ``m_x___xD`` (positions..., d) out. Every sum over d runs along the
-    minor axis; the backward pass, by hand, returns the three gradients stacked as the product
-    takes them, and keeps of the arrays that size only the input."""
+    positions..., d) in, ``m_x___xD`` (positions..., d) out. Its q' x q' sums over the channels
+    are matrix products batched over the positions (``Q_PRIME_SUMS``); the backward pass, by
+    hand, returns the three gradients stacked as the product takes them, and keeps of the
+    arrays that size only the input."""
     return _implicit_attention_channels_last_fwd(qkv_3xKx___xD, bias_3xK, p_K, dtype)[0]
-
-
-Q_PRIME_FORM = "broadcast"
-SCORES_FORM = "reduce"
-
-
-def _mixed_rows(mix_IxKx___x1, rows_Kx___xD):
-    rows = list(rows_Kx___xD)
-    return [
-        functools.reduce(jnp.add, (m * row for m, row in zip(mix_Kx___x1, rows, strict=True)))
-        for mix_Kx___x1 in mix_IxKx___x1
-    ]
-
-
-def _q_prime_products(dscores_KxKx___, gq_Kx___xD, gk_Kx___xD):
-    form = Q_PRIME_FORM
-    if form == "broadcast":
-        d = dscores_KxKx___[..., None]
-        return (
-            _sum_of_products(d, gk_Kx___xD[None], axis=1),
-            _sum_of_products(d, gq_Kx___xD[:, None], axis=0),
-        )
-    if form == "dots":
-        hi = lax.Precision.HIGHEST
-        return (
-            jnp.einsum("ik...,k...d->i...d", dscores_KxKx___, gk_Kx___xD, precision=hi),
-            jnp.einsum("ik...,i...d->k...d", dscores_KxKx___, gq_Kx___xD, precision=hi),
-        )
-    raise ValueError(form)
 
 
 def _implicit_attention_channels_last_bwd(dtype, residuals, dm_x___xD):
@@ -286,25 +276,20 @@ def _implicit_attention_channels_last_bwd(dtype, residuals, dm_x___xD):
     scale = 1.0 / math.sqrt(gq.shape[-1])
     dscores_KxKx___ = weights_KxKx___ * (dweights_KxKx___ - inner_Kx1x___) * scale
     # dgelu(Q)[i, d] = sum_k dscores[i, k] gelu(K)[k, d], and dgelu(K) likewise over i.
-    if Q_PRIME_FORM == "rows66":
-        d = dscores_KxKx___[..., None]
-        lists = (_mixed_rows(d, gk), _mixed_rows(jnp.swapaxes(d, 0, 1), gq), list(dgv_Kx___xD))
-        dpre66 = [
-            (g * gelu_grad(pre.astype(wide))).astype(dtype)
-            for gs, pres in zip(lists, pre_3xxKx___xD, strict=True)
-            for g, pre in zip(gs, pres, strict=True)
-        ]
-        stacked = jnp.stack(dpre66).reshape(qkv_3xKx___xD.shape)
+    if Q_PRIME_SUMS == "products":
+        dgq_Kx___xD = _per_position_product("ik...,k...d->i...d", dscores_KxKx___, gk)
+        dgk_Kx___xD = _per_position_product("ik...,i...d->k...d", dscores_KxKx___, gq)
     else:
-        dgq_Kx___xD, dgk_Kx___xD = _q_prime_products(dscores_KxKx___, gq, gk)
-        dpre_3xxKx___xD = [
-            (g * gelu_grad(pre.astype(wide))).astype(dtype)
-            for g, pre in zip((dgq_Kx___xD, dgk_Kx___xD, dgv_Kx___xD), pre_3xxKx___xD, strict=True)
-        ]
-        stacked = jnp.stack(dpre_3xxKx___xD)
+        dscores_KxKx___x1 = dscores_KxKx___[..., None]
+        dgq_Kx___xD = _sum_of_products(dscores_KxKx___x1, gk[None], axis=1)
+        dgk_Kx___xD = _sum_of_products(dscores_KxKx___x1, gq[:, None], axis=0)
+    dpre_3xxKx___xD = [
+        (g * gelu_grad(pre.astype(wide))).astype(dtype)
+        for g, pre in zip((dgq_Kx___xD, dgk_Kx___xD, dgv_Kx___xD), pre_3xxKx___xD, strict=True)
+    ]
     # The bias gradients sum the stacked gradient as written: without the barrier XLA's GPU
     # compiler recomputed the three gradients inside the sum (lmu-1M: 3.1 GB more a layer).
-    dqkv_3xKx___xD = lax.optimization_barrier(stacked)
+    dqkv_3xKx___xD = lax.optimization_barrier(jnp.stack(dpre_3xxKx___xD))
     positions_and_channels = tuple(range(2, qkv_3xKx___xD.ndim))
     dbias_3xK = dqkv_3xKx___xD.astype(wide).sum(positions_and_channels)
     return (
