@@ -271,7 +271,7 @@ def test_the_attention_as_on_a_gpu_forms_its_q_prime_sums_by_products_over_the_p
     lowered, q_size = _lowered_layer_gradient(dtype)
     text = lowered.as_text()
     products = _lowered_results(text, "dot_general")
-    scores_size = q_size * 4 // 16  # q' = 4 of the 16 channels' width, squared
+    scores_size = q_size * 4 // 16  # q' x q' a position, where Q has q' x 16 channels
     assert products.count(3 * q_size) == 1
     assert products.count(q_size) == 2
     assert products.count(scores_size) == 1

@@ -211,10 +211,11 @@ def channels_last_memory() -> bool:
 # products that XLA fuses in place. On an H100, lmu-1M's micro-batch of 64 x 1024 in bfloat16
 # took 124.1 ms by products against 149.8 elementwise (results/q_prime_forms-h100.json): the
 # elementwise backward's kernel ran a thread per output, each reading q' rows, every row so
-# read q' times over (13.0 ms a layer). Products move Q and K into cuBLAS's batch-major order
-# and back, which XLA's GPU compiler does at the bandwidth: compiled for an H100
-# (benchmarks/gpu_aot.py), the memory's traffic is 99.1 GB per micro-batch against 75.6, an
-# estimate that counts each array read once. benchmarks/q_prime_forms.py times both forms.
+# read q' times over (13.0 ms a layer). Products cost copies instead, of gelu(Q) and gelu(K)
+# into cuBLAS's batch-major order and of the two gradients back, each element read once:
+# compiled for an H100 (benchmarks/gpu_aot.py), the memory's traffic is 99.1 GB per
+# micro-batch against 75.6, an estimate that counts every array read once, which the
+# elementwise kernel was not. benchmarks/q_prime_forms.py times both forms.
 Q_PRIME_SUMS = "products"
 
 
