@@ -8,9 +8,9 @@ Compiles ``--model``'s paper train step for one micro-batch of 64 x 1024 tokens 
 formed by matrix products batched over the positions ("products", the layers' form) and by
 sums over broadcast products ("elementwise"), and times --steps steps of each (the median);
 then, where --budget allows, the paper step at 512 x 1024 in 8 micro-batches in the faster
-form, with each cross-entropy, and a ``jax.profiler`` trace of its micro-batch (the top
-operations, and the trace as ``profile-<model>-q-prime.json.gz`` beside --out). Each row is
-written as soon as it is timed. A compile on an H100 took 21-63 s.
+form, with the cross-entropy "auto" picks and with XLA's, and a ``jax.profiler`` trace of its
+micro-batch (the top operations, and the trace as ``profile-<model>-q-prime.json.gz`` beside
+--out). Each row is written as soon as it is timed. A compile on an H100 took 21-63 s.
 
 On an H100 (results/q_prime_forms-h100.json, 2026-11-28; the experiment's six forms, of which
 "dots/dots" is "products" and "broadcast/reduce" "elementwise"), lmu-1M's micro-batch took
