@@ -1,9 +1,9 @@
 """The channels-last attention's q' x q' sums on a GPU, in each form of ``layers.Q_PRIME_SUMS``.
 
-    python benchmarks/q_prime_forms.py [--budget SECONDS] [--steps 10] [--model lmu-1M]
+    python benchmarks/q_prime_forms.py [--budget SECONDS] [--steps 10]
         [--out benchmarks/results/q_prime_forms.json]
 
-Compiles ``--model``'s paper train step for one micro-batch of 64 x 1024 tokens (as
+Compiles lmu-1M's paper train step for one micro-batch of 64 x 1024 tokens (as
 ``gpu.py``'s profile part) with the attention's scores and its gradient's dgelu(Q), dgelu(K)
 formed by matrix products batched over the positions ("products", the layers' form) and by
 sums over broadcast products ("elementwise"), and times --steps steps of each (the median);
@@ -30,12 +30,12 @@ from unittest import mock
 
 sys.path.insert(0, str(Path(__file__).parent))
 import gpu
-import jax
-from common import machine, print_table, timed_steps, versions, write_json
+from common import machine, print_table, slug, timed_steps, versions, write_json
 
 from lmuscale import layers
 
 FORMS = ("products", "elementwise")
+MODEL = "lmu-1M"  # one of gpu.py's profiled models
 SMOKE = bool(os.environ.get("SMOKE"))
 
 
@@ -44,7 +44,6 @@ def main(argv=None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--budget", type=float, default=300.0, help="seconds; nothing starts after")
     parser.add_argument("--steps", type=int, default=10)
-    parser.add_argument("--model", default="lmu-1M")
     parser.add_argument("--out", type=Path, default=Path("benchmarks/results/q_prime_forms.json"))
     args = parser.parse_args(argv)
     seq_len, micro, batch = (64, 1, 8) if SMOKE else (1024, 64, 512)
@@ -61,7 +60,7 @@ def main(argv=None) -> None:
         "benchmark": "q_prime_forms",
         "machine": machine(),
         "versions": versions(),
-        "model": args.model,
+        "model": MODEL,
         "micro_batch": [],
         "train": [],
     }
@@ -70,7 +69,7 @@ def main(argv=None) -> None:
             break
         compile_start = time.perf_counter()
         with mock.patch.object(layers, "Q_PRIME_SUMS", form):
-            compiled, state, tokens = gpu.micro_batch_step(args.model, options)
+            compiled, state, tokens = gpu.micro_batch_step(MODEL, options)
         compile_seconds = time.perf_counter() - compile_start
         state, _ = timed_steps(compiled, state, tokens, 2)
         state, times = timed_steps(compiled, state, tokens, args.steps)
@@ -87,7 +86,7 @@ def main(argv=None) -> None:
         write_json(args.out, record, quiet=True)
     rows = record["micro_batch"]
     print_table(
-        f"{args.model}, one micro-batch of {micro} x {seq_len}",
+        f"{MODEL}, one micro-batch of {micro} x {seq_len}",
         ("q' sums", "ms", "compile s"),
         [
             (r["form"], f"{1e3 * r['step_seconds']:.1f}", f"{r['compile_seconds']:.0f}")
@@ -101,44 +100,30 @@ def main(argv=None) -> None:
         for loss in ("auto", "xla"):
             if left() <= 0:
                 break
-            config = gpu.paper_config(
-                args.model, seq_len, batch, 0.0, loss_impl=loss, microbatches=8
-            )
-            row = gpu.measure_train(args.model, config, 5)
+            config = gpu.paper_config(MODEL, seq_len, batch, 0.0, loss_impl=loss, microbatches=8)
+            row = gpu.measure_train(MODEL, config, 5)
             record["train"].append({"form": best, **row})
             write_json(args.out, record, quiet=True)
             print(
-                f"{args.model} {batch} x {seq_len}, {row['loss_impl']} loss: "
+                f"{MODEL} {batch} x {seq_len}, {row['loss_impl']} loss: "
                 f"{1e3 * row['step_seconds']:.1f} ms, MFU {row['mfu']}"
             )
         if left() > 0:
-            record["profile"] = profile(args, options, args.out.parent)
+            record["profile"] = profile(options, args.out.parent)
             write_json(args.out, record, quiet=True)
     write_json(args.out, record)
 
 
-def profile(args, options, out: Path) -> dict:
-    """One micro-batch's trace in the layers' form: its top operations; the Perfetto trace
+def profile(options, out: Path) -> dict:
+    """``gpu.py``'s profile of lmu-1M's micro-batch, in the form set now; its Perfetto trace
     copied to ``out``."""
-    folder = Path("/tmp") / f"q-prime-profile-{os.getpid()}"
-    compiled, state, tokens = gpu.micro_batch_step(args.model, options)
-    state, _ = timed_steps(compiled, state, tokens, 2)
-    jax.profiler.start_trace(str(folder), create_perfetto_trace=True)
-    try:
-        state, times = timed_steps(compiled, state, tokens, options.profile_steps)
-    finally:
-        jax.profiler.stop_trace()
-    ops = gpu.top_operations(folder, options.profile_steps, gpu.hlo_sources(compiled.as_text()))
-    for trace in folder.rglob("perfetto_trace.json.gz"):
-        (out / f"profile-{args.model}-q-prime.json.gz").write_bytes(trace.read_bytes())
-    for op in ops[: options.profile_top]:
+    folder = gpu.ROOT / "benchmarks" / "results" / f"profile-{slug(machine()['device_kind'])}"
+    row = gpu.profile_one(MODEL, options, folder / f"{MODEL}-q-prime")
+    for trace in (gpu.ROOT / row["trace"]).rglob("perfetto_trace.json.gz"):
+        (out / f"profile-{MODEL}-q-prime.json.gz").write_bytes(trace.read_bytes())
+    for op in row["top_ops"]:
         print(f"{op['ms']:8.2f} ms {op['count']:5.0f}  {op['op'][:80]}")
-    return {
-        "form": layers.Q_PRIME_SUMS,
-        "step_seconds": statistics.median(times),
-        "traced_ms_per_step": sum(op["ms"] for op in ops),
-        "top_ops": ops[: options.profile_top],
-    }
+    return {"form": layers.Q_PRIME_SUMS, **row}
 
 
 if __name__ == "__main__":
