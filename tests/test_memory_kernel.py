@@ -129,9 +129,9 @@ def test_float32_equals_the_xla_path_and_the_reference():
     # to float32 rounding of max|m| (here about 3e-7 of it), against float64 and each other.
     out = np.asarray(through_kernel(*args, chunk=chunk), np.float64)
     out_xla = np.asarray(through_xla(*args, chunk=chunk), np.float64)
-    scale = np.abs(m).max()
+    peak = np.abs(m).max()
     for a, b in ((out, m), (out_xla, m), (out, out_xla)):
-        assert np.abs(a - b).max() <= 2e-6 * scale
+        assert np.abs(a - b).max() <= 2e-6 * peak
     for name, g, x, w in zip(("u", "L", "bias", "p"), got[1], xla[1], want[1], strict=True):
         scale = np.abs(w).max()
         # Float32 rounding of sums of a few hundred terms, and the same against float64.
