@@ -67,6 +67,7 @@ import contextlib
 import datetime
 import fnmatch
 import gc
+import gzip
 import json
 import os
 import re
@@ -479,8 +480,6 @@ def top_operations(folder: Path, steps: int, sources: dict) -> list[dict]:
 
     The devices' events where the trace has a device process (a GPU's kernels); otherwise the
     host's, less the Python tracer's calls and the runtime's wrappers around them."""
-    import gzip
-
     (path,) = folder.glob("plugins/profile/*/perfetto_trace.json.gz")
     events = json.loads(gzip.decompress(path.read_bytes()))["traceEvents"]
     names = {e["pid"]: e["args"]["name"] for e in events if e.get("name") == "process_name"}
@@ -529,7 +528,11 @@ def profile_one(label: str, args, folder: Path) -> dict:
         state, times = timed_steps(compiled, state, tokens, args.profile_steps)
     finally:
         jax.profiler.stop_trace()
-    ops = top_operations(folder, args.profile_steps, hlo_sources(compiled.as_text()))
+    hlo = compiled.as_text()
+    ops = top_operations(folder, args.profile_steps, hlo_sources(hlo))
+    # The optimized program beside its trace, so that a fusion the trace names can be read
+    # after the GPU is gone
+    (folder / "compiled_hlo.txt.gz").write_bytes(gzip.compress(hlo.encode()))
     return {
         "model": label,
         "batch": args.profile_batch,
@@ -538,6 +541,7 @@ def profile_one(label: str, args, folder: Path) -> dict:
         "traced_ms_per_step": sum(op["ms"] for op in ops),
         "top_ops": ops[: args.profile_top],
         "trace": str(folder.relative_to(ROOT)),
+        "hlo": str((folder / "compiled_hlo.txt.gz").relative_to(ROOT)),
     }
 
 

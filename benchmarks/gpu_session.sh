@@ -25,10 +25,11 @@
 #
 # Each part, and each model of a train part, is in the JSON as soon as it is done. Writes into
 # $OUT (default benchmarks/results): gpu-<device>.json, gpu.log, device.txt (the GPU and JAX
-# it saw) and each profile's Perfetto trace, profile-<label>.json.gz, when under 15 MB. A
-# machine without network access whose Python has JAX, flax, optax, orbax, scipy, matplotlib,
-# tiktoken, pyarrow and tqdm but not this project's other dependencies gets them from $WHEELS
-# (default .whl/, which `make offline-wheels` fills); the project is read from src/, not
+# it saw) and each profile's Perfetto trace and optimized program, profile-<label>.json.gz and
+# hlo-<label>.txt.gz, when under 15 MB. A machine without network access whose Python has
+# JAX, flax, optax, orbax, scipy, matplotlib, tiktoken, pyarrow and tqdm but not this
+# project's other dependencies gets them from $WHEELS (default .whl/, which
+# `make offline-wheels` fills); the project is read from src/, not
 # installed. $PYTHON is the Python (default python3). Options after SECONDS go to every gpu.py
 # run: not --only, --out or --families (each group names its parts). The JSON's not_started
 # lists what the budget left out, in every group.
@@ -83,14 +84,19 @@ run() { # gpu.py on the parts named, with what is left of the budget (once spent
     [ "${PIPESTATUS[0]}" -eq 0 ] || status=1
 }
 
-traces() { # each profile's Perfetto trace into $OUT, where under 15 MB: the trace in
-    # benchmarks/results/profile-<device>/<label>/... as profile-<label>.json.gz
-    local trace label
-    while IFS= read -r trace; do
-        label=${trace#benchmarks/results/profile-*/}
-        cp "$trace" "$out/profile-${label%%/*}.json.gz"
-    done < <(find benchmarks/results/profile-* -name perfetto_trace.json.gz \
-        -newer "$scratch/started" -size -15000000c 2>/dev/null)
+traces() { # each profile's Perfetto trace and compiled program into $OUT, where under 15 MB:
+    # benchmarks/results/profile-<device>/<label>/.../perfetto_trace.json.gz as
+    # profile-<label>.json.gz, and <label>/compiled_hlo.txt.gz as hlo-<label>.txt.gz
+    local file label
+    while IFS= read -r file; do
+        label=${file#benchmarks/results/profile-*/}
+        label=${label%%/*}
+        case $file in
+        *.json.gz) cp "$file" "$out/profile-$label.json.gz" ;;
+        *) cp "$file" "$out/hlo-$label.txt.gz" ;;
+        esac
+    done < <(find benchmarks/results/profile-* \( -name perfetto_trace.json.gz \
+        -o -name compiled_hlo.txt.gz \) -newer "$scratch/started" -size -15000000c 2>/dev/null)
 }
 
 run train/lmu train/transformer profile

@@ -275,8 +275,8 @@ def test_the_gpu_session_script_runs_its_groups_in_the_budget_and_writes_into_ou
 
 
 # benchmarks/gpu.py's stand-in for the test below: its profile part leaves a Perfetto trace in
-# each profiled label's folder (FOLDERS, as ``part_profile`` names them), the other parts
-# nothing.
+# and its compiled program in each profiled label's folder (FOLDERS, as ``part_profile``
+# names them), the other parts nothing.
 _STUB_GPU_PY = """
 import pathlib, sys
 if "profile" in sys.argv:
@@ -284,13 +284,14 @@ if "profile" in sys.argv:
         trace = pathlib.Path("benchmarks/results/profile-stub", folder, "plugins/profile/1")
         trace.mkdir(parents=True)
         (trace / "perfetto_trace.json.gz").write_text(folder)
+        (trace.parents[2] / "compiled_hlo.txt.gz").write_text("HloModule " + folder)
 """
 
 
 def test_the_gpu_session_script_brings_every_profiles_trace_into_out(tmp_path):
     # gpu_session.sh in a copy of the repository whose gpu.py only writes the profile part's
-    # traces: each profiled label's trace comes back in $OUT, and a trace from before the
-    # session does not (its folder is a label no longer profiled).
+    # traces and programs: each profiled label's trace and program come back in $OUT, and a
+    # trace from before the session does not (its folder is a label no longer profiled).
     gpu = _gpu_module()
     repo = tmp_path / "repo"
     (repo / "benchmarks").mkdir(parents=True)
@@ -311,6 +312,8 @@ def test_the_gpu_session_script_brings_every_profiles_trace_into_out(tmp_path):
     assert done.returncode == 0, done.stderr[-3000:] + done.stdout[-3000:]
     traces = {p.name: p.read_text() for p in out.glob("profile-*.json.gz")}
     assert folders and traces == {f"profile-{folder}.json.gz": folder for folder in folders}
+    programs = {p.name: p.read_text() for p in out.glob("hlo-*.txt.gz")}
+    assert programs == {f"hlo-{folder}.txt.gz": f"HloModule {folder}" for folder in folders}
 
 
 def test_the_profile_part_ranks_a_traced_programs_operations_and_names_their_source(tmp_path):
