@@ -34,7 +34,18 @@ from common import machine, print_table, slug, timed_steps, versions, write_json
 
 from lmuscale import layers
 
-FORMS = ("products", "elementwise")
+# Each form: the layers' module settings patched while it is traced, and XLA's options for its
+# compile. "bf16 scores" and "bf16 all" are layers.NARROW_PRODUCTS's settings.
+FORMS = {
+    "products": ({"Q_PRIME_SUMS": "products", "NARROW_PRODUCTS": "none"}, {}),
+    "products, bf16 scores": ({"Q_PRIME_SUMS": "products", "NARROW_PRODUCTS": "scores"}, {}),
+    "products, bf16 all": ({"Q_PRIME_SUMS": "products", "NARROW_PRODUCTS": "all"}, {}),
+    "products, bf16 scores, cuBLAS": (
+        {"Q_PRIME_SUMS": "products", "NARROW_PRODUCTS": "scores"},
+        {"xla_gpu_enable_triton_gemm": False},
+    ),
+    "elementwise": ({"Q_PRIME_SUMS": "elementwise", "NARROW_PRODUCTS": "none"}, {}),
+}
 MODEL = "lmu-1M"  # one of gpu.py's profiled models
 SMOKE = bool(os.environ.get("SMOKE"))
 
@@ -44,6 +55,7 @@ def main(argv=None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--budget", type=float, default=300.0, help="seconds; nothing starts after")
     parser.add_argument("--steps", type=int, default=10)
+    parser.add_argument("--forms", nargs="+", choices=list(FORMS), default=list(FORMS))
     parser.add_argument("--out", type=Path, default=Path("benchmarks/results/q_prime_forms.json"))
     args = parser.parse_args(argv)
     seq_len, micro, batch = (64, 1, 8) if SMOKE else (1024, 64, 512)
@@ -64,18 +76,29 @@ def main(argv=None) -> None:
         "micro_batch": [],
         "train": [],
     }
-    for form in FORMS:
+    for form in args.forms:
         if left() <= 0:
             break
+        settings, xla = FORMS[form]
         compile_start = time.perf_counter()
-        with mock.patch.object(layers, "Q_PRIME_SUMS", form):
-            compiled, state, tokens = gpu.micro_batch_step(MODEL, options)
-        compile_seconds = time.perf_counter() - compile_start
-        state, _ = timed_steps(compiled, state, tokens, 2)
-        state, times = timed_steps(compiled, state, tokens, args.steps)
+        try:
+            with mock.patch.multiple(layers, **settings):
+                compiled, state, tokens = gpu.micro_batch_step(MODEL, options, xla)
+            compile_seconds = time.perf_counter() - compile_start
+            state, _ = timed_steps(compiled, state, tokens, 2)
+            state, times = timed_steps(compiled, state, tokens, args.steps)
+        except Exception as error:  # a form that fails to compile or run is a row, not the end
+            record["micro_batch"].append(
+                {"form": form, "error": f"{type(error).__name__}: {error}"[:2000]}
+            )
+            write_json(args.out, record, quiet=True)
+            print(f"{form}: {type(error).__name__}: {str(error)[:300]}", file=sys.stderr)
+            continue
         record["micro_batch"].append(
             {
                 "form": form,
+                **settings,
+                "xla_options": xla,
                 "batch": micro,
                 "seq_len": seq_len,
                 "compile_seconds": compile_seconds,
@@ -84,7 +107,8 @@ def main(argv=None) -> None:
             }
         )
         write_json(args.out, record, quiet=True)
-    rows = record["micro_batch"]
+        print(f"{form}: {1e3 * statistics.median(times):.1f} ms", file=sys.stderr, flush=True)
+    rows = [r for r in record["micro_batch"] if "error" not in r]
     print_table(
         f"{MODEL}, one micro-batch of {micro} x {seq_len}",
         ("q' sums", "ms", "compile s"),
@@ -96,7 +120,7 @@ def main(argv=None) -> None:
     if not rows:
         return
     best = min(rows, key=lambda r: r["step_seconds"])["form"]
-    with mock.patch.object(layers, "Q_PRIME_SUMS", best):
+    with mock.patch.multiple(layers, **FORMS[best][0]):
         for loss in ("auto", "xla"):
             if left() <= 0:
                 break
@@ -109,13 +133,13 @@ def main(argv=None) -> None:
                 f"{1e3 * row['step_seconds']:.1f} ms, MFU {row['mfu']}"
             )
         if left() > 0:
-            record["profile"] = profile(options, args.out.parent)
+            record["profile"] = {"form": best, **profile(options, args.out.parent)}
             write_json(args.out, record, quiet=True)
     write_json(args.out, record)
 
 
 def profile(options, out: Path) -> dict:
-    """``gpu.py``'s profile of lmu-1M's micro-batch, in the form set now; its Perfetto trace
+    """``gpu.py``'s profile of lmu-1M's micro-batch, in the form patched in now; its Perfetto trace
     copied to ``out``."""
     folder = gpu.ROOT / "benchmarks" / "results" / f"profile-{slug(machine()['device_kind'])}"
     row = gpu.profile_one(MODEL, options, folder / f"{MODEL}-q-prime")
@@ -123,7 +147,7 @@ def profile(options, out: Path) -> dict:
         (out / f"profile-{MODEL}-q-prime.json.gz").write_bytes(trace.read_bytes())
     for op in row["top_ops"]:
         print(f"{op['ms']:8.2f} ms {op['count']:5.0f}  {op['op'][:80]}")
-    return {"form": layers.Q_PRIME_SUMS, **row}
+    return row
 
 
 if __name__ == "__main__":

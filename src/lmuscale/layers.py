@@ -218,10 +218,19 @@ def channels_last_memory() -> bool:
 # elementwise kernel was not. benchmarks/q_prime_forms.py times both forms.
 Q_PRIME_SUMS = "products"
 
+# Which of those products take their operands in a bfloat16 model's own dtype (EXPERIMENT):
+# "none", every operand float32; "scores", the forward's gelu(Q) and gelu(K), whose products
+# are exact in float32, so the scores are the same sums; "all", the backward's too, with
+# dscores rounded to the model's dtype.
+NARROW_PRODUCTS = "none"
 
-def _per_position_product(subscripts: str, a, b):
-    """``jnp.einsum(subscripts, a, b)`` at full precision, the positions (``...``) a batch."""
-    return jnp.einsum(subscripts, a, b, precision=lax.Precision.HIGHEST)
+
+def _per_position_product(subscripts: str, a, b, wide):
+    """``jnp.einsum(subscripts, a, b)`` at full precision, summed in ``wide``, the positions
+    (``...``) a batch."""
+    return jnp.einsum(
+        subscripts, a, b, precision=lax.Precision.HIGHEST, preferred_element_type=wide
+    )
 
 
 def _channels_last_pre(qkv_3xKx___xD, bias_3xK, dtype):
@@ -235,12 +244,12 @@ def _implicit_attention_channels_last_fwd(qkv_3xKx___xD, bias_3xK, p_K, dtype):
     """The forward pass of ``implicit_attention_channels_last``: ``m_x___xD`` and the
     residuals, the input and the softmax's ``weights_KxKx___`` and ``w_Kx___``."""
     wide = _wide(dtype)
-    gq, gk, gv = (
-        gelu(pre).astype(wide) for pre in _channels_last_pre(qkv_3xKx___xD, bias_3xK, dtype)
-    )
+    narrow = [gelu(pre) for pre in _channels_last_pre(qkv_3xKx___xD, bias_3xK, dtype)]
+    gq, gk, gv = (g.astype(wide) for g in narrow)
     # scores[i, k] = sum over the d channels of gelu(Q)[i, d] gelu(K)[k, d], at every step.
     if Q_PRIME_SUMS == "products":
-        scores_KxKx___ = _per_position_product("i...d,k...d->ik...", gq, gk)
+        a, b = narrow[:2] if NARROW_PRODUCTS != "none" else (gq, gk)
+        scores_KxKx___ = _per_position_product("i...d,k...d->ik...", a, b, wide)
     else:  # a reduction along the minor axis
         scores_KxKx___ = jnp.sum(gq[:, None] * gk[None, :], axis=-1)
     weights_KxKx___ = jax.nn.softmax(scores_KxKx___ / math.sqrt(gq.shape[-1]), axis=1)
@@ -265,7 +274,8 @@ def _implicit_attention_channels_last_bwd(dtype, residuals, dm_x___xD):
     qkv_3xKx___xD, bias_3xK, p_K, weights_KxKx___, w_Kx___ = residuals
     wide = _wide(dtype)
     pre_3xxKx___xD = _channels_last_pre(qkv_3xKx___xD, bias_3xK, dtype)
-    gq, gk, gv = (gelu(pre).astype(wide) for pre in pre_3xxKx___xD)
+    narrow = [gelu(pre) for pre in pre_3xxKx___xD]
+    gq, gk, gv = (g.astype(wide) for g in narrow)
     dm_1x___xD = dm_x___xD.astype(dtype).astype(wide)[None]
     # m = gelu(V)^T w, w = p softmax(scores), scores = gelu(Q) gelu(K)^T / sqrt(d).
     dgv_Kx___xD = w_Kx___[..., None] * dm_1x___xD
@@ -278,8 +288,12 @@ def _implicit_attention_channels_last_bwd(dtype, residuals, dm_x___xD):
     dscores_KxKx___ = weights_KxKx___ * (dweights_KxKx___ - inner_Kx1x___) * scale
     # dgelu(Q)[i, d] = sum_k dscores[i, k] gelu(K)[k, d], and dgelu(K) likewise over i.
     if Q_PRIME_SUMS == "products":
-        dgq_Kx___xD = _per_position_product("ik...,k...d->i...d", dscores_KxKx___, gk)
-        dgk_Kx___xD = _per_position_product("ik...,i...d->k...d", dscores_KxKx___, gq)
+        if NARROW_PRODUCTS == "all":
+            ds, (nq, nk) = dscores_KxKx___.astype(dtype), narrow[:2]
+        else:
+            ds, nq, nk = dscores_KxKx___, gq, gk
+        dgq_Kx___xD = _per_position_product("ik...,k...d->i...d", ds, nk, wide)
+        dgk_Kx___xD = _per_position_product("ik...,i...d->k...d", ds, nq, wide)
     else:
         dscores_KxKx___x1 = dscores_KxKx___[..., None]
         dgq_Kx___xD = _sum_of_products(dscores_KxKx___x1, gk[None], axis=1)
