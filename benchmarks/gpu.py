@@ -467,9 +467,11 @@ def micro_batch_step(name: str, args, options: dict | None = None):
 
 
 def hlo_sources(hlo_text: str) -> dict:
-    """Instruction name -> the JAX operation it came from (its ``op_name`` metadata)."""
+    """Instruction name -> the JAX operation it came from (its ``op_name`` metadata), each name
+    also as a GPU's kernels spell it in a trace, dots as underscores (``gemm_fusion_dot.233``,
+    ``gemm_fusion_dot_233``)."""
     found = re.findall(r'^\s*(?:ROOT )?%(\S+) = .*?op_name="([^"]*)"', hlo_text, re.MULTILINE)
-    return dict(found)
+    return {spelled: op for name, op in found for spelled in (name.replace(".", "_"), name)}
 
 
 def top_operations(folder: Path, steps: int, sources: dict) -> list[dict]:

@@ -345,8 +345,9 @@ def test_the_profile_part_ranks_a_traced_programs_operations_and_names_their_sou
 
 def test_the_profile_part_names_the_source_of_a_kernel_replayed_in_a_cuda_graph(tmp_path):
     # As an H200 traced lmu-1M: a kernel run inside a command buffer has the buffer's name as
-    # hlo_op and its fusion's as its own name; a kernel outside one has its fusion as hlo_op.
-    # The host's events are not the device's operations.
+    # hlo_op and its fusion's as its own name, spelled with an underscore where the compiled
+    # module has a dot (input_transpose_fusion.33); a kernel outside one has its fusion as
+    # hlo_op. The host's events are not the device's operations.
     import gzip
 
     gpu = _gpu_module()
@@ -370,7 +371,7 @@ def test_the_profile_part_names_the_source_of_a_kernel_replayed_in_a_cuda_graph(
         gzip.compress(json.dumps({"traceEvents": events}).encode())
     )
     sources = gpu.hlo_sources(
-        "  %input_transpose_fusion_33 = f32[4,8]{1,0} fusion(%p), kind=kInput, "
+        "  %input_transpose_fusion.33 = f32[4,8]{1,0} fusion(%p), kind=kInput, "
         'metadata={op_name="jit(step)/jvp(ImplicitSelfAttention)/transpose"}\n'
         "  %loop_pad_fusion = f32[8]{0} fusion(%q), kind=kLoop, "
         'metadata={op_name="jit(step)/pad"}\n'

@@ -55,9 +55,11 @@ MEMORY_IMPLS = kernels.IMPLS
 
 # (Device kind, compute dtype) where a committed GPU benchmark (benchmarks/gpu.py's ``block``
 # part, results under benchmarks/results/) measured the kernels' forward+backward faster than
-# the XLA chunked path. None yet: on the H200 (gpu-nvidia-h200.json, 2026-11-27) they took 3.3x
+# the XLA chunked path. None yet: on the H200 (gpu-nvidia-h200-2026-11-27.json) they took 3.3x
 # XLA's time in bfloat16 and 24x in float32; on the H100 (gpu-nvidia-h100-80gb-hbm3.json,
-# 2026-11-28) 4.3x in bfloat16 (132.3 ms against 30.8), and lmu-1M's paper step 3.4x.
+# 2026-11-28) 4.3x in bfloat16 (132.3 ms against 30.8), and lmu-1M's paper step 3.4x; on the
+# H200 the same day (gpu-nvidia-h200.json), against XLA's channels-last path, 6.5x (134.7 ms
+# against 20.7) and the paper step 4.6x (3,509 ms against 767).
 FASTER_THAN_XLA: frozenset[tuple[str, str]] = frozenset()
 
 PRECISIONS = ("exact", "fast")
