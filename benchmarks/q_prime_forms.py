@@ -1,12 +1,14 @@
-"""The channels-last attention's q' x q' sums on a GPU, in each form of ``layers.Q_PRIME_SUMS``.
+"""The channels-last attention's q' x q' sums on a GPU, in each form of ``layers.Q_PRIME_SUMS``
+and ``layers.NARROW_PRODUCTS``.
 
-    python benchmarks/q_prime_forms.py [--budget SECONDS] [--steps 10]
+    python benchmarks/q_prime_forms.py [--budget SECONDS] [--steps 10] [--forms FORM ...]
         [--out benchmarks/results/q_prime_forms.json]
 
 Compiles lmu-1M's paper train step for one micro-batch of 64 x 1024 tokens (as
 ``gpu.py``'s profile part) with the attention's scores and its gradient's dgelu(Q), dgelu(K)
-formed by matrix products batched over the positions ("products", the layers' form) and by
-sums over broadcast products ("elementwise"), and times --steps steps of each (the median);
+formed by matrix products batched over the positions with bf16 operands ("products", the
+layers' form), the same with float32 operands ("products, float32 operands") and by sums
+over broadcast products ("elementwise"), and times --steps steps of each (the median);
 then, where --budget allows, the paper step at 512 x 1024 in 8 micro-batches in the faster
 form, with the cross-entropy "auto" picks and with XLA's, and a ``jax.profiler`` trace of its
 micro-batch (the top operations, and the trace as ``profile-<model>-q-prime.json.gz`` beside
@@ -14,8 +16,12 @@ micro-batch (the top operations, and the trace as ``profile-<model>-q-prime.json
 
 On an H100 (results/q_prime_forms-h100.json, 2026-11-28; the experiment's six forms, of which
 "dots/dots" is "products" and "broadcast/reduce" "elementwise"), lmu-1M's micro-batch took
-124.1 ms by products against 149.8 elementwise. ``SMOKE=1`` runs the script on a CPU at tiny
-shapes, with the GPU's layout, to check it.
+124.1 ms by products (then with float32 operands) against 149.8 elementwise. On an H200
+(results/q_prime_forms-h200.json, 2026-11-28, the forms of commit a7d1a83), by products
+with bf16 operands 84.9 ms, with float32 operands 97.7, with bf16 only in the forward's
+scores 92.5, and that with XLA's Triton gemms off (cuBLAS) 117.8; the paper step with bf16
+operands 663.7 ms (6.3% MFU) with the fused cross-entropy, 782.3 with XLA's. ``SMOKE=1``
+runs the script on a CPU at tiny shapes, with the GPU's layout, to check it.
 """
 
 from __future__ import annotations
@@ -35,16 +41,11 @@ from common import machine, print_table, slug, timed_steps, versions, write_json
 from lmuscale import layers
 
 # Each form: the layers' module settings patched while it is traced, and XLA's options for its
-# compile. "bf16 scores" and "bf16 all" are layers.NARROW_PRODUCTS's settings.
+# compile (none now; the experiment's fourth form turned XLA's Triton gemms off).
 FORMS = {
-    "products": ({"Q_PRIME_SUMS": "products", "NARROW_PRODUCTS": "none"}, {}),
-    "products, bf16 scores": ({"Q_PRIME_SUMS": "products", "NARROW_PRODUCTS": "scores"}, {}),
-    "products, bf16 all": ({"Q_PRIME_SUMS": "products", "NARROW_PRODUCTS": "all"}, {}),
-    "products, bf16 scores, cuBLAS": (
-        {"Q_PRIME_SUMS": "products", "NARROW_PRODUCTS": "scores"},
-        {"xla_gpu_enable_triton_gemm": False},
-    ),
-    "elementwise": ({"Q_PRIME_SUMS": "elementwise", "NARROW_PRODUCTS": "none"}, {}),
+    "products": ({"Q_PRIME_SUMS": "products", "NARROW_PRODUCTS": True}, {}),
+    "products, float32 operands": ({"Q_PRIME_SUMS": "products", "NARROW_PRODUCTS": False}, {}),
+    "elementwise": ({"Q_PRIME_SUMS": "elementwise", "NARROW_PRODUCTS": False}, {}),
 }
 MODEL = "lmu-1M"  # one of gpu.py's profiled models
 SMOKE = bool(os.environ.get("SMOKE"))

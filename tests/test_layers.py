@@ -280,6 +280,33 @@ def test_the_attention_as_on_a_gpu_forms_its_q_prime_sums_by_products_over_the_p
     assert sorted(m for m in moves if m >= q_size) == [q_size, q_size]
 
 
+def _batched_products(text: str) -> list[tuple[str, str, str]]:
+    """The element types of every batched ``dot_general`` in a lowered (StableHLO) program:
+    ``(left operand, right operand, result)``."""
+    found = re.findall(
+        r"stablehlo\.dot_general [^\n]*batching_dims[^\n]*: \(tensor<[\dx]*x(\w+)>, "
+        r"tensor<[\dx]*x(\w+)>\) -> tensor<[\dx]*x(\w+)>",
+        text,
+    )
+    return sorted(found)
+
+
+@pytest.mark.parametrize(
+    ("dtype", "narrow", "operands"),
+    [("bfloat16", True, "bf16"), ("bfloat16", False, "f32"), ("float32", True, "f32")],
+)
+def test_the_attention_s_products_over_the_positions_take_the_model_s_dtype_and_sum_in_float32(
+    dtype, narrow, operands, monkeypatch
+):
+    # NARROW_PRODUCTS: in a bfloat16 model the scores, dgelu(Q) and dgelu(K) multiply bfloat16
+    # operands (gelu(Q), gelu(K) and the rounded dscores) and sum in float32; turned off, or in
+    # a float32 model, float32 operands. Each product's result is float32 either way.
+    monkeypatch.setattr(layers, "channels_last_memory", lambda: True)
+    monkeypatch.setattr(layers, "NARROW_PRODUCTS", narrow)
+    lowered, _ = _lowered_layer_gradient(dtype)
+    assert _batched_products(lowered.as_text()) == [(operands, operands, "f32")] * 3
+
+
 def test_the_attention_as_on_a_gpu_in_bfloat16_is_the_cpu_s_to_its_rounding(monkeypatch):
     # The same bf16 layer through either path: outputs and gradients (input, L, biases, p)
     # within bf16's rounding of each other, and not equal (each path was traced anew).

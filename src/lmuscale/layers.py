@@ -197,11 +197,13 @@ def channels_last_memory() -> bool:
     (3 q', c, B, J, d), read by ``implicit_attention_channels_last``: where JAX computes on a
     GPU. There XLA's reductions want the summed axis minor; in the order (B, J, d, q', c) an
     H200 spent 68 of lmu-1M's 171 ms per micro-batch transposing Q, K and V
-    (results/gpu-nvidia-h200.json). Compiled for an H100 (benchmarks/gpu_aot.py), lmu-1M's
-    step then moves 203.5 GB per micro-batch of 64 x 1024 in bfloat16 against 290.9 (the
-    memory 75.6 against 167.0), a floor of 60.7 ms against 86.8; timed on an H100, the
+    (results/gpu-nvidia-h200-2026-11-27.json). Compiled for an H100 (benchmarks/gpu_aot.py),
+    lmu-1M's step then moves 203.5 GB per micro-batch of 64 x 1024 in bfloat16 against 290.9
+    (the memory 75.6 against 167.0), a floor of 60.7 ms against 86.8; timed on an H100, the
     micro-batch took 150.8 ms against 178.0 (results/gpu-nvidia-h100-80gb-hbm3.json's
-    profiles). XLA's CPU backend is faster in the other order, which is kept off a GPU."""
+    profiles), and on an H200, with the attention's q' x q' sums as products, 99.1 against
+    159.1 (results/gpu-nvidia-h200.json). XLA's CPU backend is faster in the other order,
+    which is kept off a GPU."""
     return jax.default_backend() == "gpu"
 
 
@@ -218,11 +220,15 @@ def channels_last_memory() -> bool:
 # elementwise kernel was not. benchmarks/q_prime_forms.py times both forms.
 Q_PRIME_SUMS = "products"
 
-# Which of those products take their operands in a bfloat16 model's own dtype (EXPERIMENT):
-# "none", every operand float32; "scores", the forward's gelu(Q) and gelu(K), whose products
-# are exact in float32, so the scores are the same sums; "all", the backward's too, with
-# dscores rounded to the model's dtype.
-NARROW_PRODUCTS = "none"
+# Whether those products take their operands in a model's own dtype where it is narrower than
+# float32 (bfloat16), summing in float32: the forward's gelu(Q) and gelu(K), already rounded
+# to it, so the scores are the same sums (a product of two bfloat16 numbers is exact in
+# float32), and the backward's gelu(Q), gelu(K) and dscores, which is rounded to it first, as
+# every other matrix product's input is in such a model (its gradients are then rounded to it
+# too). On an H200, lmu-1M's micro-batch of 64 x 1024 took 84.9 ms against 97.7 with float32
+# operands, which XLA converts and multiplies at full precision, and the paper step 663.7 ms
+# against 766.6 (results/q_prime_forms-h200.json, gpu-nvidia-h200.json). False: float32.
+NARROW_PRODUCTS = True
 
 
 def _per_position_product(subscripts: str, a, b, wide):
@@ -248,7 +254,7 @@ def _implicit_attention_channels_last_fwd(qkv_3xKx___xD, bias_3xK, p_K, dtype):
     gq, gk, gv = (g.astype(wide) for g in narrow)
     # scores[i, k] = sum over the d channels of gelu(Q)[i, d] gelu(K)[k, d], at every step.
     if Q_PRIME_SUMS == "products":
-        a, b = narrow[:2] if NARROW_PRODUCTS != "none" else (gq, gk)
+        a, b = narrow[:2] if NARROW_PRODUCTS else (gq, gk)
         scores_KxKx___ = _per_position_product("i...d,k...d->ik...", a, b, wide)
     else:  # a reduction along the minor axis
         scores_KxKx___ = jnp.sum(gq[:, None] * gk[None, :], axis=-1)
@@ -264,7 +270,8 @@ def implicit_attention_channels_last(qkv_3xKx___xD, bias_3xK, p_K, dtype):
     """``implicit_attention`` on Q, K and V stacked and written channels last, as
     ``lmu.chunk_product_channels_last`` writes one product of the three L_i: (3, q',
     positions..., d) in, ``m_x___xD`` (positions..., d) out. Its q' x q' sums over the channels
-    are matrix products batched over the positions (``Q_PRIME_SUMS``); the backward pass, by
+    are matrix products batched over the positions (``Q_PRIME_SUMS``), in a bfloat16 model on
+    bfloat16 operands summed in float32 (``NARROW_PRODUCTS``); the backward pass, by
     hand, returns the three gradients stacked as the product takes them, and keeps of the
     arrays that size only the input."""
     return _implicit_attention_channels_last_fwd(qkv_3xKx___xD, bias_3xK, p_K, dtype)[0]
@@ -288,7 +295,7 @@ def _implicit_attention_channels_last_bwd(dtype, residuals, dm_x___xD):
     dscores_KxKx___ = weights_KxKx___ * (dweights_KxKx___ - inner_Kx1x___) * scale
     # dgelu(Q)[i, d] = sum_k dscores[i, k] gelu(K)[k, d], and dgelu(K) likewise over i.
     if Q_PRIME_SUMS == "products":
-        if NARROW_PRODUCTS == "all":
+        if NARROW_PRODUCTS:
             ds, (nq, nk) = dscores_KxKx___.astype(dtype), narrow[:2]
         else:
             ds, nq, nk = dscores_KxKx___, gq, gk
