@@ -31,9 +31,9 @@ LOSS_IMPLS = kernels.IMPLS
 # forward+backward faster than the XLA path at the paper's micro-batch, 64 x 1024 tokens, at
 # d = 48 and 204. The H200 (gpu-nvidia-h200-2026-11-27.json; gpu-nvidia-h200.json, the next
 # day, within 1% of it): 2.0x at d = 48, 1.4x at 204 in bfloat16; in float32 as fast at 48
-# and 14x slower at 204, so not there. The H100
-# (gpu-nvidia-h100-80gb-hbm3.json, 2026-11-28): 2.5x at 48 and 1.6x at 204 in bfloat16 (lmu-1M's
-# paper step 1,015 ms against 1,180); in float32 1.3x at 48 and 15x slower at 204.
+# and 14x slower at 204, so not there. The H100 (gpu-nvidia-h100-80gb-hbm3.json, 2026-11-28):
+# 2.5x at 48 and 1.6x at 204 in bfloat16 (lmu-1M's paper step 1,015 ms against 1,180); in
+# float32 1.3x at 48 and 15x slower at 204.
 FASTER_THAN_XLA: frozenset[tuple[str, str]] = frozenset(
     {("NVIDIA H200", "bfloat16"), ("NVIDIA H100 80GB HBM3", "bfloat16")}
 )
