@@ -56,10 +56,17 @@ def _free_port() -> int:
 
 
 def _start(
-    workdir: Path, data: Path, processes: int, devices: int, reads: str = "", cache: bool = True
+    workdir: Path,
+    data: Path,
+    processes: int,
+    devices: int,
+    reads: str = "",
+    cache: bool = True,
+    hang: dict[int, str] | None = None,
 ) -> list:
     """``processes`` training processes of ``devices`` CPU devices each on ``workdir``; they
-    compile through the module's cache (``cache``: and write to it; not a run to be killed)."""
+    compile through the module's cache (``cache``: and write to it; not a run to be killed).
+    ``hang``: ``LMUSCALE_TEST_HANG`` (``multiprocess_train.py``) of the processes it names."""
     port = _free_port()
     flags = os.environ.get("XLA_FLAGS", "")  # the suite's (conftest.py)
     started = []
@@ -71,6 +78,7 @@ def _start(
             "PYTHONPATH": str(HERE),
             "XLA_FLAGS": f"{flags} --xla_force_host_platform_device_count={devices}".strip(),
             "LMUSCALE_TEST_READS": f"{workdir}.{reads}{i}.reads" if reads else "",
+            "LMUSCALE_TEST_HANG": (hang or {}).get(i, ""),
         }
         command = [
             sys.executable,
@@ -118,13 +126,22 @@ def _ours(stderr: str) -> str:
     return "\n".join(line for line in stderr.splitlines() if not line.startswith("[Gloo]"))
 
 
-def _wait_for(workdir: Path, processes: list, lines: int, checkpoint: bool = False) -> None:
+def _wait_for(
+    workdir: Path,
+    processes: list,
+    lines: int,
+    checkpoint: bool = False,
+    marker: Path | None = None,
+) -> None:
+    """Until ``metrics.jsonl`` has ``lines`` lines, a checkpoint is written (``checkpoint``)
+    and ``marker`` exists (when given)."""
     metrics = workdir / "metrics.jsonl"
     deadline = time.monotonic() + 300
     while not (
         metrics.exists()
         and len(metrics.read_text().splitlines()) >= lines
         and (not checkpoint or _checkpoints(workdir))
+        and (marker is None or marker.exists())
     ):
         if any(p.poll() is not None for p in processes) or time.monotonic() > deadline:
             raise AssertionError(f"the run ended or stalled: {_finish(processes, 10)}")
@@ -179,22 +196,28 @@ def killed(byte_corpus, reference):
     """Two processes; process 1 is killed (SIGKILL) between the first and the second
     checkpoint, and both are started again."""
     workdir = reference.parent / "killed"
-    # It may write the compilation cache: by step 12 it has compiled all it ever will (the
-    # train and eval steps, the plateau update), so the kill cannot tear an entry.
-    processes = _start(workdir, byte_corpus, 2, 1, reads="a")
-    _wait_for(workdir, processes, 12, checkpoint=True)
+    # Process 1 waits before its batch of step 12, where process 0 can go no further than its
+    # next collective: the kill lands there whatever the two processes' speeds, never in the
+    # save of step 16 (where only the coordinator's heartbeat timeout ends a survivor; the
+    # README says so). By then the run has compiled all it ever will (the train and eval steps,
+    # the plateau update), so it may write the compilation cache: the kill cannot tear an entry.
+    hanging = workdir.parent / "killed.hanging"
+    processes = _start(workdir, byte_corpus, 2, 1, reads="a", hang={1: f"batch:12:{hanging}"})
+    _wait_for(workdir, processes, 1, checkpoint=True, marker=hanging)
     processes[1].kill()
     killed_at = time.monotonic()
     [(status, _, stderr)] = _finish(processes[:1], timeout=LOST_BOUND)
     seconds = time.monotonic() - killed_at
     _finish(processes[1:])
     print(f"process 0 exited {seconds:.2f} s after process 1 was killed, status {status}")
+    left = _checkpoints(workdir), _lines(workdir / "metrics.jsonl")[-1]["step"]
     restarted = _finish(_start(workdir, byte_corpus, 2, 1, reads="b"))
-    return workdir, status, stderr, seconds, restarted
+    return workdir, status, stderr, seconds, restarted, left
 
 
 def test_the_survivor_of_a_killed_process_exits_with_a_named_error(killed):
-    _, status, stderr, seconds, _ = killed
+    _, status, stderr, seconds, _, (checkpoints, last_step) = killed
+    assert (checkpoints, last_step) == ([8], 11)  # killed where the fixture meant to
     assert status == 5, stderr[-3000:]
     assert seconds < LOST_BOUND
     assert "Traceback" not in stderr
@@ -203,8 +226,28 @@ def test_the_survivor_of_a_killed_process_exits_with_a_named_error(killed):
     assert "start all 2 processes again to resume" in line
 
 
+def test_a_process_killed_in_a_save_ends_the_other_at_the_save_s_first_collective(
+    byte_corpus, reference
+):
+    """Orbax's save begins with an all-gather across the processes: the survivor fails there
+    at once (gloo's error, a ValueError, under the checkpoint's) and exits as from a step's."""
+    workdir = reference.parent / "killed-saving"
+    hanging = workdir.parent / "killed-saving.hanging"
+    processes = _start(workdir, byte_corpus, 2, 1, hang={1: f"save:16:{hanging}"})
+    _wait_for(workdir, processes, 1, marker=hanging)
+    processes[1].kill()
+    [(status, _, stderr)] = _finish(processes[:1], timeout=LOST_BOUND)
+    _finish(processes[1:])
+    assert status == 5, stderr[-3000:]
+    [line] = [line for line in stderr.splitlines() if line.strip()]
+    assert line.startswith("error: process 0 of 2 lost contact with the others (saving ")
+    assert "checkpoint 16" in line and "Gloo" in line
+    assert "start all 2 processes again to resume" in line
+    assert _checkpoints(workdir) == [8]
+
+
 def test_both_processes_restarted_resume_to_the_reference_bit_for_bit(killed, reference):
-    workdir, *_, restarted = killed
+    workdir, *_, restarted, _ = killed
     assert [status for status, *_ in restarted] == [0, 0], restarted
     assert _records(workdir / "metrics.jsonl", TRAIN_KEYS) == _records(
         reference / "metrics.jsonl", TRAIN_KEYS
@@ -221,7 +264,7 @@ def test_both_processes_restarted_resume_to_the_reference_bit_for_bit(killed, re
 
 
 def test_only_process_0_writes_the_workdir_files(killed):
-    workdir, *_, restarted = killed
+    workdir, *_, restarted, _ = killed
     assert [r["step"] for r in _lines(workdir / "metrics.jsonl")] == list(range(1, STEPS + 1))
     # one event file for each of the two sessions, both of process 0
     assert len(list((workdir / "tensorboard").rglob("events.*"))) == 2

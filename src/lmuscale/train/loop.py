@@ -4,8 +4,9 @@ Batches are a function of (seed, step) and a checkpoint holds the rest, so a res
 the same numbers as an uninterrupted one. A stop signal (``STOP_SIGNALS``) checkpoints after the
 current step and raises ``TrainingInterrupted``. With several processes, process 0 alone writes
 the workdir's files (orbax saves from all), a signal to any one stops all after the same step
-(``_StopAgreement``), and a collective that fails because another process died raises
-``LostProcess`` at once instead of after the coordinator's heartbeat timeout.
+(``_StopAgreement``), and a collective that fails because another process died (a step's, or
+one in a checkpoint's save) raises ``LostProcess`` at once instead of after the coordinator's
+heartbeat timeout.
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ import contextlib
 import dataclasses
 import itertools
 import math
+import re
 import signal
 import sys
 import threading
@@ -42,7 +44,7 @@ from lmuscale.outcomes import LostProcess, TrainingDiverged, TrainingInterrupted
 from lmuscale.train import config as config_lib
 from lmuscale.train import memory, optim, wandb_log
 from lmuscale.train import step as step_lib
-from lmuscale.train.checkpoint import Checkpoints, restore_target
+from lmuscale.train.checkpoint import CheckpointError, Checkpoints, restore_target
 from lmuscale.train.metrics import MetricsLog, StepMetrics, device_peak, mfu, progress_line
 from lmuscale.train.profile import StepTrace
 
@@ -213,8 +215,8 @@ def _train(c, workdir: Path, model_config, dataset, mesh, primary: bool, show: b
         with _StopSignals() as stop:
             train(session, stop)
             return summarise(session)
-    except jax.errors.JaxRuntimeError as error:
-        if jax.process_count() == 1:
+    except (jax.errors.JaxRuntimeError, CheckpointError) as error:
+        if jax.process_count() == 1 or not _lost_contact(error):
             raise
         session.lost = True  # orbax's threads would wait for the lost process: leave them
         raise LostProcess(
@@ -225,6 +227,21 @@ def _train(c, workdir: Path, model_config, dataset, mesh, primary: bool, show: b
         ) from None
     finally:
         session.close()
+
+
+def _lost_contact(error: BaseException) -> bool:
+    """Whether ``error`` (or an error it was raised from) is a collective that failed: XLA's
+    runtime error, or on CPUs gloo's, which orbax's synchronisation in a checkpoint's save
+    meets as a ValueError ("Gloo AllGather failed: ... Connection closed by peer")."""
+    seen = set()
+    while error is not None and id(error) not in seen:
+        seen.add(id(error))
+        if isinstance(error, jax.errors.JaxRuntimeError) or re.search(
+            r"\bGloo \w+ failed", str(error)
+        ):
+            return True
+        error = error.__cause__ or error.__context__
+    return False
 
 
 class Clock:
