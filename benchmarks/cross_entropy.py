@@ -1,6 +1,10 @@
 """The cross-entropy's implementations: the loss alone, and the train step around it.
 
     python benchmarks/cross_entropy.py --part loss [--widths 48 204] [--batch 64]
+    python benchmarks/cross_entropy.py --part loss-tiles [--widths 204] [--dtypes bfloat16]
+        [--kernels forward dh dw] [--tiles 32 64 128] [--warps 4 8 16] [--stages 1 2 3]
+        [--resources kernel_resources-sm90a-loss-launches.json] [--budget SECONDS]
+        [--interpret --vocab V]
     python benchmarks/cross_entropy.py [--models lmu-1M transformer-1M] [--batch 8] [--time 3]
 
 ``--part loss``: the loss's forward+backward alone (the gradients of the mean loss with
@@ -16,6 +20,17 @@ counts a loop body once); for "pallas", a lower bound, each kernel's operands re
 outputs written once, and beside it (``tile_loads_gb``) every tile load counted as if no
 cache held any (the forward and dh kernels load all of w once per tile of tokens).
 
+``--part loss-tiles``: each fused kernel alone (``models.fused_loss``: the forward, dh and
+dw) under every launch of a grid, rows x step tiles of --tiles, --warps and --stages (81 a
+kernel by default), at the same inputs. --resources leaves out the launches that
+``kernel_resources.py --loss-launches`` found spilling or over an H100's shared memory. Each
+row: the median ms of --repeats calls, and the largest difference from the default tiling's
+output relative to its largest value (a launch changes only the order of the sums). Then
+each kernel's fastest launch, and the loss's forward+backward under those launches against
+``default_tiling``'s. No launch starts after --budget seconds. --interpret runs the kernels
+in Pallas's interpret mode, on any backend, at a small --vocab (a CPU check of the script;
+its times mean nothing).
+
 ``--part step`` (the default): the full train step with the custom-VJP cross-entropy against
 the one it replaced, which rematerialised each chunk (its backward pass computed every
 chunk's logits again). For each model, the step is compiled both ways and XLA's own
@@ -24,12 +39,14 @@ accounting is printed: bytes accessed and FLOPs (``cost_analysis``), temporary b
 and the median ratio of the pairs. Its cost analysis also counts the loss's loop body once:
 with more than one chunk of positions the figures hold one chunk's loss. ``--loss-chunk``
 equal to batch x seq_len makes the loss one chunk, so its counts are whole (and its memory is
-not). Both parts write JSON.
+not). Every part writes JSON.
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
+import json
 import statistics
 import sys
 import time
@@ -160,19 +177,19 @@ def kernel_bytes(tokens: int, width: int, dtype: str, vocab: int) -> tuple[float
 
     compulsory: each operand read once and each output written once (three passes over h
     and w, lse and the target logit out, lse, targets and the cotangent in to each backward
-    kernel, dh and the float32 dw out). Every tile load: the forward and dh kernels load all
-    of w once per tile of tokens and the dw kernel all of h once per tile of the vocabulary,
-    as if no cache held any of it.
+    kernel, dh and the float32 dw out). Every tile load: each program of the forward and dh
+    kernels loads all of w, and each of the dw kernel's all of h, as if no cache held any.
     """
-    wide = fused_loss.padded_width(width)
-    token_tile, vocab_tile = fused_loss.tiles(width, dtype)
-    token_tiles, vocab_tiles = -(-tokens // token_tile), -(-vocab // vocab_tile)
+    wide, tiling = fused_loss.padded_width(width), fused_loss.default_tiling(width, dtype)
+    n = -(-tokens // tiling.token_multiple) * tiling.token_multiple
+    v = -(-vocab // tiling.vocab_multiple) * tiling.vocab_multiple
     item = jnp.dtype(dtype).itemsize
-    h, w = token_tiles * token_tile * wide * item, vocab_tiles * vocab_tile * wide * item
-    per_token = 4 * token_tiles * token_tile
-    small = 2 * per_token + 2 * 3 * per_token + h + vocab_tiles * vocab_tile * wide * 4
+    h, w = n * wide * item, v * wide * item
+    small = 2 * 4 * n + 2 * 3 * 4 * n + h + v * wide * 4
     compulsory = 3 * (h + w) + small
-    every_load = 2 * (h + token_tiles * w) + (w + vocab_tiles * h) + small
+    # Each program of the forward and dh kernels loads all of w, each of dw's all of h.
+    programs = (n // tiling.forward.rows, n // tiling.dh.rows, v // tiling.dw.rows)
+    every_load = 2 * h + (programs[0] + programs[1]) * w + w + programs[2] * h + small
     return compulsory, every_load
 
 
@@ -207,13 +224,12 @@ def measure_loss(impl, width, dtype, batch, seq_len, repeats, reference=None):
         executed, moved = useful, xla_bytes(tokens, width, dtype, vocab)
         row["bytes_counted_by"] = "XLA's cost analysis of one chunk, times the chunks"
     else:
-        token_tile, vocab_tile = fused_loss.tiles(width, dtype)
-        padded = -(-vocab // vocab_tile) * vocab_tile
+        tiling = fused_loss.default_tiling(width, dtype)
+        padded = -(-vocab // tiling.vocab_multiple) * tiling.vocab_multiple
         executed = 10 * tokens * padded * fused_loss.padded_width(width)
         moved, every_load = kernel_bytes(tokens, width, dtype, vocab)
         row.update(
-            token_tile=token_tile,
-            vocab_tile=vocab_tile,
+            tiling=dataclasses.asdict(tiling),
             bytes_counted_by="compulsory traffic, a lower bound (kernel_bytes)",
             tile_loads_gb=every_load / 1e9,
         )
@@ -252,6 +268,164 @@ def measure_losses(widths, dtypes, batch, seq_len, repeats, impls=LOSS_IMPLS) ->
                 rows.append(row)
                 outputs = None
     return rows
+
+
+KERNELS = ("forward", "dh", "dw")  # as in ``fused_loss.Tiling``
+# The order the sweep takes them in: the longest first (on the H200 at d = 204, 15.2, 13.4 and
+# 7.2 ms of lmu-1M's micro-batch), so that a spent budget leaves out the least.
+SWEEP_ORDER = ("dw", "dh", "forward")
+# Each kernel's launches that --part loss-tiles tries, unless told others: tiles of 32 to 128
+# rows along each of its two axes, 4 to 16 warps, 1 to 3 pipelining stages. At 16 warps a
+# thread has at most 128 registers; compiled for an H100 at d = 204 in bfloat16
+# (kernel_resources-sm90a-loss-launches.json), that is where dh and dw hold 128-row tiles
+# without spilling, besides 8 warps at a step of 32.
+SWEEP_TILES, SWEEP_WARPS, SWEEP_STAGES = (32, 64, 128), (4, 8, 16), (1, 2, 3)
+
+
+def launch_candidates(tiles=SWEEP_TILES, warps=SWEEP_WARPS, stages=SWEEP_STAGES) -> list:
+    """Every ``fused_loss.Launch`` of the given tiles (rows and step), warps and stages."""
+    return [
+        fused_loss.Launch(rows, step, n_warps, n_stages)
+        for rows in tiles
+        for step in tiles
+        for n_warps in warps
+        for n_stages in stages
+    ]
+
+
+def unfit_launches(path: Path, width: int, dtype: str) -> frozenset:
+    """The ``(kernel, Launch)`` pairs that ``kernel_resources.py --loss-launches`` (its JSON at
+    ``path``) found spilling registers or over an H100's shared memory at (``width``,
+    ``dtype``)."""
+    unfit = set()
+    for row in json.loads(path.read_text())["rows"]:
+        if row.get("d") != width or not row["case"].startswith(f"loss d={width} {dtype} "):
+            continue
+        if row.get("fits_h100") and row.get("spill_store_bytes") == 0:
+            continue
+        launch = fused_loss.Launch(row["rows"], row["step"], row["num_warps"], row["num_stages"])
+        unfit.add((row["kernel"].removesuffix("_kernel"), launch))
+    return frozenset(unfit)
+
+
+def _padding(kernel: str, launch) -> object:
+    """A tiling whose padding is that of ``launch`` run as ``kernel``: the forward and dh
+    kernels' rows are tokens, dw's the vocabulary."""
+    if kernel == "dw":
+        return fused_loss.Tiling.shared(launch.step, launch.rows)
+    return fused_loss.Tiling.shared(launch.rows, launch.step)
+
+
+def _kernel_program(kernel: str, launch, vocab: int, interpret: bool):
+    """``kernel`` alone under ``launch``, jitted, on the unpadded (h, w, targets) and the
+    per-token lse and cotangent (N,): the forward's lse, dh (N, d) or dw (V, d)."""
+    tiling = _padding(kernel, launch)
+
+    def run(h_BxTxD, w_VxD, targets_BxT, lse_N, g_N):
+        count, width = targets_BxT.size, h_BxTxD.shape[-1]
+        h_NxD, w_pad, targets_N = fused_loss.operands(h_BxTxD, w_VxD, targets_BxT, tiling)
+        if kernel == "forward":
+            lse_N, _ = fused_loss.forward_call(h_NxD, w_pad, targets_N, vocab, launch, interpret)
+            return lse_N[:count]
+        pad = (0, h_NxD.shape[0] - count)
+        lse_N, g_N = jnp.pad(lse_N, pad), jnp.pad(g_N, pad)
+        args = (h_NxD, w_pad, targets_N, lse_N, g_N, vocab, launch, interpret)
+        if kernel == "dh":
+            return fused_loss.dh_call(*args)[:count, :width]
+        return fused_loss.dw_call(*args)[:vocab, :width]
+
+    return jax.jit(run)
+
+
+def _median_ms(program, args, repeats: int) -> float:
+    jax.block_until_ready(program(*args))  # compiles, and warms up
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        jax.block_until_ready(program(*args))
+        times.append(time.perf_counter() - start)
+    return statistics.median(times) * 1e3
+
+
+def sweep_launches(
+    width: int,
+    dtype: str,
+    batch: int,
+    seq_len: int,
+    vocab: int,
+    kernels=SWEEP_ORDER,
+    candidates=None,
+    repeats: int = 5,
+    budget: float = float("inf"),
+    interpret: bool = False,
+    unfit=frozenset(),
+) -> dict:
+    """Each of ``kernels`` alone under each launch of ``candidates`` (``launch_candidates()``),
+    at one (d, dtype): rows of the median ms and the largest difference from the default
+    tiling's output relative to its largest value; then the fastest launch of each kernel, and
+    the loss's forward+backward under those launches against the default tiling. No launch is
+    started after ``budget`` seconds; those left are counted in ``not_started``. ``unfit``:
+    ``(kernel, Launch)`` pairs not run (``unfit_launches``), counted in ``left_out``."""
+    reason = None if interpret else fused_loss.unsupported_reason()
+    if reason is not None:
+        return {"skipped": reason}
+    started = time.monotonic()
+    candidates = launch_candidates() if candidates is None else candidates
+    h, w, targets = loss_inputs(batch, seq_len, width, dtype, vocab)
+    default = fused_loss.default_tiling(width, dtype)
+    g = jnp.full((targets.size,), 1 / targets.size, jnp.float32)  # the mean loss's cotangent
+    forward = _kernel_program("forward", default.forward, vocab, interpret)
+    args = (h, w, targets, forward(h, w, targets, g, g), g)  # the forward reads no lse, no g
+    record = {"d": width, "dtype": dtype, "batch": batch, "seq_len": seq_len, "vocab": vocab}
+    record.update(default=dataclasses.asdict(default), rows=[], not_started=0, left_out=0)
+    best = {}
+    for kernel in kernels:
+        reference_launch = getattr(default, kernel)
+        reference = np.asarray(_kernel_program(kernel, reference_launch, vocab, interpret)(*args))
+        scale = float(np.abs(reference).max())
+        for launch in candidates:
+            if (kernel, launch) in unfit and launch != reference_launch:
+                record["left_out"] += 1
+                continue
+            if time.monotonic() - started > budget:
+                record["not_started"] += 1
+                continue
+            row = {"kernel": kernel, "impl": "pallas", **dataclasses.asdict(launch)}
+            try:
+                program = _kernel_program(kernel, launch, vocab, interpret)
+                row["median_ms"] = _median_ms(program, args, repeats)
+                got = np.asarray(program(*args), np.float64)
+                row["max_diff_rel_to_max"] = float(np.abs(got - reference).max() / scale)
+            except Exception as error:  # a launch Triton refuses (shared memory, say)
+                row["error"] = f"{type(error).__name__}: {error}"[:300]
+            record["rows"].append(row)
+            print(_sweep_line(row), file=sys.stderr, flush=True)
+            if "median_ms" in row and row["median_ms"] < best.get(kernel, (np.inf,))[0]:
+                best[kernel] = (row["median_ms"], launch)
+    record["fastest"] = {k: dataclasses.asdict(launch) for k, (_, launch) in best.items()}
+    if set(best) == set(KERNELS):
+        tuned = fused_loss.Tiling(*(best[k][1] for k in KERNELS))
+        record["loss_ms"] = {
+            name: _median_ms(_loss_program(tiling, interpret), (h, w, targets), repeats)
+            for name, tiling in (("default", default), ("fastest", tuned))
+        }
+    return record
+
+
+def _loss_program(tiling, interpret: bool):
+    def loss(h, w, targets):
+        return fused_loss.cross_entropy(h, w, targets, tiling=tiling, interpret=interpret).mean()
+
+    return jax.jit(jax.value_and_grad(loss, (0, 1)))
+
+
+def _sweep_line(row: dict) -> str:
+    launch = (
+        f"{row['kernel']:>7} {row['rows']:>3} x {row['step']:<3} {row['warps']}w {row['stages']}s"
+    )
+    if "error" in row:
+        return f"  {launch}: {row['error'][:120]}"
+    return f"  {launch}: {row['median_ms']:.2f} ms (max diff {row['max_diff_rel_to_max']:.1e})"
 
 
 def print_loss_rows(rows: list[dict], title: str) -> None:
@@ -295,9 +469,85 @@ def main_loss(args) -> None:
     write_json(args.out, {"machine": machine(), "versions": versions(), **shapes, "rows": rows})
 
 
+def main_tiles(args) -> None:
+    candidates = launch_candidates(args.tiles, args.warps, args.stages)
+    records = []
+    for width in args.widths:
+        for dtype in args.dtypes:
+            record = sweep_launches(
+                width,
+                dtype,
+                args.batch,
+                args.seq_len,
+                args.vocab,
+                kernels=args.kernels,
+                candidates=candidates,
+                repeats=args.repeats,
+                budget=args.budget,
+                interpret=args.interpret,
+                unfit=unfit_launches(args.resources, width, dtype) if args.resources else (),
+            )
+            records.append({"d": width, "dtype": dtype, **record})
+            print_tile_record(records[-1], args)
+    write_json(
+        args.out,
+        {
+            "machine": machine(),
+            "versions": versions(),
+            "interpret": args.interpret,
+            "batch": args.batch,
+            "seq_len": args.seq_len,
+            "vocab": args.vocab,
+            "records": records,
+        },
+    )
+
+
+def print_tile_record(record: dict, args) -> None:
+    title = f"fused loss kernels at d = {record['d']}, {record['dtype']}"
+    if "skipped" in record:
+        print(f"{title}: not run ({record['skipped']})")
+        return
+    default = record["default"]
+    rows = []
+    for kernel in args.kernels:
+        mine = [r for r in record["rows"] if r["kernel"] == kernel and "median_ms" in r]
+        mine.sort(key=lambda r: r["median_ms"])
+        base_launch = {k: default[kernel][k] for k in ("rows", "step", "warps", "stages")}
+        for r in mine[: args.top]:
+            is_default = {k: r[k] for k in base_launch} == base_launch
+            rows.append(
+                (
+                    kernel,
+                    f"{r['rows']} x {r['step']}",
+                    r["warps"],
+                    r["stages"],
+                    f"{r['median_ms']:.2f}",
+                    f"{r['max_diff_rel_to_max']:.1e}",
+                    "default" if is_default else "",
+                )
+            )
+    failed = sum("error" in r for r in record["rows"])
+    print_table(
+        f"{title}, {args.batch} x {args.seq_len} tokens, V = {args.vocab}, "
+        f"{machine()['device_kind']}: the {args.top} fastest launches of each kernel "
+        f"({len(record['rows'])} run, {failed} refused, {record['left_out']} left out as "
+        f"unfit, {record['not_started']} not started)",
+        ("kernel", "rows x step", "warps", "stages", "ms", "max diff", ""),
+        rows,
+        left=2,
+    )
+    if "loss_ms" in record:
+        ms = record["loss_ms"]
+        print(
+            f"forward+backward: {ms['default']:.2f} ms with the default tiling, "
+            f"{ms['fastest']:.2f} with each kernel's fastest launch"
+        )
+
+
 def main(argv=None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--part", choices=("step", "loss"), default="step")
+    parser.add_argument("--part", choices=("step", "loss", "loss-tiles"), default="step")
     parser.add_argument("--models", nargs="+", default=["lmu-1M", "transformer-1M"])
     parser.add_argument("--batch", type=int, help="sequences (step: 8, loss: 64)")
     parser.add_argument("--seq-len", type=int, default=1024)
@@ -305,16 +555,38 @@ def main(argv=None) -> None:
     parser.add_argument("--loss-chunk", type=int, default=base.LOSS_CHUNK)
     parser.add_argument("--widths", nargs="+", type=int, default=[48, 204], help="loss: d")
     parser.add_argument("--dtypes", nargs="+", default=["bfloat16", "float32"])
-    parser.add_argument("--repeats", type=int, default=10, help="loss: timed calls")
+    parser.add_argument("--repeats", type=int, help="loss: timed calls (10; loss-tiles: 5)")
+    tiles = parser.add_argument_group("loss-tiles: the launches tried, and what stops the sweep")
+    tiles.add_argument("--kernels", nargs="+", choices=KERNELS, default=list(SWEEP_ORDER))
+    tiles.add_argument("--tiles", nargs="+", type=int, default=list(SWEEP_TILES))
+    tiles.add_argument("--warps", nargs="+", type=int, default=list(SWEEP_WARPS))
+    tiles.add_argument("--stages", nargs="+", type=int, default=list(SWEEP_STAGES))
+    tiles.add_argument("--budget", type=float, default=float("inf"), help="seconds")
+    tiles.add_argument("--top", type=int, default=5, help="launches printed per kernel")
+    tiles.add_argument(
+        "--resources",
+        type=Path,
+        help="kernel_resources.py --loss-launches's JSON: leave out the launches that spill "
+        "or overflow shared memory there",
+    )
+    tiles.add_argument("--vocab", type=int, default=GPT2_VOCAB)
+    tiles.add_argument(
+        "--interpret", action="store_true", help="Pallas's interpret mode (any backend; slow)"
+    )
     parser.add_argument("--out", type=Path)
     args = parser.parse_args(argv)
     kind = machine()["device_kind"]
     if args.out is None:
-        name = "cross_entropy" if args.part == "step" else "cross_entropy_loss"
+        name = {"step": "cross_entropy", "loss": "cross_entropy_loss"}.get(args.part)
+        name = name or "cross_entropy_tiles"
         args.out = Path("benchmarks/results") / f"{name}-{slug(kind)}.json"
     if args.part == "loss":
-        args.batch = args.batch or 64
+        args.batch, args.repeats = args.batch or 64, args.repeats or 10
         main_loss(args)
+        return
+    if args.part == "loss-tiles":
+        args.batch, args.repeats = args.batch or 64, args.repeats or 5
+        main_tiles(args)
         return
     args.batch = args.batch or 8
     rows = []

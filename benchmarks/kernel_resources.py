@@ -37,6 +37,7 @@ os.environ.setdefault("JAX_PLATFORMS", "cpu")
 import jax
 import jax.numpy as jnp
 from common import machine, print_table, versions, write_json
+from cross_entropy import launch_candidates
 
 from lmuscale import kernels, memory_kernel
 from lmuscale.models import fused_loss, named_config
@@ -119,11 +120,13 @@ def _ptxas(ptx: str, folder: Path, name: str) -> dict:
     }
 
 
-def compile_rows(label: str, function, args, warps: int, stages: int) -> list[dict]:
-    """One row per kernel of ``function``: Triton's shared memory, and ptxas's counts."""
+def compile_rows(label: str, function, args, launch) -> list[dict]:
+    """One row per kernel of ``function``: Triton's shared memory, and ptxas's counts;
+    ``launch(kernel name)`` is the kernel's ``(num_warps, num_stages)``."""
     _, triton = _lowering_hooks()
     rows, ptx = [], {}
     for name, module in triton_modules(function, args):
+        warps, stages = launch(name)
         row = {"case": label, "kernel": name, "num_warps": warps, "num_stages": stages}
         try:
             result = triton.compile(
@@ -165,29 +168,60 @@ def memory_rows(size: str) -> list[dict]:
 
         label = f"memory lmu-{size} {jnp.dtype(dtype).name}"
         step = jax.value_and_grad(loss, argnums=range(4))
-        rows += compile_rows(label, step, (x, w, bias, p), options.num_warps, options.num_stages)
+        launch = lambda _: (options.num_warps, options.num_stages)  # noqa: E731
+        rows += compile_rows(label, step, (x, w, bias, p), launch)
     for row in rows:
         row.update(d=d, q=q, q_prime=k, chunk=CHUNK)
     return rows
 
 
+def _loss_step(width: int, dtype, tiling):
+    """The fused loss's value and gradients under ``tiling`` at d = ``width`` (GPT-2's
+    vocabulary, 2048 tokens), and its abstract arguments."""
+    h = jax.ShapeDtypeStruct((2, 1024, width), dtype)
+    w = jax.ShapeDtypeStruct((50257, width), jnp.float32)
+    targets = jax.ShapeDtypeStruct((2, 1024), jnp.int32)
+
+    def loss(h, w, targets):
+        return jnp.mean(fused_loss.cross_entropy(h, w, targets, tiling=tiling))
+
+    return jax.value_and_grad(loss, argnums=(0, 1)), (h, w, targets)
+
+
+def _launch_of(tiling):
+    """``compile_rows``'s ``launch``: each kernel's warps and stages in ``tiling``."""
+
+    def launch(name: str) -> tuple[int, int]:
+        kernel = getattr(tiling, name.removesuffix("_kernel"))  # "dh_kernel": tiling.dh
+        return kernel.warps, kernel.stages
+
+    return launch
+
+
 def loss_rows(width: int) -> list[dict]:
-    """The fused cross-entropy's kernels at width d (GPT-2's vocabulary, 2048 tokens)."""
-    options = fused_loss._pallas_call.keywords["compiler_params"]
+    """The fused cross-entropy's kernels at width d, at their default tiling."""
     rows = []
     for dtype in (jnp.bfloat16, jnp.float32):
-        h = jax.ShapeDtypeStruct((2, 1024, width), dtype)
-        w = jax.ShapeDtypeStruct((50257, width), jnp.float32)
-        targets = jax.ShapeDtypeStruct((2, 1024), jnp.int32)
-
-        def loss(h, w, targets):
-            return jnp.mean(fused_loss.cross_entropy(h, w, targets))
-
+        tiling = fused_loss.default_tiling(width, dtype)
         label = f"loss d={width} {jnp.dtype(dtype).name}"
-        step = jax.value_and_grad(loss, argnums=(0, 1))
-        rows += compile_rows(label, step, (h, w, targets), options.num_warps, options.num_stages)
+        rows += compile_rows(label, *_loss_step(width, dtype, tiling), _launch_of(tiling))
     for row in rows:
         row.update(d=width)
+    return rows
+
+
+def loss_launch_rows(width: int, dtype, candidates) -> list[dict]:
+    """The fused cross-entropy's kernels under each launch of ``candidates`` (every kernel
+    under the same one at a time; ``cross_entropy.py --part loss-tiles`` times them on a GPU):
+    which would not fit an H100's shared memory, and which spill."""
+    rows = []
+    for launch in candidates:
+        tiling = fused_loss.Tiling(launch, launch, launch)
+        label = f"loss d={width} {jnp.dtype(dtype).name} {launch.rows}x{launch.step}"
+        found = compile_rows(label, *_loss_step(width, dtype, tiling), _launch_of(tiling))
+        for row in found:
+            row.update(d=width, rows=launch.rows, step=launch.step)
+        rows += found
     return rows
 
 
@@ -238,6 +272,12 @@ def main(argv=None) -> None:
     parser.add_argument("--sizes", nargs="+", default=["55k", "1M"], help="LMU Table 3 sizes")
     parser.add_argument("--widths", nargs="+", type=int, default=[48, 204], help="loss: d")
     parser.add_argument(
+        "--loss-launches",
+        action="store_true",
+        help="instead: the loss kernels at the first --widths in bfloat16 under every launch "
+        "that cross_entropy.py --part loss-tiles tries",
+    )
+    parser.add_argument(
         "--out",
         type=Path,
         default=Path(__file__).parent / "results" / "kernel_resources-sm90a.json",
@@ -245,10 +285,13 @@ def main(argv=None) -> None:
     args = parser.parse_args(argv)
     _lowering_hooks()
     rows = []
-    for size in args.sizes:
-        rows += memory_rows(size)
-    for width in args.widths:
-        rows += loss_rows(width)
+    if args.loss_launches:
+        rows += loss_launch_rows(args.widths[0], jnp.bfloat16, launch_candidates())
+    else:
+        for size in args.sizes:
+            rows += memory_rows(size)
+        for width in args.widths:
+            rows += loss_rows(width)
     print_rows(rows)
     ptxas = subprocess.run(["ptxas", "--version"], capture_output=True, text=True).stdout
     record = {

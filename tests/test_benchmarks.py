@@ -537,3 +537,32 @@ def test_the_gpu_compile_s_kernels_count_what_they_move_and_loops_per_trip():
     assert total["floor_seconds"] == pytest.approx(
         sum(max(r["bytes"] / 3.35232e12, r["flops"] / 989.4e12) for r in rows.values())
     )
+
+
+def test_the_loss_tile_sweep_times_every_launch_of_each_kernel_and_they_agree(tmp_path):
+    # In interpret mode at a tiny shape (times mean nothing on a CPU): 33 tokens and V = 53
+    # are whole tiles for no launch, so every launch pads both, as the kernels do on a GPU.
+    # One launch of dh, marked as spilling in a compile's resources, is left out.
+    cross_entropy = _benchmark("cross_entropy")
+    out, resources = tmp_path / "tiles.json", tmp_path / "resources.json"
+    spilling = {"case": "loss d=12 float32 4x16", "d": 12, "kernel": "dh_kernel", "rows": 4}
+    spilling.update(step=16, num_warps=4, num_stages=1, fits_h100=True, spill_store_bytes=8)
+    fitting = {**spilling, "kernel": "dw_kernel", "spill_store_bytes": 0}
+    resources.write_text(json.dumps({"rows": [spilling, fitting]}))
+    cross_entropy.main(
+        [
+            *("--part", "loss-tiles", "--interpret", "--vocab", "53", "--batch", "3"),
+            *("--seq-len", "11", "--widths", "12", "--dtypes", "float32"),
+            *("--tiles", "4", "16", "--warps", "4", "--stages", "1", "--repeats", "1"),
+            *("--resources", str(resources), "--out", str(out)),
+        ]
+    )
+    [record] = json.loads(out.read_text())["records"]
+    assert record["not_started"] == 0 and not [r for r in record["rows"] if "error" in r]
+    launches = {(r["kernel"], r["rows"], r["step"]) for r in record["rows"]}
+    every = {(k, a, b) for k in ("forward", "dh", "dw") for a in (4, 16) for b in (4, 16)}
+    assert launches == every - {("dh", 4, 16)} and record["left_out"] == 1
+    # Every launch computes the default tiling's numbers, but for the order of the sums.
+    assert max(r["max_diff_rel_to_max"] for r in record["rows"]) < 1e-6
+    assert set(record["fastest"]) == {"forward", "dh", "dw"}
+    assert set(record["loss_ms"]) == {"default", "fastest"}

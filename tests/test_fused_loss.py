@@ -4,6 +4,7 @@ at small shapes, and the switch that chooses them."""
 from __future__ import annotations
 
 import dataclasses
+import re
 import types
 
 import jax
@@ -19,7 +20,11 @@ from lmuscale.models.sizes import FAMILIES
 from lmuscale.train import config as config_lib
 from lmuscale.train import run
 
-TILES = {"token_tile": 8, "vocab_tile": 16, "interpret": True}
+Launch, Tiling = fused_loss.Launch, fused_loss.Tiling
+TILES = {"tiling": Tiling.shared(8, 16), "interpret": True}
+# Each kernel its own tiles, warps and stages; the tokens and the vocabulary are padded to the
+# largest tile of each: 33 tokens to 48 (dw's step of 16), V = 70 to 96 (dw's 32 rows).
+PER_KERNEL = Tiling(Launch(8, 8, 4, 1), Launch(4, 16, 8, 3), Launch(32, 16, 2, 2))
 
 
 def fused(h, w, targets, **tiles):
@@ -36,8 +41,8 @@ def inputs(batch, length, width, vocab, seed=0, dtype=jnp.float32):
 
 # 33 tokens: four whole tiles of 8 and one of 1. V = 53: three whole vocabulary tiles of 16
 # and one with 5 real columns and 11 masked. d = 12 is padded to 16, d = 20 to 32.
-# The last case takes the GPU's default tiles (64 x 64 at d = 40 in float32): one short tile of
-# tokens, and 100 real columns of 128.
+# The fourth case takes the GPU's default tiles (64 x 64 at d = 40 in float32): one short tile
+# of tokens, and 100 real columns of 128. The last gives each kernel other tiles (PER_KERNEL).
 @pytest.mark.parametrize(
     ("shape", "tiles"),
     [
@@ -45,8 +50,9 @@ def inputs(batch, length, width, vocab, seed=0, dtype=jnp.float32):
         ((1, 5, 20, 16), TILES),
         ((2, 8, 16, 17), TILES),
         ((2, 7, 40, 100), {"interpret": True}),
+        ((3, 11, 12, 70), {"tiling": PER_KERNEL, "interpret": True}),
     ],
-    ids=["ragged", "one-short-token-tile", "whole-token-tiles", "default-tiles"],
+    ids=["ragged", "one-short-token-tile", "whole-token-tiles", "default-tiles", "per-kernel"],
 )
 def test_losses_and_weighted_gradients_equal_a_float64_softmax(shape, tiles):
     batch, length = shape[:2]
@@ -69,7 +75,7 @@ def test_the_kernels_equal_the_xla_path_for_a_mean_loss():
     def mean(loss_fn):
         return jax.value_and_grad(lambda h, w: loss_fn(h, w, targets).mean(), (0, 1))(h, w)
 
-    got = mean(lambda h, w, t: fused(h, w, t, vocab_tile=32))
+    got = mean(lambda h, w, t: fused(h, w, t, tiling=Tiling.shared(8, 32)))
     want = mean(lambda h, w, t: base.cross_entropy(h, w, t, chunk=5, impl="xla"))
     np.testing.assert_allclose(got[0], want[0], rtol=1e-6)
     for g, x in zip(got[1], want[1], strict=True):
@@ -125,11 +131,17 @@ def test_no_tokens_give_no_losses_and_zero_gradients():
 
 def test_bad_tiles_and_shapes_are_named():
     h, w, targets = inputs(1, 4, 8, 20)
-    with pytest.raises(ValueError, match="vocab_tile must be a power of two >= 1, got 24"):
-        fused(h, w, targets, vocab_tile=24)
+    with pytest.raises(ValueError, match=r"tiling\.forward\.step must be .* >= 1, got 24"):
+        fused(h, w, targets, tiling=Tiling.shared(8, 24))
     # On a GPU, Triton's products need tiles of at least 16.
-    with pytest.raises(ValueError, match="token_tile must be a power of two >= 16, got 8"):
-        fused_loss.cross_entropy(h, w, targets, token_tile=8)
+    with pytest.raises(ValueError, match=r"tiling\.forward\.rows must be .* >= 16, got 8"):
+        fused_loss.cross_entropy(h, w, targets, tiling=Tiling.shared(8, 16))
+    bad_warps = dataclasses.replace(PER_KERNEL, dh=Launch(4, 16, 6, 1))
+    with pytest.raises(ValueError, match=r"tiling\.dh\.warps must be a power of two <= 32, got 6"):
+        fused(h, w, targets, tiling=bad_warps)
+    no_stages = dataclasses.replace(PER_KERNEL, dw=Launch(4, 16, 4, 0))
+    with pytest.raises(ValueError, match=r"tiling\.dw\.stages must be >= 1, got 0"):
+        fused(h, w, targets, tiling=no_stages)
     with pytest.raises(ValueError, match=r"h \(1, 4, 8\), w \(20, 6\) and targets"):
         fused(h, w[:, :6], targets)
 
@@ -151,6 +163,32 @@ def test_the_kernels_lower_to_triton_for_an_nvidia_gpu(width, dtype):
 
     text = kernels.lowered_for_cuda(loss_and_grads, h, w, targets).as_text()
     assert text.count("xla.gpu.triton") == 3  # forward, dh, dw
+
+
+def test_each_kernel_is_launched_on_a_gpu_with_its_own_tiles_warps_and_stages():
+    # 600 tokens pad to 640 (dh's 64 rows), V = 50,257 to 50,304 (dw's 128 rows): the grids
+    # are 640 / 32, 640 / 64 and 50,304 / 128 programs.
+    tiling = Tiling(Launch(32, 64, 4, 1), Launch(64, 32, 8, 3), Launch(128, 16, 16, 2))
+    h = jax.ShapeDtypeStruct((2, 300, 204), jnp.bfloat16)
+    w = jax.ShapeDtypeStruct((50257, 204), jnp.float32)
+    targets = jax.ShapeDtypeStruct((2, 300), jnp.int32)
+
+    def loss_and_grads(h, w, targets):
+        def loss(h, w):
+            return fused_loss.cross_entropy(h, w, targets, tiling=tiling).mean()
+
+        return jax.value_and_grad(loss, (0, 1))(h, w)
+
+    text = kernels.lowered_for_cuda(loss_and_grads, h, w, targets).as_text()
+    launched = {}
+    for line in text.splitlines():
+        if "xla.gpu.triton" in line:
+            [name] = re.findall(r'name = "_(\w+)_kernel"', line)
+            launched[name] = tuple(
+                int(re.search(rf"{key} = (\d+)", line).group(1))
+                for key in ("grid_x", "num_warps", "num_stages")
+            )
+    assert launched == {"forward": (20, 4, 1), "dh": (10, 8, 3), "dw": (393, 16, 2)}
 
 
 # ---------------------------------------------------------------- the switch

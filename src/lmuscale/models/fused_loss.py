@@ -14,6 +14,7 @@ cotangent. ``interpret=True`` runs the kernels on any backend (the tests, on CPU
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 
 import jax
@@ -38,19 +39,86 @@ FASTER_THAN_XLA: frozenset[tuple[str, str]] = frozenset(
     {("NVIDIA H200", "bfloat16"), ("NVIDIA H100 80GB HBM3", "bfloat16")}
 )
 
-# Tiles on a GPU (``tiles``), not yet tuned on a device: one tile of an operand is at most
-# TILE_BYTES. At d = 204 (padded to 256) in bf16 that is 64 x 256, whose float32 accumulators
-# are 64 registers a thread over 8 warps, as flash attention takes at head width 256; in
-# float32 the tiles halve, so two pipelined stages fit the smallest Ampere/Ada shared memory.
+# Tiles on a GPU (``default_tiling``), not yet tuned on a device: one tile of an operand is at
+# most TILE_BYTES. At d = 204 (padded to 256) in bf16 that is 64 x 256, whose float32
+# accumulators are 64 registers a thread over 8 warps, as flash attention takes at head width
+# 256; in float32 the tiles halve, so two pipelined stages fit the smallest Ampere/Ada shared
+# memory. ``benchmarks/cross_entropy.py --part loss-tiles`` times each kernel's other tiles.
 TILE_BYTES = 32 * 1024
 MAX_TILE = 64
 MIN_TILE = 16  # Triton's matrix products need every dimension >= 16
-# Triton's launch: warps per program and the software-pipelining depth of the tile loops. Naming
-# Triton's parameters picks the Triton lowering on a GPU (the default may be Mosaic GPU, which
-# lowers no transposed product).
-_pallas_call = functools.partial(
-    pl.pallas_call, compiler_params=pl_triton.CompilerParams(num_warps=8, num_stages=2)
-)
+
+
+@dataclasses.dataclass(frozen=True)
+class Launch:
+    """One kernel's tiles and Triton launch. ``rows``: the rows of the operand its grid walks
+    that one program holds (tokens in the forward and dh kernels, vocabulary rows in dw);
+    ``step``: the rows of the other operand one iteration of the program's loop takes;
+    ``warps`` per program and ``stages``, the software pipelining of that loop (Triton's
+    ``num_warps`` and ``num_stages``; interpret mode ignores both)."""
+
+    rows: int
+    step: int
+    warps: int = 8
+    stages: int = 2
+
+
+@dataclasses.dataclass(frozen=True)
+class Tiling:
+    """The three kernels' launches: the forward and dh kernels walk tiles of tokens and loop
+    over the vocabulary, dw walks tiles of the vocabulary and loops over the tokens."""
+
+    forward: Launch
+    dh: Launch
+    dw: Launch
+
+    @classmethod
+    def shared(cls, token_tile: int, vocab_tile: int, warps: int = 8, stages: int = 2) -> Tiling:
+        """One tile of tokens and one of the vocabulary for all three kernels."""
+        by_tokens = Launch(token_tile, vocab_tile, warps, stages)
+        return cls(by_tokens, by_tokens, Launch(vocab_tile, token_tile, warps, stages))
+
+    @property
+    def token_multiple(self) -> int:
+        """The tokens are padded to a multiple of this: every kernel's tile of them."""
+        return max(self.forward.rows, self.dh.rows, self.dw.step)
+
+    @property
+    def vocab_multiple(self) -> int:
+        """The vocabulary is padded to a multiple of this: every kernel's tile of it."""
+        return max(self.forward.step, self.dh.step, self.dw.rows)
+
+    def check(self, interpret: bool = False) -> None:
+        """A ValueError naming the first setting that cannot run: tiles are powers of two (at
+        least MIN_TILE on a GPU, any in interpret mode), warps a power of two up to 32, at
+        least one stage."""
+        smallest = 1 if interpret else MIN_TILE
+        for kernel in ("forward", "dh", "dw"):
+            launch = getattr(self, kernel)
+            for name in ("rows", "step"):
+                tile = getattr(launch, name)
+                if not _power_of_two(tile) or tile < smallest:
+                    raise ValueError(
+                        f"tiling.{kernel}.{name} must be a power of two >= {smallest}, got {tile!r}"
+                    )
+            if not _power_of_two(launch.warps) or launch.warps > 32:
+                raise ValueError(
+                    f"tiling.{kernel}.warps must be a power of two <= 32, got {launch.warps!r}"
+                )
+            if not isinstance(launch.stages, int) or launch.stages < 1:
+                raise ValueError(f"tiling.{kernel}.stages must be >= 1, got {launch.stages!r}")
+
+
+def _power_of_two(n) -> bool:
+    return isinstance(n, int) and n >= 1 and not n & (n - 1)
+
+
+def _pallas_call(kernel, launch: Launch, **kwargs):
+    """``pl.pallas_call`` with ``launch``'s warps and stages. Naming Triton's parameters picks
+    the Triton lowering on a GPU (the default may be Mosaic GPU, which lowers no transposed
+    product)."""
+    params = pl_triton.CompilerParams(num_warps=launch.warps, num_stages=launch.stages)
+    return pl.pallas_call(kernel, compiler_params=params, **kwargs)
 
 
 def unsupported_reason(devices=None) -> str | None:
@@ -165,101 +233,117 @@ def _rows(tile, width=None):
     return pl.BlockSpec((tile, width), lambda i: (i, 0))
 
 
-def _operands(h_BxTxD, w_VxD, targets_BxT, token_tile, vocab_tile):
-    """h as (N', D') and w as (V', D') in h's dtype, zero-padded; targets as (N',) int32."""
+def operands(h_BxTxD, w_VxD, targets_BxT, tiling: Tiling):
+    """h as (N', D') and w as (V', D') in h's dtype, zero-padded to whole tiles of every kernel
+    and the padded width; targets as (N',) int32."""
     count, width = targets_BxT.size, h_BxTxD.shape[-1]
     wide = padded_width(width)
-    h_NxD = jnp.pad(h_BxTxD.reshape(count, width), ((0, -count % token_tile), (0, wide - width)))
+    h_NxD = h_BxTxD.reshape(count, width)
+    h_NxD = jnp.pad(h_NxD, ((0, -count % tiling.token_multiple), (0, wide - width)))
     vocab = w_VxD.shape[0]
-    w_VxD = jnp.pad(w_VxD.astype(h_BxTxD.dtype), ((0, -vocab % vocab_tile), (0, wide - width)))
+    w_VxD = w_VxD.astype(h_BxTxD.dtype)
+    w_VxD = jnp.pad(w_VxD, ((0, -vocab % tiling.vocab_multiple), (0, wide - width)))
     targets_N = jnp.pad(targets_BxT.reshape(count).astype(jnp.int32), (0, h_NxD.shape[0] - count))
     return h_NxD, w_VxD, targets_N
 
 
-def tiles(width: int, dtype) -> tuple[int, int]:
-    """The default ``(token_tile, vocab_tile)`` on a GPU for d = ``width`` in ``dtype``: the
-    largest power of two up to MAX_TILE whose tile of an operand, at the padded width, fits in
-    TILE_BYTES (and at least MIN_TILE)."""
+def default_tiling(width: int, dtype) -> Tiling:
+    """The tiling on a GPU for d = ``width`` in ``dtype``: one tile of tokens and one of the
+    vocabulary, each the largest power of two up to MAX_TILE whose tile of an operand, at the
+    padded width, fits in TILE_BYTES (and at least MIN_TILE); 8 warps, 2 stages."""
     row_bytes = padded_width(width) * jnp.dtype(dtype).itemsize
     tile = max(MIN_TILE, min(MAX_TILE, pl.next_power_of_2(TILE_BYTES // row_bytes + 1) // 2))
-    return tile, tile
+    return Tiling.shared(tile, tile)
 
 
 def cross_entropy(
-    h_BxTxD,
-    w_VxD,
-    targets_BxT,
-    *,
-    token_tile: int | None = None,
-    vocab_tile: int | None = None,
-    interpret: bool = False,
+    h_BxTxD, w_VxD, targets_BxT, *, tiling: Tiling | None = None, interpret: bool = False
 ):
-    """``base.cross_entropy`` by the fused kernels, exact gradients for any cotangent. Tiles
-    are powers of two, at least MIN_TILE on a GPU (any in interpret mode); None: ``tiles``."""
+    """``base.cross_entropy`` by the fused kernels, exact gradients for any cotangent;
+    ``tiling``: the kernels' tiles and launches (None: ``default_tiling``)."""
     if h_BxTxD.shape[:-1] != targets_BxT.shape or h_BxTxD.shape[-1] != w_VxD.shape[-1]:
         raise ValueError(
             f"h {h_BxTxD.shape}, w {w_VxD.shape} and targets {targets_BxT.shape} do not fit: "
             "h is (B, T, D), w (V, D), targets (B, T)"
         )
-    default_token, default_vocab = tiles(h_BxTxD.shape[-1], h_BxTxD.dtype)
-    token_tile = default_token if token_tile is None else token_tile
-    vocab_tile = default_vocab if vocab_tile is None else vocab_tile
-    smallest = 1 if interpret else MIN_TILE
-    for name, tile in (("token_tile", token_tile), ("vocab_tile", vocab_tile)):
-        if tile < smallest or tile & (tile - 1):
-            raise ValueError(f"{name} must be a power of two >= {smallest}, got {tile!r}")
-    return _fused(h_BxTxD, w_VxD, targets_BxT, token_tile, vocab_tile, interpret)
+    if tiling is None:
+        tiling = default_tiling(h_BxTxD.shape[-1], h_BxTxD.dtype)
+    tiling.check(interpret)
+    return _fused(h_BxTxD, w_VxD, targets_BxT, tiling, interpret)
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4, 5))
-def _fused(h_BxTxD, w_VxD, targets_BxT, token_tile, vocab_tile, interpret):
-    return _fused_fwd(h_BxTxD, w_VxD, targets_BxT, token_tile, vocab_tile, interpret)[0]
-
-
-def _fused_fwd(h_BxTxD, w_VxD, targets_BxT, token_tile, vocab_tile, interpret):
-    count = targets_BxT.size
-    if count == 0:
-        return jnp.zeros(targets_BxT.shape, jnp.float32), (h_BxTxD, w_VxD, targets_BxT, None)
-    h_NxD, w_pad, targets_N = _operands(h_BxTxD, w_VxD, targets_BxT, token_tile, vocab_tile)
+def forward_call(h_NxD, w_pad, targets_N, vocab: int, launch: Launch, interpret: bool = False):
+    """The forward kernel on padded operands (``operands``): each token's log-sum-exp over the
+    ``vocab`` real columns and its target's logit, (N',) float32 each."""
     n, wide = h_NxD.shape
     per_token = jax.ShapeDtypeStruct((n,), jnp.float32)
-    lse_N, target_N = _pallas_call(
-        functools.partial(_forward_kernel, vocab=w_VxD.shape[0], tile=vocab_tile),
-        grid=(n // token_tile,),
-        in_specs=[_rows(token_tile, wide), _whole(w_pad.shape), _rows(token_tile)],
-        out_specs=[_rows(token_tile), _rows(token_tile)],
+    return _pallas_call(
+        functools.partial(_forward_kernel, vocab=vocab, tile=launch.step),
+        launch,
+        grid=(n // launch.rows,),
+        in_specs=[_rows(launch.rows, wide), _whole(w_pad.shape), _rows(launch.rows)],
+        out_specs=[_rows(launch.rows), _rows(launch.rows)],
         out_shape=[per_token, per_token],
         interpret=interpret,
     )(h_NxD, w_pad, targets_N)
+
+
+def dh_call(h_NxD, w_pad, targets_N, lse_N, g_N, vocab: int, launch, interpret: bool = False):
+    """The dh kernel on padded operands: ``sum_v g (softmax - onehot) w``, (N', D') in h's
+    dtype."""
+    n, wide = h_NxD.shape
+    return _pallas_call(
+        functools.partial(_dh_kernel, vocab=vocab, tile=launch.step),
+        launch,
+        grid=(n // launch.rows,),
+        in_specs=[_rows(launch.rows, wide), _whole(w_pad.shape), *[_rows(launch.rows)] * 3],
+        out_specs=_rows(launch.rows, wide),
+        out_shape=jax.ShapeDtypeStruct(h_NxD.shape, h_NxD.dtype),
+        interpret=interpret,
+    )(h_NxD, w_pad, targets_N, lse_N, g_N)
+
+
+def dw_call(h_NxD, w_pad, targets_N, lse_N, g_N, vocab: int, launch, interpret: bool = False):
+    """The dw kernel on padded operands: ``sum_t g (softmax - onehot)ᵀ h``, (V', D') float32."""
+    n, wide = h_NxD.shape
+    return _pallas_call(
+        functools.partial(_dw_kernel, vocab=vocab, tile=launch.step),
+        launch,
+        grid=(w_pad.shape[0] // launch.rows,),
+        in_specs=[_whole(h_NxD.shape), _rows(launch.rows, wide), *[_whole((n,))] * 3],
+        out_specs=_rows(launch.rows, wide),
+        out_shape=jax.ShapeDtypeStruct(w_pad.shape, jnp.float32),
+        interpret=interpret,
+    )(h_NxD, w_pad, targets_N, lse_N, g_N)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4))
+def _fused(h_BxTxD, w_VxD, targets_BxT, tiling, interpret):
+    return _fused_fwd(h_BxTxD, w_VxD, targets_BxT, tiling, interpret)[0]
+
+
+def _fused_fwd(h_BxTxD, w_VxD, targets_BxT, tiling, interpret):
+    count = targets_BxT.size
+    if count == 0:
+        return jnp.zeros(targets_BxT.shape, jnp.float32), (h_BxTxD, w_VxD, targets_BxT, None)
+    h_NxD, w_pad, targets_N = operands(h_BxTxD, w_VxD, targets_BxT, tiling)
+    vocab = w_VxD.shape[0]
+    lse_N, target_N = forward_call(h_NxD, w_pad, targets_N, vocab, tiling.forward, interpret)
     loss_BxT = (lse_N - target_N)[:count].reshape(targets_BxT.shape)
     return loss_BxT, (h_BxTxD, w_VxD, targets_BxT, lse_N)
 
 
-def _fused_bwd(token_tile, vocab_tile, interpret, residuals, g_BxT):
+def _fused_bwd(tiling, interpret, residuals, g_BxT):
     h_BxTxD, w_VxD, targets_BxT, lse_N = residuals
     if lse_N is None:
         return jnp.zeros_like(h_BxTxD), jnp.zeros_like(w_VxD), None
     count, (vocab, width) = targets_BxT.size, w_VxD.shape
-    h_NxD, w_pad, targets_N = _operands(h_BxTxD, w_VxD, targets_BxT, token_tile, vocab_tile)
+    h_NxD, w_pad, targets_N = operands(h_BxTxD, w_VxD, targets_BxT, tiling)
     # The padded tokens get a zero cotangent: they add nothing to dw.
     g_N = jnp.pad(g_BxT.reshape(count).astype(jnp.float32), (0, lse_N.shape[0] - count))
-    n, wide = h_NxD.shape
-    dh_NxD = _pallas_call(
-        functools.partial(_dh_kernel, vocab=vocab, tile=vocab_tile),
-        grid=(n // token_tile,),
-        in_specs=[_rows(token_tile, wide), _whole(w_pad.shape), *[_rows(token_tile)] * 3],
-        out_specs=_rows(token_tile, wide),
-        out_shape=jax.ShapeDtypeStruct(h_NxD.shape, h_NxD.dtype),
-        interpret=interpret,
-    )(h_NxD, w_pad, targets_N, lse_N, g_N)
-    dw_VxD = _pallas_call(
-        functools.partial(_dw_kernel, vocab=vocab, tile=token_tile),
-        grid=(w_pad.shape[0] // vocab_tile,),
-        in_specs=[_whole(h_NxD.shape), _rows(vocab_tile, wide), *[_whole((n,))] * 3],
-        out_specs=_rows(vocab_tile, wide),
-        out_shape=jax.ShapeDtypeStruct(w_pad.shape, jnp.float32),
-        interpret=interpret,
-    )(h_NxD, w_pad, targets_N, lse_N, g_N)
+    args = (h_NxD, w_pad, targets_N, lse_N, g_N, vocab)
+    dh_NxD = dh_call(*args, tiling.dh, interpret)
+    dw_VxD = dw_call(*args, tiling.dw, interpret)
     dh_BxTxD = dh_NxD[:count, :width].reshape(h_BxTxD.shape)
     return dh_BxTxD, dw_VxD[:vocab, :width].astype(w_VxD.dtype), None
 
