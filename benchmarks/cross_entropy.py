@@ -488,7 +488,7 @@ def main_tiles(args) -> None:
                 unfit=unfit_launches(args.resources, width, dtype) if args.resources else (),
             )
             records.append({"d": width, "dtype": dtype, **record})
-            print_tile_record(records[-1], args)
+            print_tile_record(records[-1], args.top)
     write_json(
         args.out,
         {
@@ -503,18 +503,19 @@ def main_tiles(args) -> None:
     )
 
 
-def print_tile_record(record: dict, args) -> None:
+def print_tile_record(record: dict, top: int = 5) -> None:
+    """``sweep_launches``'s record: the ``top`` fastest launches of each kernel, and the loss
+    under each kernel's fastest against the default tiling."""
     title = f"fused loss kernels at d = {record['d']}, {record['dtype']}"
     if "skipped" in record:
         print(f"{title}: not run ({record['skipped']})")
         return
-    default = record["default"]
-    rows = []
-    for kernel in args.kernels:
+    default, rows = record["default"], []
+    for kernel in dict.fromkeys(r["kernel"] for r in record["rows"]):
         mine = [r for r in record["rows"] if r["kernel"] == kernel and "median_ms" in r]
         mine.sort(key=lambda r: r["median_ms"])
         base_launch = {k: default[kernel][k] for k in ("rows", "step", "warps", "stages")}
-        for r in mine[: args.top]:
+        for r in mine[:top]:
             is_default = {k: r[k] for k in base_launch} == base_launch
             rows.append(
                 (
@@ -529,8 +530,8 @@ def print_tile_record(record: dict, args) -> None:
             )
     failed = sum("error" in r for r in record["rows"])
     print_table(
-        f"{title}, {args.batch} x {args.seq_len} tokens, V = {args.vocab}, "
-        f"{machine()['device_kind']}: the {args.top} fastest launches of each kernel "
+        f"{title}, {record['batch']} x {record['seq_len']} tokens, V = {record['vocab']}, "
+        f"{machine()['device_kind']}: the {top} fastest launches of each kernel "
         f"({len(record['rows'])} run, {failed} refused, {record['left_out']} left out as "
         f"unfit, {record['not_started']} not started)",
         ("kernel", "rows x step", "warps", "stages", "ms", "max diff", ""),

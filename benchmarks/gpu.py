@@ -34,6 +34,11 @@ Parts (``--only`` takes shell patterns of these names):
   --seq-len tokens (64 x 1024), bfloat16 and float32, by the XLA path and by the fused Pallas
   kernels (skipped where they cannot run), with the kernels' largest differences from the
   XLA path (``cross_entropy.py --part loss``).
+- ``loss_tiles``: each fused loss kernel alone under a grid of tiles, warps and stages at
+  d = 204 in bfloat16, --xent-batch x --seq-len tokens, for at most --tiles-seconds
+  (``cross_entropy.py --part loss-tiles``, leaving out the launches that
+  ``kernel_resources.py --loss-launches`` found spilling or over an H100's shared memory);
+  skipped where the kernels cannot run. Not a default part.
 - ``attention``: cuDNN's flash attention (``layers.causal_attention``) against XLA's in
   bfloat16 at n = 1024 for Table 3's head widths, outputs and gradients; recorded as skipped
   where cuDNN's is not used (a CPU, float32, older GPUs).
@@ -83,6 +88,7 @@ import numpy as np
 from common import machine, print_table, slug, timed_steps, train_step_for, versions, write_json
 from lmu_memory import BLOCK_IMPLS, SHAPES, bench_block, steps_last
 
+from lmuscale.data.tokenizer import GPT2_VOCAB
 from lmuscale.memory_kernel import MEMORY_IMPLS
 from lmuscale.models import count_params, flops_per_token
 from lmuscale.models.fused_loss import LOSS_IMPLS
@@ -336,6 +342,36 @@ def part_loss(args) -> dict:
     )
     print_loss_rows(rows, f"cross-entropy, {args.xent_batch} x {args.seq_len} tokens")
     return {"rows": rows}
+
+
+# kernel_resources.py --loss-launches's compile for an H100: the loss_tiles part leaves out the
+# launches it found spilling or over shared memory.
+LOSS_LAUNCH_RESOURCES = (
+    Path(__file__).parent / "results" / "kernel_resources-sm90a-loss-launches.json"
+)
+
+
+def part_loss_tiles(args) -> dict:
+    """Each fused loss kernel alone under the grid of launches at lmu-1M's d = 204 in bfloat16
+    (``cross_entropy.sweep_launches``), for at most --tiles-seconds and never past
+    --time-budget."""
+    from cross_entropy import print_tile_record, sweep_launches, unfit_launches
+
+    budget = args.tiles_seconds
+    if DEADLINE.seconds:
+        budget = min(budget, DEADLINE.seconds - seconds_since_start())
+    record = sweep_launches(
+        204,
+        "bfloat16",
+        args.xent_batch,
+        args.seq_len,
+        GPT2_VOCAB,
+        budget=budget,
+        unfit=unfit_launches(LOSS_LAUNCH_RESOURCES, 204, "bfloat16"),
+    )
+    record = {"d": 204, "dtype": "bfloat16", **record}
+    print_tile_record(record)
+    return record
 
 
 def part_precision(args) -> dict:
@@ -611,6 +647,7 @@ def parts(args, keep=None) -> dict:
     table["long"] = lambda: part_long(args, keeper("long"))
     table["block"] = lambda: part_block(args)
     table["loss"] = lambda: part_loss(args)
+    table["loss_tiles"] = lambda: part_loss_tiles(args)
     table["attention"] = lambda: part_attention(args)
     table["precision"] = lambda: part_precision(args)
     table["profile"] = lambda: part_profile(args)
@@ -791,6 +828,9 @@ def main(argv=None) -> None:
     )
     parser.add_argument("--xent-batch", type=int, default=64, help="loss: sequences")
     parser.add_argument("--xent-repeats", type=int, default=10, help="loss: timed calls")
+    parser.add_argument(
+        "--tiles-seconds", type=float, default=240, help="loss_tiles: no launch started after"
+    )
     parser.add_argument("--profile-steps", type=int, default=3)
     parser.add_argument("--profile-top", type=int, default=10)
     parser.add_argument(

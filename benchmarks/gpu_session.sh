@@ -13,14 +13,16 @@
 #    in 8 micro-batches of 64 (--microbatches 8: no planning compiles), with MFU; then the
 #    profile part: one 64-sequence micro-batch of lmu-1M and transformer-1M traced, then of
 #    lmu-1M with its chunk products in the order the layers use off a GPU (steps-last);
-# 1b. train/lmu at 1M with the fused kernels, whichever "auto" picked above: the Pallas loss
+# 2. loss: the cross-entropy alone, XLA's path and the fused kernels; then loss_tiles, each
+#    fused kernel under a grid of launches for at most --tiles-seconds (default 240): the
+#    kernels are most of a micro-batch's time;
+# 3. train/lmu at 1M with the fused kernels, whichever "auto" picked above: the Pallas loss
 #    with XLA's memory, then the Pallas loss and memory (the rows are kept beside auto's);
-# 2. block: one lmu-1M block, the FFT, the XLA chunked path, the same steps-last, two
+# 4. block: one lmu-1M block, the FFT, the XLA chunked path, the same steps-last, two
 #    channels-last experiments and the fused memory kernels (--block-impls and
 #    --block-dtypes after SECONDS pick fewer);
-# 3. loss: the cross-entropy alone, XLA's path and the fused kernels;
-# 4. attention, the other families' train parts (lmu_g, sru, sru_pp, lstm), long, precision;
-# 5. xla_options: the profile's micro-batch steps under each of XLA's GPU options, if time is
+# 5. attention, the other families' train parts (lmu_g, sru, sru_pp, lstm), long, precision;
+# 6. xla_options: the profile's micro-batch steps under each of XLA's GPU options, if time is
 #    left (the command's own time limit may stop it; the groups before are kept).
 #
 # Each part, and each model of a train part, is in the JSON as soon as it is done. Writes into
@@ -101,10 +103,10 @@ traces() { # each profile's Perfetto trace and compiled program into $OUT, where
 
 run train/lmu train/transformer profile
 traces # at once: a later group that the command's time limit stops cannot lose them
+run loss loss_tiles
 run --sizes 1M --loss-impl pallas -- train/lmu
 run --sizes 1M --loss-impl pallas --memory-impl pallas -- train/lmu
 run block
-run loss
 run attention train/lmu_g 'train/sru*' train/lstm long precision
 run xla_options
 exit "$status"

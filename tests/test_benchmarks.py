@@ -249,7 +249,7 @@ def test_the_gpu_session_script_runs_its_groups_in_the_budget_and_writes_into_ou
     log = (out / "gpu.log").read_text()
     groups_named = (
         "block",
-        "loss",
+        "loss, loss_tiles",
         "attention, train/lmu_g, train/sru, train/sru_pp",
         "xla_options",
     )
@@ -258,10 +258,10 @@ def test_the_gpu_session_script_runs_its_groups_in_the_budget_and_writes_into_ou
     record = json.loads((out / "gpu-cpu.json").read_text())
     groups = [
         ["train/lmu", "train/transformer", "profile"],
+        ["loss", "loss_tiles"],
         ["train/lmu"],  # at 1M with the Pallas loss
         ["train/lmu"],  # and the Pallas memory
         ["block"],
-        ["loss"],
         ["attention", "train/lmu_g", "train/sru", "train/sru_pp", "train/lstm", "long"],
         ["precision"],
         ["xla_options"],
