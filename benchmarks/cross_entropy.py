@@ -2,34 +2,37 @@
 
     python benchmarks/cross_entropy.py --part loss [--widths 48 204] [--batch 64]
     python benchmarks/cross_entropy.py --part loss-tiles [--widths 204] [--dtypes bfloat16]
-        [--kernels forward dh dw] [--tiles 32 64 128] [--warps 4 8 16] [--stages 1 2 3]
-        [--resources kernel_resources-sm90a-loss-launches.json] [--budget SECONDS]
-        [--interpret --vocab V]
+        [--kernels dw forward_expected dh forward] [--tiles 32 64 128] [--warps 4 8 16]
+        [--stages 1 2 3] [--resources kernel_resources-sm90a-loss-launches.json]
+        [--budget SECONDS] [--interpret --vocab V]
     python benchmarks/cross_entropy.py [--models lmu-1M transformer-1M] [--batch 8] [--time 3]
 
 ``--part loss``: the loss's forward+backward alone (the gradients of the mean loss with
 respect to h and the tied embedding w), for each implementation ("xla": the custom VJP over
-token chunks; "pallas": ``models.fused_loss``, on a GPU where it runs, else the row says why
-not) at d in --widths, --batch x --seq-len tokens (64 x 1024: the paper configs'
-micro-batch), V = 50,257, bfloat16 and float32 activations. Each row: the median ms of
---repeats calls after a warm-up, TFLOP/s on the useful matrix FLOPs (6 N V d: logits, dh, dw;
-the kernels execute 10 N V d, recomputing the logits twice), bytes per call, and for the
-kernel its largest differences from the XLA path's losses and gradients at the same inputs.
-Bytes: for "xla", XLA's count for one 1024-token chunk times the chunks (its cost analysis
-counts a loop body once); for "pallas", a lower bound, each kernel's operands read once and
-outputs written once, and beside it (``tile_loads_gb``) every tile load counted as if no
-cache held any (the forward and dh kernels load all of w once per tile of tokens).
+token chunks; "pallas": ``models.fused_loss`` with its dh kernel; "pallas, dh from the
+forward": dh from the forward's expected embeddings, ``fused_loss.DH_FROM_FORWARD``; the
+kernels on a GPU where they run, else the row says why not) at d in --widths, --batch x
+--seq-len tokens (64 x 1024: the paper configs' micro-batch), V = 50,257, bfloat16 and
+float32 activations. Each row: the median ms of --repeats calls after a warm-up, TFLOP/s on
+the useful matrix FLOPs (6 N V d: logits, dh, dw; the kernels execute 10 N V d, recomputing
+the logits twice, or 8 with dh from the forward), bytes per call, and for the kernels their
+largest differences from the XLA path's losses and gradients at the same inputs. Bytes: for
+"xla", XLA's count for one 1024-token chunk times the chunks (its cost analysis counts a loop
+body once); for the kernels, a lower bound, each kernel's operands read once and outputs
+written once, and beside it (``tile_loads_gb``) every tile load counted as if no cache held
+any (the forward and dh kernels load all of w once per tile of tokens).
 
-``--part loss-tiles``: each fused kernel alone (``models.fused_loss``: the forward, dh and
-dw) under every launch of a grid, rows x step tiles of --tiles, --warps and --stages (81 a
-kernel by default), at the same inputs. --resources leaves out the launches that
-``kernel_resources.py --loss-launches`` found spilling or over an H100's shared memory. Each
-row: the median ms of --repeats calls, and the largest difference from the default tiling's
-output relative to its largest value (a launch changes only the order of the sums). Then
-each kernel's fastest launch, and the loss's forward+backward under those launches against
-``default_tiling``'s. No launch starts after --budget seconds. --interpret runs the kernels
-in Pallas's interpret mode, on any backend, at a small --vocab (a CPU check of the script;
-its times mean nothing).
+``--part loss-tiles``: each fused kernel alone (``models.fused_loss``: dw, the forward that
+also forms the expected embeddings, dh and the plain forward, in that order) under every
+launch of a grid, rows x step tiles of --tiles, --warps and --stages (81 a kernel by default),
+at the same inputs. --resources leaves out the launches that ``kernel_resources.py
+--loss-launches`` found spilling or over an H100's shared memory. Each row: the median ms of
+--repeats calls, and the largest difference from the default tiling's output relative to its
+largest value (a launch changes only the order of the sums). Then each kernel's fastest
+launch, and the loss's forward+backward in both forms (the dh kernel, dh from the forward)
+under those launches and under ``default_tiling``'s. No launch starts after --budget seconds.
+--interpret runs the kernels in Pallas's interpret mode, on any backend, at a small --vocab
+(a CPU check of the script; its times mean nothing).
 
 ``--part step`` (the default): the full train step with the custom-VJP cross-entropy against
 the one it replaced, which rematerialised each chunk (its backward pass computed every
@@ -136,7 +139,10 @@ def measure(name: str, batch: int, seq_len: int, repeats: int, chunk: int) -> li
     return list(rows.values())
 
 
-LOSS_IMPLS = ("xla", "pallas")
+# "pallas": the fused kernels with the dh kernel; the last, dh from the forward's expected
+# embeddings (``fused_loss.DH_FROM_FORWARD``), whichever of the two the models run.
+DH_FROM_FORWARD = "pallas, dh from the forward"
+LOSS_IMPLS = ("xla", "pallas", DH_FROM_FORWARD)
 
 
 def loss_inputs(batch: int, seq_len: int, width: int, dtype: str, vocab: int = GPT2_VOCAB):
@@ -151,8 +157,13 @@ def loss_inputs(batch: int, seq_len: int, width: int, dtype: str, vocab: int = G
 def loss_program(impl: str):
     """``(h, w, targets) -> (losses, dh, dw)``: the gradients of the mean loss, jitted."""
 
+    def loss(h, w, targets):
+        if impl == "xla":
+            return base.cross_entropy(h, w, targets, impl="xla")
+        return fused_loss.cross_entropy(h, w, targets, dh_from_forward=impl == DH_FROM_FORWARD)
+
     def run(h, w, targets):
-        losses, pullback = jax.vjp(lambda h, w: base.cross_entropy(h, w, targets, impl=impl), h, w)
+        losses, pullback = jax.vjp(lambda h, w: loss(h, w, targets), h, w)
         dh, dw = pullback(jnp.full(losses.shape, 1.0 / losses.size, jnp.float32))
         return losses, dh, dw
 
@@ -171,14 +182,17 @@ def xla_bytes(tokens: int, width: int, dtype: str, vocab: int) -> float | None:
     return None if one is None else one * -(-tokens // chunk)
 
 
-def kernel_bytes(tokens: int, width: int, dtype: str, vocab: int) -> tuple[float, float]:
+def kernel_bytes(
+    tokens: int, width: int, dtype: str, vocab: int, dh_from_forward: bool = False
+) -> tuple[float, float]:
     """Bounds on the fused kernels' memory traffic at their padded shapes and default tiles:
     ``(compulsory, every tile load)``.
 
     compulsory: each operand read once and each output written once (three passes over h
     and w, lse and the target logit out, lse, targets and the cotangent in to each backward
-    kernel, dh and the float32 dw out). Every tile load: each program of the forward and dh
-    kernels loads all of w, and each of the dw kernel's all of h, as if no cache held any.
+    kernel, dh and the float32 dw out; ``dh_from_forward``: two passes, and the float32
+    expected embeddings written and read). Every tile load: each program of the forward and
+    dh kernels loads all of w, and each of the dw kernel's all of h, as if no cache held any.
     """
     wide, tiling = fused_loss.padded_width(width), fused_loss.default_tiling(width, dtype)
     n = -(-tokens // tiling.token_multiple) * tiling.token_multiple
@@ -186,10 +200,13 @@ def kernel_bytes(tokens: int, width: int, dtype: str, vocab: int) -> tuple[float
     item = jnp.dtype(dtype).itemsize
     h, w = n * wide * item, v * wide * item
     small = 2 * 4 * n + 2 * 3 * 4 * n + h + v * wide * 4
-    compulsory = 3 * (h + w) + small
+    passes = 2 if dh_from_forward else 3
+    if dh_from_forward:
+        small += 2 * n * wide * 4
+    compulsory = passes * (h + w) + small
     # Each program of the forward and dh kernels loads all of w, each of dw's all of h.
-    programs = (n // tiling.forward.rows, n // tiling.dh.rows, v // tiling.dw.rows)
-    every_load = 2 * h + (programs[0] + programs[1]) * w + w + programs[2] * h + small
+    w_loads = n // tiling.forward.rows + (0 if dh_from_forward else n // tiling.dh.rows)
+    every_load = (passes - 1) * h + w_loads * w + w + (v // tiling.dw.rows) * h + small
     return compulsory, every_load
 
 
@@ -207,7 +224,7 @@ def measure_loss(impl, width, dtype, batch, seq_len, repeats, reference=None):
     """One implementation at one shape: ``(row, outputs)``; outputs None where not run."""
     tokens, vocab = batch * seq_len, GPT2_VOCAB
     row = {"impl": impl, "d": width, "dtype": dtype, "batch": batch, "seq_len": seq_len}
-    reason = fused_loss.unsupported_reason() if impl == "pallas" else None
+    reason = fused_loss.unsupported_reason() if impl != "xla" else None
     if reason is not None:
         return {**row, "skipped": reason}, None
     h, w, targets = loss_inputs(batch, seq_len, width, dtype, vocab)
@@ -224,11 +241,13 @@ def measure_loss(impl, width, dtype, batch, seq_len, repeats, reference=None):
         executed, moved = useful, xla_bytes(tokens, width, dtype, vocab)
         row["bytes_counted_by"] = "XLA's cost analysis of one chunk, times the chunks"
     else:
-        tiling = fused_loss.default_tiling(width, dtype)
+        tiling, by_forward = fused_loss.default_tiling(width, dtype), impl == DH_FROM_FORWARD
         padded = -(-vocab // tiling.vocab_multiple) * tiling.vocab_multiple
-        executed = 10 * tokens * padded * fused_loss.padded_width(width)
-        moved, every_load = kernel_bytes(tokens, width, dtype, vocab)
+        # FLOPs per N V d: the forward's logits 2 (4 with E_p[w]), dh's 4, dw's 4.
+        executed = (8 if by_forward else 10) * tokens * padded * fused_loss.padded_width(width)
+        moved, every_load = kernel_bytes(tokens, width, dtype, vocab, by_forward)
         row.update(
+            dh_from_forward=by_forward,
             tiling=dataclasses.asdict(tiling),
             bytes_counted_by="compulsory traffic, a lower bound (kernel_bytes)",
             tile_loads_gb=every_load / 1e9,
@@ -270,10 +289,13 @@ def measure_losses(widths, dtypes, batch, seq_len, repeats, impls=LOSS_IMPLS) ->
     return rows
 
 
-KERNELS = ("forward", "dh", "dw")  # as in ``fused_loss.Tiling``
-# The order the sweep takes them in: the longest first (on the H200 at d = 204, 15.2, 13.4 and
-# 7.2 ms of lmu-1M's micro-batch), so that a spent budget leaves out the least.
-SWEEP_ORDER = ("dw", "dh", "forward")
+# The kernels the sweep times: ``fused_loss.Tiling``'s three, and "forward_expected", the
+# forward that also forms the expected embeddings (``fused_loss.DH_FROM_FORWARD``; its launch
+# is ``tiling.forward``). Swept in this order: dw, the longest (15.2 ms of lmu-1M's micro-batch
+# on the H200 at d = 204), and the form that would replace the next two (13.4 and 7.2 ms) first,
+# so that a spent budget leaves out the least.
+KERNELS = ("forward", "dh", "dw")
+SWEEP_ORDER = ("dw", "forward_expected", "dh", "forward")
 # Each kernel's launches that --part loss-tiles tries, unless told others: tiles of 32 to 128
 # rows along each of its two axes, 4 to 16 warps, 1 to 3 pipelining stages. At 16 warps a
 # thread has at most 128 registers; compiled for an H100 at d = 204 in bfloat16
@@ -309,8 +331,8 @@ def unfit_launches(path: Path, width: int, dtype: str) -> frozenset:
 
 
 def _padding(kernel: str, launch) -> object:
-    """A tiling whose padding is that of ``launch`` run as ``kernel``: the forward and dh
-    kernels' rows are tokens, dw's the vocabulary."""
+    """A tiling whose padding is that of ``launch`` run as ``kernel``: the forward kernels' and
+    dh's rows are tokens, dw's the vocabulary."""
     if kernel == "dw":
         return fused_loss.Tiling.shared(launch.step, launch.rows)
     return fused_loss.Tiling.shared(launch.rows, launch.step)
@@ -318,15 +340,19 @@ def _padding(kernel: str, launch) -> object:
 
 def _kernel_program(kernel: str, launch, vocab: int, interpret: bool):
     """``kernel`` alone under ``launch``, jitted, on the unpadded (h, w, targets) and the
-    per-token lse and cotangent (N,): the forward's lse, dh (N, d) or dw (V, d)."""
+    per-token lse and cotangent (N,): the forward's lse, the expected embeddings (N, d), dh
+    (N, d) or dw (V, d)."""
     tiling = _padding(kernel, launch)
 
     def run(h_BxTxD, w_VxD, targets_BxT, lse_N, g_N):
         count, width = targets_BxT.size, h_BxTxD.shape[-1]
         h_NxD, w_pad, targets_N = fused_loss.operands(h_BxTxD, w_VxD, targets_BxT, tiling)
-        if kernel == "forward":
-            lse_N, _ = fused_loss.forward_call(h_NxD, w_pad, targets_N, vocab, launch, interpret)
-            return lse_N[:count]
+        if kernel.startswith("forward"):
+            expected = kernel == "forward_expected"
+            outputs = fused_loss.forward_call(
+                h_NxD, w_pad, targets_N, vocab, launch, interpret, expected=expected
+            )
+            return outputs[-1][:count, :width] if expected else outputs[0][:count]
         pad = (0, h_NxD.shape[0] - count)
         lse_N, g_N = jnp.pad(lse_N, pad), jnp.pad(g_N, pad)
         args = (h_NxD, w_pad, targets_N, lse_N, g_N, vocab, launch, interpret)
@@ -363,7 +389,8 @@ def sweep_launches(
     """Each of ``kernels`` alone under each launch of ``candidates`` (``launch_candidates()``),
     at one (d, dtype): rows of the median ms and the largest difference from the default
     tiling's output relative to its largest value; then the fastest launch of each kernel, and
-    the loss's forward+backward under those launches against the default tiling. No launch is
+    the loss's forward+backward in both forms (the dh kernel, dh from the forward) under the
+    default tiling and under those launches. No launch is
     started after ``budget`` seconds; those left are counted in ``not_started``. ``unfit``:
     ``(kernel, Launch)`` pairs not run (``unfit_launches``), counted in ``left_out``."""
     reason = None if interpret else fused_loss.unsupported_reason()
@@ -380,7 +407,7 @@ def sweep_launches(
     record.update(default=dataclasses.asdict(default), rows=[], not_started=0, left_out=0)
     best = {}
     for kernel in kernels:
-        reference_launch = getattr(default, kernel)
+        reference_launch = getattr(default, kernel.removesuffix("_expected"))
         reference = np.asarray(_kernel_program(kernel, reference_launch, vocab, interpret)(*args))
         scale = float(np.abs(reference).max())
         for launch in candidates:
@@ -403,18 +430,31 @@ def sweep_launches(
             if "median_ms" in row and row["median_ms"] < best.get(kernel, (np.inf,))[0]:
                 best[kernel] = (row["median_ms"], launch)
     record["fastest"] = {k: dataclasses.asdict(launch) for k, (_, launch) in best.items()}
-    if set(best) == set(KERNELS):
-        tuned = fused_loss.Tiling(*(best[k][1] for k in KERNELS))
-        record["loss_ms"] = {
-            name: _median_ms(_loss_program(tiling, interpret), (h, w, targets), repeats)
-            for name, tiling in (("default", default), ("fastest", tuned))
+    # The loss's forward+backward in each form, at the default tiling and at the fastest
+    # launches of the kernels that form runs, where all of them were timed.
+    forms = {"dh kernel": (False, KERNELS), "dh from the forward": (True, ("forward", "dw"))}
+    record["loss_ms"] = {}
+    for form, (by_forward, needs) in forms.items():
+        timed = {
+            k: best.get(f"{k}_expected" if by_forward and k == "forward" else k) for k in needs
         }
+        tilings = {"default": default}
+        if all(timed.values()):
+            fastest = {k: launch for k, (_, launch) in timed.items()}
+            tilings["fastest"] = fused_loss.Tiling(
+                fastest["forward"], fastest.get("dh", default.dh), fastest["dw"]
+            )
+        for name, tiling in tilings.items():
+            program = _loss_program(tiling, by_forward, interpret)
+            record["loss_ms"][f"{form}, {name}"] = _median_ms(program, (h, w, targets), repeats)
     return record
 
 
-def _loss_program(tiling, interpret: bool):
+def _loss_program(tiling, dh_from_forward: bool, interpret: bool):
     def loss(h, w, targets):
-        return fused_loss.cross_entropy(h, w, targets, tiling=tiling, interpret=interpret).mean()
+        return fused_loss.cross_entropy(
+            h, w, targets, tiling=tiling, dh_from_forward=dh_from_forward, interpret=interpret
+        ).mean()
 
     return jax.jit(jax.value_and_grad(loss, (0, 1)))
 
@@ -514,7 +554,8 @@ def print_tile_record(record: dict, top: int = 5) -> None:
     for kernel in dict.fromkeys(r["kernel"] for r in record["rows"]):
         mine = [r for r in record["rows"] if r["kernel"] == kernel and "median_ms" in r]
         mine.sort(key=lambda r: r["median_ms"])
-        base_launch = {k: default[kernel][k] for k in ("rows", "step", "warps", "stages")}
+        launch = default[kernel.removesuffix("_expected")]
+        base_launch = {k: launch[k] for k in ("rows", "step", "warps", "stages")}
         for r in mine[:top]:
             is_default = {k: r[k] for k in base_launch} == base_launch
             rows.append(
@@ -538,12 +579,8 @@ def print_tile_record(record: dict, top: int = 5) -> None:
         rows,
         left=2,
     )
-    if "loss_ms" in record:
-        ms = record["loss_ms"]
-        print(
-            f"forward+backward: {ms['default']:.2f} ms with the default tiling, "
-            f"{ms['fastest']:.2f} with each kernel's fastest launch"
-        )
+    for name, ms in record.get("loss_ms", {}).items():
+        print(f"loss forward+backward, {name} tiling: {ms:.2f} ms")
 
 
 def main(argv=None) -> None:
@@ -558,7 +595,7 @@ def main(argv=None) -> None:
     parser.add_argument("--dtypes", nargs="+", default=["bfloat16", "float32"])
     parser.add_argument("--repeats", type=int, help="loss: timed calls (10; loss-tiles: 5)")
     tiles = parser.add_argument_group("loss-tiles: the launches tried, and what stops the sweep")
-    tiles.add_argument("--kernels", nargs="+", choices=KERNELS, default=list(SWEEP_ORDER))
+    tiles.add_argument("--kernels", nargs="+", choices=SWEEP_ORDER, default=list(SWEEP_ORDER))
     tiles.add_argument("--tiles", nargs="+", type=int, default=list(SWEEP_TILES))
     tiles.add_argument("--warps", nargs="+", type=int, default=list(SWEEP_WARPS))
     tiles.add_argument("--stages", nargs="+", type=int, default=list(SWEEP_STAGES))

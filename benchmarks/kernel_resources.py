@@ -2,9 +2,12 @@
 
     pip install "jax-cuda12-plugin==$(python -c 'import jaxlib; print(jaxlib.__version__)')"
     JAX_PLATFORMS=cpu python benchmarks/kernel_resources.py [--sizes 55k 1M] [--out FILE]
+    JAX_PLATFORMS=cpu python benchmarks/kernel_resources.py --loss-launches --widths 204 \
+        --out results/kernel_resources-sm90a-loss-launches.json
 
 Each kernel (the fused LMU memory's three, ``memory_kernel``, at each Table 3 LMU size with its
-chunk of 64, and the fused cross-entropy's three, ``models.fused_loss``, at d = 48 and 204) is
+chunk of 64, and the fused cross-entropy's three, ``models.fused_loss``, at d = 48 and 204,
+with in bfloat16 the forward that also forms the expected embeddings) is
 lowered for CUDA here, its Triton module compiled to PTX for sm_90a by the Triton that the CUDA
 plugin of this jaxlib carries (the compiler XLA runs on a GPU), and the PTX assembled by
 ``ptxas -v`` (CUDA's, on PATH). Nothing runs: no GPU is needed, only the plugin's wheel, which
@@ -175,7 +178,7 @@ def memory_rows(size: str) -> list[dict]:
     return rows
 
 
-def _loss_step(width: int, dtype, tiling):
+def _loss_step(width: int, dtype, tiling, dh_from_forward: bool = False):
     """The fused loss's value and gradients under ``tiling`` at d = ``width`` (GPT-2's
     vocabulary, 2048 tokens), and its abstract arguments."""
     h = jax.ShapeDtypeStruct((2, 1024, width), dtype)
@@ -183,7 +186,9 @@ def _loss_step(width: int, dtype, tiling):
     targets = jax.ShapeDtypeStruct((2, 1024), jnp.int32)
 
     def loss(h, w, targets):
-        return jnp.mean(fused_loss.cross_entropy(h, w, targets, tiling=tiling))
+        return jnp.mean(
+            fused_loss.cross_entropy(h, w, targets, tiling=tiling, dh_from_forward=dh_from_forward)
+        )
 
     return jax.value_and_grad(loss, argnums=(0, 1)), (h, w, targets)
 
@@ -199,12 +204,21 @@ def _launch_of(tiling):
 
 
 def loss_rows(width: int) -> list[dict]:
-    """The fused cross-entropy's kernels at width d, at their default tiling."""
+    """The fused cross-entropy's kernels at width d, at their default tiling; in bfloat16 also
+    the forward that forms the expected embeddings (``forward_expected_kernel``)."""
     rows = []
     for dtype in (jnp.bfloat16, jnp.float32):
         tiling = fused_loss.default_tiling(width, dtype)
         label = f"loss d={width} {jnp.dtype(dtype).name}"
         rows += compile_rows(label, *_loss_step(width, dtype, tiling), _launch_of(tiling))
+    tiling = fused_loss.default_tiling(width, jnp.bfloat16)
+    rows += _expected_forward(
+        compile_rows(
+            f"loss d={width} bfloat16 dh from the forward",
+            *_loss_step(width, jnp.bfloat16, tiling, dh_from_forward=True),
+            _launch_of(tiling),
+        )
+    )
     for row in rows:
         row.update(d=width)
     return rows
@@ -212,17 +226,30 @@ def loss_rows(width: int) -> list[dict]:
 
 def loss_launch_rows(width: int, dtype, candidates) -> list[dict]:
     """The fused cross-entropy's kernels under each launch of ``candidates`` (every kernel
-    under the same one at a time; ``cross_entropy.py --part loss-tiles`` times them on a GPU):
-    which would not fit an H100's shared memory, and which spill."""
+    under the same one at a time, and the forward that forms the expected embeddings;
+    ``cross_entropy.py --part loss-tiles`` times them on a GPU): which would not fit an H100's
+    shared memory, and which spill."""
     rows = []
     for launch in candidates:
         tiling = fused_loss.Tiling(launch, launch, launch)
         label = f"loss d={width} {jnp.dtype(dtype).name} {launch.rows}x{launch.step}"
         found = compile_rows(label, *_loss_step(width, dtype, tiling), _launch_of(tiling))
+        step = _loss_step(width, dtype, tiling, dh_from_forward=True)
+        found += _expected_forward(compile_rows(label, *step, _launch_of(tiling)))
         for row in found:
             row.update(d=width, rows=launch.rows, step=launch.step)
         rows += found
     return rows
+
+
+def _expected_forward(rows: list[dict]) -> list[dict]:
+    """Of the rows of a loss with dh from the forward, the forward's, as
+    ``forward_expected_kernel`` (its dw kernel is the other form's)."""
+    return [
+        {**row, "kernel": "forward_expected_kernel"}
+        for row in rows
+        if row["kernel"] == "forward_kernel"
+    ]
 
 
 def _print_row(row: dict) -> None:

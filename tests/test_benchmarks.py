@@ -83,14 +83,14 @@ def test_gpu_benchmark_parts_write_one_json(tmp_path):
     assert [r["model"] for r in rows] == ["transformer-55k", "transformer-100k"]
     assert rows[0] == planned
     assert second["parts"]["attention"]["skipped"].startswith("cuDNN attention is not used")
-    # The cross-entropy alone: XLA's path timed at both widths and dtypes, the kernels not run
-    # here and saying why.
+    # The cross-entropy alone: XLA's path timed at both widths and dtypes, the kernels (in
+    # both forms) not run here and saying why.
     loss_rows = second["parts"]["loss"]["rows"]
     assert [(r["impl"], r["d"], r["dtype"]) for r in loss_rows] == [
         (impl, d, dtype)
         for d in (48, 204)
         for dtype in ("bfloat16", "float32")
-        for impl in ("xla", "pallas")
+        for impl in ("xla", "pallas", "pallas, dh from the forward")
     ]
     for r in loss_rows:
         if r["impl"] == "xla":
@@ -560,9 +560,11 @@ def test_the_loss_tile_sweep_times_every_launch_of_each_kernel_and_they_agree(tm
     [record] = json.loads(out.read_text())["records"]
     assert record["not_started"] == 0 and not [r for r in record["rows"] if "error" in r]
     launches = {(r["kernel"], r["rows"], r["step"]) for r in record["rows"]}
-    every = {(k, a, b) for k in ("forward", "dh", "dw") for a in (4, 16) for b in (4, 16)}
+    kernels = ("forward", "forward_expected", "dh", "dw")
+    every = {(k, a, b) for k in kernels for a in (4, 16) for b in (4, 16)}
     assert launches == every - {("dh", 4, 16)} and record["left_out"] == 1
     # Every launch computes the default tiling's numbers, but for the order of the sums.
     assert max(r["max_diff_rel_to_max"] for r in record["rows"]) < 1e-6
-    assert set(record["fastest"]) == {"forward", "dh", "dw"}
-    assert set(record["loss_ms"]) == {"default", "fastest"}
+    assert set(record["fastest"]) == set(kernels)
+    forms = ("dh kernel", "dh from the forward")
+    assert set(record["loss_ms"]) == {f"{f}, {t}" for f in forms for t in ("default", "fastest")}

@@ -4,6 +4,7 @@ at small shapes, and the switch that chooses them."""
 from __future__ import annotations
 
 import dataclasses
+import functools
 import re
 import types
 
@@ -42,7 +43,8 @@ def inputs(batch, length, width, vocab, seed=0, dtype=jnp.float32):
 # 33 tokens: four whole tiles of 8 and one of 1. V = 53: three whole vocabulary tiles of 16
 # and one with 5 real columns and 11 masked. d = 12 is padded to 16, d = 20 to 32.
 # The fourth case takes the GPU's default tiles (64 x 64 at d = 40 in float32): one short tile
-# of tokens, and 100 real columns of 128. The last gives each kernel other tiles (PER_KERNEL).
+# of tokens, and 100 real columns of 128. The fifth gives each kernel other tiles (PER_KERNEL).
+# The last three take dh from the forward's expected embeddings instead of the dh kernel.
 @pytest.mark.parametrize(
     ("shape", "tiles"),
     [
@@ -51,8 +53,20 @@ def inputs(batch, length, width, vocab, seed=0, dtype=jnp.float32):
         ((2, 8, 16, 17), TILES),
         ((2, 7, 40, 100), {"interpret": True}),
         ((3, 11, 12, 70), {"tiling": PER_KERNEL, "interpret": True}),
+        ((3, 11, 12, 53), {**TILES, "dh_from_forward": True}),
+        ((2, 7, 40, 100), {"interpret": True, "dh_from_forward": True}),
+        ((3, 11, 12, 70), {"tiling": PER_KERNEL, "interpret": True, "dh_from_forward": True}),
     ],
-    ids=["ragged", "one-short-token-tile", "whole-token-tiles", "default-tiles", "per-kernel"],
+    ids=[
+        "ragged",
+        "one-short-token-tile",
+        "whole-token-tiles",
+        "default-tiles",
+        "per-kernel",
+        "dh-from-forward-ragged",
+        "dh-from-forward-default-tiles",
+        "dh-from-forward-per-kernel",
+    ],
 )
 def test_losses_and_weighted_gradients_equal_a_float64_softmax(shape, tiles):
     batch, length = shape[:2]
@@ -82,7 +96,8 @@ def test_the_kernels_equal_the_xla_path_for_a_mean_loss():
         np.testing.assert_allclose(g, x, rtol=1e-5, atol=1e-6 * np.abs(x).max())
 
 
-def test_bfloat16_activations_match_the_xla_path_to_bfloat16_rounding():
+@pytest.mark.parametrize("dh_from_forward", [False, True], ids=["dh-kernel", "dh-from-forward"])
+def test_bfloat16_activations_match_the_xla_path_to_bfloat16_rounding(dh_from_forward):
     # As in a bf16 model: h in bfloat16, the embedding a float32 parameter that both paths
     # cast to bfloat16; products accumulate in float32, dlogits are rounded to bfloat16. 125
     # tiles of the vocabulary, so that dh summed in bfloat16 instead of float32 would show.
@@ -91,7 +106,7 @@ def test_bfloat16_activations_match_the_xla_path_to_bfloat16_rounding():
     def mean(loss_fn):
         return jax.value_and_grad(lambda h, w: loss_fn(h, w, targets).mean(), (0, 1))(h, w)
 
-    (loss, (dh, dw)) = mean(fused)
+    (loss, (dh, dw)) = mean(functools.partial(fused, dh_from_forward=dh_from_forward))
     (xla_loss, (xla_dh, xla_dw)) = mean(lambda h, w, t: base.cross_entropy(h, w, t, impl="xla"))
     assert dh.dtype == jnp.bfloat16 and dw.dtype == jnp.float32
     # The losses see the same bf16 operands and float32 sums: equal but for summation order.
@@ -110,17 +125,43 @@ def test_bfloat16_activations_match_the_xla_path_to_bfloat16_rounding():
         assert np.abs(got - xla).max() <= 1e-2 * scale
 
 
-def test_very_low_logits_give_finite_gradients():
+@pytest.mark.parametrize("dh_from_forward", [False, True], ids=["dh-kernel", "dh-from-forward"])
+def test_very_low_logits_give_finite_gradients(dh_from_forward):
     # Every logit near -100, so lse is too: exp(0 - lse) in a padded column (logit 0) would
     # overflow to inf, and inf times w's zero padded row is NaN. The padded columns are masked.
     h, w, targets = inputs(1, 6, 8, 20, seed=5)
     w = jnp.abs(w) + 1.0
     h = -100.0 * jnp.ones_like(h) / (w.sum(-1).min())
-    losses, (dh, dw) = jax.value_and_grad(lambda h, w: fused(h, w, targets).sum(), (0, 1))(h, w)
+
+    def total(h, w):
+        return fused(h, w, targets, dh_from_forward=dh_from_forward).sum()
+
+    losses, (dh, dw) = jax.value_and_grad(total, (0, 1))(h, w)
     want_dh, want_dw = reference_gradients(h, w, targets, np.ones(targets.shape))
     assert np.isfinite(losses) and np.all(np.isfinite(dh)) and np.all(np.isfinite(dw))
     np.testing.assert_allclose(dh, want_dh, rtol=1e-4, atol=1e-5 * np.abs(want_dh).max())
     np.testing.assert_allclose(dw, want_dw, rtol=1e-4, atol=1e-5 * np.abs(want_dw).max())
+
+
+def test_targets_outside_the_vocabulary_give_the_same_gradients_in_both_forms():
+    # A target in the padded columns (V = 53 pads to 64), one past them and a negative one
+    # match no real column: their loss takes a target logit of 0 and their dh no w row, in
+    # the dh kernel and in dh from the forward alike.
+    h, w, targets = inputs(2, 5, 12, 53, seed=6)
+    targets = targets.at[0, :3].set(jnp.array([57, 64, -2]))
+    forms = [
+        jax.value_and_grad(
+            lambda h, w, form=form: fused(h, w, targets, dh_from_forward=form).sum(), (0, 1)
+        )(h, w)
+        for form in (False, True)
+    ]
+    (loss, (dh, dw)), (loss_f, (dh_f, dw_f)) = forms
+    np.testing.assert_allclose(loss_f, loss, rtol=1e-6)
+    np.testing.assert_allclose(dh_f, dh, rtol=1e-5, atol=1e-6 * np.abs(dh).max())
+    np.testing.assert_array_equal(dw_f, dw)  # the same dw kernel on the same lse
+    # Those three tokens' dh is g E_p[w]: the softmax-weighted mean of w's rows, no target row.
+    probs = jax.nn.softmax(jnp.einsum("td,vd->tv", h[0, :3], w), axis=-1)
+    np.testing.assert_allclose(dh[0, :3], probs @ w, rtol=1e-5, atol=1e-6)
 
 
 def test_no_tokens_give_no_losses_and_zero_gradients():
@@ -146,23 +187,31 @@ def test_bad_tiles_and_shapes_are_named():
         fused(h, w[:, :6], targets)
 
 
-@pytest.mark.parametrize(("width", "dtype"), [(204, jnp.bfloat16), (48, jnp.float32)])
-def test_the_kernels_lower_to_triton_for_an_nvidia_gpu(width, dtype):
+@pytest.mark.parametrize(
+    ("width", "dtype", "dh_from_forward"),
+    [(204, jnp.bfloat16, False), (48, jnp.float32, False), (204, jnp.bfloat16, True)],
+)
+def test_the_kernels_lower_to_triton_for_an_nvidia_gpu(width, dtype, dh_from_forward):
     # Lowering for CUDA runs here without a GPU, at the default tiles: every primitive in the
-    # three kernels must have a Triton lowering rule and every loaded tile a shape Triton
-    # takes (powers of two). Triton's own compilation (layouts, shared memory, registers),
-    # the run and its numerics need the GPU (benchmarks/cross_entropy.py --part loss).
+    # kernels must have a Triton lowering rule and every loaded tile a shape Triton takes
+    # (powers of two). Triton's own compilation (layouts, shared memory, registers), the run
+    # and its numerics need the GPU (benchmarks/cross_entropy.py --part loss). With dh from
+    # the forward there is no dh kernel, and the forward has a third output.
     h = jax.ShapeDtypeStruct((2, 300, width), dtype)
     w = jax.ShapeDtypeStruct((50257, width), jnp.float32)
     targets = jax.ShapeDtypeStruct((2, 300), jnp.int32)
 
     def loss_and_grads(h, w, targets):
-        return jax.value_and_grad(
-            lambda h, w: fused_loss.cross_entropy(h, w, targets).mean(), (0, 1)
-        )(h, w)
+        def loss(h, w):
+            return fused_loss.cross_entropy(h, w, targets, dh_from_forward=dh_from_forward).mean()
+
+        return jax.value_and_grad(loss, (0, 1))(h, w)
 
     text = kernels.lowered_for_cuda(loss_and_grads, h, w, targets).as_text()
-    assert text.count("xla.gpu.triton") == 3  # forward, dh, dw
+    names = re.findall(r'name = "_(\w+)_kernel"', text)
+    assert names == (["forward", "dw"] if dh_from_forward else ["forward", "dh", "dw"])
+    [forward] = [line for line in text.splitlines() if '"_forward_kernel"' in line]
+    assert ("tensor<640x256xf32>" in forward.split("->")[-1]) == dh_from_forward
 
 
 def test_each_kernel_is_launched_on_a_gpu_with_its_own_tiles_warps_and_stages():

@@ -121,6 +121,14 @@ def _pallas_call(kernel, launch: Launch, **kwargs):
     return pl.pallas_call(kernel, compiler_params=params, **kwargs)
 
 
+# Whether the forward kernel also forms each token's expected embedding under its softmax,
+# E_p[w] = sum_v p_v w_v (a second product on each tile it already holds, its running sum
+# rescaled as the max grows), so that dh = g (E_p[w] - w_target) needs no kernel of its own:
+# the kernels execute 8 N V d FLOPs instead of 10, the dh kernel's logits recomputed no more.
+# Not yet timed on a GPU, so off; benchmarks/gpu.py's loss part times both forms.
+DH_FROM_FORWARD = False
+
+
 def unsupported_reason(devices=None) -> str | None:
     """Why the kernels cannot run on ``devices`` (``kernels.unsupported_reason``), or None."""
     return kernels.unsupported_reason(devices)
@@ -156,15 +164,20 @@ def _dlogits(h_txD, w_vxD, lse_t, targets_t, g_t, first_column, vocab):
     return (p_txv * g_t[:, None]).astype(h_txD.dtype)
 
 
-def _forward_kernel(h_ref, w_ref, targets_ref, lse_ref, target_logit_ref, *, vocab, tile):
+def _forward_kernel(h_ref, w_ref, targets_ref, lse_ref, target_logit_ref, *expected, vocab, tile):
+    """Each token's log-sum-exp and target logit, by an online log-sum-exp over the vocabulary;
+    with a third output (``expected``), also its expected embedding under its softmax,
+    ``E_p[w] = sum_v p_v w_v``, whose running sum is rescaled as the max grows (as flash
+    attention's output is)."""
     h_txD = h_ref[...]
     targets_t = targets_ref[...]
     rows = h_txD.shape[0]
 
     def one_tile(j, carry):
-        max_t, sum_t, target_t = carry
+        max_t, sum_t, target_t, *expected_txD = carry
         first = j * tile
-        logits_txv = _tile_logits(h_txD, w_ref[pl.ds(first, tile), :])
+        w_vxD = w_ref[pl.ds(first, tile), :]
+        logits_txv = _tile_logits(h_txD, w_vxD)
         columns_txv = first + lax.broadcasted_iota(jnp.int32, logits_txv.shape, 1)
         # The target's logit before masking: a target outside the vocabulary picks 0, as in
         # the XLA path.
@@ -172,17 +185,30 @@ def _forward_kernel(h_ref, w_ref, targets_ref, lse_ref, target_logit_ref, *, voc
         target_t += jnp.sum(jnp.where(hit_txv, logits_txv, 0.0), axis=1)
         logits_txv = jnp.where(columns_txv < vocab, logits_txv, -jnp.inf)
         new_max_t = jnp.maximum(max_t, jnp.max(logits_txv, axis=1))
-        sum_t = sum_t * jnp.exp(max_t - new_max_t) + jnp.sum(
-            jnp.exp(logits_txv - new_max_t[:, None]), axis=1
-        )
-        return new_max_t, sum_t, target_t
+        rescale_t = jnp.exp(max_t - new_max_t)
+        p_txv = jnp.exp(logits_txv - new_max_t[:, None])
+        sum_t = sum_t * rescale_t + jnp.sum(p_txv, axis=1)
+        if expected_txD:
+            [running_txD] = expected_txD
+            moved_txD = jnp.dot(
+                p_txv.astype(h_txD.dtype), w_vxD, preferred_element_type=jnp.float32
+            )
+            expected_txD = [running_txD * rescale_t[:, None] + moved_txD]
+        return new_max_t, sum_t, target_t, *expected_txD
 
     zeros_t = jnp.zeros((rows,), jnp.float32)
     start = (jnp.full((rows,), -jnp.inf, jnp.float32), zeros_t, zeros_t)
-    # Every tile holds at least one real column, so the max is finite after the first.
-    max_t, sum_t, target_t = lax.fori_loop(0, w_ref.shape[0] // tile, one_tile, start)
+    if expected:
+        start += (jnp.zeros(h_txD.shape, jnp.float32),)
+    # The first tile holds real columns, so the max is finite after it: a later tile wholly of
+    # padding (the vocabulary is padded to every kernel's tile) rescales by exp(0) and adds 0.
+    max_t, sum_t, target_t, *expected_txD = lax.fori_loop(
+        0, w_ref.shape[0] // tile, one_tile, start
+    )
     lse_ref[...] = max_t + jnp.log(sum_t)
     target_logit_ref[...] = target_t
+    if expected:
+        expected[0][...] = expected_txD[0] / sum_t[:, None]
 
 
 def _dh_kernel(h_ref, w_ref, targets_ref, lse_ref, g_ref, dh_ref, *, vocab, tile):
@@ -257,10 +283,18 @@ def default_tiling(width: int, dtype) -> Tiling:
 
 
 def cross_entropy(
-    h_BxTxD, w_VxD, targets_BxT, *, tiling: Tiling | None = None, interpret: bool = False
+    h_BxTxD,
+    w_VxD,
+    targets_BxT,
+    *,
+    tiling: Tiling | None = None,
+    dh_from_forward: bool | None = None,
+    interpret: bool = False,
 ):
     """``base.cross_entropy`` by the fused kernels, exact gradients for any cotangent;
-    ``tiling``: the kernels' tiles and launches (None: ``default_tiling``)."""
+    ``tiling``: the kernels' tiles and launches (None: ``default_tiling``); ``dh_from_forward``
+    (None: ``DH_FROM_FORWARD``): dh from the forward's expected embeddings, without the dh
+    kernel (``tiling.dh`` unused)."""
     if h_BxTxD.shape[:-1] != targets_BxT.shape or h_BxTxD.shape[-1] != w_VxD.shape[-1]:
         raise ValueError(
             f"h {h_BxTxD.shape}, w {w_VxD.shape} and targets {targets_BxT.shape} do not fit: "
@@ -269,21 +303,35 @@ def cross_entropy(
     if tiling is None:
         tiling = default_tiling(h_BxTxD.shape[-1], h_BxTxD.dtype)
     tiling.check(interpret)
-    return _fused(h_BxTxD, w_VxD, targets_BxT, tiling, interpret)
+    dh_from_forward = DH_FROM_FORWARD if dh_from_forward is None else bool(dh_from_forward)
+    return _fused(h_BxTxD, w_VxD, targets_BxT, tiling, dh_from_forward, interpret)
 
 
-def forward_call(h_NxD, w_pad, targets_N, vocab: int, launch: Launch, interpret: bool = False):
+def forward_call(
+    h_NxD,
+    w_pad,
+    targets_N,
+    vocab: int,
+    launch: Launch,
+    interpret: bool = False,
+    expected: bool = False,
+):
     """The forward kernel on padded operands (``operands``): each token's log-sum-exp over the
-    ``vocab`` real columns and its target's logit, (N',) float32 each."""
+    ``vocab`` real columns and its target's logit, (N',) float32 each; ``expected``: also its
+    expected embedding under its softmax, (N', D') float32."""
     n, wide = h_NxD.shape
     per_token = jax.ShapeDtypeStruct((n,), jnp.float32)
+    out_specs, out_shape = [_rows(launch.rows)] * 2, [per_token] * 2
+    if expected:
+        out_specs.append(_rows(launch.rows, wide))
+        out_shape.append(jax.ShapeDtypeStruct((n, wide), jnp.float32))
     return _pallas_call(
         functools.partial(_forward_kernel, vocab=vocab, tile=launch.step),
         launch,
         grid=(n // launch.rows,),
         in_specs=[_rows(launch.rows, wide), _whole(w_pad.shape), _rows(launch.rows)],
-        out_specs=[_rows(launch.rows), _rows(launch.rows)],
-        out_shape=[per_token, per_token],
+        out_specs=out_specs,
+        out_shape=out_shape,
         interpret=interpret,
     )(h_NxD, w_pad, targets_N)
 
@@ -317,24 +365,28 @@ def dw_call(h_NxD, w_pad, targets_N, lse_N, g_N, vocab: int, launch, interpret: 
     )(h_NxD, w_pad, targets_N, lse_N, g_N)
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4))
-def _fused(h_BxTxD, w_VxD, targets_BxT, tiling, interpret):
-    return _fused_fwd(h_BxTxD, w_VxD, targets_BxT, tiling, interpret)[0]
+@functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4, 5))
+def _fused(h_BxTxD, w_VxD, targets_BxT, tiling, dh_from_forward, interpret):
+    return _fused_fwd(h_BxTxD, w_VxD, targets_BxT, tiling, dh_from_forward, interpret)[0]
 
 
-def _fused_fwd(h_BxTxD, w_VxD, targets_BxT, tiling, interpret):
+def _fused_fwd(h_BxTxD, w_VxD, targets_BxT, tiling, dh_from_forward, interpret):
     count = targets_BxT.size
     if count == 0:
-        return jnp.zeros(targets_BxT.shape, jnp.float32), (h_BxTxD, w_VxD, targets_BxT, None)
+        empty = (h_BxTxD, w_VxD, targets_BxT, None, None)
+        return jnp.zeros(targets_BxT.shape, jnp.float32), empty
     h_NxD, w_pad, targets_N = operands(h_BxTxD, w_VxD, targets_BxT, tiling)
     vocab = w_VxD.shape[0]
-    lse_N, target_N = forward_call(h_NxD, w_pad, targets_N, vocab, tiling.forward, interpret)
+    lse_N, target_N, *expected = forward_call(
+        h_NxD, w_pad, targets_N, vocab, tiling.forward, interpret, expected=dh_from_forward
+    )
     loss_BxT = (lse_N - target_N)[:count].reshape(targets_BxT.shape)
-    return loss_BxT, (h_BxTxD, w_VxD, targets_BxT, lse_N)
+    expected_NxD = expected[0][:count] if expected else None
+    return loss_BxT, (h_BxTxD, w_VxD, targets_BxT, lse_N, expected_NxD)
 
 
-def _fused_bwd(tiling, interpret, residuals, g_BxT):
-    h_BxTxD, w_VxD, targets_BxT, lse_N = residuals
+def _fused_bwd(tiling, dh_from_forward, interpret, residuals, g_BxT):
+    h_BxTxD, w_VxD, targets_BxT, lse_N, expected_NxD = residuals
     if lse_N is None:
         return jnp.zeros_like(h_BxTxD), jnp.zeros_like(w_VxD), None
     count, (vocab, width) = targets_BxT.size, w_VxD.shape
@@ -342,10 +394,23 @@ def _fused_bwd(tiling, interpret, residuals, g_BxT):
     # The padded tokens get a zero cotangent: they add nothing to dw.
     g_N = jnp.pad(g_BxT.reshape(count).astype(jnp.float32), (0, lse_N.shape[0] - count))
     args = (h_NxD, w_pad, targets_N, lse_N, g_N, vocab)
-    dh_NxD = dh_call(*args, tiling.dh, interpret)
+    if dh_from_forward:
+        dh_NxD = _dh_from_expected(expected_NxD, w_pad, targets_N[:count], g_N[:count])
+    else:
+        dh_NxD = dh_call(*args, tiling.dh, interpret)[:count]
     dw_VxD = dw_call(*args, tiling.dw, interpret)
-    dh_BxTxD = dh_NxD[:count, :width].reshape(h_BxTxD.shape)
+    dh_BxTxD = dh_NxD[:, :width].astype(h_BxTxD.dtype).reshape(h_BxTxD.shape)
     return dh_BxTxD, dw_VxD[:vocab, :width].astype(w_VxD.dtype), None
+
+
+def _dh_from_expected(expected_NxD, w_pad, targets_N, g_N):
+    """``dh = g (E_p[w] - w_target)``: the dh kernel's ``sum_v g (p_v - onehot_v) w_v`` with
+    its sum over the vocabulary done by the forward, float32 (w in h's dtype, as the kernels
+    read it; a target outside the vocabulary picks a zero row, as in the kernels)."""
+    real = (targets_N >= 0) & (targets_N < w_pad.shape[0])
+    w_target_NxD = jnp.take(w_pad, jnp.clip(targets_N, 0, w_pad.shape[0] - 1), axis=0)
+    w_target_NxD = jnp.where(real[:, None], w_target_NxD.astype(jnp.float32), 0.0)
+    return g_N[:, None] * (expected_NxD - w_target_NxD)
 
 
 _fused.defvjp(_fused_fwd, _fused_bwd)
