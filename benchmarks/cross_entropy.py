@@ -28,9 +28,12 @@ launch of a grid, rows x step tiles of --tiles, --warps and --stages (81 a kerne
 at the same inputs. --resources leaves out the launches that ``kernel_resources.py
 --loss-launches`` found spilling or over an H100's shared memory. Each row: the median ms of
 --repeats calls, and the largest difference from the default tiling's output relative to its
-largest value (a launch changes only the order of the sums). Then each kernel's fastest
+largest value (a launch changes the order of the sums, and in the forward that forms the
+expected embeddings, in bfloat16, how its probabilities round). Then each kernel's fastest
 launch, and the loss's forward+backward in both forms (the dh kernel, dh from the forward)
-under those launches and under ``default_tiling``'s. No launch starts after --budget seconds.
+under those launches and under ``default_tiling``'s. No launch of the grid starts after
+--budget seconds; each kernel's default launch (the reference) and the loss's four timings
+run whatever the budget.
 --interpret runs the kernels in Pallas's interpret mode, on any backend, at a small --vocab
 (a CPU check of the script; its times mean nothing).
 
@@ -199,10 +202,11 @@ def kernel_bytes(
     v = -(-vocab // tiling.vocab_multiple) * tiling.vocab_multiple
     item = jnp.dtype(dtype).itemsize
     h, w = n * wide * item, v * wide * item
-    small = 2 * 4 * n + 2 * 3 * 4 * n + h + v * wide * 4
     passes = 2 if dh_from_forward else 3
+    # lse and the target logit out; lse, targets and g into each backward kernel; dh; dw.
+    small = 2 * 4 * n + (passes - 1) * 3 * 4 * n + h + v * wide * 4
     if dh_from_forward:
-        small += 2 * n * wide * 4
+        small += 2 * n * wide * 4  # the expected embeddings, written and read
     compulsory = passes * (h + w) + small
     # Each program of the forward and dh kernels loads all of w, each of dw's all of h.
     w_loads = n // tiling.forward.rows + (0 if dh_from_forward else n // tiling.dh.rows)
@@ -297,10 +301,10 @@ def measure_losses(widths, dtypes, batch, seq_len, repeats, impls=LOSS_IMPLS) ->
 KERNELS = ("forward", "dh", "dw")
 SWEEP_ORDER = ("dw", "forward_expected", "dh", "forward")
 # Each kernel's launches that --part loss-tiles tries, unless told others: tiles of 32 to 128
-# rows along each of its two axes, 4 to 16 warps, 1 to 3 pipelining stages. At 16 warps a
-# thread has at most 128 registers; compiled for an H100 at d = 204 in bfloat16
-# (kernel_resources-sm90a-loss-launches.json), that is where dh and dw hold 128-row tiles
-# without spilling, besides 8 warps at a step of 32.
+# rows along each of its two axes, 4 to 16 warps, 1 to 3 pipelining stages. Compiled for an
+# H100 at d = 204 in bfloat16 (kernel_resources-sm90a-loss-launches.json), dh and dw hold
+# 128-row tiles without spilling at a step of 32 with 8 warps or 16 (at most 128 registers a
+# thread; dw from 2 stages), and dh also at a step of 64 with 8 warps.
 SWEEP_TILES, SWEEP_WARPS, SWEEP_STAGES = (32, 64, 128), (4, 8, 16), (1, 2, 3)
 
 
@@ -320,13 +324,20 @@ def unfit_launches(path: Path, width: int, dtype: str) -> frozenset:
     ``path``) found spilling registers or over an H100's shared memory at (``width``,
     ``dtype``)."""
     unfit = set()
-    for row in json.loads(path.read_text())["rows"]:
-        if row.get("d") != width or not row["case"].startswith(f"loss d={width} {dtype} "):
-            continue
-        if row.get("fits_h100") and row.get("spill_store_bytes") == 0:
-            continue
-        launch = fused_loss.Launch(row["rows"], row["step"], row["num_warps"], row["num_stages"])
-        unfit.add((row["kernel"].removesuffix("_kernel"), launch))
+    try:
+        for row in json.loads(path.read_text())["rows"]:
+            if row.get("d") != width or not row["case"].startswith(f"loss d={width} {dtype} "):
+                continue
+            if row.get("fits_h100") and row.get("spill_store_bytes") == 0:
+                continue
+            warps, stages = row["num_warps"], row["num_stages"]
+            launch = fused_loss.Launch(row["rows"], row["step"], warps, stages)
+            unfit.add((row["kernel"].removesuffix("_kernel"), launch))
+    except (OSError, ValueError, KeyError, TypeError) as error:
+        raise SystemExit(
+            f"--resources {path}: not kernel_resources.py --loss-launches's JSON "
+            f"({type(error).__name__}: {error})"
+        ) from None
     return frozenset(unfit)
 
 
@@ -390,8 +401,9 @@ def sweep_launches(
     at one (d, dtype): rows of the median ms and the largest difference from the default
     tiling's output relative to its largest value; then the fastest launch of each kernel, and
     the loss's forward+backward in both forms (the dh kernel, dh from the forward) under the
-    default tiling and under those launches. No launch is
-    started after ``budget`` seconds; those left are counted in ``not_started``. ``unfit``:
+    default tiling and under those launches. No launch of ``candidates`` is started after
+    ``budget`` seconds (those left are counted in ``not_started``); each kernel's default
+    launch, its reference, and the loss's timings run whatever the budget. ``unfit``:
     ``(kernel, Launch)`` pairs not run (``unfit_launches``), counted in ``left_out``."""
     reason = None if interpret else fused_loss.unsupported_reason()
     if reason is not None:

@@ -35,8 +35,8 @@ Parts (``--only`` takes shell patterns of these names):
   kernels (skipped where they cannot run), with the kernels' largest differences from the
   XLA path (``cross_entropy.py --part loss``).
 - ``loss_tiles``: each fused loss kernel alone under a grid of tiles, warps and stages at
-  d = 204 in bfloat16, --xent-batch x --seq-len tokens, for at most --tiles-seconds
-  (``cross_entropy.py --part loss-tiles``, leaving out the launches that
+  d = 204 in bfloat16, --xent-batch x --seq-len tokens, no launch started after
+  --tiles-seconds (``cross_entropy.py --part loss-tiles``, leaving out the launches that
   ``kernel_resources.py --loss-launches`` found spilling or over an H100's shared memory);
   skipped where the kernels cannot run. Not a default part.
 - ``attention``: cuDNN's flash attention (``layers.causal_attention``) against XLA's in
@@ -353,8 +353,8 @@ LOSS_LAUNCH_RESOURCES = (
 
 def part_loss_tiles(args) -> dict:
     """Each fused loss kernel alone under the grid of launches at lmu-1M's d = 204 in bfloat16
-    (``cross_entropy.sweep_launches``), for at most --tiles-seconds and never past
-    --time-budget."""
+    (``cross_entropy.sweep_launches``): no launch of the grid started after --tiles-seconds or
+    past --time-budget (each kernel's default launch and the loss's timings run besides)."""
     from cross_entropy import print_tile_record, sweep_launches, unfit_launches
 
     budget = args.tiles_seconds

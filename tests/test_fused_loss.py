@@ -159,15 +159,30 @@ def test_targets_outside_the_vocabulary_give_the_same_gradients_in_both_forms():
     np.testing.assert_allclose(loss_f, loss, rtol=1e-6)
     np.testing.assert_allclose(dh_f, dh, rtol=1e-5, atol=1e-6 * np.abs(dh).max())
     np.testing.assert_array_equal(dw_f, dw)  # the same dw kernel on the same lse
-    # Those three tokens' dh is g E_p[w]: the softmax-weighted mean of w's rows, no target row.
-    probs = jax.nn.softmax(jnp.einsum("td,vd->tv", h[0, :3], w), axis=-1)
+    # Those three tokens' loss is their log-sum-exp (a target logit of 0), and their dh is
+    # g E_p[w]: the softmax-weighted mean of w's rows, no target row.
+    logits = jnp.einsum("td,vd->tv", h[0, :3], w)
+    lse = jax.nn.logsumexp(logits, axis=-1)
+    np.testing.assert_allclose(fused(h, w, targets)[0, :3], lse, rtol=1e-6)
+    probs = jax.nn.softmax(logits, axis=-1)
     np.testing.assert_allclose(dh[0, :3], probs @ w, rtol=1e-5, atol=1e-6)
 
 
-def test_no_tokens_give_no_losses_and_zero_gradients():
+@pytest.mark.parametrize("dh_from_forward", [False, True], ids=["dh-kernel", "dh-from-forward"])
+def test_no_tokens_give_no_losses_and_zero_gradients(dh_from_forward):
     h, w, targets = inputs(0, 4, 8, 20)
-    value, (dh, dw) = jax.value_and_grad(lambda h, w: fused(h, w, targets).sum(), (0, 1))(h, w)
+
+    def total(h, w):
+        return fused(h, w, targets, dh_from_forward=dh_from_forward).sum()
+
+    value, (dh, dw) = jax.value_and_grad(total, (0, 1))(h, w)
     assert float(value) == 0.0 and dh.shape == h.shape and not np.any(dw)
+
+
+def test_an_empty_vocabulary_is_named():
+    h, w, targets = inputs(1, 4, 8, 1)
+    with pytest.raises(ValueError, match=r"w \(0, 8\) has no rows: the vocabulary is empty"):
+        fused(h, w[:0], targets)
 
 
 def test_bad_tiles_and_shapes_are_named():
@@ -181,7 +196,7 @@ def test_bad_tiles_and_shapes_are_named():
     with pytest.raises(ValueError, match=r"tiling\.dh\.warps must be a power of two <= 32, got 6"):
         fused(h, w, targets, tiling=bad_warps)
     no_stages = dataclasses.replace(PER_KERNEL, dw=Launch(4, 16, 4, 0))
-    with pytest.raises(ValueError, match=r"tiling\.dw\.stages must be >= 1, got 0"):
+    with pytest.raises(ValueError, match=r"tiling\.dw\.stages must be a whole number >= 1, got 0"):
         fused(h, w, targets, tiling=no_stages)
     with pytest.raises(ValueError, match=r"h \(1, 4, 8\), w \(20, 6\) and targets"):
         fused(h, w[:, :6], targets)
@@ -212,6 +227,15 @@ def test_the_kernels_lower_to_triton_for_an_nvidia_gpu(width, dtype, dh_from_for
     assert names == (["forward", "dw"] if dh_from_forward else ["forward", "dh", "dw"])
     [forward] = [line for line in text.splitlines() if '"_forward_kernel"' in line]
     assert ("tensor<640x256xf32>" in forward.split("->")[-1]) == dh_from_forward
+
+    # The losses alone (an evaluation) form no expected embeddings, whatever the form.
+    def loss_alone(h, w, targets):
+        return fused_loss.cross_entropy(h, w, targets, dh_from_forward=dh_from_forward).mean()
+
+    text = kernels.lowered_for_cuda(loss_alone, h, w, targets).as_text()
+    [forward] = [line for line in text.splitlines() if '"_forward_kernel"' in line]
+    assert forward.split("->")[-1].strip().startswith("(tensor<640xf32>, tensor<640xf32>)")
+    assert "640x256" not in forward.split("->")[-1]
 
 
 def test_each_kernel_is_launched_on_a_gpu_with_its_own_tiles_warps_and_stages():

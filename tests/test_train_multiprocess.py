@@ -240,10 +240,43 @@ def test_a_process_killed_in_a_save_ends_the_other_at_the_save_s_first_collectiv
     _finish(processes[1:])
     assert status == 5, stderr[-3000:]
     [line] = [line for line in stderr.splitlines() if line.strip()]
-    assert line.startswith("error: process 0 of 2 lost contact with the others (saving ")
-    assert "checkpoint 16" in line and "Gloo" in line
+    assert line.startswith(
+        "error: process 0 of 2 lost contact with the others (in a checkpoint's save: "
+    )
+    assert "Gloo AllGather failed" in line
     assert "start all 2 processes again to resume" in line
     assert _checkpoints(workdir) == [8]
+
+
+def test_only_a_failed_collective_makes_a_failed_save_a_lost_process():
+    # As Checkpoints raises a failed save: a CheckpointError naming the reason, raised from
+    # None with the error it caught as its context.
+    from lmuscale.train.checkpoint import CheckpointError
+    from lmuscale.train.loop import _lost_peer
+
+    def failed_save(inner: Exception) -> CheckpointError:
+        try:
+            try:
+                raise inner
+            except Exception:
+                reason = f"{type(inner).__name__}: {inner}"
+                raise CheckpointError(f"saving checkpoint 16 in /w failed ({reason})") from None
+        except CheckpointError as error:
+            return error
+
+    gathered = ValueError("UNKNOWN: Gloo AllGather failed: [pair.cc:547] Connection closed by peer")
+    reduced = ValueError("UNKNOWN: Gloo all-reduce failed: [pair.cc:547] Read error")
+    for inner in (gathered, reduced):
+        assert _lost_peer(failed_save(inner)) is inner  # the innermost, named in the line
+    step = jax.errors.JaxRuntimeError("INTERNAL: a step's all-reduce failed")
+    assert _lost_peer(step) is step
+    others = (
+        OSError(28, "No space left on device"),
+        jax.errors.JaxRuntimeError("RESOURCE_EXHAUSTED: Out of memory allocating 4 GiB"),
+        ValueError('NOT_FOUND: Error writing local file "/w/checkpoints/16/state"'),
+    )
+    for inner in others:
+        assert _lost_peer(failed_save(inner)) is None
 
 
 def test_both_processes_restarted_resume_to_the_reference_bit_for_bit(killed, reference):

@@ -5,7 +5,9 @@ walks the vocabulary per tile of tokens with an online log-sum-exp and writes tw
 token; dh (per tile of tokens) and dw (per tile of the vocabulary) recompute each logits tile
 and form ``g * (softmax - onehot)`` on chip: 5 logits-sized products against the XLA path's 3,
 but nothing V-sized is written but dw, and the per-token cotangent ``g`` enters exactly, so
-any weighting of the losses has exact gradients.
+any weighting of the losses has exact gradients. With ``DH_FROM_FORWARD`` the forward also
+writes each token's expected embedding under its softmax (D' floats, kept for the backward
+pass) and dh needs no kernel: 4 products.
 
 Written for Pallas's Triton lowering (NVIDIA GPUs): d is zero-padded to a power of two, the
 vocabulary to whole tiles (padded logits masked) and the tokens to whole tiles with a zero
@@ -16,6 +18,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import numbers
 
 import jax
 import jax.numpy as jnp
@@ -105,12 +108,19 @@ class Tiling:
                 raise ValueError(
                     f"tiling.{kernel}.warps must be a power of two <= 32, got {launch.warps!r}"
                 )
-            if not isinstance(launch.stages, int) or launch.stages < 1:
-                raise ValueError(f"tiling.{kernel}.stages must be >= 1, got {launch.stages!r}")
+            if not _whole_number(launch.stages) or launch.stages < 1:
+                raise ValueError(
+                    f"tiling.{kernel}.stages must be a whole number >= 1, got {launch.stages!r}"
+                )
+
+
+def _whole_number(n) -> bool:
+    """An int of any kind (numpy's too), not a bool."""
+    return isinstance(n, numbers.Integral) and not isinstance(n, bool)
 
 
 def _power_of_two(n) -> bool:
-    return isinstance(n, int) and n >= 1 and not n & (n - 1)
+    return _whole_number(n) and n >= 1 and not n & (n - 1)
 
 
 def _pallas_call(kernel, launch: Launch, **kwargs):
@@ -294,12 +304,15 @@ def cross_entropy(
     """``base.cross_entropy`` by the fused kernels, exact gradients for any cotangent;
     ``tiling``: the kernels' tiles and launches (None: ``default_tiling``); ``dh_from_forward``
     (None: ``DH_FROM_FORWARD``): dh from the forward's expected embeddings, without the dh
-    kernel (``tiling.dh`` unused)."""
+    kernel (``tiling.dh`` then launches nothing, though it is checked and counts in the
+    padding)."""
     if h_BxTxD.shape[:-1] != targets_BxT.shape or h_BxTxD.shape[-1] != w_VxD.shape[-1]:
         raise ValueError(
             f"h {h_BxTxD.shape}, w {w_VxD.shape} and targets {targets_BxT.shape} do not fit: "
             "h is (B, T, D), w (V, D), targets (B, T)"
         )
+    if w_VxD.shape[0] == 0:
+        raise ValueError(f"w {w_VxD.shape} has no rows: the vocabulary is empty")
     if tiling is None:
         tiling = default_tiling(h_BxTxD.shape[-1], h_BxTxD.dtype)
     tiling.check(interpret)
@@ -367,7 +380,8 @@ def dw_call(h_NxD, w_pad, targets_N, lse_N, g_N, vocab: int, launch, interpret: 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4, 5))
 def _fused(h_BxTxD, w_VxD, targets_BxT, tiling, dh_from_forward, interpret):
-    return _fused_fwd(h_BxTxD, w_VxD, targets_BxT, tiling, dh_from_forward, interpret)[0]
+    # The losses alone (no gradient: an evaluation): the expected embeddings would go unused.
+    return _fused_fwd(h_BxTxD, w_VxD, targets_BxT, tiling, False, interpret)[0]
 
 
 def _fused_fwd(h_BxTxD, w_VxD, targets_BxT, tiling, dh_from_forward, interpret):

@@ -216,12 +216,15 @@ def _train(c, workdir: Path, model_config, dataset, mesh, primary: bool, show: b
             train(session, stop)
             return summarise(session)
     except (jax.errors.JaxRuntimeError, CheckpointError) as error:
-        if jax.process_count() == 1 or not _lost_contact(error):
+        lost = _lost_peer(error) if jax.process_count() > 1 else None
+        if lost is None:
             raise
         session.lost = True  # orbax's threads would wait for the lost process: leave them
+        where = "in a checkpoint's save: " if isinstance(error, CheckpointError) else ""
         raise LostProcess(
             f"process {jax.process_index()} of {jax.process_count()} lost contact with the "
-            f"others ({str(error).splitlines()[0][:300]}): another process has died or hangs. "
+            f"others ({where}{str(lost).splitlines()[0][:300]}): another process has died or "
+            "hangs. "
             f"The checkpoints in {workdir / workdir_lib.CHECKPOINTS} are kept: start all "
             f"{jax.process_count()} processes again to resume"
         ) from None
@@ -229,19 +232,27 @@ def _train(c, workdir: Path, model_config, dataset, mesh, primary: bool, show: b
         session.close()
 
 
-def _lost_contact(error: BaseException) -> bool:
-    """Whether ``error`` (or an error it was raised from) is a collective that failed: XLA's
-    runtime error, or on CPUs gloo's, which orbax's synchronisation in a checkpoint's save
-    meets as a ValueError ("Gloo AllGather failed: ... Connection closed by peer")."""
-    seen = set()
+# What a collective says when another process is gone: gloo's errors (on CPUs; orbax's save
+# meets them as a ValueError, "Gloo AllGather failed: ... Connection closed by peer"), NCCL's,
+# and the coordinator's UNAVAILABLE.
+_LOST_PEER = re.compile(
+    r"\bGloo [\w-]+ failed|\bNCCL\b|\bUNAVAILABLE\b|[Cc]onnection (closed|reset)"
+)
+
+
+def _lost_peer(error: BaseException) -> BaseException | None:
+    """The error that shows another process is gone, or None: ``error`` itself when it is
+    XLA's runtime error (a step's collective), else the innermost error it was raised from
+    whose message is a failed collective's (``_LOST_PEER``). A checkpoint that fails for
+    another reason (a full disk, an out-of-memory) stays what it is."""
+    if isinstance(error, jax.errors.JaxRuntimeError):
+        return error
+    chain, seen = [], set()
     while error is not None and id(error) not in seen:
         seen.add(id(error))
-        if isinstance(error, jax.errors.JaxRuntimeError) or re.search(
-            r"\bGloo \w+ failed", str(error)
-        ):
-            return True
+        chain.append(error)
         error = error.__cause__ or error.__context__
-    return False
+    return next((e for e in reversed(chain) if _LOST_PEER.search(str(e))), None)
 
 
 class Clock:
