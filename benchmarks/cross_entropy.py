@@ -52,6 +52,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import functools
 import json
 import statistics
 import sys
@@ -224,6 +225,18 @@ def _largest_differences(outputs, reference) -> dict:
     }
 
 
+def _timed_calls(program, args, repeats: int) -> tuple[object, list[float]]:
+    """``program(*args)``'s outputs from a first call (it compiles, and warms up), and the
+    seconds of ``repeats`` calls after it."""
+    outputs = jax.block_until_ready(program(*args))
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        jax.block_until_ready(program(*args))
+        times.append(time.perf_counter() - start)
+    return outputs, times
+
+
 def measure_loss(impl, width, dtype, batch, seq_len, repeats, reference=None):
     """One implementation at one shape: ``(row, outputs)``; outputs None where not run."""
     tokens, vocab = batch * seq_len, GPT2_VOCAB
@@ -233,12 +246,7 @@ def measure_loss(impl, width, dtype, batch, seq_len, repeats, reference=None):
         return {**row, "skipped": reason}, None
     h, w, targets = loss_inputs(batch, seq_len, width, dtype, vocab)
     program = loss_program(impl)
-    outputs = jax.block_until_ready(program(h, w, targets))  # compiles, and warms up
-    times = []
-    for _ in range(repeats):
-        start = time.perf_counter()
-        jax.block_until_ready(program(h, w, targets))
-        times.append(time.perf_counter() - start)
+    outputs, times = _timed_calls(program, (h, w, targets), repeats)
     seconds = statistics.median(times)
     useful = 6 * tokens * vocab * width
     if impl == "xla":
@@ -349,6 +357,7 @@ def _padding(kernel: str, launch) -> object:
     return fused_loss.Tiling.shared(launch.rows, launch.step)
 
 
+@functools.cache  # the default launch is a reference, the lse's source and a candidate
 def _kernel_program(kernel: str, launch, vocab: int, interpret: bool):
     """``kernel`` alone under ``launch``, jitted, on the unpadded (h, w, targets) and the
     per-token lse and cotangent (N,): the forward's lse, the expected embeddings (N, d), dh
@@ -375,13 +384,7 @@ def _kernel_program(kernel: str, launch, vocab: int, interpret: bool):
 
 
 def _median_ms(program, args, repeats: int) -> float:
-    jax.block_until_ready(program(*args))  # compiles, and warms up
-    times = []
-    for _ in range(repeats):
-        start = time.perf_counter()
-        jax.block_until_ready(program(*args))
-        times.append(time.perf_counter() - start)
-    return statistics.median(times) * 1e3
+    return statistics.median(_timed_calls(program, args, repeats)[1]) * 1e3
 
 
 def sweep_launches(
