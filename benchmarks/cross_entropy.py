@@ -404,7 +404,8 @@ def sweep_launches(
     at one (d, dtype): rows of the median ms and the largest difference from the default
     tiling's output relative to its largest value; then the fastest launch of each kernel, and
     the loss's forward+backward in both forms (the dh kernel, dh from the forward) under the
-    default tiling and under those launches. No launch of ``candidates`` is started after
+    default tiling and under those launches (``loss_ms``, and ``tilings``: each one's launches,
+    by the same labels, for ``Tiling.from_dict``). No launch of ``candidates`` is started after
     ``budget`` seconds (those left are counted in ``not_started``); each kernel's default
     launch, its reference, and the loss's timings run whatever the budget. ``unfit``:
     ``(kernel, Launch)`` pairs not run (``unfit_launches``), counted in ``left_out``."""
@@ -448,7 +449,7 @@ def sweep_launches(
     # The loss's forward+backward in each form, at the default tiling and at the fastest
     # launches of the kernels that form runs, where all of them were timed.
     forms = {"dh kernel": (False, KERNELS), "dh from the forward": (True, ("forward", "dw"))}
-    record["loss_ms"] = {}
+    record["loss_ms"], record["tilings"] = {}, {}
     for form, (by_forward, needs) in forms.items():
         timed = {
             k: best.get(f"{k}_expected" if by_forward and k == "forward" else k) for k in needs
@@ -462,6 +463,7 @@ def sweep_launches(
         for name, tiling in tilings.items():
             program = _loss_program(tiling, by_forward, interpret)
             record["loss_ms"][f"{form}, {name}"] = _median_ms(program, (h, w, targets), repeats)
+            record["tilings"][f"{form}, {name}"] = dataclasses.asdict(tiling)
     return record
 
 

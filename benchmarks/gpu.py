@@ -15,7 +15,11 @@ Parts (``--only`` takes shell patterns of these names):
   a warm-up step, tokens/s and MFU by Table 2's FLOP count, and the kernels that ran
   (``loss_impl``: --loss-impl, and for the LMU families ``memory_impl``: --memory-impl; "auto"
   by default, resolved). An out-of-memory or other failure is recorded in the model's row, and
-  the rest go on. Rows of another loss_impl or memory_impl are kept.
+  the rest go on. Rows of another loss_impl or memory_impl are kept. With --tuned-loss (and
+  --loss-impl pallas) the fused loss runs in the form and tiling that this device's JSON's
+  ``loss_tiles`` part timed fastest, not the committed ones, and the rows say which
+  (``loss_tuned``; kept beside the committed code's rows, and left out of the sweeps' dry-run
+  estimates): one GPU session measures the step as the tuning would make it.
 - ``plan/FAMILY``: the same configs compiled and planned only, no step run (not a default
   part). On a CPU it checks that every paper config compiles and fits a budget such as
   --budget-gb 80, by XLA:CPU's estimate: a CPU has no flash attention and lays buffers out
@@ -69,8 +73,10 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import dataclasses
 import datetime
 import fnmatch
+import functools
 import gc
 import gzip
 import json
@@ -82,15 +88,17 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+from unittest import mock
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 from common import machine, print_table, slug, timed_steps, train_step_for, versions, write_json
 from lmu_memory import BLOCK_IMPLS, SHAPES, bench_block, steps_last
 
 from lmuscale.data.tokenizer import GPT2_VOCAB
 from lmuscale.memory_kernel import MEMORY_IMPLS
-from lmuscale.models import count_params, flops_per_token
+from lmuscale.models import count_params, flops_per_token, fused_loss
 from lmuscale.models.fused_loss import LOSS_IMPLS
 from lmuscale.models.sizes import FAMILIES, NAMES, SIZES
 from lmuscale.train import config as config_lib
@@ -265,7 +273,9 @@ def _print_row(row: dict) -> None:
         return
     speed = row.get("tokens_per_second")
     print(
-        f"  {row['model']} n={row['seq_len']}: micro-batches {row['microbatches']}, "
+        f"  {row['model']} n={row['seq_len']}"
+        + (f" (loss tuned: {row['loss_tuned']})" if "loss_tuned" in row else "")
+        + f": micro-batches {row['microbatches']}, "
         f"estimate {row['estimate_gb']:.2f} GB"
         + (f", {row['step_seconds'] * 1e3:.1f} ms/step, {speed:,.0f} tokens/s" if speed else ""),
         file=sys.stderr,
@@ -290,7 +300,10 @@ def part_train(family: str, args, plan_only: bool, keep=None) -> dict:
                 microbatches=args.microbatches,
                 **_impls(args),
             )
-            return measure(name, config, *extra)
+            tuned = args.tuned() if args.tuned else None
+            with loss_launched(tuned):
+                row = measure(name, config, *extra)
+            return _with_tuning(row, tuned)
 
         _append(rows, _guarded(name, one), keep, args.seq_len, args.batch)
     return {"rows": rows}
@@ -327,6 +340,77 @@ def part_block(args) -> dict:
         shape, args.block_batch, args.steps, args.block_chunks, args.block_dtypes, impls
     )
     return {"rows": rows}
+
+
+def tuned_loss_from(record: dict, source) -> dict:
+    """What --tuned-loss runs: of the fused loss's forms and tilings that the loss_tiles part of
+    ``record`` (this device's JSON, read from ``source``) timed whole, the fastest:
+    ``{"label", "dh_from_forward", "tiling", "loss_ms", "default_ms", "d", "dtype"}``, the
+    default's time in the same form beside it. A ValueError naming ``source`` and what it
+    lacks where that part is missing, was skipped or timed no loss (in the model's row: the
+    parts run before it are kept)."""
+    part = record.get("parts", {}).get("loss_tiles")
+    if not isinstance(part, dict):
+        raise ValueError(
+            f"--tuned-loss: {source} has no loss_tiles part; run gpu.py --only loss_tiles on "
+            "this GPU first"
+        )
+    timed, tilings = part.get("loss_ms"), part.get("tilings")
+    if not timed or not isinstance(tilings, dict) or set(timed) - set(tilings):
+        why = part.get("skipped") or "no loss timed under a tiling it records"
+        raise ValueError(f'--tuned-loss: {source}\'s parts["loss_tiles"]: {why}')
+    label = min(timed, key=timed.get)
+    form = label.rpartition(", ")[0]
+    try:
+        tiling = fused_loss.Tiling.from_dict(tilings[label])
+    except (TypeError, ValueError) as error:
+        raise ValueError(
+            f'--tuned-loss: {source}\'s parts["loss_tiles"]["tilings"]["{label}"]: {error}'
+        ) from None
+    return {
+        "label": label,
+        "dh_from_forward": form == "dh from the forward",
+        "tiling": tiling,
+        "loss_ms": timed[label],
+        "default_ms": timed.get(f"{form}, default"),
+        "d": part["d"],
+        "dtype": part["dtype"],
+    }
+
+
+@contextlib.contextmanager
+def loss_launched(tuned: dict | None):
+    """While in force, the fused loss at ``tuned``'s (d, dtype) runs in its form and tiling
+    (``tuned_loss_from``), at other widths and dtypes as committed; None: as committed."""
+    if tuned is None:
+        yield
+        return
+    committed = fused_loss.cross_entropy
+    chosen = {"tiling": tuned["tiling"], "dh_from_forward": tuned["dh_from_forward"]}
+
+    def cross_entropy(h_BxTxD, w_VxD, targets_BxT, **options):
+        if not options and (h_BxTxD.shape[-1], jnp.dtype(h_BxTxD.dtype).name) == (
+            tuned["d"],
+            tuned["dtype"],
+        ):
+            options = chosen
+        return committed(h_BxTxD, w_VxD, targets_BxT, **options)
+
+    with mock.patch.object(fused_loss, "cross_entropy", cross_entropy):
+        yield
+
+
+def _with_tuning(row: dict, tuned: dict | None) -> dict:
+    """A train row that ran under --tuned-loss says so: the label (a key of its rows, beside
+    the kernels), the tiling and the loss's times alone that chose it."""
+    if tuned is None or "error" in row:
+        return row
+    return {
+        **row,
+        "loss_tuned": tuned["label"],
+        "loss_tiling": dataclasses.asdict(tuned["tiling"]),
+        "loss_tuned_ms": {"tuned": tuned["loss_ms"], "default": tuned["default_ms"]},
+    }
 
 
 def _impls(args) -> dict:
@@ -757,7 +841,8 @@ def merged(old_rows: list[dict], new_rows: list[dict]) -> list[dict]:
 
     def key(row):  # rows from before a switch was recorded ran the XLA path
         impls = (row.get("loss_impl", "xla"), row.get("memory_impl", "xla"))
-        return row.get("model"), row.get("seq_len"), row.get("batch"), *impls
+        shape = row.get("model"), row.get("seq_len"), row.get("batch")
+        return *shape, *impls, row.get("loss_tuned")
 
     replaced = {key(row) for row in new_rows}
     return [row for row in old_rows if key(row) not in replaced] + new_rows
@@ -766,6 +851,8 @@ def merged(old_rows: list[dict], new_rows: list[dict]) -> list[dict]:
 def _kernels(row: dict) -> str:
     """``xla loss`` or ``xla loss, pallas memory``: the kernels a train row ran."""
     text = f"{row.get('loss_impl', 'xla')} loss"
+    if "loss_tuned" in row:
+        text += f" ({row['loss_tuned']})"
     return text + (f", {row['memory_impl']} memory" if "memory_impl" in row else "")
 
 
@@ -826,6 +913,12 @@ def main(argv=None) -> None:
         default="auto",
         help="model.memory_impl of train/, long (LMU families)",
     )
+    parser.add_argument(
+        "--tuned-loss",
+        action="store_true",
+        help="train/: the fused loss (--loss-impl pallas) in the form and tiling that this "
+        "device's JSON's loss_tiles part timed fastest, not the committed ones; the rows say so",
+    )
     parser.add_argument("--xent-batch", type=int, default=64, help="loss: sequences")
     parser.add_argument("--xent-repeats", type=int, default=10, help="loss: timed calls")
     parser.add_argument(
@@ -852,8 +945,15 @@ def main(argv=None) -> None:
         old = json.loads(out.read_text())
         if old.get("machine", {}).get("device_kind") == info["device_kind"]:
             record = old
+    args.tuned = None  # with --tuned-loss: what it runs, read from the JSON when a model starts
+    if args.tuned_loss:  # (a loss_tiles part of this run before it counts)
+        if args.loss_impl != "pallas":
+            parser.error("--tuned-loss tunes the fused loss: give --loss-impl pallas")
+        args.tuned = functools.partial(tuned_loss_from, record, out)
     timings = record.setdefault("part_seconds", {})
-    settings = {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items()}
+    settings = {
+        k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items() if k != "tuned"
+    }
     earlier = dict(record["parts"])  # the parts of earlier runs, which rows are merged into
     left_out = record.get("not_started", {})
     same_session = args.session and left_out.get("session") == args.session

@@ -9,20 +9,21 @@
 # (default 420; give the command about two minutes more, since a part that has started runs to
 # its end):
 #
-# 1. train/lmu, train/transformer at 1M and 55k: the paper step, 512 x 1024 tokens in bf16,
-#    in 8 micro-batches of 64 (--microbatches 8: no planning compiles), with MFU; then the
-#    profile part: one 64-sequence micro-batch of lmu-1M and transformer-1M traced, then of
-#    lmu-1M with its chunk products in the order the layers use off a GPU (steps-last);
+# 1. train/lmu, train/transformer at 1M: the paper step, 512 x 1024 tokens in bf16, in 8
+#    micro-batches of 64 (--microbatches 8: no planning compiles), with MFU, as committed;
 # 2. loss: the cross-entropy alone, XLA's path and the fused kernels; then loss_tiles, each
-#    fused kernel under a grid of launches for at most --tiles-seconds (default 240): the
-#    kernels are most of a micro-batch's time;
-# 3. train/lmu at 1M with the fused kernels, whichever "auto" picked above: the Pallas loss
-#    with XLA's memory, then the Pallas loss and memory (the rows are kept beside auto's);
-# 4. block: one lmu-1M block, the FFT, the XLA chunked path, the same steps-last, two
+#    fused kernel under a grid of launches for at most 180 s, and the whole loss in both forms
+#    under the default and the fastest launches: the kernels are most of a micro-batch's time;
+# 3. train/lmu at 1M with the loss in the form and launches that group 2 timed fastest
+#    (--tuned-loss; its row says which), so one session measures the step the tuning gives;
+# 4. profile: one 64-sequence micro-batch of lmu-1M and transformer-1M traced, then of lmu-1M
+#    with its chunk products in the order the layers use off a GPU (steps-last);
+# 5. train/lmu at 1M with the Pallas loss and memory; train/lmu, train/transformer at 55k;
+# 6. block: one lmu-1M block, the FFT, the XLA chunked path, the same steps-last, two
 #    channels-last experiments and the fused memory kernels (--block-impls and
 #    --block-dtypes after SECONDS pick fewer);
-# 5. attention, the other families' train parts (lmu_g, sru, sru_pp, lstm), long, precision;
-# 6. xla_options: the profile's micro-batch steps under each of XLA's GPU options, if time is
+# 7. attention, the other families' train parts (lmu_g, sru, sru_pp, lstm), long, precision;
+# 8. xla_options: the profile's micro-batch steps under each of XLA's GPU options, if time is
 #    left (the command's own time limit may stop it; the groups before are kept).
 #
 # Each part, and each model of a train part, is in the JSON as soon as it is done. Writes into
@@ -101,11 +102,13 @@ traces() { # each profile's Perfetto trace and compiled program into $OUT, where
         -o -name compiled_hlo.txt.gz \) -newer "$scratch/started" -size -15000000c 2>/dev/null)
 }
 
-run train/lmu train/transformer profile
+run --sizes 1M -- train/lmu train/transformer
+run --tiles-seconds 180 -- loss loss_tiles
+run --sizes 1M --loss-impl pallas --tuned-loss -- train/lmu
+run profile
 traces # at once: a later group that the command's time limit stops cannot lose them
-run loss loss_tiles
-run --sizes 1M --loss-impl pallas -- train/lmu
 run --sizes 1M --loss-impl pallas --memory-impl pallas -- train/lmu
+run --sizes 55k -- train/lmu train/transformer
 run block
 run attention train/lmu_g 'train/sru*' train/lstm long precision
 run xla_options

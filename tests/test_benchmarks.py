@@ -250,6 +250,7 @@ def test_the_gpu_session_script_runs_its_groups_in_the_budget_and_writes_into_ou
     groups_named = (
         "block",
         "loss, loss_tiles",
+        "profile",
         "attention, train/lmu_g, train/sru, train/sru_pp",
         "xla_options",
     )
@@ -257,10 +258,12 @@ def test_the_gpu_session_script_runs_its_groups_in_the_budget_and_writes_into_ou
         assert f"not started, the time budget of 0.001 s being spent: {group}" in log
     record = json.loads((out / "gpu-cpu.json").read_text())
     groups = [
-        ["train/lmu", "train/transformer", "profile"],
+        ["train/lmu", "train/transformer"],  # at 1M
         ["loss", "loss_tiles"],
-        ["train/lmu"],  # at 1M with the Pallas loss
-        ["train/lmu"],  # and the Pallas memory
+        ["train/lmu"],  # at 1M with the loss as loss_tiles tuned it
+        ["profile"],
+        ["train/lmu"],  # at 1M with the Pallas loss and memory
+        ["train/lmu", "train/transformer"],  # at 55k
         ["block"],
         ["attention", "train/lmu_g", "train/sru", "train/sru_pp", "train/lstm", "long"],
         ["precision"],
@@ -568,3 +571,102 @@ def test_the_loss_tile_sweep_times_every_launch_of_each_kernel_and_they_agree(tm
     assert set(record["fastest"]) == set(kernels)
     forms = ("dh kernel", "dh from the forward")
     assert set(record["loss_ms"]) == {f"{f}, {t}" for f in forms for t in ("default", "fastest")}
+    # Each timed loss's launches, as --tuned-loss reads them back.
+    from lmuscale.models.fused_loss import Launch, Tiling
+
+    assert set(record["tilings"]) == set(record["loss_ms"])
+    fastest = {k: Launch(**v) for k, v in record["fastest"].items()}
+    by_forward = Tiling.from_dict(record["tilings"]["dh from the forward, fastest"])
+    assert by_forward == Tiling(fastest["forward_expected"], by_forward.dh, fastest["dw"])
+    by_kernel = Tiling.from_dict(record["tilings"]["dh kernel, fastest"])
+    assert by_kernel == Tiling(fastest["forward"], fastest["dh"], fastest["dw"])
+
+
+def _launched_on_a_gpu(loss, h, w, targets) -> dict:
+    """Each fused-loss kernel in ``loss``'s forward+backward, lowered for CUDA here: its name
+    and (programs, warps, stages)."""
+    import re
+
+    import jax
+
+    from lmuscale import kernels
+
+    def loss_and_grads(h, w, targets):
+        return jax.value_and_grad(lambda h, w: loss(h, w, targets).mean(), (0, 1))(h, w)
+
+    launched = {}
+    for line in kernels.lowered_for_cuda(loss_and_grads, h, w, targets).as_text().splitlines():
+        if "xla.gpu.triton" in line:
+            [name] = re.findall(r'name = "_(\w+)_kernel"', line)
+            keys = ("grid_x", "num_warps", "num_stages")
+            launched[name] = tuple(int(re.search(rf"{k} = (\d+)", line).group(1)) for k in keys)
+    return launched
+
+
+def test_the_tuned_loss_is_the_sweeps_fastest_whole_loss_and_runs_only_at_its_width():
+    # A loss_tiles part as the sweep records it: the whole loss was fastest in the form with
+    # dh from the forward under the kernels' fastest launches. Under --tuned-loss the fused
+    # loss at that (d, dtype) runs exactly that (two kernels, their grids, warps and stages);
+    # at another width, and once the context is left, the committed launches (three kernels).
+    import dataclasses
+
+    import jax
+    import jax.numpy as jnp
+
+    from lmuscale.models import fused_loss
+    from lmuscale.models.fused_loss import Launch, Tiling
+
+    gpu = _gpu_module()
+    fastest = Tiling(Launch(32, 64, 4, 1), Launch(64, 32, 8, 3), Launch(128, 16, 16, 2))
+    default = fused_loss.default_tiling(204, jnp.bfloat16)
+    timed = {"dh kernel, default": 5.0, "dh kernel, fastest": 4.0}
+    timed |= {"dh from the forward, default": 4.5, "dh from the forward, fastest": 3.0}
+    tilings = {k: dataclasses.asdict(fastest if "fastest" in k else default) for k in timed}
+    part = {"d": 204, "dtype": "bfloat16", "loss_ms": timed, "tilings": tilings}
+    tuned = gpu.tuned_loss_from({"parts": {"loss_tiles": part}}, "gpu-x.json")
+    assert tuned["label"] == "dh from the forward, fastest" and tuned["dh_from_forward"]
+    assert tuned["tiling"] == fastest and (tuned["loss_ms"], tuned["default_ms"]) == (3.0, 4.5)
+
+    # 600 tokens pad to 640 (dh's 64 rows, though dh is not launched), V = 50,257 to 50,304.
+    w = jax.ShapeDtypeStruct((50257, 204), jnp.float32)
+    targets = jax.ShapeDtypeStruct((2, 300), jnp.int32)
+    h = jax.ShapeDtypeStruct((2, 300, 204), jnp.bfloat16)
+    committed = {"forward": (10, 8, 2), "dh": (10, 8, 2), "dw": (786, 8, 2)}  # 64 x 64 tiles
+    with gpu.loss_launched(tuned):
+        assert _launched_on_a_gpu(fused_loss.cross_entropy, h, w, targets) == {
+            "forward": (20, 4, 1),
+            "dw": (393, 16, 2),
+        }
+        h_48, w_48 = (
+            jax.ShapeDtypeStruct((2, 300, 48), jnp.bfloat16),
+            jax.ShapeDtypeStruct((50257, 48), jnp.float32),
+        )
+        by_48 = _launched_on_a_gpu(fused_loss.cross_entropy, h_48, w_48, targets)
+        assert by_48 == committed
+    assert _launched_on_a_gpu(fused_loss.cross_entropy, h, w, targets) == committed
+
+    # Its rows say what ran, and are kept beside the committed code's rows of the model.
+    row = {"model": "lmu-1M", "seq_len": 1024, "batch": 512, "loss_impl": "pallas"}
+    tuned_row = gpu._with_tuning({**row, "step_seconds": 0.5}, tuned)
+    assert tuned_row["loss_tuned"] == "dh from the forward, fastest"
+    assert tuned_row["loss_tiling"] == tilings["dh from the forward, fastest"]
+    assert tuned_row["loss_tuned_ms"] == {"tuned": 3.0, "default": 4.5}
+    kept = gpu.merged([{**row, "step_seconds": 0.6}], [tuned_row])
+    assert [r["step_seconds"] for r in kept] == [0.6, 0.5]
+    again = gpu.merged(kept, [{**tuned_row, "step_seconds": 0.4}])
+    assert [r["step_seconds"] for r in again] == [0.6, 0.4]
+
+
+def test_a_tuned_loss_without_its_sweep_is_named():
+    gpu = _gpu_module()
+    with pytest.raises(ValueError, match=r"gpu-x.json has no loss_tiles part"):
+        gpu.tuned_loss_from({"parts": {}}, "gpu-x.json")
+    skipped = {"loss_tiles": {"skipped": "this run's devices are cpu (cpu)"}}
+    with pytest.raises(ValueError, match=r'"loss_tiles"\]: this run.s devices are cpu'):
+        gpu.tuned_loss_from({"parts": skipped}, "gpu-x.json")
+    part = {"d": 204, "dtype": "bfloat16", "loss_ms": {"dh kernel, default": 1.0}}
+    part["tilings"] = {"dh kernel, default": {"forward": {"rows": 64}, "dh": {}, "dw": {}}}
+    with pytest.raises(ValueError, match=r'\["dh kernel, default"\]: tiling.forward must be'):
+        gpu.tuned_loss_from({"parts": {"loss_tiles": part}}, "gpu-x.json")
+    with pytest.raises(SystemExit):  # argparse: --tuned-loss only tunes the fused loss
+        gpu.main(["--tuned-loss", "--only", "train/lmu"])

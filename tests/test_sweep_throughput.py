@@ -103,6 +103,8 @@ def test_rows_of_the_cross_entropy_auto_would_not_take_are_left_out(tmp_path, mo
         row("lmu", 100, 6e13, loss_impl="pallas"),
         row("lmu", 300, 4e13),  # written before loss_impl was recorded: the XLA path
         row("lmu", 100, 3e13, loss_impl="xla", dtype="float32"),
+        # gpu.py --tuned-loss: the kernels under launches not committed, never counted
+        row("lmu", 100, 9e13, loss_impl="pallas", loss_tuned="dh from the forward, fastest"),
     ]
     when = "2026-11-23T10:00:00+00:00"
     write_benchmark(tmp_path, H100, when, {"train/lmu": rows}, compute_capability="9.0")

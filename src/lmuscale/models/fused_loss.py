@@ -81,6 +81,25 @@ class Tiling:
         by_tokens = Launch(token_tile, vocab_tile, warps, stages)
         return cls(by_tokens, by_tokens, Launch(vocab_tile, token_tile, warps, stages))
 
+    @classmethod
+    def from_dict(cls, launches: dict) -> Tiling:
+        """The tiling that ``dataclasses.asdict`` wrote as ``launches`` (a benchmark's JSON):
+        ``{"forward": {"rows": ..., "step": ..., "warps": ..., "stages": ...}, "dh": ...,
+        "dw": ...}``; a ValueError naming what is missing or unknown."""
+        kernels = [f.name for f in dataclasses.fields(cls)]
+        fields = {f.name for f in dataclasses.fields(Launch)}
+        if not isinstance(launches, dict) or set(launches) != set(kernels):
+            got = sorted(launches) if isinstance(launches, dict) else type(launches).__name__
+            raise ValueError(f"a tiling has the launches {kernels}, got {got}")
+        for kernel in kernels:
+            launch = launches[kernel]
+            if not isinstance(launch, dict) or not {"rows", "step"} <= set(launch) <= fields:
+                raise ValueError(
+                    f"tiling.{kernel} must be an object with rows, step and optionally warps "
+                    f"and stages, got {launch!r}"
+                )
+        return cls(**{kernel: Launch(**launches[kernel]) for kernel in kernels})
+
     @property
     def token_multiple(self) -> int:
         """The tokens are padded to a multiple of this: every kernel's tile of them."""

@@ -248,14 +248,15 @@ def _speeds(
     ``train/*`` parts; train_throughput.py's results) at ``shape`` (seq_len, batch, dtype)
     that ran the kernels "auto" takes on that device (``auto``: ``loss_impl`` and, for the
     LMU families, ``memory_impl``; rows that do not name one ran "xla"). tokens/s only where
-    the row gives its FLOPs per token; rows without a speed, or with ``error``, are left out."""
+    the row gives its FLOPs per token; rows without a speed, with ``error``, or with
+    ``loss_tuned`` (gpu.py --tuned-loss: the loss under launches not committed) are left out."""
     speeds: dict[tuple[str, int], list[tuple[float, float | None]]] = {}
     for where, rows in parts:
         if not isinstance(rows, list):
             raise BenchmarkError(f'{path}: {where} has no "rows" list')
         for i, row in enumerate(rows):
-            if not isinstance(row, dict) or "error" in row:
-                continue
+            if not isinstance(row, dict) or "error" in row or "loss_tuned" in row:
+                continue  # a failure, or a step under launches that are not committed
             model, family = row.get("model"), row.get("family")
             if where == "results" and family is None and isinstance(model, str):
                 family = model.rsplit("-", 1)[0]  # train_throughput names "lmu_g-1M" only
