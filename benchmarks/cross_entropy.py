@@ -31,9 +31,10 @@ at the same inputs. --resources leaves out the launches that ``kernel_resources.
 largest value (a launch changes the order of the sums, and in the forward that forms the
 expected embeddings, in bfloat16, how its probabilities round). Then each kernel's fastest
 launch, and the loss's forward+backward in both forms (the dh kernel, dh from the forward)
-under those launches and under ``default_tiling``'s. No launch of the grid starts after
---budget seconds; each kernel's default launch (the reference) and the loss's four timings
-run whatever the budget.
+under those launches and under ``default_tiling``'s, each also with d held in power-of-two
+parts (``split width``: 204 as 128 + 64 + 16, not padded to 256). No launch of the grid starts
+after --budget seconds; each kernel's default launch (the reference) and the loss's timings
+(up to eight) run whatever the budget.
 --interpret runs the kernels in Pallas's interpret mode, on any backend, at a small --vocab
 (a CPU check of the script; its times mean nothing).
 
@@ -404,7 +405,8 @@ def sweep_launches(
     at one (d, dtype): rows of the median ms and the largest difference from the default
     tiling's output relative to its largest value; then the fastest launch of each kernel, and
     the loss's forward+backward in both forms (the dh kernel, dh from the forward) under the
-    default tiling and under those launches (``loss_ms``, and ``tilings``: each one's launches,
+    default tiling and under those launches, each also with the width split where that pads d
+    less (``fused_loss.Tiling.split_width``; ``loss_ms``, and ``tilings``: each one's tiling,
     by the same labels, for ``Tiling.from_dict``). No launch of ``candidates`` is started after
     ``budget`` seconds (those left are counted in ``not_started``); each kernel's default
     launch, its reference, and the loss's timings run whatever the budget. ``unfit``:
@@ -460,6 +462,10 @@ def sweep_launches(
             tilings["fastest"] = fused_loss.Tiling(
                 fastest["forward"], fastest.get("dh", default.dh), fastest["dw"]
             )
+        # Each also with d held in parts (its launches found at the whole width).
+        for name, tiling in list(tilings.items()):
+            if fused_loss.padded_width(width, True) < fused_loss.padded_width(width):
+                tilings[f"{name}, split width"] = dataclasses.replace(tiling, split_width=True)
         for name, tiling in tilings.items():
             program = _loss_program(tiling, by_forward, interpret)
             record["loss_ms"][f"{form}, {name}"] = _median_ms(program, (h, w, targets), repeats)

@@ -345,10 +345,11 @@ def part_block(args) -> dict:
 def tuned_loss_from(record: dict, source) -> dict:
     """What --tuned-loss runs: of the fused loss's forms and tilings that the loss_tiles part of
     ``record`` (this device's JSON, read from ``source``) timed whole, the fastest:
-    ``{"label", "dh_from_forward", "tiling", "loss_ms", "default_ms", "d", "dtype"}``, the
-    default's time in the same form beside it. A ValueError naming ``source`` and what it
-    lacks where that part is missing, was skipped or timed no loss (in the model's row: the
-    parts run before it are kept)."""
+    ``{"label", "dh_from_forward", "tiling", "loss_ms", "default_ms", "committed_ms", "d",
+    "dtype"}``: beside its time, the default tiling's in the same form, and the committed
+    code's (``fused_loss.DH_FROM_FORWARD``'s form, the default tiling). A ValueError naming
+    ``source`` and what it lacks where that part is missing, was skipped or timed no loss (in
+    the model's row: the parts run before it are kept)."""
     part = record.get("parts", {}).get("loss_tiles")
     if not isinstance(part, dict):
         raise ValueError(
@@ -360,7 +361,7 @@ def tuned_loss_from(record: dict, source) -> dict:
         why = part.get("skipped") or "no loss timed under a tiling it records"
         raise ValueError(f'--tuned-loss: {source}\'s parts["loss_tiles"]: {why}')
     label = min(timed, key=timed.get)
-    form = label.rpartition(", ")[0]
+    form = label.split(", ")[0]  # "dh kernel" or "dh from the forward"
     try:
         tiling = fused_loss.Tiling.from_dict(tilings[label])
     except (TypeError, ValueError) as error:
@@ -373,6 +374,7 @@ def tuned_loss_from(record: dict, source) -> dict:
         "tiling": tiling,
         "loss_ms": timed[label],
         "default_ms": timed.get(f"{form}, default"),
+        "committed_ms": timed.get(f"{_committed_form()}, default"),
         "d": part["d"],
         "dtype": part["dtype"],
     }
@@ -400,6 +402,10 @@ def loss_launched(tuned: dict | None):
         yield
 
 
+def _committed_form() -> str:
+    return "dh from the forward" if fused_loss.DH_FROM_FORWARD else "dh kernel"
+
+
 def _with_tuning(row: dict, tuned: dict | None) -> dict:
     """A train row that ran under --tuned-loss says so: the label (a key of its rows, beside
     the kernels), the tiling and the loss's times alone that chose it."""
@@ -409,7 +415,11 @@ def _with_tuning(row: dict, tuned: dict | None) -> dict:
         **row,
         "loss_tuned": tuned["label"],
         "loss_tiling": dataclasses.asdict(tuned["tiling"]),
-        "loss_tuned_ms": {"tuned": tuned["loss_ms"], "default": tuned["default_ms"]},
+        "loss_tuned_ms": {
+            "tuned": tuned["loss_ms"],
+            "default": tuned["default_ms"],
+            "committed": tuned["committed_ms"],
+        },
     }
 
 

@@ -7,7 +7,8 @@
 
 Each kernel (the fused LMU memory's three, ``memory_kernel``, at each Table 3 LMU size with its
 chunk of 64, and the fused cross-entropy's three, ``models.fused_loss``, at d = 48 and 204,
-with in bfloat16 the forward that also forms the expected embeddings) is
+with in bfloat16 the forward that also forms the expected embeddings, and every kernel with d
+held in power-of-two parts where that pads it less, ``split width``) is
 lowered for CUDA here, its Triton module compiled to PTX for sm_90a by the Triton that the CUDA
 plugin of this jaxlib carries (the compiler XLA runs on a GPU), and the PTX assembled by
 ``ptxas -v`` (CUDA's, on PATH). Nothing runs: no GPU is needed, only the plugin's wheel, which
@@ -25,6 +26,7 @@ from __future__ import annotations
 
 import argparse
 import concurrent.futures
+import dataclasses
 import importlib.metadata
 import io
 import os
@@ -205,7 +207,8 @@ def _launch_of(tiling):
 
 def loss_rows(width: int) -> list[dict]:
     """The fused cross-entropy's kernels at width d, at their default tiling; in bfloat16 also
-    the forward that forms the expected embeddings (``forward_expected_kernel``)."""
+    the forward that forms the expected embeddings (``forward_expected_kernel``), and where
+    holding d in parts pads it less (``Tiling.split_width``), every kernel so."""
     rows = []
     for dtype in (jnp.bfloat16, jnp.float32):
         tiling = fused_loss.default_tiling(width, dtype)
@@ -219,6 +222,12 @@ def loss_rows(width: int) -> list[dict]:
             _launch_of(tiling),
         )
     )
+    if fused_loss.padded_width(width, True) < fused_loss.padded_width(width):
+        split = dataclasses.replace(tiling, split_width=True)
+        label = f"loss d={width} bfloat16 split width"
+        rows += compile_rows(label, *_loss_step(width, jnp.bfloat16, split), _launch_of(split))
+        step = _loss_step(width, jnp.bfloat16, split, dh_from_forward=True)
+        rows += _expected_forward(compile_rows(label, *step, _launch_of(split)))
     for row in rows:
         row.update(d=width)
     return rows

@@ -548,14 +548,14 @@ def test_the_loss_tile_sweep_times_every_launch_of_each_kernel_and_they_agree(tm
     # One launch of dh, marked as spilling in a compile's resources, is left out.
     cross_entropy = _benchmark("cross_entropy")
     out, resources = tmp_path / "tiles.json", tmp_path / "resources.json"
-    spilling = {"case": "loss d=12 float32 4x16", "d": 12, "kernel": "dh_kernel", "rows": 4}
+    spilling = {"case": "loss d=40 float32 4x16", "d": 40, "kernel": "dh_kernel", "rows": 4}
     spilling.update(step=16, num_warps=4, num_stages=1, fits_h100=True, spill_store_bytes=8)
     fitting = {**spilling, "kernel": "dw_kernel", "spill_store_bytes": 0}
     resources.write_text(json.dumps({"rows": [spilling, fitting]}))
     cross_entropy.main(
         [
             *("--part", "loss-tiles", "--interpret", "--vocab", "53", "--batch", "3"),
-            *("--seq-len", "11", "--widths", "12", "--dtypes", "float32"),
+            *("--seq-len", "11", "--widths", "40", "--dtypes", "float32"),
             *("--tiles", "4", "16", "--warps", "4", "--stages", "1", "--repeats", "1"),
             *("--resources", str(resources), "--out", str(out)),
         ]
@@ -570,7 +570,9 @@ def test_the_loss_tile_sweep_times_every_launch_of_each_kernel_and_they_agree(tm
     assert max(r["max_diff_rel_to_max"] for r in record["rows"]) < 1e-6
     assert set(record["fastest"]) == set(kernels)
     forms = ("dh kernel", "dh from the forward")
-    assert set(record["loss_ms"]) == {f"{f}, {t}" for f in forms for t in ("default", "fastest")}
+    # d = 40 pads to 64 whole, to 48 (32 + 16) split: each loss is timed both ways.
+    tilings = ("default", "fastest", "default, split width", "fastest, split width")
+    assert set(record["loss_ms"]) == {f"{f}, {t}" for f in forms for t in tilings}
     # Each timed loss's launches, as --tuned-loss reads them back.
     from lmuscale.models.fused_loss import Launch, Tiling
 
@@ -580,6 +582,8 @@ def test_the_loss_tile_sweep_times_every_launch_of_each_kernel_and_they_agree(tm
     assert by_forward == Tiling(fastest["forward_expected"], by_forward.dh, fastest["dw"])
     by_kernel = Tiling.from_dict(record["tilings"]["dh kernel, fastest"])
     assert by_kernel == Tiling(fastest["forward"], fastest["dh"], fastest["dw"])
+    split = Tiling.from_dict(record["tilings"]["dh kernel, fastest, split width"])
+    assert split == Tiling(fastest["forward"], fastest["dh"], fastest["dw"], split_width=True)
 
 
 def _launched_on_a_gpu(loss, h, w, targets) -> dict:
@@ -609,6 +613,7 @@ def test_the_tuned_loss_is_the_sweeps_fastest_whole_loss_and_runs_only_at_its_wi
     # loss at that (d, dtype) runs exactly that (two kernels, their grids, warps and stages);
     # at another width, and once the context is left, the committed launches (three kernels).
     import dataclasses
+    from dataclasses import asdict
 
     import jax
     import jax.numpy as jnp
@@ -621,11 +626,20 @@ def test_the_tuned_loss_is_the_sweeps_fastest_whole_loss_and_runs_only_at_its_wi
     default = fused_loss.default_tiling(204, jnp.bfloat16)
     timed = {"dh kernel, default": 5.0, "dh kernel, fastest": 4.0}
     timed |= {"dh from the forward, default": 4.5, "dh from the forward, fastest": 3.0}
+    timed |= {"dh kernel, fastest, split width": 3.5}
     tilings = {k: dataclasses.asdict(fastest if "fastest" in k else default) for k in timed}
     part = {"d": 204, "dtype": "bfloat16", "loss_ms": timed, "tilings": tilings}
     tuned = gpu.tuned_loss_from({"parts": {"loss_tiles": part}}, "gpu-x.json")
     assert tuned["label"] == "dh from the forward, fastest" and tuned["dh_from_forward"]
     assert tuned["tiling"] == fastest and (tuned["loss_ms"], tuned["default_ms"]) == (3.0, 4.5)
+    assert tuned["committed_ms"] == 5.0  # DH_FROM_FORWARD is off: the dh kernel's default
+    # Were the split width fastest, it is what runs, in its own form.
+    split = dataclasses.replace(fastest, split_width=True)
+    part_split = {**part, "loss_ms": {**timed, "dh kernel, fastest, split width": 2.0}}
+    part_split["tilings"] = {**tilings, "dh kernel, fastest, split width": asdict(split)}
+    tuned_split = gpu.tuned_loss_from({"parts": {"loss_tiles": part_split}}, "gpu-x.json")
+    assert tuned_split["tiling"] == split and not tuned_split["dh_from_forward"]
+    assert tuned_split["default_ms"] == 5.0
 
     # 600 tokens pad to 640 (dh's 64 rows, though dh is not launched), V = 50,257 to 50,304.
     w = jax.ShapeDtypeStruct((50257, 204), jnp.float32)
@@ -650,7 +664,7 @@ def test_the_tuned_loss_is_the_sweeps_fastest_whole_loss_and_runs_only_at_its_wi
     tuned_row = gpu._with_tuning({**row, "step_seconds": 0.5}, tuned)
     assert tuned_row["loss_tuned"] == "dh from the forward, fastest"
     assert tuned_row["loss_tiling"] == tilings["dh from the forward, fastest"]
-    assert tuned_row["loss_tuned_ms"] == {"tuned": 3.0, "default": 4.5}
+    assert tuned_row["loss_tuned_ms"] == {"tuned": 3.0, "default": 4.5, "committed": 5.0}
     kept = gpu.merged([{**row, "step_seconds": 0.6}], [tuned_row])
     assert [r["step_seconds"] for r in kept] == [0.6, 0.5]
     again = gpu.merged(kept, [{**tuned_row, "step_seconds": 0.4}])

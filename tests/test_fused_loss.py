@@ -26,6 +26,10 @@ TILES = {"tiling": Tiling.shared(8, 16), "interpret": True}
 # Each kernel its own tiles, warps and stages; the tokens and the vocabulary are padded to the
 # largest tile of each: 33 tokens to 48 (dw's step of 16), V = 70 to 96 (dw's 32 rows).
 PER_KERNEL = Tiling(Launch(8, 8, 4, 1), Launch(4, 16, 8, 3), Launch(32, 16, 2, 2))
+# d held in power-of-two parts instead of padded to one: d = 100 as 64 + 32 + 16, d = 40 as
+# 32 + 16.
+SPLIT = {"tiling": Tiling.shared(8, 16, split_width=True), "interpret": True}
+SPLIT_PER_KERNEL = dataclasses.replace(PER_KERNEL, split_width=True)
 
 
 def fused(h, w, targets, **tiles):
@@ -44,7 +48,8 @@ def inputs(batch, length, width, vocab, seed=0, dtype=jnp.float32):
 # and one with 5 real columns and 11 masked. d = 12 is padded to 16, d = 20 to 32.
 # The fourth case takes the GPU's default tiles (64 x 64 at d = 40 in float32): one short tile
 # of tokens, and 100 real columns of 128. The fifth gives each kernel other tiles (PER_KERNEL).
-# The last three take dh from the forward's expected embeddings instead of the dh kernel.
+# The next three take dh from the forward's expected embeddings instead of the dh kernel. The
+# last three hold d in parts (SPLIT).
 @pytest.mark.parametrize(
     ("shape", "tiles"),
     [
@@ -56,6 +61,9 @@ def inputs(batch, length, width, vocab, seed=0, dtype=jnp.float32):
         ((3, 11, 12, 53), {**TILES, "dh_from_forward": True}),
         ((2, 7, 40, 100), {"interpret": True, "dh_from_forward": True}),
         ((3, 11, 12, 70), {"tiling": PER_KERNEL, "interpret": True, "dh_from_forward": True}),
+        ((3, 11, 100, 53), SPLIT),
+        ((2, 7, 40, 70), {"tiling": SPLIT_PER_KERNEL, "interpret": True}),
+        ((3, 11, 100, 53), {**SPLIT, "dh_from_forward": True}),
     ],
     ids=[
         "ragged",
@@ -66,6 +74,9 @@ def inputs(batch, length, width, vocab, seed=0, dtype=jnp.float32):
         "dh-from-forward-ragged",
         "dh-from-forward-default-tiles",
         "dh-from-forward-per-kernel",
+        "split-width-ragged",
+        "split-width-per-kernel",
+        "split-width-dh-from-forward",
     ],
 )
 def test_losses_and_weighted_gradients_equal_a_float64_softmax(shape, tiles):
@@ -198,27 +209,55 @@ def test_bad_tiles_and_shapes_are_named():
     no_stages = dataclasses.replace(PER_KERNEL, dw=Launch(4, 16, 4, 0))
     with pytest.raises(ValueError, match=r"tiling\.dw\.stages must be a whole number >= 1, got 0"):
         fused(h, w, targets, tiling=no_stages)
+    not_a_bool = dataclasses.replace(PER_KERNEL, split_width=1)
+    with pytest.raises(ValueError, match=r"tiling\.split_width must be a bool, got 1"):
+        fused(h, w, targets, tiling=not_a_bool)
     with pytest.raises(ValueError, match=r"h \(1, 4, 8\), w \(20, 6\) and targets"):
         fused(h, w[:, :6], targets)
 
 
+def test_the_width_is_padded_to_a_power_of_two_or_held_in_parts():
+    cases = {
+        204: (256, ((0, 256),), 208, ((0, 128), (128, 64), (192, 16))),
+        48: (64, ((0, 64),), 48, ((0, 32), (32, 16))),
+        256: (256, ((0, 256),), 256, ((0, 256),)),
+        12: (16, ((0, 16),), 16, ((0, 16),)),
+    }
+    for width, (whole, whole_parts, split, split_parts) in cases.items():
+        assert fused_loss.padded_width(width) == whole
+        assert fused_loss.width_parts(whole) == whole_parts
+        assert fused_loss.padded_width(width, split=True) == split
+        assert fused_loss.width_parts(split) == split_parts
+
+
 @pytest.mark.parametrize(
-    ("width", "dtype", "dh_from_forward"),
-    [(204, jnp.bfloat16, False), (48, jnp.float32, False), (204, jnp.bfloat16, True)],
+    ("width", "dtype", "dh_from_forward", "split"),
+    [
+        (204, jnp.bfloat16, False, False),
+        (48, jnp.float32, False, False),
+        (204, jnp.bfloat16, True, False),
+        (204, jnp.bfloat16, False, True),
+        (204, jnp.bfloat16, True, True),
+    ],
 )
-def test_the_kernels_lower_to_triton_for_an_nvidia_gpu(width, dtype, dh_from_forward):
+def test_the_kernels_lower_to_triton_for_an_nvidia_gpu(width, dtype, dh_from_forward, split):
     # Lowering for CUDA runs here without a GPU, at the default tiles: every primitive in the
     # kernels must have a Triton lowering rule and every loaded tile a shape Triton takes
     # (powers of two). Triton's own compilation (layouts, shared memory, registers), the run
     # and its numerics need the GPU (benchmarks/cross_entropy.py --part loss). With dh from
-    # the forward there is no dh kernel, and the forward has a third output.
+    # the forward there is no dh kernel, and the forward has a third output. With the width
+    # split, d = 204 is held as 208 (128 + 64 + 16), each part its own power-of-two load.
+    tiling = dataclasses.replace(fused_loss.default_tiling(width, dtype), split_width=split)
+    wide = fused_loss.padded_width(width, split)
     h = jax.ShapeDtypeStruct((2, 300, width), dtype)
     w = jax.ShapeDtypeStruct((50257, width), jnp.float32)
     targets = jax.ShapeDtypeStruct((2, 300), jnp.int32)
 
+    options = {"tiling": tiling, "dh_from_forward": dh_from_forward}
+
     def loss_and_grads(h, w, targets):
         def loss(h, w):
-            return fused_loss.cross_entropy(h, w, targets, dh_from_forward=dh_from_forward).mean()
+            return fused_loss.cross_entropy(h, w, targets, **options).mean()
 
         return jax.value_and_grad(loss, (0, 1))(h, w)
 
@@ -226,16 +265,18 @@ def test_the_kernels_lower_to_triton_for_an_nvidia_gpu(width, dtype, dh_from_for
     names = re.findall(r'name = "_(\w+)_kernel"', text)
     assert names == (["forward", "dw"] if dh_from_forward else ["forward", "dh", "dw"])
     [forward] = [line for line in text.splitlines() if '"_forward_kernel"' in line]
-    assert ("tensor<640x256xf32>" in forward.split("->")[-1]) == dh_from_forward
+    assert (f"tensor<640x{wide}xf32>" in forward.split("->")[-1]) == dh_from_forward
+    [dw] = [line for line in text.splitlines() if '"_dw_kernel"' in line]
+    assert f"tensor<50304x{wide}xf32>" in dw.split("->")[-1]
 
     # The losses alone (an evaluation) form no expected embeddings, whatever the form.
     def loss_alone(h, w, targets):
-        return fused_loss.cross_entropy(h, w, targets, dh_from_forward=dh_from_forward).mean()
+        return fused_loss.cross_entropy(h, w, targets, **options).mean()
 
     text = kernels.lowered_for_cuda(loss_alone, h, w, targets).as_text()
     [forward] = [line for line in text.splitlines() if '"_forward_kernel"' in line]
     assert forward.split("->")[-1].strip().startswith("(tensor<640xf32>, tensor<640xf32>)")
-    assert "640x256" not in forward.split("->")[-1]
+    assert f"640x{wide}" not in forward.split("->")[-1]
 
 
 def test_each_kernel_is_launched_on_a_gpu_with_its_own_tiles_warps_and_stages():

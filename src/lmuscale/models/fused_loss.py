@@ -9,15 +9,17 @@ any weighting of the losses has exact gradients. With ``DH_FROM_FORWARD`` the fo
 writes each token's expected embedding under its softmax (D' floats, kept for the backward
 pass) and dh needs no kernel: 4 products.
 
-Written for Pallas's Triton lowering (NVIDIA GPUs): d is zero-padded to a power of two, the
-vocabulary to whole tiles (padded logits masked) and the tokens to whole tiles with a zero
-cotangent. ``interpret=True`` runs the kernels on any backend (the tests, on CPU).
+Written for Pallas's Triton lowering (NVIDIA GPUs): d is zero-padded to a power of two (or,
+with ``Tiling.split_width``, to a multiple of 16 held as power-of-two parts, each product a
+sum over them), the vocabulary to whole tiles (padded logits masked) and the tokens to whole
+tiles with a zero cotangent. ``interpret=True`` runs the kernels on any backend (the tests, on CPU).
 """
 
 from __future__ import annotations
 
 import dataclasses
 import functools
+import itertools
 import numbers
 
 import jax
@@ -66,39 +68,59 @@ class Launch:
     stages: int = 2
 
 
+KERNELS = ("forward", "dh", "dw")
+
+
 @dataclasses.dataclass(frozen=True)
 class Tiling:
     """The three kernels' launches: the forward and dh kernels walk tiles of tokens and loop
-    over the vocabulary, dw walks tiles of the vocabulary and loops over the tokens."""
+    over the vocabulary, dw walks tiles of the vocabulary and loops over the tokens.
+    ``split_width``: d is held in parts (``width_parts``), 204 as 128 + 64 + 16 rather than
+    padded to 256, so each product does 208/256 of the work, in two more, narrower products."""
 
     forward: Launch
     dh: Launch
     dw: Launch
+    split_width: bool = False
 
     @classmethod
-    def shared(cls, token_tile: int, vocab_tile: int, warps: int = 8, stages: int = 2) -> Tiling:
+    def shared(
+        cls,
+        token_tile: int,
+        vocab_tile: int,
+        warps: int = 8,
+        stages: int = 2,
+        split_width: bool = False,
+    ) -> Tiling:
         """One tile of tokens and one of the vocabulary for all three kernels."""
         by_tokens = Launch(token_tile, vocab_tile, warps, stages)
-        return cls(by_tokens, by_tokens, Launch(vocab_tile, token_tile, warps, stages))
+        by_vocab = Launch(vocab_tile, token_tile, warps, stages)
+        return cls(by_tokens, by_tokens, by_vocab, split_width)
 
     @classmethod
     def from_dict(cls, launches: dict) -> Tiling:
         """The tiling that ``dataclasses.asdict`` wrote as ``launches`` (a benchmark's JSON):
         ``{"forward": {"rows": ..., "step": ..., "warps": ..., "stages": ...}, "dh": ...,
-        "dw": ...}``; a ValueError naming what is missing or unknown."""
-        kernels = [f.name for f in dataclasses.fields(cls)]
+        "dw": ..., "split_width": ...}`` (no ``split_width``: false, as before it existed); a
+        ValueError naming what is missing or unknown."""
         fields = {f.name for f in dataclasses.fields(Launch)}
-        if not isinstance(launches, dict) or set(launches) != set(kernels):
+        if not isinstance(launches, dict) or not set(KERNELS) <= set(launches) <= {
+            *KERNELS,
+            "split_width",
+        }:
             got = sorted(launches) if isinstance(launches, dict) else type(launches).__name__
-            raise ValueError(f"a tiling has the launches {kernels}, got {got}")
-        for kernel in kernels:
+            raise ValueError(f"a tiling has the launches {list(KERNELS)}, got {got}")
+        for kernel in KERNELS:
             launch = launches[kernel]
             if not isinstance(launch, dict) or not {"rows", "step"} <= set(launch) <= fields:
                 raise ValueError(
                     f"tiling.{kernel} must be an object with rows, step and optionally warps "
                     f"and stages, got {launch!r}"
                 )
-        return cls(**{kernel: Launch(**launches[kernel]) for kernel in kernels})
+        split = launches.get("split_width", False)
+        if not isinstance(split, bool):
+            raise ValueError(f"tiling.split_width must be true or false, got {split!r}")
+        return cls(*(Launch(**launches[kernel]) for kernel in KERNELS), split)
 
     @property
     def token_multiple(self) -> int:
@@ -115,7 +137,9 @@ class Tiling:
         least MIN_TILE on a GPU, any in interpret mode), warps a power of two up to 32, at
         least one stage."""
         smallest = 1 if interpret else MIN_TILE
-        for kernel in ("forward", "dh", "dw"):
+        if not isinstance(self.split_width, bool):
+            raise ValueError(f"tiling.split_width must be a bool, got {self.split_width!r}")
+        for kernel in KERNELS:
             launch = getattr(self, kernel)
             for name in ("rows", "step"):
                 tile = getattr(launch, name)
@@ -176,37 +200,53 @@ def resolve(impl: str, dtype, devices=None) -> str:
     )
 
 
-def _tile_logits(h_txD, w_vxD):
-    """One tile of logits, ``h wᵀ``, accumulated in float32."""
-    return lax.dot_general(
-        h_txD, w_vxD, (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32
+def _tile_logits(h_parts, w_parts):
+    """One tile of logits, ``h wᵀ`` summed over the width's parts, accumulated in float32."""
+    products = (
+        lax.dot_general(h, w, (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32)
+        for h, w in zip(h_parts, w_parts, strict=True)
     )
+    return functools.reduce(jnp.add, products)
 
 
-def _dlogits(h_txD, w_vxD, lse_t, targets_t, g_t, first_column, vocab):
+def _load(ref, rows, parts):
+    """``ref[rows]``'s width parts (``parts``: static (start, size) pairs), each its own load of a
+    power-of-two width."""
+    return [ref[rows, pl.ds(start, size)] for start, size in parts]
+
+
+def _store(ref, values, parts):
+    for value, (start, size) in zip(values, parts, strict=True):
+        ref[:, pl.ds(start, size)] = value.astype(ref.dtype)
+
+
+def _dlogits(h_parts, w_parts, lse_t, targets_t, g_t, first_column, vocab):
     """One tile's ``g * (softmax - onehot)``, logits recomputed, in h's dtype for the next
     product; zero in padded columns (whose exp(0 - lse) could overflow where lse is very low)."""
-    logits_txv = _tile_logits(h_txD, w_vxD)
+    logits_txv = _tile_logits(h_parts, w_parts)
     columns_txv = first_column + lax.broadcasted_iota(jnp.int32, logits_txv.shape, 1)
     p_txv = jnp.where(columns_txv < vocab, jnp.exp(logits_txv - lse_t[:, None]), 0.0)
     p_txv = jnp.where(columns_txv == targets_t[:, None], p_txv - 1.0, p_txv)
-    return (p_txv * g_t[:, None]).astype(h_txD.dtype)
+    return (p_txv * g_t[:, None]).astype(h_parts[0].dtype)
 
 
-def _forward_kernel(h_ref, w_ref, targets_ref, lse_ref, target_logit_ref, *expected, vocab, tile):
+def _forward_kernel(
+    h_ref, w_ref, targets_ref, lse_ref, target_logit_ref, *expected, vocab, tile, parts
+):
     """Each token's log-sum-exp and target logit, by an online log-sum-exp over the vocabulary;
     with a third output (``expected``), also its expected embedding under its softmax,
     ``E_p[w] = sum_v p_v w_v``, whose running sum is rescaled as the max grows (as flash
     attention's output is)."""
-    h_txD = h_ref[...]
+    everything = slice(None)
+    h_parts = _load(h_ref, everything, parts)
     targets_t = targets_ref[...]
-    rows = h_txD.shape[0]
+    rows = h_parts[0].shape[0]
 
     def one_tile(j, carry):
-        max_t, sum_t, target_t, *expected_txD = carry
+        max_t, sum_t, target_t, expected_parts = carry
         first = j * tile
-        w_vxD = w_ref[pl.ds(first, tile), :]
-        logits_txv = _tile_logits(h_txD, w_vxD)
+        w_parts = _load(w_ref, pl.ds(first, tile), parts)
+        logits_txv = _tile_logits(h_parts, w_parts)
         columns_txv = first + lax.broadcasted_iota(jnp.int32, logits_txv.shape, 1)
         # The target's logit before masking: a target outside the vocabulary picks 0, as in
         # the XLA path.
@@ -217,65 +257,81 @@ def _forward_kernel(h_ref, w_ref, targets_ref, lse_ref, target_logit_ref, *expec
         rescale_t = jnp.exp(max_t - new_max_t)
         p_txv = jnp.exp(logits_txv - new_max_t[:, None])
         sum_t = sum_t * rescale_t + jnp.sum(p_txv, axis=1)
-        if expected_txD:
-            [running_txD] = expected_txD
-            moved_txD = jnp.dot(
-                p_txv.astype(h_txD.dtype), w_vxD, preferred_element_type=jnp.float32
-            )
-            expected_txD = [running_txD * rescale_t[:, None] + moved_txD]
-        return new_max_t, sum_t, target_t, *expected_txD
+        if expected:
+            p_txv = p_txv.astype(h_parts[0].dtype)
+            expected_parts = [
+                running * rescale_t[:, None] + jnp.dot(p_txv, w, preferred_element_type=jnp.float32)
+                for running, w in zip(expected_parts, w_parts, strict=True)
+            ]
+        return new_max_t, sum_t, target_t, expected_parts
 
     zeros_t = jnp.zeros((rows,), jnp.float32)
     start = (jnp.full((rows,), -jnp.inf, jnp.float32), zeros_t, zeros_t)
-    if expected:
-        start += (jnp.zeros(h_txD.shape, jnp.float32),)
+    start += ([jnp.zeros(h.shape, jnp.float32) for h in h_parts] if expected else [],)
     # The first tile holds real columns, so the max is finite after it: a later tile wholly of
     # padding (the vocabulary is padded to every kernel's tile) rescales by exp(0) and adds 0.
-    max_t, sum_t, target_t, *expected_txD = lax.fori_loop(
+    max_t, sum_t, target_t, expected_parts = lax.fori_loop(
         0, w_ref.shape[0] // tile, one_tile, start
     )
     lse_ref[...] = max_t + jnp.log(sum_t)
     target_logit_ref[...] = target_t
     if expected:
-        expected[0][...] = expected_txD[0] / sum_t[:, None]
+        _store(expected[0], [e / sum_t[:, None] for e in expected_parts], parts)
 
 
-def _dh_kernel(h_ref, w_ref, targets_ref, lse_ref, g_ref, dh_ref, *, vocab, tile):
-    h_txD = h_ref[...]
+def _dh_kernel(h_ref, w_ref, targets_ref, lse_ref, g_ref, dh_ref, *, vocab, tile, parts):
+    h_parts = _load(h_ref, slice(None), parts)
     targets_t, lse_t, g_t = targets_ref[...], lse_ref[...], g_ref[...]
 
-    def one_tile(j, dh_txD):
+    def one_tile(j, dh_parts):
         first = j * tile
-        w_vxD = w_ref[pl.ds(first, tile), :]
-        dlogits_txv = _dlogits(h_txD, w_vxD, lse_t, targets_t, g_t, first, vocab)
-        return dh_txD + jnp.dot(dlogits_txv, w_vxD, preferred_element_type=jnp.float32)
+        w_parts = _load(w_ref, pl.ds(first, tile), parts)
+        dlogits_txv = _dlogits(h_parts, w_parts, lse_t, targets_t, g_t, first, vocab)
+        return [
+            dh + jnp.dot(dlogits_txv, w, preferred_element_type=jnp.float32)
+            for dh, w in zip(dh_parts, w_parts, strict=True)
+        ]
 
-    dh_txD = lax.fori_loop(0, w_ref.shape[0] // tile, one_tile, jnp.zeros(h_txD.shape, jnp.float32))
-    dh_ref[...] = dh_txD.astype(dh_ref.dtype)
+    start = [jnp.zeros(h.shape, jnp.float32) for h in h_parts]
+    _store(dh_ref, lax.fori_loop(0, w_ref.shape[0] // tile, one_tile, start), parts)
 
 
-def _dw_kernel(h_ref, w_ref, targets_ref, lse_ref, g_ref, dw_ref, *, vocab, tile):
-    w_vxD = w_ref[...]
-    first = pl.program_id(0) * w_vxD.shape[0]
+def _dw_kernel(h_ref, w_ref, targets_ref, lse_ref, g_ref, dw_ref, *, vocab, tile, parts):
+    w_parts = _load(w_ref, slice(None), parts)
+    first = pl.program_id(0) * w_parts[0].shape[0]
 
-    def one_tile(i, dw_vxD):
+    def one_tile(i, dw_parts):
         rows = pl.ds(i * tile, tile)
-        h_txD = h_ref[rows, :]
+        h_parts = _load(h_ref, rows, parts)
         dlogits_txv = _dlogits(
-            h_txD, w_vxD, lse_ref[rows], targets_ref[rows], g_ref[rows], first, vocab
+            h_parts, w_parts, lse_ref[rows], targets_ref[rows], g_ref[rows], first, vocab
         )
-        return dw_vxD + lax.dot_general(
-            dlogits_txv, h_txD, (((0,), (0,)), ((), ())), preferred_element_type=jnp.float32
-        )
+        return [
+            dw
+            + lax.dot_general(
+                dlogits_txv, h, (((0,), (0,)), ((), ())), preferred_element_type=jnp.float32
+            )
+            for dw, h in zip(dw_parts, h_parts, strict=True)
+        ]
 
-    dw_ref[...] = lax.fori_loop(
-        0, h_ref.shape[0] // tile, one_tile, jnp.zeros(w_vxD.shape, jnp.float32)
-    )
+    start = [jnp.zeros(w.shape, jnp.float32) for w in w_parts]
+    _store(dw_ref, lax.fori_loop(0, h_ref.shape[0] // tile, one_tile, start), parts)
 
 
-def padded_width(width: int) -> int:
-    """d as the kernels hold it: the next power of two, at least MIN_TILE."""
+def padded_width(width: int, split: bool = False) -> int:
+    """d as the kernels hold it: the next power of two (204: 256), or with ``split`` the next
+    multiple of MIN_TILE (204: 208), held in parts (``width_parts``); at least MIN_TILE."""
+    if split:
+        return max(MIN_TILE, -(-width // MIN_TILE) * MIN_TILE)
     return max(MIN_TILE, pl.next_power_of_2(width))
+
+
+def width_parts(wide: int) -> tuple[tuple[int, int], ...]:
+    """A padded width as the parts the kernels load and multiply, (start, size) each, sizes
+    powers of two (Triton's arrays are), largest first: 256 is one, 208 is 128 + 64 + 16."""
+    sizes = [1 << bit for bit in reversed(range(wide.bit_length())) if wide >> bit & 1]
+    starts = (0, *itertools.accumulate(sizes[:-1]))
+    return tuple(zip(starts, sizes, strict=True))
 
 
 def _whole(shape):
@@ -290,9 +346,9 @@ def _rows(tile, width=None):
 
 def operands(h_BxTxD, w_VxD, targets_BxT, tiling: Tiling):
     """h as (N', D') and w as (V', D') in h's dtype, zero-padded to whole tiles of every kernel
-    and the padded width; targets as (N',) int32."""
+    and the padded width (``padded_width``, split as the tiling says); targets as (N',) int32."""
     count, width = targets_BxT.size, h_BxTxD.shape[-1]
-    wide = padded_width(width)
+    wide = padded_width(width, tiling.split_width)
     h_NxD = h_BxTxD.reshape(count, width)
     h_NxD = jnp.pad(h_NxD, ((0, -count % tiling.token_multiple), (0, wide - width)))
     vocab = w_VxD.shape[0]
@@ -358,7 +414,7 @@ def forward_call(
         out_specs.append(_rows(launch.rows, wide))
         out_shape.append(jax.ShapeDtypeStruct((n, wide), jnp.float32))
     return _pallas_call(
-        functools.partial(_forward_kernel, vocab=vocab, tile=launch.step),
+        functools.partial(_forward_kernel, vocab=vocab, tile=launch.step, parts=width_parts(wide)),
         launch,
         grid=(n // launch.rows,),
         in_specs=[_rows(launch.rows, wide), _whole(w_pad.shape), _rows(launch.rows)],
@@ -373,7 +429,7 @@ def dh_call(h_NxD, w_pad, targets_N, lse_N, g_N, vocab: int, launch, interpret: 
     dtype."""
     n, wide = h_NxD.shape
     return _pallas_call(
-        functools.partial(_dh_kernel, vocab=vocab, tile=launch.step),
+        functools.partial(_dh_kernel, vocab=vocab, tile=launch.step, parts=width_parts(wide)),
         launch,
         grid=(n // launch.rows,),
         in_specs=[_rows(launch.rows, wide), _whole(w_pad.shape), *[_rows(launch.rows)] * 3],
@@ -387,7 +443,7 @@ def dw_call(h_NxD, w_pad, targets_N, lse_N, g_N, vocab: int, launch, interpret: 
     """The dw kernel on padded operands: ``sum_t g (softmax - onehot)ᵀ h``, (V', D') float32."""
     n, wide = h_NxD.shape
     return _pallas_call(
-        functools.partial(_dw_kernel, vocab=vocab, tile=launch.step),
+        functools.partial(_dw_kernel, vocab=vocab, tile=launch.step, parts=width_parts(wide)),
         launch,
         grid=(w_pad.shape[0] // launch.rows,),
         in_specs=[_whole(h_NxD.shape), _rows(launch.rows, wide), *[_whole((n,))] * 3],
