@@ -11,9 +11,9 @@
 #
 # 1. train/lmu, train/transformer at 1M: the paper step, 512 x 1024 tokens in bf16, in 8
 #    micro-batches of 64 (--microbatches 8: no planning compiles), with MFU, as committed;
-# 2. loss: the cross-entropy alone, XLA's path and the fused kernels; then loss_tiles, each
-#    fused kernel under a grid of launches for at most 180 s, and the whole loss in both forms
-#    under the default and the fastest launches: the kernels are most of a micro-batch's time;
+# 2. loss_tiles: each fused loss kernel under a grid of launches for at most 180 s, then the
+#    whole loss in both forms under the default and the fastest launches, each also with d
+#    held in parts (split width): the kernels are most of a micro-batch's time;
 # 3. train/lmu at 1M with the loss in the form and launches that group 2 timed fastest
 #    (--tuned-loss; its row says which), so one session measures the step the tuning gives;
 # 4. profile: one 64-sequence micro-batch of lmu-1M and transformer-1M traced, then of lmu-1M
@@ -22,7 +22,8 @@
 # 6. block: one lmu-1M block, the FFT, the XLA chunked path, the same steps-last, two
 #    channels-last experiments and the fused memory kernels (--block-impls and
 #    --block-dtypes after SECONDS pick fewer);
-# 7. attention, the other families' train parts (lmu_g, sru, sru_pp, lstm), long, precision;
+# 7. loss (the cross-entropy alone, XLA's path and the kernels at d = 48 and 204), attention,
+#    the other families' train parts (lmu_g, sru, sru_pp, lstm), long, precision;
 # 8. xla_options: the profile's micro-batch steps under each of XLA's GPU options, if time is
 #    left (the command's own time limit may stop it; the groups before are kept).
 #
@@ -103,13 +104,13 @@ traces() { # each profile's Perfetto trace and compiled program into $OUT, where
 }
 
 run --sizes 1M -- train/lmu train/transformer
-run --tiles-seconds 180 -- loss loss_tiles
+run --tiles-seconds 180 -- loss_tiles
 run --sizes 1M --loss-impl pallas --tuned-loss -- train/lmu
 run profile
 traces # at once: a later group that the command's time limit stops cannot lose them
 run --sizes 1M --loss-impl pallas --memory-impl pallas -- train/lmu
 run --sizes 55k -- train/lmu train/transformer
 run block
-run attention train/lmu_g 'train/sru*' train/lstm long precision
+run loss attention train/lmu_g 'train/sru*' train/lstm long precision
 run xla_options
 exit "$status"

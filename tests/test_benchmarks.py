@@ -249,9 +249,9 @@ def test_the_gpu_session_script_runs_its_groups_in_the_budget_and_writes_into_ou
     log = (out / "gpu.log").read_text()
     groups_named = (
         "block",
-        "loss, loss_tiles",
+        "loss_tiles",
         "profile",
-        "attention, train/lmu_g, train/sru, train/sru_pp",
+        "loss, attention, train/lmu_g, train/sru, train/sru_pp",
         "xla_options",
     )
     for group in groups_named:
@@ -259,13 +259,13 @@ def test_the_gpu_session_script_runs_its_groups_in_the_budget_and_writes_into_ou
     record = json.loads((out / "gpu-cpu.json").read_text())
     groups = [
         ["train/lmu", "train/transformer"],  # at 1M
-        ["loss", "loss_tiles"],
+        ["loss_tiles"],
         ["train/lmu"],  # at 1M with the loss as loss_tiles tuned it
         ["profile"],
         ["train/lmu"],  # at 1M with the Pallas loss and memory
         ["train/lmu", "train/transformer"],  # at 55k
         ["block"],
-        ["attention", "train/lmu_g", "train/sru", "train/sru_pp", "train/lstm", "long"],
+        ["loss", "attention", "train/lmu_g", "train/sru", "train/sru_pp", "train/lstm", "long"],
         ["precision"],
         ["xla_options"],
     ]
