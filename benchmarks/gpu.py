@@ -305,7 +305,10 @@ def part_train(family: str, args, plan_only: bool, keep=None) -> dict:
                 row = measure(name, config, *extra)
             return _with_tuning(row, tuned)
 
-        _append(rows, _guarded(name, one), keep, args.seq_len, args.batch)
+        row = _guarded(name, one)
+        if row is not None and "error" in row and args.tuned:
+            row = {**row, "loss_impl": "pallas", "loss_tuned": None}  # as a tuned row
+        _append(rows, row, keep, args.seq_len, args.batch)
     return {"rows": rows}
 
 
@@ -407,8 +410,9 @@ def _committed_form() -> str:
 
 
 def _with_tuning(row: dict, tuned: dict | None) -> dict:
-    """A train row that ran under --tuned-loss says so: the label (a key of its rows, beside
-    the kernels), the tiling and the loss's times alone that chose it."""
+    """A train row that ran under --tuned-loss says so: the label (its presence a key of its
+    rows, beside the kernels: a tuned run replaces the last one's row, not the committed
+    code's), the tiling and the loss's times alone that chose it."""
     if tuned is None or "error" in row:
         return row
     return {
@@ -852,7 +856,7 @@ def merged(old_rows: list[dict], new_rows: list[dict]) -> list[dict]:
     def key(row):  # rows from before a switch was recorded ran the XLA path
         impls = (row.get("loss_impl", "xla"), row.get("memory_impl", "xla"))
         shape = row.get("model"), row.get("seq_len"), row.get("batch")
-        return *shape, *impls, row.get("loss_tuned")
+        return *shape, *impls, "loss_tuned" in row  # a tuned row replaces the last tuned one
 
     replaced = {key(row) for row in new_rows}
     return [row for row in old_rows if key(row) not in replaced] + new_rows
@@ -861,7 +865,7 @@ def merged(old_rows: list[dict], new_rows: list[dict]) -> list[dict]:
 def _kernels(row: dict) -> str:
     """``xla loss`` or ``xla loss, pallas memory``: the kernels a train row ran."""
     text = f"{row.get('loss_impl', 'xla')} loss"
-    if "loss_tuned" in row:
+    if row.get("loss_tuned"):
         text += f" ({row['loss_tuned']})"
     return text + (f", {row['memory_impl']} memory" if "memory_impl" in row else "")
 

@@ -667,8 +667,12 @@ def test_the_tuned_loss_is_the_sweeps_fastest_whole_loss_and_runs_only_at_its_wi
     assert tuned_row["loss_tuned_ms"] == {"tuned": 3.0, "default": 4.5, "committed": 5.0}
     kept = gpu.merged([{**row, "step_seconds": 0.6}], [tuned_row])
     assert [r["step_seconds"] for r in kept] == [0.6, 0.5]
-    again = gpu.merged(kept, [{**tuned_row, "step_seconds": 0.4}])
+    other = {**tuned_row, "loss_tuned": "dh kernel, fastest", "step_seconds": 0.4}
+    again = gpu.merged(kept, [other])  # the latest tuned run's row, whatever it chose
     assert [r["step_seconds"] for r in again] == [0.6, 0.4]
+    failed = {"model": "lmu-1M", "seq_len": 1024, "batch": 512, "error": "..."}
+    failed |= {"loss_impl": "pallas", "loss_tuned": None}  # as part_train marks it
+    assert gpu.merged(again, [failed]) == [again[0], failed]  # the committed row stays
 
 
 def test_a_tuned_loss_without_its_sweep_is_named():
