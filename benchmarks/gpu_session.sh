@@ -18,13 +18,14 @@
 #    (--tuned-loss; its row says which), so one session measures the step the tuning gives;
 # 4. profile: one 64-sequence micro-batch of lmu-1M and transformer-1M traced, then of lmu-1M
 #    with its chunk products in the order the layers use off a GPU (steps-last);
-# 5. train/lmu at 1M with the Pallas loss and memory; train/lmu, train/transformer at 55k;
+# 5. train/lmu, train/transformer at 55k;
 # 6. block: one lmu-1M block, the FFT, the XLA chunked path, the same steps-last, two
 #    channels-last experiments and the fused memory kernels (--block-impls and
 #    --block-dtypes after SECONDS pick fewer);
 # 7. loss (the cross-entropy alone, XLA's path and the kernels at d = 48 and 204), attention,
 #    the other families' train parts (lmu_g, sru, sru_pp, lstm), long, precision;
-# 8. xla_options: the profile's micro-batch steps under each of XLA's GPU options, if time is
+# 8. train/lmu at 1M with the Pallas loss and memory (3.5 s a step on the H200, 2026-11-28);
+# 9. xla_options: the profile's micro-batch steps under each of XLA's GPU options, if time is
 #    left (the command's own time limit may stop it; the groups before are kept).
 #
 # Each part, and each model of a train part, is in the JSON as soon as it is done. Writes into
@@ -108,9 +109,9 @@ run --tiles-seconds 180 -- loss_tiles
 run --sizes 1M --loss-impl pallas --tuned-loss -- train/lmu
 run profile
 traces # at once: a later group that the command's time limit stops cannot lose them
-run --sizes 1M --loss-impl pallas --memory-impl pallas -- train/lmu
 run --sizes 55k -- train/lmu train/transformer
 run block
 run loss attention train/lmu_g 'train/sru*' train/lstm long precision
+run --sizes 1M --loss-impl pallas --memory-impl pallas -- train/lmu
 run xla_options
 exit "$status"

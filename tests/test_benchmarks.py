@@ -262,11 +262,11 @@ def test_the_gpu_session_script_runs_its_groups_in_the_budget_and_writes_into_ou
         ["loss_tiles"],
         ["train/lmu"],  # at 1M with the loss as loss_tiles tuned it
         ["profile"],
-        ["train/lmu"],  # at 1M with the Pallas loss and memory
         ["train/lmu", "train/transformer"],  # at 55k
         ["block"],
         ["loss", "attention", "train/lmu_g", "train/sru", "train/sru_pp", "train/lstm", "long"],
         ["precision"],
+        ["train/lmu"],  # at 1M with the Pallas loss and memory
         ["xla_options"],
     ]
     everything = [part for group in groups for part in group]
