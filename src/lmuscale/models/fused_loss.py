@@ -237,8 +237,7 @@ def _forward_kernel(
     with a third output (``expected``), also its expected embedding under its softmax,
     ``E_p[w] = sum_v p_v w_v``, whose running sum is rescaled as the max grows (as flash
     attention's output is)."""
-    everything = slice(None)
-    h_parts = _load(h_ref, everything, parts)
+    h_parts = _load(h_ref, slice(None), parts)
     targets_t = targets_ref[...]
     rows = h_parts[0].shape[0]
 
