@@ -406,10 +406,12 @@ def sweep_launches(
     tiling's output relative to its largest value; then the fastest launch of each kernel, and
     the loss's forward+backward in both forms (the dh kernel, dh from the forward) under the
     default tiling and under those launches, each also with the width split where that pads d
-    less (``fused_loss.Tiling.split_width``; ``loss_ms``, and ``tilings``: each one's tiling,
-    by the same labels, for ``Tiling.from_dict``). No launch of ``candidates`` is started after
-    ``budget`` seconds (those left are counted in ``not_started``); each kernel's default
-    launch, its reference, and the loss's timings run whatever the budget. ``unfit``:
+    less (``fused_loss.Tiling.split_width``; ``loss_ms``, and by the same labels ``tilings``,
+    each one's tiling for ``Tiling.from_dict``, ``loss_diffs``, its differences from the first,
+    the dh kernel at the default tiling, and ``loss_errors``, those that failed). No launch of
+    ``candidates`` is started after ``budget`` seconds (those left are counted in
+    ``not_started``); each kernel's default launch, its reference, and the loss's timings run
+    whatever the budget. ``unfit``:
     ``(kernel, Launch)`` pairs not run (``unfit_launches``), counted in ``left_out``."""
     reason = None if interpret else fused_loss.unsupported_reason()
     if reason is not None:
@@ -451,7 +453,13 @@ def sweep_launches(
     # The loss's forward+backward in each form, at the default tiling and at the fastest
     # launches of the kernels that form runs, where all of them were timed.
     forms = {"dh kernel": (False, KERNELS), "dh from the forward": (True, ("forward", "dw"))}
-    record["loss_ms"], record["tilings"] = {}, {}
+    record["loss_ms"], record["tilings"], record["loss_diffs"], record["loss_errors"] = (
+        {},
+        {},
+        {},
+        {},
+    )
+    reference = None  # the dh kernel at the default tiling: the first loss timed
     for form, (by_forward, needs) in forms.items():
         timed = {
             k: best.get(f"{k}_expected" if by_forward and k == "forward" else k) for k in needs
@@ -467,10 +475,29 @@ def sweep_launches(
             if fused_loss.padded_width(width, True) < fused_loss.padded_width(width):
                 tilings[f"{name}, split width"] = dataclasses.replace(tiling, split_width=True)
         for name, tiling in tilings.items():
-            program = _loss_program(tiling, by_forward, interpret)
-            record["loss_ms"][f"{form}, {name}"] = _median_ms(program, (h, w, targets), repeats)
-            record["tilings"][f"{form}, {name}"] = dataclasses.asdict(tiling)
+            label = f"{form}, {name}"
+            try:
+                program = _loss_program(tiling, by_forward, interpret)
+                outputs, times = _timed_calls(program, (h, w, targets), repeats)
+            except Exception as error:  # a tiling Triton refuses: the others are kept
+                record["loss_errors"][label] = f"{type(error).__name__}: {error}"[:300]
+                continue
+            reference = outputs if reference is None else reference
+            record["loss_ms"][label] = statistics.median(times) * 1e3
+            record["tilings"][label] = dataclasses.asdict(tiling)
+            record["loss_diffs"][label] = _loss_differences(outputs, reference)
     return record
+
+
+def _loss_differences(outputs, reference) -> dict:
+    """A whole loss's differences from the reference's: the mean loss, absolute; dh and dw
+    relative to the reference's largest entry."""
+    (loss, (dh, dw)), (ref_loss, (ref_dh, ref_dw)) = outputs, reference
+    diffs = {"loss": abs(float(loss) - float(ref_loss))}
+    for key, got, want in (("dh", dh, ref_dh), ("dw", dw, ref_dw)):
+        got, want = np.asarray(got, np.float64), np.asarray(want, np.float64)
+        diffs[key] = float(np.abs(got - want).max() / np.abs(want).max())
+    return diffs
 
 
 def _loss_program(tiling, dh_from_forward: bool, interpret: bool):
@@ -603,7 +630,11 @@ def print_tile_record(record: dict, top: int = 5) -> None:
         left=2,
     )
     for name, ms in record.get("loss_ms", {}).items():
-        print(f"loss forward+backward, {name} tiling: {ms:.2f} ms")
+        diffs = record.get("loss_diffs", {}).get(name, {})
+        against = ", ".join(f"{key} {value:.1e}" for key, value in diffs.items())
+        print(f"loss forward+backward, {name} tiling: {ms:.2f} ms (differences: {against})")
+    for name, error in record.get("loss_errors", {}).items():
+        print(f"loss forward+backward, {name} tiling: failed, {error[:150]}")
 
 
 def main(argv=None) -> None:

@@ -42,7 +42,9 @@ Parts (``--only`` takes shell patterns of these names):
   d = 204 in bfloat16, --xent-batch x --seq-len tokens, no launch started after
   --tiles-seconds (``cross_entropy.py --part loss-tiles``, leaving out the launches that
   ``kernel_resources.py --loss-launches`` found spilling or over an H100's shared memory);
-  skipped where the kernels cannot run. Not a default part.
+  then the whole loss in both forms under the default and the fastest launches, each also
+  with the width split, with their tilings and their differences from the reference (what
+  --tuned-loss reads); skipped where the kernels cannot run. Not a default part.
 - ``attention``: cuDNN's flash attention (``layers.causal_attention``) against XLA's in
   bfloat16 at n = 1024 for Table 3's head widths, outputs and gradients; recorded as skipped
   where cuDNN's is not used (a CPU, float32, older GPUs).
@@ -301,15 +303,34 @@ def part_train(family: str, args, plan_only: bool, keep=None) -> dict:
                 **_impls(args),
             )
             tuned = args.tuned() if args.tuned else None
-            with loss_launched(tuned):
+            with loss_launched(tuned) as ran:
                 row = measure(name, config, *extra)
-            return _with_tuning(row, tuned)
+            return _with_tuning(row, tuned if ran else None)  # not at another width
 
         row = _guarded(name, one)
-        if row is not None and "error" in row and args.tuned:
-            row = {**row, "loss_impl": "pallas", "loss_tuned": None}  # as a tuned row
+        if row is not None and "error" in row:
+            # the kernels it asked for, as a row that ran would name them (``merged``'s key)
+            row = {**row, **_kernels_asked(name, args)}
+            if args.tuned:
+                row["loss_tuned"] = None  # replaces the last tuned row only
         _append(rows, row, keep, args.seq_len, args.batch)
     return {"rows": rows}
+
+
+def _kernels_asked(name: str, args) -> dict:
+    """The kernel switches of ``name``'s paper config under --loss-impl and --memory-impl, for
+    a model that failed: as they resolve here, or as asked where they cannot ("pallas" off a
+    GPU); nothing where the config itself cannot be built."""
+    try:
+        config = paper_config(name, args.seq_len, args.batch, args.budget_gb, **_impls(args))
+        model = config_lib.model_config(config.model)
+    except Exception:
+        return {}
+    try:
+        return config_lib.kernel_implementations(model)
+    except Exception:
+        asked = {"loss_impl": model.loss_impl, "memory_impl": getattr(model, "memory_impl", None)}
+        return {key: impl for key, impl in asked.items() if impl not in (None, "auto")}
 
 
 def _append(rows: list, row: dict | None, keep, seq_len: int, batch: int) -> None:
@@ -349,10 +370,11 @@ def tuned_loss_from(record: dict, source) -> dict:
     """What --tuned-loss runs: of the fused loss's forms and tilings that the loss_tiles part of
     ``record`` (this device's JSON, read from ``source``) timed whole, the fastest:
     ``{"label", "dh_from_forward", "tiling", "loss_ms", "default_ms", "committed_ms", "d",
-    "dtype"}``: beside its time, the default tiling's in the same form, and the committed
-    code's (``fused_loss.DH_FROM_FORWARD``'s form, the default tiling). A ValueError naming
-    ``source`` and what it lacks where that part is missing, was skipped or timed no loss (in
-    the model's row: the parts run before it are kept)."""
+    "dtype", "sweep_session"}``: beside its time, the default tiling's in the same form, and
+    the committed code's (``fused_loss.DH_FROM_FORWARD``'s form, the default tiling). Only
+    losses whose values and gradients agreed with the reference's (``LOSS_AGREEMENT``) are
+    taken. A ValueError naming ``source`` and what it lacks where that part is missing, was
+    skipped or timed no such loss (in the model's row: the parts run before it are kept)."""
     part = record.get("parts", {}).get("loss_tiles")
     if not isinstance(part, dict):
         raise ValueError(
@@ -363,7 +385,14 @@ def tuned_loss_from(record: dict, source) -> dict:
     if not timed or not isinstance(tilings, dict) or set(timed) - set(tilings):
         why = part.get("skipped") or "no loss timed under a tiling it records"
         raise ValueError(f'--tuned-loss: {source}\'s parts["loss_tiles"]: {why}')
-    label = min(timed, key=timed.get)
+    # Only a loss whose values and gradients agreed with the reference's on this GPU.
+    agreed = {k: ms for k, ms in timed.items() if _agrees(part.get("loss_diffs", {}).get(k))}
+    if not agreed:
+        raise ValueError(
+            f'--tuned-loss: {source}\'s parts["loss_tiles"]: no timed loss has differences '
+            f"from the reference's within {LOSS_AGREEMENT} (loss_diffs)"
+        )
+    label = min(agreed, key=agreed.get)
     form = label.split(", ")[0]  # "dh kernel" or "dh from the forward"
     try:
         tiling = fused_loss.Tiling.from_dict(tilings[label])
@@ -380,29 +409,46 @@ def tuned_loss_from(record: dict, source) -> dict:
         "committed_ms": timed.get(f"{_committed_form()}, default"),
         "d": part["d"],
         "dtype": part["dtype"],
+        "sweep_session": part.get("args", {}).get("session"),
     }
+
+
+# The largest differences from the reference loss (the dh kernel at the default tiling) that
+# --tuned-loss accepts in a timed loss: its mean loss, absolute; dh and dw relative to their
+# largest entries. In bfloat16 the kernels' gradients differ from XLA's by up to 5.1e-3 of the
+# largest (the H200, gpu-nvidia-h200.json's loss part); a tiling that computes something else
+# (a part of the width left out, say) differs by order 1.
+LOSS_AGREEMENT = {"loss": 1e-3, "dh": 2e-2, "dw": 2e-2}
+
+
+def _agrees(diffs) -> bool:
+    return isinstance(diffs, dict) and all(
+        isinstance(diffs.get(key), int | float) and diffs[key] <= bound
+        for key, bound in LOSS_AGREEMENT.items()
+    )
 
 
 @contextlib.contextmanager
 def loss_launched(tuned: dict | None):
     """While in force, the fused loss at ``tuned``'s (d, dtype) runs in its form and tiling
-    (``tuned_loss_from``), at other widths and dtypes as committed; None: as committed."""
+    (``tuned_loss_from``), at other widths and dtypes as committed; None: as committed. Yields
+    a list that gets an entry each time the tuned loss is traced (empty: it never ran)."""
+    ran = []
     if tuned is None:
-        yield
+        yield ran
         return
     committed = fused_loss.cross_entropy
     chosen = {"tiling": tuned["tiling"], "dh_from_forward": tuned["dh_from_forward"]}
 
     def cross_entropy(h_BxTxD, w_VxD, targets_BxT, **options):
-        if not options and (h_BxTxD.shape[-1], jnp.dtype(h_BxTxD.dtype).name) == (
-            tuned["d"],
-            tuned["dtype"],
-        ):
+        width, dtype = h_BxTxD.shape[-1], jnp.dtype(h_BxTxD.dtype).name
+        if not options and (width, dtype) == (tuned["d"], tuned["dtype"]):
             options = chosen
+            ran.append((width, dtype))
         return committed(h_BxTxD, w_VxD, targets_BxT, **options)
 
     with mock.patch.object(fused_loss, "cross_entropy", cross_entropy):
-        yield
+        yield ran
 
 
 def _committed_form() -> str:
@@ -410,9 +456,10 @@ def _committed_form() -> str:
 
 
 def _with_tuning(row: dict, tuned: dict | None) -> dict:
-    """A train row that ran under --tuned-loss says so: the label (its presence a key of its
-    rows, beside the kernels: a tuned run replaces the last one's row, not the committed
-    code's), the tiling and the loss's times alone that chose it."""
+    """A train row whose loss ran as --tuned-loss chose says so: the label (its presence a key
+    of its rows, beside the kernels: a tuned run replaces the last one's row, not the committed
+    code's), the tiling, the loss's times alone that chose it, and the session of the sweep
+    that timed them."""
     if tuned is None or "error" in row:
         return row
     return {
@@ -424,6 +471,7 @@ def _with_tuning(row: dict, tuned: dict | None) -> dict:
             "default": tuned["default_ms"],
             "committed": tuned["committed_ms"],
         },
+        "loss_tuned_session": tuned["sweep_session"],
     }
 
 

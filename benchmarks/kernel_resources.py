@@ -7,8 +7,8 @@
 
 Each kernel (the fused LMU memory's three, ``memory_kernel``, at each Table 3 LMU size with its
 chunk of 64, and the fused cross-entropy's three, ``models.fused_loss``, at d = 48 and 204,
-with in bfloat16 the forward that also forms the expected embeddings, and every kernel with d
-held in power-of-two parts where that pads it less, ``split width``) is
+with in bfloat16 the forward that also forms the expected embeddings, and, also in bfloat16,
+every kernel with d held in power-of-two parts where that pads it less, ``split width``) is
 lowered for CUDA here, its Triton module compiled to PTX for sm_90a by the Triton that the CUDA
 plugin of this jaxlib carries (the compiler XLA runs on a GPU), and the PTX assembled by
 ``ptxas -v`` (CUDA's, on PATH). Nothing runs: no GPU is needed, only the plugin's wheel, which
@@ -208,7 +208,7 @@ def _launch_of(tiling):
 def loss_rows(width: int) -> list[dict]:
     """The fused cross-entropy's kernels at width d, at their default tiling; in bfloat16 also
     the forward that forms the expected embeddings (``forward_expected_kernel``), and where
-    holding d in parts pads it less (``Tiling.split_width``), every kernel so."""
+    holding d in parts pads it less (``Tiling.split_width``), every kernel so, in bfloat16."""
     rows = []
     for dtype in (jnp.bfloat16, jnp.float32):
         tiling = fused_loss.default_tiling(width, dtype)

@@ -576,10 +576,15 @@ def test_the_loss_tile_sweep_times_every_launch_of_each_kernel_and_they_agree(tm
     # Each timed loss's launches, as --tuned-loss reads them back.
     from lmuscale.models.fused_loss import Launch, Tiling
 
-    assert set(record["tilings"]) == set(record["loss_ms"])
+    assert set(record["tilings"]) == set(record["loss_ms"]) == set(record["loss_diffs"])
+    assert record["loss_errors"] == {}
+    # Every timed loss agrees with the reference (the dh kernel at the default tiling).
+    assert record["loss_diffs"]["dh kernel, default"] == {"loss": 0.0, "dh": 0.0, "dw": 0.0}
+    assert max(max(d.values()) for d in record["loss_diffs"].values()) < 1e-5
     fastest = {k: Launch(**v) for k, v in record["fastest"].items()}
+    default = Tiling.from_dict(record["default"])
     by_forward = Tiling.from_dict(record["tilings"]["dh from the forward, fastest"])
-    assert by_forward == Tiling(fastest["forward_expected"], by_forward.dh, fastest["dw"])
+    assert by_forward == Tiling(fastest["forward_expected"], default.dh, fastest["dw"])
     by_kernel = Tiling.from_dict(record["tilings"]["dh kernel, fastest"])
     assert by_kernel == Tiling(fastest["forward"], fastest["dh"], fastest["dw"])
     split = Tiling.from_dict(record["tilings"]["dh kernel, fastest, split width"])
@@ -624,39 +629,47 @@ def test_the_tuned_loss_is_the_sweeps_fastest_whole_loss_and_runs_only_at_its_wi
     gpu = _gpu_module()
     fastest = Tiling(Launch(32, 64, 4, 1), Launch(64, 32, 8, 3), Launch(128, 16, 16, 2))
     default = fused_loss.default_tiling(204, jnp.bfloat16)
+    split = dataclasses.replace(fastest, split_width=True)
     timed = {"dh kernel, default": 5.0, "dh kernel, fastest": 4.0}
     timed |= {"dh from the forward, default": 4.5, "dh from the forward, fastest": 3.0}
     timed |= {"dh kernel, fastest, split width": 3.5}
-    tilings = {k: dataclasses.asdict(fastest if "fastest" in k else default) for k in timed}
+    tilings = {k: asdict(fastest if "fastest" in k else default) for k in timed}
+    tilings["dh kernel, fastest, split width"] = asdict(split)
+    close = {"loss": 1e-6, "dh": 4e-3, "dw": 1e-4}
+    diffs = dict.fromkeys(timed, close)
     part = {"d": 204, "dtype": "bfloat16", "loss_ms": timed, "tilings": tilings}
+    part |= {"loss_diffs": diffs, "args": {"session": "session-1"}}
     tuned = gpu.tuned_loss_from({"parts": {"loss_tiles": part}}, "gpu-x.json")
     assert tuned["label"] == "dh from the forward, fastest" and tuned["dh_from_forward"]
     assert tuned["tiling"] == fastest and (tuned["loss_ms"], tuned["default_ms"]) == (3.0, 4.5)
     assert tuned["committed_ms"] == 5.0  # DH_FROM_FORWARD is off: the dh kernel's default
-    # Were the split width fastest, it is what runs, in its own form.
-    split = dataclasses.replace(fastest, split_width=True)
+    assert tuned["sweep_session"] == "session-1"
+    # Were the split width fastest, it is what runs, in its own form; unless its gradients
+    # disagreed with the reference's on the GPU, when the next fastest runs.
     part_split = {**part, "loss_ms": {**timed, "dh kernel, fastest, split width": 2.0}}
-    part_split["tilings"] = {**tilings, "dh kernel, fastest, split width": asdict(split)}
     tuned_split = gpu.tuned_loss_from({"parts": {"loss_tiles": part_split}}, "gpu-x.json")
     assert tuned_split["tiling"] == split and not tuned_split["dh_from_forward"]
     assert tuned_split["default_ms"] == 5.0
+    wrong = {**diffs, "dh kernel, fastest, split width": {**close, "dw": 0.3}}
+    part_wrong = {**part_split, "loss_diffs": wrong}
+    not_split = gpu.tuned_loss_from({"parts": {"loss_tiles": part_wrong}}, "gpu-x.json")
+    assert not_split["label"] == "dh from the forward, fastest"
 
     # 600 tokens pad to 640 (dh's 64 rows, though dh is not launched), V = 50,257 to 50,304.
     w = jax.ShapeDtypeStruct((50257, 204), jnp.float32)
     targets = jax.ShapeDtypeStruct((2, 300), jnp.int32)
     h = jax.ShapeDtypeStruct((2, 300, 204), jnp.bfloat16)
     committed = {"forward": (10, 8, 2), "dh": (10, 8, 2), "dw": (786, 8, 2)}  # 64 x 64 tiles
-    with gpu.loss_launched(tuned):
+    h_48 = jax.ShapeDtypeStruct((2, 300, 48), jnp.bfloat16)
+    w_48 = jax.ShapeDtypeStruct((50257, 48), jnp.float32)
+    with gpu.loss_launched(tuned) as ran:
+        by_48 = _launched_on_a_gpu(fused_loss.cross_entropy, h_48, w_48, targets)
+        assert by_48 == committed and ran == []  # so a model of d = 48 is not labelled
         assert _launched_on_a_gpu(fused_loss.cross_entropy, h, w, targets) == {
             "forward": (20, 4, 1),
             "dw": (393, 16, 2),
         }
-        h_48, w_48 = (
-            jax.ShapeDtypeStruct((2, 300, 48), jnp.bfloat16),
-            jax.ShapeDtypeStruct((50257, 48), jnp.float32),
-        )
-        by_48 = _launched_on_a_gpu(fused_loss.cross_entropy, h_48, w_48, targets)
-        assert by_48 == committed
+        assert ran and set(ran) == {(204, "bfloat16")}
     assert _launched_on_a_gpu(fused_loss.cross_entropy, h, w, targets) == committed
 
     # Its rows say what ran, and are kept beside the committed code's rows of the model.
@@ -665,6 +678,8 @@ def test_the_tuned_loss_is_the_sweeps_fastest_whole_loss_and_runs_only_at_its_wi
     assert tuned_row["loss_tuned"] == "dh from the forward, fastest"
     assert tuned_row["loss_tiling"] == tilings["dh from the forward, fastest"]
     assert tuned_row["loss_tuned_ms"] == {"tuned": 3.0, "default": 4.5, "committed": 5.0}
+    assert tuned_row["loss_tuned_session"] == "session-1"
+    assert gpu._with_tuning(row, None) == row
     kept = gpu.merged([{**row, "step_seconds": 0.6}], [tuned_row])
     assert [r["step_seconds"] for r in kept] == [0.6, 0.5]
     other = {**tuned_row, "loss_tuned": "dh kernel, fastest", "step_seconds": 0.4}
@@ -673,9 +688,13 @@ def test_the_tuned_loss_is_the_sweeps_fastest_whole_loss_and_runs_only_at_its_wi
     failed = {"model": "lmu-1M", "seq_len": 1024, "batch": 512, "error": "..."}
     failed |= {"loss_impl": "pallas", "loss_tuned": None}  # as part_train marks it
     assert gpu.merged(again, [failed]) == [again[0], failed]  # the committed row stays
+    # With the memory's switch too: a failed row names it as a row that ran does.
+    with_memory = [{**r, "memory_impl": "pallas"} for r in again]
+    failed_memory = {**failed, "memory_impl": "pallas"}
+    assert gpu.merged(with_memory, [failed_memory]) == [with_memory[0], failed_memory]
 
 
-def test_a_tuned_loss_without_its_sweep_is_named():
+def test_a_tuned_loss_without_its_sweep_is_named(tmp_path, capsys):
     gpu = _gpu_module()
     with pytest.raises(ValueError, match=r"gpu-x.json has no loss_tiles part"):
         gpu.tuned_loss_from({"parts": {}}, "gpu-x.json")
@@ -684,7 +703,36 @@ def test_a_tuned_loss_without_its_sweep_is_named():
         gpu.tuned_loss_from({"parts": skipped}, "gpu-x.json")
     part = {"d": 204, "dtype": "bfloat16", "loss_ms": {"dh kernel, default": 1.0}}
     part["tilings"] = {"dh kernel, default": {"forward": {"rows": 64}, "dh": {}, "dw": {}}}
+    part["loss_diffs"] = {"dh kernel, default": {"loss": 0.0, "dh": 0.0, "dw": 0.0}}
     with pytest.raises(ValueError, match=r'\["dh kernel, default"\]: tiling.forward must be'):
         gpu.tuned_loss_from({"parts": {"loss_tiles": part}}, "gpu-x.json")
+    disagreeing = {**part, "tilings": {"dh kernel, default": {}}, "loss_diffs": {}}
+    with pytest.raises(ValueError, match=r"no timed loss has differences .* within"):
+        gpu.tuned_loss_from({"parts": {"loss_tiles": disagreeing}}, "gpu-x.json")
+    out = tmp_path / "gpu.json"
     with pytest.raises(SystemExit):  # argparse: --tuned-loss only tunes the fused loss
-        gpu.main(["--tuned-loss", "--only", "train/lmu"])
+        gpu.main(["--tuned-loss", "--only", "train/lmu", "--out", str(out)])
+    assert "--tuned-loss tunes the fused loss: give --loss-impl pallas" in capsys.readouterr().err
+    assert not out.exists()
+
+
+def test_a_failed_model_s_row_names_the_kernels_it_asked_for():
+    # So that a failed run of the fused loss (refused on this CPU) does not replace the row of
+    # the XLA path's run of the same model and shape, and a later such run replaces it.
+    import argparse
+
+    gpu = _gpu_module()
+    args = argparse.Namespace(seq_len=16, batch=4, budget_gb=0.0, memory_impl="auto")
+    asked_pallas = gpu._kernels_asked(
+        "lmu-55k", argparse.Namespace(**vars(args), loss_impl="pallas")
+    )
+    assert asked_pallas == {"loss_impl": "pallas"}  # "auto" memory: as it resolves, XLA's
+    auto = argparse.Namespace(**vars(args), loss_impl="auto")
+    assert gpu._kernels_asked("lmu-55k", auto) == {"loss_impl": "xla", "memory_impl": "xla"}
+    assert gpu._kernels_asked("transformer-55k", auto) == {"loss_impl": "xla"}
+    assert gpu._kernels_asked("no-such-model", auto) == {}
+    shape = {"model": "lmu-55k", "seq_len": 16, "batch": 4}
+    ran = {**shape, "loss_impl": "xla", "memory_impl": "xla", "step_seconds": 1.0}
+    failed = {**shape, "error": "ValueError: ...", **asked_pallas}
+    assert gpu.merged([ran], [failed]) == [ran, failed]
+    assert gpu.merged([ran, failed], [{**failed, "error": "again"}])[0] == ran

@@ -209,6 +209,16 @@ def test_bad_tiles_and_shapes_are_named():
     no_stages = dataclasses.replace(PER_KERNEL, dw=Launch(4, 16, 4, 0))
     with pytest.raises(ValueError, match=r"tiling\.dw\.stages must be a whole number >= 1, got 0"):
         fused(h, w, targets, tiling=no_stages)
+    # A tiling read back from a benchmark's JSON (Tiling.from_dict).
+    written = dataclasses.asdict(PER_KERNEL)
+    assert Tiling.from_dict(written) == PER_KERNEL
+    assert Tiling.from_dict({k: v for k, v in written.items() if k != "split_width"}) == PER_KERNEL
+    with pytest.raises(ValueError, match=r"a tiling has the launches .*, got .*'tiles'"):
+        Tiling.from_dict({**written, "tiles": 3})
+    with pytest.raises(ValueError, match=r"tiling\.dw must be an object with rows, step"):
+        Tiling.from_dict({**written, "dw": {"rows": 32}})
+    with pytest.raises(ValueError, match=r"tiling\.split_width must be true or false, got 'yes'"):
+        Tiling.from_dict({**written, "split_width": "yes"})
     not_a_bool = dataclasses.replace(PER_KERNEL, split_width=1)
     with pytest.raises(ValueError, match=r"tiling\.split_width must be a bool, got 1"):
         fused(h, w, targets, tiling=not_a_bool)
