@@ -185,8 +185,8 @@ def test_a_train_part_stopped_part_way_keeps_the_models_that_finished(tmp_path, 
 
 def test_a_model_after_the_time_budget_is_listed_in_its_part(tmp_path, monkeypatch):
     # The budget runs out during the first model: the part keeps it, lists the second as not
-    # started, and is marked unfinished; an error row carries its shape, so that a later run
-    # of the same model and shape replaces it.
+    # started, and is marked unfinished; an error row carries its shape and the kernels it
+    # asked for, so that a later run of the same model, shape and kernels replaces it.
     gpu = _gpu_module()
 
     def measure_plan(name, config):
@@ -203,6 +203,7 @@ def test_a_model_after_the_time_budget_is_listed_in_its_part(tmp_path, monkeypat
     assert row == {
         "model": "transformer-55k",
         "error": "RuntimeError: out of memory",
+        "loss_impl": "xla",  # "auto" on this CPU
         "seq_len": 16,
         "batch": 4,
     }
