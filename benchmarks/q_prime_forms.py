@@ -7,8 +7,10 @@ and ``layers.NARROW_PRODUCTS``.
 Compiles lmu-1M's paper train step for one micro-batch of 64 x 1024 tokens (as
 ``gpu.py``'s profile part) with the attention's scores and its gradient's dgelu(Q), dgelu(K)
 formed by matrix products batched over the positions with bf16 operands ("products", the
-layers' form), the same with float32 operands ("products, float32 operands") and by sums
-over broadcast products ("elementwise"), and times --steps steps of each (the median);
+layers' form), the same asking XLA for its default precision rather than the highest
+("products, default precision", ``layers.NARROW_PRECISION``: the same sums, not yet timed),
+with float32 operands ("products, float32 operands") and by sums over broadcast products
+("elementwise"), and times --steps steps of each (the median);
 then, where --budget allows, the paper step at 512 x 1024 in 8 micro-batches in the faster
 form, with the cross-entropy "auto" picks and with XLA's, and a ``jax.profiler`` trace of its
 micro-batch (the top operations, and the trace as ``profile-<model>-q-prime.json.gz`` beside
@@ -44,6 +46,10 @@ from lmuscale import layers
 # compile (none now; the experiment's fourth form turned XLA's Triton gemms off).
 FORMS = {
     "products": ({"Q_PRIME_SUMS": "products", "NARROW_PRODUCTS": True}, {}),
+    "products, default precision": (
+        {"Q_PRIME_SUMS": "products", "NARROW_PRODUCTS": True, "NARROW_PRECISION": "default"},
+        {},
+    ),
     "products, float32 operands": ({"Q_PRIME_SUMS": "products", "NARROW_PRODUCTS": False}, {}),
     "elementwise": ({"Q_PRIME_SUMS": "elementwise", "NARROW_PRODUCTS": False}, {}),
 }

@@ -203,20 +203,25 @@ def _data_moves(hlo_text: str, min_elements: int) -> list[str]:
     return moves
 
 
-def _lowered_layer_gradient(dtype: str):
-    """A small chunked layer's forward+backward, lowered, and the size of its Q."""
+def _layer_gradient_inputs(dtype: str):
+    """``(layer, params, x)`` of ``_lowered_layer_gradient``."""
     batch, length, width, order, reduced, chunk = 2, 64, 16, 12, 4, 16
     layer = ImplicitSelfAttention(
         order, reduced, 20.0, dtype=jnp.dtype(dtype), memory_chunk=chunk, batch_chunk=0
     )
     x = jax.random.normal(jax.random.key(0), (batch, length, width))
-    params = layer.init(jax.random.key(1), x)
+    return layer, layer.init(jax.random.key(1), x), x
+
+
+def _lowered_layer_gradient(dtype: str):
+    """A small chunked layer's forward+backward, lowered, and the size of its Q."""
+    layer, params, x = _layer_gradient_inputs(dtype)
 
     def loss(params, x):
         return jnp.sum(jnp.sin(layer.apply(params, x).astype(jnp.float32)))
 
     lowered = jax.jit(jax.value_and_grad(loss, argnums=(0, 1))).lower(params, x)
-    return lowered, batch * length * width * reduced
+    return lowered, x.size * layer.q_prime
 
 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
@@ -463,3 +468,26 @@ def test_sums_over_the_reduced_order_equal_numpy_written_out_or_not(order):
     got = _sum_of_products(jnp.asarray(a), jnp.asarray(b), axis=-2)
     np.testing.assert_allclose(got, (a * b).sum(-2), rtol=1e-5, atol=1e-5)
     assert (order > _UNROLL) == (order == 70)
+
+
+@pytest.mark.parametrize("dtype", ["bfloat16", "float32"])
+def test_the_narrow_products_precision_changes_only_what_xla_is_asked(dtype, monkeypatch):
+    # NARROW_PRECISION: the bf16 products over the positions ask "default" or "highest" of
+    # XLA; the sums are the same (products of bf16 numbers are exact in float32, summed in
+    # float32), so on this CPU the layer's value and gradients agree to float32 rounding. A
+    # float32 model's products ask "highest" whatever it says.
+    monkeypatch.setattr(layers, "channels_last_memory", lambda: True)
+    texts, results = {}, {}
+    for precision in ("highest", "default"):
+        monkeypatch.setattr(layers, "NARROW_PRECISION", precision)
+        lowered, _ = _lowered_layer_gradient(dtype)
+        text = lowered.as_text()
+        dots = re.findall(r"stablehlo\.dot_general [^\n]*batching_dims[^\n]*", text)
+        texts[precision] = [("HIGHEST" in dot) for dot in dots]
+        _, params, x = _layer_gradient_inputs(dtype)
+        outputs = jax.tree.leaves(lowered.compile()(params, x))
+        results[precision] = [np.asarray(leaf, np.float64) for leaf in outputs]
+    assert len(texts["highest"]) == 3 and all(texts["highest"])
+    assert texts["default"] == [dtype == "float32"] * 3
+    for got, want in zip(results["default"], results["highest"], strict=True):
+        assert np.abs(got - want).max() <= 1e-6 * max(np.abs(want).max(), 1e-30)

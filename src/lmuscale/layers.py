@@ -230,13 +230,22 @@ Q_PRIME_SUMS = "products"
 # against 766.6 (results/q_prime_forms-h200.json, gpu-nvidia-h200.json). False: float32.
 NARROW_PRODUCTS = True
 
+# The precision those products ask of XLA when both operands are narrower than float32: a
+# product of two bfloat16 numbers is exact in float32 and the sums are float32 either way, so
+# "default" computes the same sums as "highest", which a GPU's compiler may instead take as
+# float32 products (the H200's program from before NARROW_PRODUCTS, whose operands were
+# float32, ran them as float32 GEMMs at 4.5-12.8 TFLOP/s). Not yet timed: "highest" as
+# before; benchmarks/q_prime_forms.py times "default" beside it. Float32 operands always ask
+# "highest" (not TF32).
+NARROW_PRECISION = "highest"
+
 
 def _per_position_product(subscripts: str, a, b, wide):
-    """``jnp.einsum(subscripts, a, b)`` at full precision, summed in ``wide``, the positions
-    (``...``) a batch."""
-    return jnp.einsum(
-        subscripts, a, b, precision=lax.Precision.HIGHEST, preferred_element_type=wide
-    )
+    """``jnp.einsum(subscripts, a, b)`` summed in ``wide``, the positions (``...``) a batch:
+    at full precision, or ``NARROW_PRECISION`` where both operands are narrower than float32."""
+    narrow = all(jnp.dtype(x.dtype).itemsize < 4 for x in (a, b))
+    precision = lax.Precision(NARROW_PRECISION) if narrow else lax.Precision.HIGHEST
+    return jnp.einsum(subscripts, a, b, precision=precision, preferred_element_type=wide)
 
 
 def _channels_last_pre(qkv_3xKx___xD, bias_3xK, dtype):
