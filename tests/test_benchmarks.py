@@ -578,7 +578,7 @@ def test_the_loss_tile_sweep_times_every_launch_of_each_kernel_and_they_agree(tm
     from lmuscale.models.fused_loss import Launch, Tiling
 
     assert set(record["tilings"]) == set(record["loss_ms"]) == set(record["loss_diffs"])
-    assert record["loss_errors"] == {}
+    assert record["loss_errors"] == {} and record["loss_reference"] == "dh kernel, default"
     # Every timed loss agrees with the reference (the dh kernel at the default tiling).
     assert record["loss_diffs"]["dh kernel, default"] == {"loss": 0.0, "dh": 0.0, "dw": 0.0}
     assert max(max(d.values()) for d in record["loss_diffs"].values()) < 1e-5
