@@ -407,9 +407,9 @@ def sweep_launches(
     the loss's forward+backward in both forms (the dh kernel, dh from the forward) under the
     default tiling and under those launches, each also with the width split where that pads d
     less (``fused_loss.Tiling.split_width``; ``loss_ms``, and by the same labels ``tilings``,
-    each one's tiling for ``Tiling.from_dict``, ``loss_diffs``, its differences from the first
-    that ran, ``loss_reference``, normally the dh kernel at the default tiling, and
-    ``loss_errors``, those that failed). No launch of
+    each one's tiling for ``Tiling.from_dict``, ``loss_diffs``, its differences from the
+    ``loss_reference``, the dh kernel at the default tiling, timed first (if it fails, no loss
+    is timed against it), and ``loss_errors``, those that failed). No launch of
     ``candidates`` is started after ``budget`` seconds (those left are counted in
     ``not_started``); each kernel's default launch, its reference, and the loss's timings run
     whatever the budget. ``unfit``:
@@ -460,7 +460,7 @@ def sweep_launches(
         {},
         {},
     )
-    reference = None  # the first loss timed: the dh kernel at the default tiling, if it ran
+    reference = None  # the dh kernel at the default tiling, the first timed (if it ran)
     for form, (by_forward, needs) in forms.items():
         timed = {
             k: best.get(f"{k}_expected" if by_forward and k == "forward" else k) for k in needs
@@ -483,11 +483,12 @@ def sweep_launches(
             except Exception as error:  # a tiling Triton refuses: the others are kept
                 record["loss_errors"][label] = f"{type(error).__name__}: {error}"[:300]
                 continue
-            if reference is None:
+            if label == "dh kernel, default":  # the first timed: the others' reference
                 reference, record["loss_reference"] = outputs, label
             record["loss_ms"][label] = statistics.median(times) * 1e3
             record["tilings"][label] = dataclasses.asdict(tiling)
-            record["loss_diffs"][label] = _loss_differences(outputs, reference)
+            if reference is not None:  # else --tuned-loss takes none of them
+                record["loss_diffs"][label] = _loss_differences(outputs, reference)
     return record
 
 
@@ -634,7 +635,10 @@ def print_tile_record(record: dict, top: int = 5) -> None:
     for name, ms in record.get("loss_ms", {}).items():
         diffs = record.get("loss_diffs", {}).get(name, {})
         against = ", ".join(f"{key} {value:.1e}" for key, value in diffs.items())
-        print(f"loss forward+backward, {name} tiling: {ms:.2f} ms (differences: {against})")
+        print(
+            f"loss forward+backward, {name} tiling: {ms:.2f} ms"
+            + (f" (differences: {against})" if against else "")
+        )
     for name, error in record.get("loss_errors", {}).items():
         print(f"loss forward+backward, {name} tiling: failed, {error[:150]}")
 

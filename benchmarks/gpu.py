@@ -16,8 +16,9 @@ Parts (``--only`` takes shell patterns of these names):
   (``loss_impl``: --loss-impl, and for the LMU families ``memory_impl``: --memory-impl; "auto"
   by default, resolved). An out-of-memory or other failure is recorded in the model's row, and
   the rest go on. Rows of another loss_impl or memory_impl are kept. With --tuned-loss (and
-  --loss-impl pallas) the fused loss runs in the form and tiling that this device's JSON's
-  ``loss_tiles`` part timed fastest, not the committed ones, and the rows say which
+  --loss-impl pallas) the fused loss at the swept d and dtype (lmu-1M's) runs in the form and
+  tiling that this device's JSON's ``loss_tiles`` part timed fastest among those that agreed
+  with the reference loss, not the committed ones, and those models' rows say which
   (``loss_tuned``; kept beside the committed code's rows, and left out of the sweeps' dry-run
   estimates): one GPU session measures the step as the tuning would make it.
 - ``plan/FAMILY``: the same configs compiled and planned only, no step run (not a default
@@ -310,22 +311,36 @@ def part_train(family: str, args, plan_only: bool, keep=None) -> dict:
         row = _guarded(name, one)
         if row is not None and "error" in row:
             # the kernels it asked for, as a row that ran would name them (``merged``'s key)
-            row = {**row, **_kernels_asked(name, args)}
-            if args.tuned:
+            row = {**row, **_kernels_asked(name, args, args.seq_len, args.batch)}
+            if args.tuned and _tuned_width(name, args):
                 row["loss_tuned"] = None  # replaces the last tuned row only
         _append(rows, row, keep, args.seq_len, args.batch)
     return {"rows": rows}
 
 
-def _kernels_asked(name: str, args) -> dict:
+def _paper_model(name: str, args, seq_len: int, batch: int):
+    """``name``'s paper config's model under --loss-impl and --memory-impl, or None where the
+    config cannot be built."""
+    try:
+        config = paper_config(name, seq_len, batch, args.budget_gb, **_impls(args))
+        return config_lib.model_config(config.model)
+    except Exception:
+        return None
+
+
+def _tuned_width(name: str, args) -> bool:
+    """Whether --tuned-loss would run ``name``'s loss tuned: its d and dtype are the swept."""
+    model = _paper_model(name, args, args.seq_len, args.batch)
+    return model is not None and (model.d, jnp.dtype(model.dtype).name) == SWEPT
+
+
+def _kernels_asked(name: str, args, seq_len: int, batch: int) -> dict:
     """The kernel switches of ``name``'s paper config under --loss-impl and --memory-impl, for
     a model that failed: as they resolve here, or as asked where they cannot ("pallas" off a
-    GPU); nothing where the config itself cannot be built."""
-    try:
-        config = paper_config(name, args.seq_len, args.batch, args.budget_gb, **_impls(args))
-        model = config_lib.model_config(config.model)
-    except Exception:
-        return {}
+    GPU; where the config itself cannot be built, the loss's alone)."""
+    model = _paper_model(name, args, seq_len, batch)
+    if model is None:
+        return {} if args.loss_impl == "auto" else {"loss_impl": args.loss_impl}
     try:
         return config_lib.kernel_implementations(model)
     except Exception:
@@ -353,7 +368,10 @@ def part_long(args, keep=None) -> dict:
             config = paper_config(name, args.long_seq_len, batch, args.budget_gb, **_impls(args))
             return measure_train(name, config, args.steps)
 
-        _append(rows, _guarded(name, one), keep, args.long_seq_len, batch)
+        row = _guarded(name, one)
+        if row is not None and "error" in row:
+            row = {**row, **_kernels_asked(name, args, args.long_seq_len, batch)}
+        _append(rows, row, keep, args.long_seq_len, batch)
     return {"rows": rows}
 
 
@@ -380,6 +398,11 @@ def tuned_loss_from(record: dict, source) -> dict:
         raise ValueError(
             f"--tuned-loss: {source} has no loss_tiles part; run gpu.py --only loss_tiles on "
             "this GPU first"
+        )
+    if "skipped" not in part and part.get("loss_reference") != REFERENCE_LOSS:
+        raise ValueError(
+            f'--tuned-loss: {source}\'s parts["loss_tiles"]: the reference loss '
+            f"({REFERENCE_LOSS}) did not run, so no loss was checked against it"
         )
     timed, tilings = part.get("loss_ms"), part.get("tilings")
     if not timed or not isinstance(tilings, dict) or set(timed) - set(tilings):
@@ -419,6 +442,7 @@ def tuned_loss_from(record: dict, source) -> dict:
 # largest (the H200, gpu-nvidia-h200.json's loss part); a tiling that computes something else
 # (a part of the width left out, say) differs by order 1.
 LOSS_AGREEMENT = {"loss": 1e-3, "dh": 2e-2, "dw": 2e-2}
+REFERENCE_LOSS = "dh kernel, default"
 
 
 def _agrees(diffs) -> bool:
@@ -497,6 +521,10 @@ LOSS_LAUNCH_RESOURCES = (
 )
 
 
+# The (d, dtype) the loss_tiles part sweeps, and so the loss --tuned-loss tunes: lmu-1M's.
+SWEPT = (204, "bfloat16")
+
+
 def part_loss_tiles(args) -> dict:
     """Each fused loss kernel alone under the grid of launches at lmu-1M's d = 204 in bfloat16
     (``cross_entropy.sweep_launches``): no launch of the grid started after --tiles-seconds or
@@ -506,16 +534,17 @@ def part_loss_tiles(args) -> dict:
     budget = args.tiles_seconds
     if DEADLINE.seconds:
         budget = min(budget, DEADLINE.seconds - seconds_since_start())
+    width, dtype = SWEPT
     record = sweep_launches(
-        204,
-        "bfloat16",
+        width,
+        dtype,
         args.xent_batch,
         args.seq_len,
         GPT2_VOCAB,
         budget=budget,
-        unfit=unfit_launches(LOSS_LAUNCH_RESOURCES, 204, "bfloat16"),
+        unfit=unfit_launches(LOSS_LAUNCH_RESOURCES, width, dtype),
     )
-    record = {"d": 204, "dtype": "bfloat16", **record}
+    record = {"d": width, "dtype": dtype, **record}
     print_tile_record(record)
     return record
 

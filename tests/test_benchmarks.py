@@ -639,7 +639,8 @@ def test_the_tuned_loss_is_the_sweeps_fastest_whole_loss_and_runs_only_at_its_wi
     close = {"loss": 1e-6, "dh": 4e-3, "dw": 1e-4}
     diffs = dict.fromkeys(timed, close)
     part = {"d": 204, "dtype": "bfloat16", "loss_ms": timed, "tilings": tilings}
-    part |= {"loss_diffs": diffs, "args": {"session": "session-1"}}
+    part |= {"loss_diffs": diffs, "loss_reference": "dh kernel, default"}
+    part |= {"args": {"session": "session-1"}}
     tuned = gpu.tuned_loss_from({"parts": {"loss_tiles": part}}, "gpu-x.json")
     assert tuned["label"] == "dh from the forward, fastest" and tuned["dh_from_forward"]
     assert tuned["tiling"] == fastest and (tuned["loss_ms"], tuned["default_ms"]) == (3.0, 4.5)
@@ -705,6 +706,10 @@ def test_a_tuned_loss_without_its_sweep_is_named(tmp_path, capsys):
     part = {"d": 204, "dtype": "bfloat16", "loss_ms": {"dh kernel, default": 1.0}}
     part["tilings"] = {"dh kernel, default": {"forward": {"rows": 64}, "dh": {}, "dw": {}}}
     part["loss_diffs"] = {"dh kernel, default": {"loss": 0.0, "dh": 0.0, "dw": 0.0}}
+    unchecked = {k: v for k, v in part.items() if k != "loss_reference"}
+    with pytest.raises(ValueError, match=r"the reference loss \(dh kernel, default\) did not"):
+        gpu.tuned_loss_from({"parts": {"loss_tiles": unchecked}}, "gpu-x.json")
+    part["loss_reference"] = "dh kernel, default"
     with pytest.raises(ValueError, match=r'\["dh kernel, default"\]: tiling.forward must be'):
         gpu.tuned_loss_from({"parts": {"loss_tiles": part}}, "gpu-x.json")
     disagreeing = {**part, "tilings": {"dh kernel, default": {}}, "loss_diffs": {}}
@@ -723,17 +728,53 @@ def test_a_failed_model_s_row_names_the_kernels_it_asked_for():
     import argparse
 
     gpu = _gpu_module()
-    args = argparse.Namespace(seq_len=16, batch=4, budget_gb=0.0, memory_impl="auto")
-    asked_pallas = gpu._kernels_asked(
-        "lmu-55k", argparse.Namespace(**vars(args), loss_impl="pallas")
-    )
-    assert asked_pallas == {"loss_impl": "pallas"}  # "auto" memory: as it resolves, XLA's
+    args = argparse.Namespace(budget_gb=0.0, memory_impl="auto")
+    pallas = argparse.Namespace(**vars(args), loss_impl="pallas")
     auto = argparse.Namespace(**vars(args), loss_impl="auto")
-    assert gpu._kernels_asked("lmu-55k", auto) == {"loss_impl": "xla", "memory_impl": "xla"}
-    assert gpu._kernels_asked("transformer-55k", auto) == {"loss_impl": "xla"}
-    assert gpu._kernels_asked("no-such-model", auto) == {}
+    asked_pallas = gpu._kernels_asked("lmu-55k", pallas, 16, 4)
+    assert asked_pallas == {"loss_impl": "pallas"}  # "auto" memory: as it resolves, XLA's
+    assert gpu._kernels_asked("lmu-55k", auto, 16, 4) == {"loss_impl": "xla", "memory_impl": "xla"}
+    assert gpu._kernels_asked("transformer-55k", auto, 16, 4) == {"loss_impl": "xla"}
+    # Where the config cannot be built, what was asked of the loss (not "auto").
+    assert gpu._kernels_asked("no-such-model", auto, 16, 4) == {}
+    assert gpu._kernels_asked("no-such-model", pallas, 16, 4) == {"loss_impl": "pallas"}
     shape = {"model": "lmu-55k", "seq_len": 16, "batch": 4}
     ran = {**shape, "loss_impl": "xla", "memory_impl": "xla", "step_seconds": 1.0}
     failed = {**shape, "error": "ValueError: ...", **asked_pallas}
     assert gpu.merged([ran], [failed]) == [ran, failed]
     assert gpu.merged([ran, failed], [{**failed, "error": "again"}])[0] == ran
+    # --tuned-loss marks a failed model as tuned only at the swept d and dtype (lmu-1M's),
+    # where a row that ran would say so.
+    at = argparse.Namespace(**vars(pallas), seq_len=1024, batch=512)
+    assert gpu.SWEPT == (204, "bfloat16")
+    assert gpu._tuned_width("lmu-1M", at) and gpu._tuned_width("transformer-1M", at)
+    assert not gpu._tuned_width("lmu-55k", at)
+
+
+def test_a_sweep_whose_reference_loss_fails_keeps_its_timings_and_tunes_nothing(monkeypatch):
+    # The whole loss under the default tiling (dh kernel) is the others' reference: when it
+    # fails to compile, the others are still timed, but none is checked, so --tuned-loss
+    # takes none; a failing loss leaves the sweep's other results in place.
+    cross_entropy, gpu = _benchmark("cross_entropy"), _gpu_module()
+    from lmuscale.models import fused_loss
+
+    programs = cross_entropy._loss_program
+    default = fused_loss.default_tiling(12, "float32")
+
+    def refusing(tiling, dh_from_forward, interpret):
+        if tiling == default and not dh_from_forward:
+            raise RuntimeError("Triton refused this launch")
+        return programs(tiling, dh_from_forward, interpret)
+
+    monkeypatch.setattr(cross_entropy, "_loss_program", refusing)
+    candidates = [fused_loss.Launch(4, 16, 4, 1)]
+    record = cross_entropy.sweep_launches(
+        12, "float32", 3, 11, 53, candidates=candidates, repeats=1, interpret=True
+    )
+    assert list(record["loss_errors"]) == ["dh kernel, default"]
+    assert "RuntimeError: Triton refused" in record["loss_errors"]["dh kernel, default"]
+    assert "dh from the forward, default" in record["loss_ms"]
+    assert record["loss_diffs"] == {} and "loss_reference" not in record
+    part = {"d": 12, "dtype": "float32", **record}
+    with pytest.raises(ValueError, match=r"the reference loss \(dh kernel, default\) did not"):
+        gpu.tuned_loss_from({"parts": {"loss_tiles": part}}, "gpu-x.json")

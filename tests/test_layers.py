@@ -474,8 +474,9 @@ def test_sums_over_the_reduced_order_equal_numpy_written_out_or_not(order):
 def test_the_narrow_products_precision_changes_only_what_xla_is_asked(dtype, monkeypatch):
     # NARROW_PRECISION: the bf16 products over the positions ask "default" or "highest" of
     # XLA; the sums are the same (products of bf16 numbers are exact in float32, summed in
-    # float32), so on this CPU the layer's value and gradients agree to float32 rounding. A
-    # float32 model's products ask "highest" whatever it says.
+    # float32), so the layer's value and gradients agree to float32 rounding (on this CPU,
+    # with jaxlib 0.10.2, bit for bit: the numbers guard the sums, the lowered precisions the
+    # setting). A float32 model's products ask "highest" whatever it says.
     monkeypatch.setattr(layers, "channels_last_memory", lambda: True)
     texts, results = {}, {}
     for precision in ("highest", "default"):
