@@ -307,7 +307,7 @@ def measure_losses(widths, dtypes, batch, seq_len, repeats, impls=LOSS_IMPLS) ->
 # is ``tiling.forward``). Swept in this order: dw, the longest (15.2 ms of lmu-1M's micro-batch
 # on the H200 at d = 204), and the form that would replace the next two (13.4 and 7.2 ms) first,
 # so that a spent budget leaves out the least.
-KERNELS = ("forward", "dh", "dw")
+KERNELS = fused_loss.KERNELS
 SWEEP_ORDER = ("dw", "forward_expected", "dh", "forward")
 # Each kernel's launches that --part loss-tiles tries, unless told others: tiles of 32 to 128
 # rows along each of its two axes, 4 to 16 warps, 1 to 3 pipelining stages. Compiled for an
@@ -488,19 +488,10 @@ def sweep_launches(
             record["loss_ms"][label] = statistics.median(times) * 1e3
             record["tilings"][label] = dataclasses.asdict(tiling)
             if reference is not None:  # else --tuned-loss takes none of them
-                record["loss_diffs"][label] = _loss_differences(outputs, reference)
+                (loss, (dh, dw)), (ref_loss, (ref_dh, ref_dw)) = outputs, reference
+                found = _largest_differences((loss, dh, dw), (ref_loss, ref_dh, ref_dw))
+                record["loss_diffs"][label] = found
     return record
-
-
-def _loss_differences(outputs, reference) -> dict:
-    """A whole loss's differences from the reference's: the mean loss, absolute; dh and dw
-    relative to the reference's largest entry."""
-    (loss, (dh, dw)), (ref_loss, (ref_dh, ref_dw)) = outputs, reference
-    diffs = {"loss": abs(float(loss) - float(ref_loss))}
-    for key, got, want in (("dh", dh, ref_dh), ("dw", dw, ref_dw)):
-        got, want = np.asarray(got, np.float64), np.asarray(want, np.float64)
-        diffs[key] = float(np.abs(got - want).max() / np.abs(want).max())
-    return diffs
 
 
 def _loss_program(tiling, dh_from_forward: bool, interpret: bool):

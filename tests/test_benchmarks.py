@@ -12,6 +12,8 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
+# A timed loss's differences from the reference's, as the loss-tiles sweep records them.
+LOSS_KEYS = ("loss_max_abs_diff", "dh_max_diff_rel_to_max", "dw_max_diff_rel_to_max")
 
 
 def _gpu(out: Path, *args: str) -> str:
@@ -580,7 +582,7 @@ def test_the_loss_tile_sweep_times_every_launch_of_each_kernel_and_they_agree(tm
     assert set(record["tilings"]) == set(record["loss_ms"]) == set(record["loss_diffs"])
     assert record["loss_errors"] == {} and record["loss_reference"] == "dh kernel, default"
     # Every timed loss agrees with the reference (the dh kernel at the default tiling).
-    assert record["loss_diffs"]["dh kernel, default"] == {"loss": 0.0, "dh": 0.0, "dw": 0.0}
+    assert record["loss_diffs"]["dh kernel, default"] == dict.fromkeys(LOSS_KEYS, 0.0)
     assert max(max(d.values()) for d in record["loss_diffs"].values()) < 1e-5
     fastest = {k: Launch(**v) for k, v in record["fastest"].items()}
     default = Tiling.from_dict(record["default"])
@@ -636,7 +638,7 @@ def test_the_tuned_loss_is_the_sweeps_fastest_whole_loss_and_runs_only_at_its_wi
     timed |= {"dh kernel, fastest, split width": 3.5}
     tilings = {k: asdict(fastest if "fastest" in k else default) for k in timed}
     tilings["dh kernel, fastest, split width"] = asdict(split)
-    close = {"loss": 1e-6, "dh": 4e-3, "dw": 1e-4}
+    close = dict(zip(LOSS_KEYS, (1e-6, 4e-3, 1e-4), strict=True))
     diffs = dict.fromkeys(timed, close)
     part = {"d": 204, "dtype": "bfloat16", "loss_ms": timed, "tilings": tilings}
     part |= {"loss_diffs": diffs, "loss_reference": "dh kernel, default"}
@@ -652,7 +654,7 @@ def test_the_tuned_loss_is_the_sweeps_fastest_whole_loss_and_runs_only_at_its_wi
     tuned_split = gpu.tuned_loss_from({"parts": {"loss_tiles": part_split}}, "gpu-x.json")
     assert tuned_split["tiling"] == split and not tuned_split["dh_from_forward"]
     assert tuned_split["default_ms"] == 5.0
-    wrong = {**diffs, "dh kernel, fastest, split width": {**close, "dw": 0.3}}
+    wrong = {**diffs, "dh kernel, fastest, split width": {**close, "dw_max_diff_rel_to_max": 0.3}}
     part_wrong = {**part_split, "loss_diffs": wrong}
     not_split = gpu.tuned_loss_from({"parts": {"loss_tiles": part_wrong}}, "gpu-x.json")
     assert not_split["label"] == "dh from the forward, fastest"
@@ -705,7 +707,7 @@ def test_a_tuned_loss_without_its_sweep_is_named(tmp_path, capsys):
         gpu.tuned_loss_from({"parts": skipped}, "gpu-x.json")
     part = {"d": 204, "dtype": "bfloat16", "loss_ms": {"dh kernel, default": 1.0}}
     part["tilings"] = {"dh kernel, default": {"forward": {"rows": 64}, "dh": {}, "dw": {}}}
-    part["loss_diffs"] = {"dh kernel, default": {"loss": 0.0, "dh": 0.0, "dw": 0.0}}
+    part["loss_diffs"] = {"dh kernel, default": dict.fromkeys(LOSS_KEYS, 0.0)}
     unchecked = {k: v for k, v in part.items() if k != "loss_reference"}
     with pytest.raises(ValueError, match=r"the reference loss \(dh kernel, default\) did not"):
         gpu.tuned_loss_from({"parts": {"loss_tiles": unchecked}}, "gpu-x.json")
