@@ -15,9 +15,9 @@ from matplotlib import ticker
 from results_files import paper_rows, row, write_jsonl
 
 from lmuscale import scaling
-from lmuscale.analysis import ResultsError, analyse, figures, fit_all, load_results, tables
+from lmuscale.analysis import analyse, figures, fit_all, load_results, tables
 from lmuscale.analysis.__main__ import main, parse_size
-from lmuscale.outcomes import Exit
+from lmuscale.outcomes import DataError, Exit
 from lmuscale.sweep.trials import write_results
 
 FIGURES = ("fig3", "fig4", "fig5")
@@ -248,7 +248,7 @@ def test_byte_level_results_leave_out_the_gpt2_references(tmp_path):
 def test_missing_columns_are_named(tmp_path):
     rows = [{k: v for k, v in r.items() if k not in ("N", "tokens")} for r in paper_rows()]
     path = write_jsonl(tmp_path / "r.jsonl", rows)
-    with pytest.raises(ResultsError, match=r"r\.jsonl: missing columns N, tokens \(the table"):
+    with pytest.raises(DataError, match=r"r\.jsonl: missing columns N, tokens \(the table"):
         load_results(path)
     proc = subprocess.run(
         [sys.executable, "-m", "lmuscale.analysis", str(path), "--out", str(tmp_path / "o")],
@@ -264,11 +264,11 @@ def test_malformed_cells_name_file_line_and_column(tmp_path):
     rows = paper_rows()
     write_jsonl(path, rows)
     path.write_text(path.read_text() + "{not json\n")
-    with pytest.raises(ResultsError, match=rf"r\.jsonl:{len(rows) + 1}: not JSON"):
+    with pytest.raises(DataError, match=rf"r\.jsonl:{len(rows) + 1}: not JSON"):
         load_results(path)
     rows[3]["N"] = "lots"
     write_jsonl(path, rows)
-    with pytest.raises(ResultsError, match=r"r\.jsonl:4: column N is 'lots', not a number"):
+    with pytest.raises(DataError, match=r"r\.jsonl:4: column N is 'lots', not a number"):
         load_results(path)
 
 
@@ -354,7 +354,7 @@ def test_nan_losses_and_unfinished_rows_are_left_out_and_said(tmp_path):
     )
     for r in rows:
         r["test_loss"] = float("nan")
-    with pytest.raises(ResultsError, match="no finished row with a finite test_loss"):
+    with pytest.raises(DataError, match="no finished row with a finite test_loss"):
         load_results(write_jsonl(tmp_path / "r.jsonl", rows))
 
 

@@ -10,12 +10,12 @@ import pytest
 
 from lmuscale.analysis.learning_rate import (
     FORMAT,
-    LearningRateFileError,
     read_learning_rates,
     select_learning_rates,
     write_learning_rates,
 )
 from lmuscale.analysis.results import Run
+from lmuscale.outcomes import DataError
 
 OPTIMUM = 3e-3
 QUARTER = 10 ** np.arange(-3, -2 + 1e-9, 0.25)  # 1e-3, 1.78e-3, 3.16e-3, 5.62e-3, 1e-2
@@ -170,13 +170,13 @@ def test_lookup_too_far_and_unknown_family(tmp_path):
         ],
     )
     rates = read_learning_rates(path)
-    with pytest.raises(LearningRateFileError) as e:
+    with pytest.raises(DataError) as e:
         rates.lookup("lmu", 3e6)
     message = str(e.value)
     assert str(path) in message and "lmu" in message and "N=3e+06" in message
     assert "the file has lmu at N = 1e+06, 1e+07" in message
     assert rates.lookup("lmu", 3e6, rtol=3) == 4e-3  # nearest in log: 3e6 is nearer 1e6
-    with pytest.raises(LearningRateFileError) as e:
+    with pytest.raises(DataError) as e:
         rates.lookup("transformer", 1e6)
     assert str(e.value) == f"{path}: no learning rate for family 'transformer'; the file has lmu"
     with pytest.raises(ValueError, match="positive number of parameters"):
@@ -200,7 +200,9 @@ def test_the_largest_budget_counts(tmp_path):
             {"family": "lmu", "N": 1e6, "tokens": 1e9, "learning_rate": 3e-3},
         ],
     )
-    with pytest.raises(LearningRateFileError, match=r"rates\[0\] and rates\[1\]"):
+    with pytest.raises(
+        DataError, match=r"two\.json: rates\[0\] and rates\[1\] give lmu at N=1e\+06 with the same "
+    ):
         read_learning_rates(ambiguous)
 
 
@@ -268,7 +270,7 @@ def test_malformed_files_are_named(tmp_path, content, expected):
     path = tmp_path / "lr.json"
     if content is not None:
         path.write_text(content)
-    with pytest.raises(LearningRateFileError) as e:
+    with pytest.raises(DataError) as e:
         read_learning_rates(path)
     assert str(e.value).startswith(str(path))
     assert expected in str(e.value)
@@ -288,5 +290,5 @@ def test_interpolate_between_and_beyond_the_sizes_swept(tmp_path):
     assert rates.interpolate("lmu", 1e5) == pytest.approx(1e-2, rel=1e-12)
     assert rates.interpolate("lmu", 1e3) == pytest.approx(1e-2, rel=1e-12)  # held beyond
     assert rates.interpolate("lmu", 1e9) == pytest.approx(1e-3, rel=1e-12)
-    with pytest.raises(LearningRateFileError, match="no learning rate for family 'lmu_g'"):
+    with pytest.raises(DataError, match="no learning rate for family 'lmu_g'"):
         rates.interpolate("lmu_g", 1e6)

@@ -11,7 +11,6 @@ from pathlib import Path
 import pytest
 
 from lmuscale import outcomes
-from lmuscale.analysis import OutputError, ResultsError
 from lmuscale.data import DataError
 from lmuscale.outcomes import (
     DamagedFile,
@@ -27,7 +26,6 @@ from lmuscale.tasks import TaskDataError
 from lmuscale.train.checkpoint import CheckpointError
 from lmuscale.train.config import ConfigError
 from lmuscale.train.memory import OutOfMemoryBudget
-from lmuscale.train.wandb_log import WandbError
 from lmuscale.workdir import Lock
 
 HERE = Path(__file__).resolve().parent
@@ -49,14 +47,13 @@ def test_each_outcome_has_one_class_and_no_class_is_another_outcome():
         (SweepError("x"), Exit.CONFIG),
         (DataError("x"), Exit.DATA),
         (TaskDataError("x"), Exit.DATA),
-        (ResultsError("x"), Exit.DATA),
         (WorkdirBusy("x"), Exit.BUSY),
         (OutOfMemoryBudget("x"), Exit.MEMORY),
         (DamagedFile("x"), Exit.IO),
         (CheckpointError("x"), Exit.IO),
         (CheckpointError("x", damaged=True), Exit.IO),
-        (OutputError("x"), Exit.IO),
-        (WandbError("x"), Exit.LOGGING_SERVICE),
+        (outcomes.StorageError("x"), Exit.IO),
+        (outcomes.LoggingServiceError("x"), Exit.LOGGING_SERVICE),
         (TrainingDiverged("x"), Exit.DIVERGED),
         (outcomes.LostProcess("x"), Exit.LOST_PROCESS),
         (outcomes.TrainingInterrupted("x", "SIGTERM"), Exit.STOPPED),
@@ -77,7 +74,8 @@ def test_the_codes_that_scripts_and_runners_already_read_are_kept():
 
 
 def test_config_error_is_a_config_error_and_nothing_else():
-    for cls in (WorkdirBusy, OutOfMemoryBudget, DamagedFile, WandbError, CheckpointError):
+    errors = (WorkdirBusy, OutOfMemoryBudget, DamagedFile, outcomes.LoggingServiceError)
+    for cls in (*errors, CheckpointError):
         assert not issubclass(cls, ConfigError), cls
 
 

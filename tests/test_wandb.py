@@ -22,12 +22,12 @@ from sweep_files import write_sweep
 from wandb.proto import wandb_internal_pb2
 
 from lmuscale.models import SRUConfig
-from lmuscale.outcomes import Exit
+from lmuscale.outcomes import Exit, LoggingServiceError
 from lmuscale.sweep import config_hash, load_sweep
 from lmuscale.train import ConfigError, TrainingInterrupted, base_config, loop, run
 from lmuscale.train.config import check, flatten, upgrade
 from lmuscale.train.metrics import MetricsLog
-from lmuscale.train.wandb_log import MISSING, WandbError
+from lmuscale.train.wandb_log import MISSING
 from lmuscale.workdir import WANDB as RUN_FILE
 
 # -- W&B's run file: a LevelDB-style log of Record protos ------------------------------------
@@ -308,7 +308,7 @@ def test_wandb_failures_are_one_line_errors_naming_log_wandb(tmp_path, monkeypat
     monkeypatch.setattr(wandb, "init", init)
     config = small()
     config.log.wandb = True
-    with pytest.raises(WandbError) as error:
+    with pytest.raises(LoggingServiceError) as error:
         MetricsLog(tmp_path, 0, enabled=True, tensorboard=False, wandb=config)
     message = str(error.value)
     assert Exit.of(error.value) is Exit.LOGGING_SERVICE  # the command line's one line and 9
@@ -319,7 +319,7 @@ def test_wandb_failures_are_one_line_errors_naming_log_wandb(tmp_path, monkeypat
     _stand_in(monkeypatch, StandInRun(fail="log"))
     log = MetricsLog(tmp_path, 0, enabled=True, tensorboard=False, wandb=config)
     with pytest.raises(
-        WandbError, match=rf"^log\.wandb: W&B could not log step 1 of run {run_id} "
+        LoggingServiceError, match=rf"^log\.wandb: W&B could not log step 1 of run {run_id} "
     ):
         log.write("train", {"step": 1, "loss": 1.0})
     log.close()
@@ -333,7 +333,7 @@ def test_wandb_failures_are_one_line_errors_naming_log_wandb(tmp_path, monkeypat
     )
 
     (tmp_path / RUN_FILE).write_text("{")
-    with pytest.raises(WandbError, match=rf"^{tmp_path / RUN_FILE}: cannot be read"):
+    with pytest.raises(LoggingServiceError, match=rf"^{tmp_path / RUN_FILE}: cannot be read"):
         MetricsLog(tmp_path, 0, enabled=True, tensorboard=False, wandb=config)
 
 

@@ -12,18 +12,13 @@ from lmuscale.analysis.optimal import OptimalReport
 from lmuscale.analysis.results import (
     LMU_FAMILIES,
     Results,
-    ResultsError,
     Run,
     label,
     load_results,
 )
 from lmuscale.files import atomic_write_bytes
-from lmuscale.outcomes import StorageError
+from lmuscale.outcomes import DataError, StorageError
 from lmuscale.scaling.extrapolate import FORM_NAMES
-
-
-class OutputError(StorageError):
-    """An output folder that cannot be made or written; the message names the path."""
 
 
 @dataclass
@@ -64,21 +59,22 @@ def analyse(
     ``out`` atomically. Each analysis takes the runs of its role (``Results.grid`` for Figures
     3-5 and the fits in N; see ``compute_optimal`` for the rest); ``select``: keyword
     arguments of ``Results.select`` applied first. ``target_loss``: see ``data_efficiency``.
-    Raises ``ResultsError`` or ``OutputError``, before the (slow) fits when it can."""
+    Raises ``DataError`` (the results) or ``StorageError`` (the output folder), before the
+    (slow) fits when it can."""
     loaded = load_results(results, split)
     if select:
         loaded = loaded.select(**select)
         if not loaded.runs:
-            raise ResultsError(f"{loaded.path}: no run matches the selection ({loaded.selection})")
+            raise DataError(f"{loaded.path}: no run matches the selection ({loaded.selection})")
     out = Path(out)
     try:
         out.mkdir(parents=True, exist_ok=True)
     except FileExistsError:
-        raise OutputError(
+        raise StorageError(
             f"{out}: a file, not a folder (the figures and tables go in a folder)"
         ) from None
     except OSError as e:
-        raise OutputError(f"{out}: cannot make the folder ({e.strerror})") from None
+        raise StorageError(f"{out}: cannot make the folder ({e.strerror})") from None
     fits = fit_all(loaded, n_boot=n_boot, ci=ci, seed=seed, progress=progress)
     best = optimal.compute_optimal(loaded, n_boot=n_boot, ci=ci, seed=seed, target=target_loss)
     tested = extrapolation.extrapolate(fits, best.frontiers, ci=ci)
@@ -99,7 +95,7 @@ def analyse(
         files += [out / "fits.csv", out / "fits.json", out / "fits.md"]
     except OSError as e:
         path = e.filename2 or e.filename or out  # a rename names its target second
-        raise OutputError(f"{path}: cannot be written ({e.strerror or e})") from None
+        raise StorageError(f"{path}: cannot be written ({e.strerror or e})") from None
     return Report(loaded, fits, files, best, refusals)
 
 
@@ -164,10 +160,8 @@ def paper_figures(grid: Results, fits, size=None) -> tuple[dict, list[str]]:
 
 __all__ = [
     "GroupFit",
-    "OutputError",
     "Report",
     "Results",
-    "ResultsError",
     "Run",
     "analyse",
     "fit_all",

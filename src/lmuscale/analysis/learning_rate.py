@@ -22,10 +22,6 @@ SIZE_RTOL = 0.05  # runs whose N are within 5% of each other are one size
 REQUIRED = ("family", "N", "learning_rate")
 
 
-class LearningRateFileError(DataError):
-    """A learning-rate file that cannot be used; the message names the file and what is wrong."""
-
-
 @dataclass(frozen=True)
 class LearningRateChoice:
     """The rate chosen for one (family, size, token budget). Arrays follow ``learning_rates``."""
@@ -169,13 +165,13 @@ class LearningRates:
         rates = self._rates.get(family)
         if not rates:
             have = ", ".join(self.families) or "no rows"
-            raise LearningRateFileError(
+            raise DataError(
                 f"{self.path}: no learning rate for family {family!r}; the file has {have}"
             )
         nearest = min(rates, key=lambda r: abs(math.log(r.n / n)))
         if abs(nearest.n - n) > rtol * n:
             have = ", ".join(f"{r.n:.4g}" for r in rates)
-            raise LearningRateFileError(
+            raise DataError(
                 f"{self.path}: no {family} size within {rtol:.0%} of N={n:.4g} (the nearest is "
                 f"N={nearest.n:.4g}); the file has {family} at N = {have}. Run a learning-rate "
                 "sweep at this size, or pass a larger rtol"
@@ -204,27 +200,25 @@ def learning_rates(choices: list[LearningRateChoice], source: str) -> LearningRa
 
 
 def read_learning_rates(path) -> LearningRates:
-    """Read a file ``write_learning_rates`` wrote; ``LearningRateFileError`` names the file
+    """Read a file ``write_learning_rates`` wrote; a ``DataError`` names the file
     and what is wrong with it."""
     path = Path(path)
     hint = " (write_learning_rates writes one from a learning-rate sweep's results)"
-    data = read_tagged_json(
-        path, FORMAT, VERSION, LearningRateFileError, "learning-rate file", hint
-    )
+    data = read_tagged_json(path, FORMAT, VERSION, DataError, "learning-rate file", hint)
     rows = data.get("rates")
     if not isinstance(rows, list):
-        raise LearningRateFileError(f"{path}: 'rates' must be a list of rows, got {rows!r}")
+        raise DataError(f"{path}: 'rates' must be a list of rows, got {rows!r}")
     by_family = defaultdict(list)
     for i, row in enumerate(rows):
         where = f"{path}: rates[{i}]"
         if not isinstance(row, dict):
-            raise LearningRateFileError(f"{where} is {row!r}, not an object")
+            raise DataError(f"{where} is {row!r}, not an object")
         missing = [key for key in REQUIRED if row.get(key) is None]
         if missing:
-            raise LearningRateFileError(f"{where} has no {', '.join(missing)}")
+            raise DataError(f"{where} has no {', '.join(missing)}")
         family = row["family"]
         if not isinstance(family, str) or not family:
-            raise LearningRateFileError(f"{where}: family is {family!r}, not a family's name")
+            raise DataError(f"{where}: family is {family!r}, not a family's name")
         tokens = row.get("tokens")
         by_family[family].append(
             _Rate(
@@ -239,9 +233,9 @@ def read_learning_rates(path) -> LearningRates:
 
 def _positive(value, where, key) -> float:
     if isinstance(value, bool) or not isinstance(value, int | float):
-        raise LearningRateFileError(f"{where}: {key} is {value!r}, not a number")
+        raise DataError(f"{where}: {key} is {value!r}, not a number")
     if not (math.isfinite(value) and value > 0):
-        raise LearningRateFileError(f"{where}: {key} must be a positive number, got {value!r}")
+        raise DataError(f"{where}: {key} must be a positive number, got {value!r}")
     return float(value)
 
 
@@ -253,7 +247,7 @@ def _one_per_size(path, family, rates) -> tuple[_Rate, ...]:
         top = [r for r in rows if (-1.0 if r.tokens is None else r.tokens) == budget]
         if len({r.learning_rate for r in top}) > 1:
             which = " and ".join(f"rates[{r.index}]" for r in top)
-            raise LearningRateFileError(
+            raise DataError(
                 f"{path}: {which} give {family} at N={top[0].n:.4g} with the same token budget "
                 f"different learning rates ({', '.join(f'{r.learning_rate:.4g}' for r in top)}); "
                 "keep one"

@@ -44,10 +44,6 @@ ROLE_NAMES = {
 ROLES = tuple(ROLE_NAMES)
 
 
-class ResultsError(DataError):
-    """A results file that cannot be analysed; the message names the file, line and column."""
-
-
 @dataclass(frozen=True)
 class Run:
     """One finished trial. ``loss`` is in nats per token; ``per_position`` may be None."""
@@ -205,25 +201,25 @@ def groups_within(items, value, rtol: float) -> list[list]:
 
 def load_results(path, split: str = "test") -> Results:
     """Read and check a results table; rows that did not finish or have no finite loss are
-    left out and listed in ``skipped``. Raises ``ResultsError`` naming the file, line and
+    left out and listed in ``skipped``. Raises ``DataError`` naming the file, line and
     column of anything malformed, or when no row is usable."""
     path = Path(path)
     if split not in LOSSES:
-        raise ResultsError(f"split must be one of {sorted(LOSSES)}, got {split!r}")
+        raise DataError(f"split must be one of {sorted(LOSSES)}, got {split!r}")
     if path.is_dir():
-        raise ResultsError(f"{path}: a folder; give the results table in it (results.jsonl)")
+        raise DataError(f"{path}: a folder; give the results table in it (results.jsonl)")
     if not path.is_file():
-        raise ResultsError(f"{path}: no such results file (a sweep writes WORKDIR/results.jsonl)")
+        raise DataError(f"{path}: no such results file (a sweep writes WORKDIR/results.jsonl)")
     read = {".jsonl": _read_jsonl, ".csv": _read_csv}.get(path.suffix)
     if read is None:
-        raise ResultsError(f"{path}: expected a .jsonl or .csv results table")
+        raise DataError(f"{path}: expected a .jsonl or .csv results table")
     rows, columns = read(path, _text(path))
     if not rows:
-        raise ResultsError(f"{path}: the table has no rows")
+        raise DataError(f"{path}: the table has no rows")
     loss_key = LOSSES[split]
     missing = [c for c in (*REQUIRED, loss_key) if c not in columns]
     if missing:
-        raise ResultsError(
+        raise DataError(
             f"{path}: missing column{'s' if len(missing) > 1 else ''} {', '.join(missing)} "
             f"(the table has: {', '.join(columns) or 'nothing'})"
         )
@@ -233,7 +229,7 @@ def load_results(path, split: str = "test") -> Results:
         if run is not None:
             results.runs.append(run)
     if not results.runs:
-        raise ResultsError(
+        raise DataError(
             f"{path}: no finished row with a finite {loss_key}; left out: "
             + "; ".join(results.skipped)
         )
@@ -279,12 +275,12 @@ def _text(path: Path) -> str:
     try:
         data = path.read_bytes()
     except OSError as e:
-        raise ResultsError(f"{path}: cannot be read ({e.strerror})") from None
+        raise DataError(f"{path}: cannot be read ({e.strerror})") from None
     try:
         return data.decode("utf-8-sig")  # a byte-order mark (as spreadsheets write) is dropped
     except UnicodeDecodeError as e:
         line = data.count(b"\n", 0, e.start) + 1
-        raise ResultsError(
+        raise DataError(
             f"{path}:{line}: not UTF-8 text (byte {data[e.start]:#04x} at offset {e.start}); "
             "expected the results table a sweep writes"
         ) from None
@@ -298,11 +294,11 @@ def _read_jsonl(path: Path, content: str):
         try:
             row = json.loads(text)
         except json.JSONDecodeError as e:
-            raise ResultsError(f"{path}:{line}: not JSON ({e.msg})") from None
+            raise DataError(f"{path}:{line}: not JSON ({e.msg})") from None
         except RecursionError:
-            raise ResultsError(f"{path}:{line}: not a results row (nested too deeply)") from None
+            raise DataError(f"{path}:{line}: not a results row (nested too deeply)") from None
         if not isinstance(row, dict):
-            raise ResultsError(f"{path}:{line}: expected a JSON object, got {type(row).__name__}")
+            raise DataError(f"{path}:{line}: expected a JSON object, got {type(row).__name__}")
         rows.append((line, row))
         columns.update(dict.fromkeys(row))
     return rows, list(columns)
@@ -315,12 +311,12 @@ def _read_csv(path: Path, content: str):
         columns = list(reader.fieldnames or [])
         for row in reader:
             if None in row:
-                raise ResultsError(
+                raise DataError(
                     f"{path}:{reader.line_num}: more cells than the {len(columns)} columns"
                 )
             rows.append((reader.line_num, {k: (None if v == "" else v) for k, v in row.items()}))
     except csv.Error as e:  # e.g. a field over csv's size limit
-        raise ResultsError(f"{path}:{reader.reader.line_num}: not CSV ({e})") from None
+        raise DataError(f"{path}:{reader.reader.line_num}: not CSV ({e})") from None
     return rows, columns
 
 
@@ -337,35 +333,35 @@ def _run(path, line, row, split, skipped) -> Run | None:
         return None
     family = row.get("family")
     if not family:
-        raise ResultsError(f"{where}: column family is empty")
+        raise DataError(f"{where}: column family is empty")
     values = {key: _positive(row, where, key) for key in ("N", "steps", "tokens")}
     per_position = row.get(f"{split}_per_position")
     if isinstance(per_position, str):
         try:
             per_position = json.loads(per_position)
         except json.JSONDecodeError:
-            raise ResultsError(f"{where}: column {split}_per_position is not a JSON list") from None
+            raise DataError(f"{where}: column {split}_per_position is not a JSON list") from None
     if per_position is not None:
         # a sweep writes a non-finite loss as null
         if not isinstance(per_position, list) or not all(
             v is None or (isinstance(v, int | float) and not isinstance(v, bool))
             for v in per_position
         ):
-            raise ResultsError(f"{where}: column {split}_per_position must be a list of numbers")
+            raise DataError(f"{where}: column {split}_per_position must be a list of numbers")
         per_position = [math.nan if v is None else float(v) for v in per_position]
     optional = {}
     for column in ("tokenizer", "folder"):
         name = optional[column] = row.get(column)
         if name is not None and not isinstance(name, str):
-            raise ResultsError(f"{where}: column {column} is {name!r}, not a {column}'s name")
+            raise DataError(f"{where}: column {column} is {name!r}, not a {column}'s name")
     for column in ("flops_per_token", "learning_rate"):
         optional[column] = _positive(row, where, column, allow_missing=True)
     role = row.get("role") or "grid"
     if role not in ROLES:
-        raise ResultsError(f"{where}: column role is {role!r}; expected one of {', '.join(ROLES)}")
+        raise DataError(f"{where}: column role is {role!r}; expected one of {', '.join(ROLES)}")
     seed = _number(row.get("seed"), where, "seed", allow_missing=True)
     if seed is not None and (not seed.is_integer() or seed < 0):
-        raise ResultsError(f"{where}: column seed must be a whole number >= 0, got {seed}")
+        raise DataError(f"{where}: column seed must be a whole number >= 0, got {seed}")
     return Run(
         trial=trial,
         family=str(family),
@@ -386,17 +382,17 @@ def _number(value, where, column, allow_missing=False):
     if value is None:
         if allow_missing:
             return None
-        raise ResultsError(f"{where}: column {column} is empty")
+        raise DataError(f"{where}: column {column} is empty")
     if isinstance(value, bool):
-        raise ResultsError(f"{where}: column {column} is {value!r}, not a number")
+        raise DataError(f"{where}: column {column} is {value!r}, not a number")
     try:
         return float(value)
     except (TypeError, ValueError):
-        raise ResultsError(f"{where}: column {column} is {value!r}, not a number") from None
+        raise DataError(f"{where}: column {column} is {value!r}, not a number") from None
 
 
 def _positive(row, where, column, allow_missing=False):
     value = _number(row.get(column), where, column, allow_missing)
     if value is not None and not (math.isfinite(value) and value > 0):
-        raise ResultsError(f"{where}: column {column} must be a positive number, got {value}")
+        raise DataError(f"{where}: column {column} must be a positive number, got {value}")
     return value

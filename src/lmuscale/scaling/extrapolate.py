@@ -35,10 +35,6 @@ FORM_NAMES = {
 }
 
 
-class FitsFileError(DataError):
-    """A fits.json that cannot be read; the message names the file and the key."""
-
-
 @dataclass(frozen=True)
 class Law:
     """A fitted form (``FORMS``) and its prediction interval's needs: ``cov`` (k, k) of the
@@ -487,18 +483,18 @@ class FitsFile:
 
 
 def load_fits(path) -> FitsFile:
-    """Read fits.json; ``FitsFileError`` names the file and the key that is wrong."""
+    """Read fits.json; a ``DataError`` names the file and the key that is wrong."""
     path = Path(path)
     hint = " (python -m lmuscale.analysis writes fits.json)"
-    top = read_tagged_json(path, FORMAT, VERSION, FitsFileError, "fits file", hint)
+    top = read_tagged_json(path, FORMAT, VERSION, DataError, "fits file", hint)
 
     def get(obj, key, where, kind=None):
         if not isinstance(obj, dict) or key not in obj:
-            raise FitsFileError(f"{path}: {where} has no {key!r}")
+            raise DataError(f"{path}: {where} has no {key!r}")
         value = obj[key]
         if kind is not None and value is not None and not isinstance(value, kind):
             what = "a number" if kind == (int, float) else f"a {kind.__name__}"
-            raise FitsFileError(f"{path}: {where}.{key} is {value!r}, not {what}")
+            raise DataError(f"{path}: {where}.{key} is {value!r}, not {what}")
         return value
 
     def floats(obj, key, where, optional=False):
@@ -508,7 +504,7 @@ def load_fits(path) -> FitsFile:
         try:
             out = np.array(value, dtype=float)
         except (TypeError, ValueError):
-            raise FitsFileError(f"{path}: {where}.{key} is {value!r}, not numbers") from None
+            raise DataError(f"{path}: {where}.{key} is {value!r}, not numbers") from None
         return out
 
     laws = []
@@ -516,12 +512,12 @@ def load_fits(path) -> FitsFile:
         where = f"fits[{i}]"
         form = get(item, "form", where, str)
         if form not in FORMS:
-            raise FitsFileError(f"{path}: {where}.form is {form!r}, not one of {', '.join(FORMS)}")
+            raise DataError(f"{path}: {where}.form is {form!r}, not one of {', '.join(FORMS)}")
         params = get(item, "parameters", where, dict)
         estimate = np.array([floats(params, p, f"{where}.parameters") for p in FORMS[form]])
         cov = floats(item, "cov", where, optional=True)
         if cov is not None and cov.shape != (len(estimate),) * 2:
-            raise FitsFileError(f"{path}: {where}.cov has shape {cov.shape}, not k x k")
+            raise DataError(f"{path}: {where}.cov has shape {cov.shape}, not k x k")
         sigma = get(item, "sigma", where)
         laws.append(
             Law(
@@ -554,6 +550,6 @@ def load_fits(path) -> FitsFile:
         where = f"flops_per_token.{family}"
         line = [get(v, key, where, (int, float)) for key in ("slope", "intercept")]
         if None in line:
-            raise FitsFileError(f"{path}: {where} has a null slope or intercept")
+            raise DataError(f"{path}: {where} has a null slope or intercept")
         flops[family] = (float(line[0]), float(line[1]))
     return FitsFile(path, laws, frontiers, flops)

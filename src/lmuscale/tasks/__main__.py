@@ -12,7 +12,7 @@ import sys
 from pathlib import Path
 
 from lmuscale.files import atomic_write_json
-from lmuscale.outcomes import Exit, run_main
+from lmuscale.outcomes import ConfigError, Exit, run_main
 from lmuscale.workdir import SUMMARY, read_json
 
 
@@ -58,7 +58,7 @@ def main(argv: list[str] | None = None) -> int:
 def _run(args: argparse.Namespace, overrides: list[str]) -> int:
     from lmuscale.tasks.config import check
     from lmuscale.tasks.train import run_task
-    from lmuscale.train.config import ConfigError, load, load_module, override
+    from lmuscale.train.config import load, load_module, override
 
     path, _, only = args.experiment.partition(":")
     workdir = Path(args.workdir)

@@ -8,10 +8,11 @@ import math
 
 from ml_collections import ConfigDict
 
+from lmuscale.outcomes import ConfigError
 from lmuscale.tasks import imdb, mackey_glass, psmnist
 from lmuscale.tasks.base import Task
 from lmuscale.tasks.models import TaskModelConfig
-from lmuscale.train.config import ConfigError, check_schema
+from lmuscale.train.config import check_schema
 
 TASKS: dict[str, Task] = {t.name: t for t in (mackey_glass.TASK, psmnist.TASK, imdb.TASK)}
 

@@ -20,8 +20,8 @@ from pathlib import Path
 import numpy as np
 from ml_collections import ConfigDict
 
+from lmuscale.outcomes import ConfigError
 from lmuscale.tasks.base import Split, Splits, Task, TaskDataError
-from lmuscale.train.config import ConfigError
 
 START, OOV, INDEX_FROM = 1, 2, 3
 WORD = re.compile(r"[a-z0-9']+")

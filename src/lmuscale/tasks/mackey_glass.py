@@ -14,8 +14,8 @@ from __future__ import annotations
 import numpy as np
 from ml_collections import ConfigDict
 
+from lmuscale.outcomes import ConfigError
 from lmuscale.tasks.base import Split, Splits, Task
-from lmuscale.train.config import ConfigError
 
 TAU = 17.0
 BETA = 0.2

@@ -14,8 +14,8 @@ from pathlib import Path
 import numpy as np
 from ml_collections import ConfigDict
 
+from lmuscale.outcomes import ConfigError
 from lmuscale.tasks.base import Split, Splits, Task, TaskDataError
-from lmuscale.train.config import ConfigError
 
 PIXELS = 784
 IDX_FILES = {

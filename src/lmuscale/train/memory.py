@@ -17,9 +17,8 @@ from pathlib import Path
 import jax
 
 from lmuscale.files import atomic_write_json
-from lmuscale.outcomes import OutOfMemoryBudget
+from lmuscale.outcomes import ConfigError, OutOfMemoryBudget
 from lmuscale.train import step as step_lib
-from lmuscale.train.config import ConfigError
 from lmuscale.workdir import PLAN
 
 DEVICE_FRACTION = 0.9

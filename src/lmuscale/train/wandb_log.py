@@ -17,8 +17,8 @@ import sys
 from pathlib import Path
 
 from lmuscale.files import atomic_write_json
-from lmuscale.outcomes import LoggingServiceError, one_line
-from lmuscale.train.config import ConfigError, flatten
+from lmuscale.outcomes import ConfigError, LoggingServiceError, one_line
+from lmuscale.train.config import flatten
 from lmuscale.workdir import WANDB
 
 MISSING = "log.wandb=true needs the wandb package: pip install -e '.[wandb]'"
@@ -26,10 +26,6 @@ REMEDY = (
     "check the network and `wandb login`, or run with --config.log.wandb_mode=offline "
     "(upload later with `wandb sync`) or --config.log.wandb=false"
 )
-
-
-class WandbError(LoggingServiceError):
-    """W&B could not start or log a run, or ``wandb.json`` is unreadable."""
 
 
 def import_wandb():
@@ -56,15 +52,17 @@ def stored_id(workdir: Path) -> str | None:
     except FileNotFoundError:
         return None
     except (OSError, ValueError) as error:
-        raise WandbError(f"{path}: cannot be read ({error}); {remedy}") from None
+        raise LoggingServiceError(f"{path}: cannot be read ({error}); {remedy}") from None
     run_id = record.get("id") if isinstance(record, dict) else None
     if not isinstance(run_id, str) or not run_id:
-        raise WandbError(f'{path}: no W&B run id (expected {{"id": "..."}}); {remedy}')
+        raise LoggingServiceError(f'{path}: no W&B run id (expected {{"id": "..."}}); {remedy}')
     return run_id
 
 
-def _failed(what: str, error: Exception, remedy: str = REMEDY) -> WandbError:
-    return WandbError(f"log.wandb: W&B could not {what} ({one_line(error, named=True)}); {remedy}")
+def _failed(what: str, error: Exception, remedy: str = REMEDY) -> LoggingServiceError:
+    return LoggingServiceError(
+        f"log.wandb: W&B could not {what} ({one_line(error, named=True)}); {remedy}"
+    )
 
 
 class WandbRun:
