@@ -18,7 +18,7 @@ from lmuscale import scaling
 from lmuscale.analysis import analyse, figures, fit_all, load_results, tables
 from lmuscale.analysis.__main__ import main, parse_size
 from lmuscale.outcomes import DataError, Exit
-from lmuscale.sweep.trials import write_results
+from lmuscale.sweepdir import write_results
 
 FIGURES = ("fig3", "fig4", "fig5")
 

@@ -21,7 +21,6 @@ from lmuscale.outcomes import (
     one_line,
     run_main,
 )
-from lmuscale.sweep import SweepError
 from lmuscale.tasks import TaskDataError
 from lmuscale.train.checkpoint import CheckpointError
 from lmuscale.train.config import ConfigError
@@ -44,7 +43,6 @@ def test_each_outcome_has_one_class_and_no_class_is_another_outcome():
     ("error", "outcome"),
     [
         (ConfigError("x"), Exit.CONFIG),
-        (SweepError("x"), Exit.CONFIG),
         (DataError("x"), Exit.DATA),
         (TaskDataError("x"), Exit.DATA),
         (WorkdirBusy("x"), Exit.BUSY),

@@ -203,7 +203,7 @@ def test_inferred_roles_of_a_plain_grid_and_of_seeds():
 def test_a_sweep_names_the_role_of_each_trial(tmp_path):
     """isoflop_grid and learning_rate_grid mark their trials; seed_replicates makes replicas;
     a role outside the four is refused with the file and line."""
-    from lmuscale.sweep import spec
+    from lmuscale.outcomes import ConfigError
 
     base = Trial("a", "x.py:y")
     (replica,) = seed_replicates([base], [7])
@@ -217,7 +217,7 @@ def test_a_sweep_names_the_role_of_each_trial(tmp_path):
         "    return [Trial('a', base_config(TransformerConfig(d=16, n_heads=1, vocab_size=256)),\n"
         "                  role='paper')]\n"
     )
-    with pytest.raises(spec.SweepError, match=r"bad.py:[56] \(trial 'a'\): role is 'paper'"):
+    with pytest.raises(ConfigError, match=r"bad.py:[56] \(trial 'a'\): role is 'paper'"):
         load_sweep(sweep)
 
 

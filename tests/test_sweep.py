@@ -26,15 +26,15 @@ from small_config import small
 from sweep_files import SMALL, environment, run_sweep, sweep_command, wait_for, write_sweep
 
 from lmuscale.models import count_params
-from lmuscale.outcomes import Exit
-from lmuscale.sweep import SweepError, Throughput, Trial, config_hash, load_sweep
+from lmuscale.outcomes import ConfigError, Exit
+from lmuscale.sweep import Throughput, Trial, config_hash, load_sweep
 from lmuscale.sweep.__main__ import parse as sweep_parse
 from lmuscale.sweep.__main__ import slurm_params
 from lmuscale.sweep.local import gpu_slots
 from lmuscale.sweep.plan import plan, table
 from lmuscale.sweep.runner import select
 from lmuscale.sweep.spec import _resolve, twins
-from lmuscale.sweep.trials import RESULT_FIELDS
+from lmuscale.sweepdir import RESULT_FIELDS
 from lmuscale.train import load, model_config, run
 from lmuscale.train.config import flatten
 from lmuscale.workdir import Lock as TrialLock
@@ -49,7 +49,9 @@ REPO = Path(__file__).resolve().parent.parent
 def _bad_sweep(tmp_path, body: str) -> str:
     path = tmp_path / "bad.py"
     path.write_text(body)
-    with pytest.raises(SweepError) as error:
+    # each message starts with the file (and the line, and the trial)
+    where = rf"^{re.escape(str(path))}(:\d+)?( \(trial '[^']*'\))?: "
+    with pytest.raises(ConfigError, match=where) as error:
         load_sweep(path)
     return str(error.value)
 
@@ -154,6 +156,40 @@ def test_dry_run_table_counts_and_throughputs(tmp_path, byte_corpus, monkeypatch
     assert not (tmp_path / "work" / "results.csv").exists()  # the dry run writes nothing
 
 
+def test_dry_run_overhead_takes_medians_of_skewed_speeds_and_overheads(tmp_path, monkeypatch):
+    # Skewed on purpose: the mean of a trial's speeds or of the trials' overheads is not their
+    # median, so a mean anywhere gives another overhead.
+    monkeypatch.setenv("LMUSCALE_TEST_DATA", str(tmp_path))
+    sweep = load_sweep(write_sweep(tmp_path, {n: {"train.seed": i} for i, n in enumerate("abc")}))
+    tokens = 12 * 8 * 32
+    # name: (its steps' tokens/s, when the runner spawned it, when it finished)
+    trials = {"a": ([500.0, 2000.0, 2000.0], 100.0, 110.0), "b": ([2000.0], 200.0, 205.0)}
+    trials["c"] = ([2000.0], 300.0, 340.0)
+    for trial in sweep.trials:
+        speeds, spawned, end = trials[trial.name]
+        folder = tmp_path / "work" / "trials" / trial.folder_name
+        folder.mkdir(parents=True)
+        lines = [json.dumps({"step": i + 1, "tokens_per_second": s}) for i, s in enumerate(speeds)]
+        (folder / "metrics.jsonl").write_text("\n".join(lines) + "\n")
+        events = [
+            {"event": "start", "spawned": spawned, "time": spawned + 1},
+            {"event": "end", "outcome": "finished", "time": end},
+        ]
+        (folder / "attempts.jsonl").write_text("".join(json.dumps(e) + "\n" for e in events))
+    # at the median speed, 2,000 tokens/s (the mean, 1,500, would give a 7.95 s overhead)
+    overheads = {"a": 10 - tokens / 2000, "b": 5 - tokens / 2000, "c": 40 - tokens / 2000}
+    assert overheads["a"] == pytest.approx(8.464)
+    rows = plan(sweep.trials, tmp_path / "work", Throughput(1e9, platform="gpu"))
+    for row in rows:  # the median of 8.46, 3.46 and 38.46 s (their mean would be 16.80 s)
+        assert (row["overhead"], row["overhead_source"]) == (
+            pytest.approx(overheads["a"]),
+            "measured (3 finished trials)",
+        )
+        assert row["flops_per_second"] == pytest.approx(2000.0 * row["flops_per_token"])
+        assert row["estimate"] == pytest.approx(tokens / 2000 + overheads["a"])
+    assert "8 s a trial of start-up" in table(rows)
+
+
 def test_dry_run_cli_writes_nothing(tmp_path):
     out = subprocess.run(
         sweep_command(REPO / "sweeps" / "owt2.py", tmp_path / "w", "--dry-run"),
@@ -203,7 +239,7 @@ def test_a_bad_override_is_named_with_its_close_match(tmp_path, byte_corpus, mon
         "train.steps=1": "command line: optim.warmup_steps (2) must be below train.steps (1)",
     }
     for item, message in cases.items():
-        with pytest.raises(SweepError) as error:
+        with pytest.raises(ConfigError, match=re.escape(message)) as error:
             load_sweep(path, overrides=[item])
         assert str(error.value) == f"{path}:5 (trial 'a'): {message}", item
 
@@ -273,7 +309,7 @@ def test_only_selects_by_glob_and_names_the_trials_when_nothing_matches(
     sweep = load_sweep(write_sweep(tmp_path, {"lmu-a": {}, "lmu-b": {}, "tf-a": {}}))
     assert [t.name for t in select(sweep, "lmu-*")] == ["lmu-a", "lmu-b"]
     assert [t.name for t in select(sweep, "*-a,lmu-b")] == ["lmu-a", "lmu-b", "tf-a"]
-    with pytest.raises(SweepError, match=r"matches no trial.*lmu-a, lmu-b, tf-a"):
+    with pytest.raises(ConfigError, match=r"matches no trial.*lmu-a, lmu-b, tf-a"):
         select(sweep, "gru-*")
 
 
@@ -283,7 +319,7 @@ def test_parallel_workers_get_disjoint_gpus(monkeypatch):
     assert slots == ["0,1", "2,3", "4,5", "6,7"]
     monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "3,5")
     assert [s["CUDA_VISIBLE_DEVICES"] for s in gpu_slots(2)] == ["3", "5"]
-    with pytest.raises(SweepError, match="--parallel 3 is more than the 2 GPUs"):
+    with pytest.raises(ConfigError, match="--parallel 3 is more than the 2 GPUs"):
         gpu_slots(3)
     monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "")
     assert gpu_slots(2) == [{}, {}]  # no GPU: the workers share the CPU

@@ -89,6 +89,62 @@ def test_a_staged_sweep_runs_its_later_stage_in_the_same_command(
     assert again.returncode == Exit.FINISHED and "2 already done, 0 to run" in again.stdout
 
 
+# A learning-rate grid of the small config whose largest rate diverges at step 2 (warmup step
+# 0 has rate 0, step 1 2.5e37: test_train's diverging run), then a trial at the rate it chose.
+DIVERGING = f"""
+import json
+from pathlib import Path
+
+from lmuscale.models import count_params
+from lmuscale.sweep import Trial
+from lmuscale.sweep.grids import chosen_learning_rates
+from lmuscale.train import load, model_config
+
+RATES = {{"lr0.01": {{}}, "lr0.03": {{"optim.learning_rate": 0.03}}}}
+RATES["lr1e38"] = {{"optim.learning_rate": 1e38, "optim.warmup_steps": 4}}
+
+
+def get_trials(done):
+    grid = [Trial(name, {SMALL!r}, o, role="learning_rate") for name, o in RATES.items()]
+    chosen = chosen_learning_rates(done, grid)
+    if chosen is None:
+        return grid + [Trial("later", {SMALL!r}, waits="the grid's learning rate")]
+    n = count_params(model_config(load({SMALL!r}).model)).non_embedding
+    rate = float(f"{{chosen[0].interpolate('lmu', n):.6g}}")  # the grid's own: its step cached
+    return grid + [Trial("later", {SMALL!r}, {{"optim.learning_rate": rate, "train.seed": 1}})]
+
+
+def after(workdir):
+    (Path(__file__).parent / "after.txt").write_text("ran")
+"""
+
+
+def test_a_diverged_learning_rate_trial_still_lets_the_later_stage_run(
+    tmp_path, byte_corpus, xla_cache
+):
+    sweep = tmp_path / "diverging.py"
+    sweep.write_text(DIVERGING)
+    work = tmp_path / "work"
+    out = run_sweep(sweep, work, byte_corpus, "--parallel", "2", extra_env=cache_env(xla_cache))
+    # unfinished, for the diverged trial; but every trial has ended and none waits
+    assert out.returncode == Exit.UNFINISHED, out.stdout + out.stderr
+    rows = {
+        r["trial"]: r for r in map(json.loads, (work / "results.jsonl").read_text().splitlines())
+    }
+    assert {name: row["status"] for name, row in rows.items()} == {
+        "lr0.01": "finished",
+        "lr0.03": "finished",
+        "lr1e38": "diverged",
+        "later": "finished",
+    }
+    assert rows["lr1e38"]["step"] == 2 and "diverged at step 2" in rows["lr1e38"]["error"]
+    # the diverged rate is left out: the grid's edge, the better of the other two
+    best = min(("lr0.01", "lr0.03"), key=lambda name: rows[name]["val_loss"])
+    assert rows["later"]["learning_rate"] == rows[best]["learning_rate"]  # to 6 digits
+    assert "not run" not in out.stdout and (tmp_path / "after.txt").read_text() == "ran"
+    assert not load_sweep(sweep, work).waiting
+
+
 def test_a_trial_left_waiting_is_named_and_the_sweep_is_unfinished(tmp_path, monkeypatch):
     sweep = tmp_path / "waits.py"
     sweep.write_text(

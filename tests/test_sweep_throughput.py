@@ -15,8 +15,8 @@ from sweep_files import sweep_command, write_sweep
 
 from lmuscale import memory_kernel
 from lmuscale.models import fused_loss
-from lmuscale.outcomes import DamagedFile
-from lmuscale.sweep import BenchmarkError, SweepError, Throughput, from_benchmarks, load_sweep
+from lmuscale.outcomes import ConfigError, DamagedFile
+from lmuscale.sweep import BenchmarkError, Throughput, from_benchmarks, load_sweep
 from lmuscale.sweep.plan import plan, table
 from lmuscale.sweep.throughput import load_benchmarks
 
@@ -244,7 +244,7 @@ def test_sweep_throughput_is_a_number_or_a_benchmark(tmp_path):
     (sweeps / "s.py").write_text(f"{header}{trials}")
     assert load_sweep(sweeps / "s.py").throughput.default is None
     (sweeps / "s.py").write_text(f"{header}THROUGHPUT = '1e14'\n{trials}")
-    with pytest.raises(SweepError, match=r"s\.py: THROUGHPUT is '1e14'; expected a positive"):
+    with pytest.raises(ConfigError, match=r"s\.py: THROUGHPUT is '1e14'; expected a positive"):
         load_sweep(sweeps / "s.py")
 
 

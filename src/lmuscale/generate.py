@@ -37,6 +37,7 @@ import numpy as np
 from lmuscale.data.tokenizer import TOKENIZERS, Tokenizer, get_tokenizer
 from lmuscale.models import NAMES, LanguageModel, ModelConfig, build, decode, named_config
 from lmuscale.outcomes import Exit, StorageError, report
+from lmuscale.sweepdir import INDEX
 from lmuscale.train.checkpoint import CheckpointError, locate, newest, read_variables
 from lmuscale.train.config import model_config, upgrade
 from lmuscale.workdir import CONFIG, read_json, status, summary
@@ -116,14 +117,14 @@ def run_config(workdir: Path) -> tuple[ModelConfig, Tokenizer]:
 def sweep_trial(workdir: Path, trial: str | None) -> Path:
     """``workdir``, or for a sweep's folder (``sweep.json``) the folder of the trial that
     ``trial`` names or is the unique prefix of; ValueError, listing the trials, otherwise."""
-    index = read_json(workdir / "sweep.json") if workdir.is_dir() else None
+    index = read_json(workdir / INDEX) if workdir.is_dir() else None
     if index is None:
         if trial is not None:
-            raise ValueError(f"--trial {trial}: {workdir} is not a sweep's folder (no sweep.json)")
+            raise ValueError(f"--trial {trial}: {workdir} is not a sweep's folder (no {INDEX})")
         return workdir
     trials = index.get("trials")
     if not isinstance(trials, dict) or not all(isinstance(v, str) for v in trials.values()):
-        raise CheckpointError(f"{workdir / 'sweep.json'}: no 'trials' map of names to folders")
+        raise CheckpointError(f"{workdir / INDEX}: no 'trials' map of names to folders")
     matches = [n for n in trials if n == trial] or [
         n for n in trials if trial and n.startswith(trial)
     ]

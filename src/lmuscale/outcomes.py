@@ -2,7 +2,7 @@
 
 Every command line runs its body through ``run_main``, which turns an outcome's exception into
 one line on stderr and its exit status; any other exception is a bug and keeps its traceback.
-Classes that say more (``CheckpointError``, ``SweepError``, ...) subclass these. This module
+Classes that say more (``CheckpointError``, ``BenchmarkError``, ...) subclass these. This module
 imports nothing from lmuscale, so every layer can raise them.
 """
 

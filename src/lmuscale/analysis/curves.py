@@ -10,6 +10,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from lmuscale.analysis.results import Results, Run
+from lmuscale.sweepdir import TRIALS
 from lmuscale.workdir import EVAL
 
 
@@ -39,8 +40,8 @@ def load_curves(results: Results) -> tuple[dict[str, Curve], list[str]]:
             continue
         # a sweep's table sits beside trials/, and names each trial's folder in it
         folder = results.path.parent / run.folder
-        if not folder.is_dir() and (results.path.parent / "trials" / run.folder).is_dir():
-            folder = results.path.parent / "trials" / run.folder
+        if not folder.is_dir() and (results.path.parent / TRIALS / run.folder).is_dir():
+            folder = results.path.parent / TRIALS / run.folder
         path = folder / EVAL
         try:
             text = path.read_text()

@@ -3,13 +3,12 @@ SLURM, and one table: ``python -m lmuscale.sweep sweeps/owt2.py``."""
 
 from __future__ import annotations
 
-from lmuscale.sweep.spec import Sweep, SweepError, Trial, config_hash, load_sweep
+from lmuscale.sweep.spec import Sweep, Trial, config_hash, load_sweep
 from lmuscale.sweep.throughput import BenchmarkError, Throughput, from_benchmarks
 
 __all__ = [
     "BenchmarkError",
     "Sweep",
-    "SweepError",
     "Throughput",
     "Trial",
     "config_hash",

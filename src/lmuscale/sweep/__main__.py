@@ -1,6 +1,7 @@
 """``python -m lmuscale.sweep SWEEP_FILE``: run (or resume) every trial of a sweep file, each in
-``WORKDIR/trials/NAME-HASH``, and write ``WORKDIR/results.jsonl`` and ``results.csv``. Exit
-status: ``lmuscale.outcomes.Exit`` (130 also for SIGTERM and SIGHUP).
+``WORKDIR/trials/NAME-HASH``, and write ``WORKDIR/results.jsonl`` and ``results.csv`` (the
+sweep folder: ``lmuscale.sweepdir``). Exit status: ``lmuscale.outcomes.Exit`` (130 also for
+SIGTERM and SIGHUP).
 """
 
 from __future__ import annotations

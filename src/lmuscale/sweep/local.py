@@ -11,10 +11,8 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
-from lmuscale.outcomes import Exit
-from lmuscale.sweep.spec import SweepError
-from lmuscale.sweep.trials import record_crash
-from lmuscale.sweep.worker import ENDED, start
+from lmuscale.outcomes import ConfigError, Exit
+from lmuscale.sweep.worker import ENDED, record_crash, start
 from lmuscale.workdir import DONE, is_locked, status
 
 POLL_SECONDS = 0.5
@@ -36,7 +34,7 @@ def gpu_slots(parallel: int) -> list[dict]:
     if not gpus:
         return [{} for _ in range(parallel)]
     if parallel > len(gpus):
-        raise SweepError(f"--parallel {parallel} is more than the {len(gpus)} GPUs visible")
+        raise ConfigError(f"--parallel {parallel} is more than the {len(gpus)} GPUs visible")
     per = len(gpus) // parallel
     return [
         {"CUDA_VISIBLE_DEVICES": ",".join(gpus[i * per : (i + 1) * per])} for i in range(parallel)

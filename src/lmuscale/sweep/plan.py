@@ -15,7 +15,7 @@ from pathlib import Path
 
 from lmuscale.scaling.fits import human
 from lmuscale.sweep.throughput import Throughput
-from lmuscale.sweep.trials import result_row
+from lmuscale.sweepdir import TRIALS
 from lmuscale.train.metrics import duration
 from lmuscale.workdir import ATTEMPTS, METRICS, read_log
 
@@ -70,8 +70,8 @@ def plan(trials, workdir: Path, throughput: Throughput) -> list[dict]:
     rows = []
     by_family: dict[str, list[float]] = {}  # the measured FLOP/s of each family's trials
     for trial in trials:
-        folder = workdir / "trials" / trial.folder_name
-        row = result_row(trial, folder)
+        folder = workdir / TRIALS / trial.folder_name
+        row = trial.result_row(folder)
         row["dtype"] = trial.config.model.get("dtype")
         row["flops_per_second"] = measured_flops(folder, row["flops_per_token"])
         row["source"] = "measured" if row["flops_per_second"] else None

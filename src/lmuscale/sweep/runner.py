@@ -1,12 +1,13 @@
 """Running a sweep: trial folders, embedded data, the executor, the results table.
 
-The runner keeps no state of its own: every trial's status is read from its folder, and the
-results table is rewritten from the folders after every change, so a runner killed at any
-moment, started again, picks up where things are.
+The runner keeps no state of its own but the results table: every trial's status is read
+from its folder, and the table (``lmuscale.sweepdir.Table``) is rewritten after every trial's
+end, so a runner killed at any moment, started again, picks up where things are.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import fnmatch
 import os
 import time
@@ -15,11 +16,11 @@ from pathlib import Path
 from tqdm import tqdm
 
 from lmuscale.files import atomic_write_json
-from lmuscale.outcomes import Exit
-from lmuscale.sweep.spec import ResolvedTrial, Sweep, SweepError
-from lmuscale.sweep.trials import prepare_folder, result_row, write_results
+from lmuscale.outcomes import ConfigError, Exit
+from lmuscale.sweep.spec import ResolvedTrial, Sweep
+from lmuscale.sweepdir import RESULTS_CSV, TRIALS, Table, write_index
 from lmuscale.train.metrics import duration
-from lmuscale.workdir import DONE, METRICS, last_record, read_json, status
+from lmuscale.workdir import DONE, METRICS, TRIAL, last_record, read_json, status
 
 # Without a bar, the sweep's progress line comes this often: under a minute, polls included.
 LINE_SECONDS = 50.0
@@ -33,23 +34,22 @@ def select(sweep: Sweep, only: str | None) -> list[ResolvedTrial]:
     chosen = [t for t in sweep.trials if any(fnmatch.fnmatchcase(t.name, p) for p in patterns)]
     if not chosen:
         names = ", ".join(t.name for t in sweep.trials)
-        raise SweepError(f"--only {only!r} matches no trial of {sweep.path}; the trials: {names}")
+        raise ConfigError(f"--only {only!r} matches no trial of {sweep.path}; the trials: {names}")
     return chosen
 
 
 def folders(sweep: Sweep, workdir: Path, trials: list[ResolvedTrial]) -> dict[str, Path]:
-    """Create every trial folder (and ``sweep.json``, the index of the sweep's folders)."""
+    """Create every trial folder, each with its trial.json (the same bytes on every run of the
+    runner), and the sweep folder's index of them."""
     workdir.mkdir(parents=True, exist_ok=True)
-    index = {
-        "sweep": str(sweep.path.absolute()),
-        "trials": {t.name: f"trials/{t.folder_name}" for t in sweep.trials if not t.waits},
-    }
-    if read_json(workdir / "sweep.json") != index:
-        atomic_write_json(workdir / "sweep.json", index)
+    write_index(workdir, sweep.path, {t.name: t.folder_name for t in sweep.trials if not t.waits})
     out = {}
     for trial in trials:
-        out[trial.name] = workdir / "trials" / trial.folder_name
-        prepare_folder(out[trial.name], trial)
+        folder = out[trial.name] = workdir / TRIALS / trial.folder_name
+        folder.mkdir(parents=True, exist_ok=True)
+        record = {"name": trial.name, "key": trial.key, "config": trial.config.to_dict()}
+        if read_json(folder / TRIAL) != record:
+            atomic_write_json(folder / TRIAL, record)
     return out
 
 
@@ -60,14 +60,6 @@ def prepare_data(trials: list[ResolvedTrial], progress: bool) -> None:
     for path, data in {Path(t.config.data.path): t.config.data for t in trials}.items():
         if data.source in EMBEDDED_SOURCES:
             prepare_embedded(path, data.source, data.tokenizer, progress)
-
-
-def results(workdir: Path, sweep: Sweep) -> list[dict]:
-    """Rewrite results.jsonl and results.csv from the folders of every trial of the sweep (but
-    those that wait for others: they have no folder yet)."""
-    rows = [result_row(t, workdir / "trials" / t.folder_name) for t in sweep.trials if not t.waits]
-    write_results(workdir, rows)
-    return rows
 
 
 class Progress:
@@ -152,7 +144,7 @@ def describe(row: dict) -> str:
         )
     if state in ("failed", "diverged"):
         first = (row["error"] or "").strip().splitlines()
-        return f"{name}: {state}: {first[-1] if first else '?'} (see trials/{row['folder']})"
+        return f"{name}: {state}: {first[-1] if first else '?'} (see {TRIALS}/{row['folder']})"
     return f"{name}: {state}" + (f" at step {row['step']}" if row["step"] else "")
 
 
@@ -190,8 +182,10 @@ def run_sweep(
     """Run (or resume) the selected trials; returns the exit status: ``Exit.FINISHED`` when all
     finished, else ``Exit.UNFINISHED``."""
     if executor not in ("local", "slurm"):
-        raise SweepError(f"--executor {executor!r}: expected local or slurm")
+        raise ConfigError(f"--executor {executor!r}: expected local or slurm")
     show = os.isatty(2) if show is None else show
+    if sweep.table is None or sweep.table.workdir != workdir:  # the table get_trials reads
+        sweep = dataclasses.replace(sweep, workdir=workdir, table=Table(workdir))
     while not isinstance(sweep, int):
         sweep = _run_stage(sweep, workdir, only, executor, parallel, detach, slurm, show)
     return sweep
@@ -204,14 +198,14 @@ def _run_stage(sweep, workdir, only, executor, parallel, detach, slurm, show) ->
     chosen = select(sweep, only)
     trials = [t for t in chosen if not t.waits]
     paths = folders(sweep, workdir, trials)
-    rows = {r["trial"]: r for r in results(workdir, sweep)}
+    rows = {r["trial"]: r for r in sweep.table.write(sweep.trials)}
     todo = [t for t in trials if rows[t.name]["status"] not in DONE]
     waiting = (
         f", {len(chosen) - len(trials)} waiting for others" if len(trials) < len(chosen) else ""
     )
     print(
         f"sweep {sweep.path}: {len(chosen)} trials, {len(trials) - len(todo)} already done, "
-        f"{len(todo)} to run ({executor}){waiting}; results in {workdir}/results.csv",
+        f"{len(todo)} to run ({executor}){waiting}; results in {workdir / RESULTS_CSV}",
         flush=True,
     )
     prepare_data(todo, show)
@@ -227,12 +221,12 @@ def _run_stage(sweep, workdir, only, executor, parallel, detach, slurm, show) ->
         progress = Progress(paths, trials, show, waiting=len(chosen) - len(trials))
         try:
             if executor == "local":
-                _run_local(sweep, workdir, [paths[t.name] for t in todo], parallel, progress)
+                _run_local(sweep, [paths[t.name] for t in todo], parallel, progress)
             else:
                 wait(workdir, progress.update, progress.write)
         finally:
             progress.close()
-    final = results(workdir, sweep)
+    final = sweep.table.write(sweep.trials)
     mine = [r for r in final if r["trial"] in paths]
     if mine:
         print(results_table(mine), flush=True)
@@ -242,7 +236,7 @@ def _run_stage(sweep, workdir, only, executor, parallel, detach, slurm, show) ->
     finished = all(r["status"] == "finished" for r in mine)
     waits = [t for t in chosen if t.waits]
     if waits and all(r["status"] in ("finished", "diverged") for r in mine):
-        later = sweep.reload(workdir)
+        later = sweep.reload()
         if [t.name for t in later.waiting] != [t.name for t in sweep.waiting]:
             return later
         for reason in dict.fromkeys(t.waits for t in waits):
@@ -255,16 +249,16 @@ def _run_stage(sweep, workdir, only, executor, parallel, detach, slurm, show) ->
     return Exit.FINISHED if finished and not waits else Exit.UNFINISHED
 
 
-def _run_local(sweep, workdir, todo: list[Path], parallel, progress: Progress) -> None:
+def _run_local(sweep: Sweep, todo: list[Path], parallel, progress: Progress) -> None:
     """Train ``todo`` in worker processes here, ``parallel`` at a time, reporting each end."""
     from lmuscale.sweep.local import run_local
 
     def on_end(folder: Path, _state: str) -> None:
-        rows = {r["folder"]: r for r in results(workdir, sweep)}
+        rows = {r["folder"]: r for r in sweep.table.write(sweep.trials, ended={folder.name})}
         progress.write(describe(rows[folder.name]))
 
     try:
         run_local(todo, parallel, progress.update, on_end)
-    except BaseException:
-        results(workdir, sweep)  # the rows of the trials that were stopped
+    except BaseException:  # the rows of the trials that were stopped
+        sweep.table.write(sweep.trials, ended={f.name for f in todo if status(f) != "pending"})
         raise

@@ -17,10 +17,10 @@ from collections.abc import Callable, Iterable
 from pathlib import Path
 
 from lmuscale.files import atomic_write_json
-from lmuscale.outcomes import Exit
-from lmuscale.sweep.spec import Sweep, SweepError
-from lmuscale.sweep.trials import record_crash
-from lmuscale.sweep.worker import ENDED, TASK, start
+from lmuscale.outcomes import ConfigError, Exit
+from lmuscale.sweep.spec import Sweep
+from lmuscale.sweep.worker import ENDED, TASK, record_crash, start
+from lmuscale.sweepdir import TRIALS
 from lmuscale.workdir import DONE, LOG, is_locked, read_json, status
 
 try:
@@ -113,7 +113,7 @@ def queued(tasks: Iterable[str]) -> set[str]:
                 return set()
             error = result.stderr.strip()
         time.sleep(min(60, 2**attempt))
-    raise SweepError(f"{' '.join(command)} failed 10 times: {error}")
+    raise ConfigError(f"{' '.join(command)} failed 10 times: {error}")
 
 
 def _recorded(workdir: Path) -> dict[str, str]:
@@ -125,7 +125,7 @@ def run_slurm(
 ) -> str:
     """Submit one job array for the folders not already queued; returns a description."""
     if submitit is None:
-        raise SweepError("--executor slurm needs submitit: pip install submitit")
+        raise ConfigError("--executor slurm needs submitit: pip install submitit")
     recorded = _recorded(workdir)
     live = queued(recorded.values())
     # Trials already queued, or being trained by another runner, are not submitted again.
@@ -141,11 +141,11 @@ def run_slurm(
     try:
         executor.update_parameters(**settings)
     except (ValueError, TypeError) as error:
-        raise SweepError(f"SLURM parameters {settings}: {error}") from None
+        raise ConfigError(f"SLURM parameters {settings}: {error}") from None
     try:
         jobs = executor.map_array(TrialJob(), [str(f.absolute()) for f in todo])
     except Exception as error:  # sbatch's own message says what the cluster refused
-        raise SweepError(f"SLURM refused the job array: {type(error).__name__}: {error}") from None
+        raise ConfigError(f"SLURM refused the job array: {type(error).__name__}: {error}") from None
     recorded |= {folder.name: job.job_id for folder, job in zip(todo, jobs, strict=True)}
     atomic_write_json(workdir / JOBS, {"tasks": recorded})
     array = jobs[0].job_id.split("_")[0]
@@ -156,7 +156,7 @@ def wait(workdir: Path, on_update: Callable[[dict], None], write: Callable[[str]
     """Wait until every recorded array task has left SLURM's queue for good: a preempted task
     leaves it for a moment before it is requeued, so a task gone while its trial is unfinished
     counts as ended only after ``REQUEUE_GRACE_SECONDS``."""
-    folders = {task: workdir / "trials" / name for name, task in _recorded(workdir).items()}
+    folders = {task: workdir / TRIALS / name for name, task in _recorded(workdir).items()}
     gone_since: dict[str, float] = {}
     ended = set()
     while True:

@@ -4,7 +4,7 @@ and ``after(workdir)``, called once every trial has finished. A trial's folder i
 HASH a sha256 of the config keys that change the trained numbers (``config_hash``).
 
 A sweep in stages: ``get_trials(done)`` is given the result rows of the sweep's trials that
-have ended (finished or diverged), by name (``lmuscale.sweep.trials.result_row``). A trial that
+have ended (finished or diverged), by name (``lmuscale.sweepdir.result_row``). A trial that
 needs results not there yet is yielded with ``waits="why"``: ``--dry-run`` lists it, the runner
 does not run it, and once the trials before it have ended, asks ``get_trials`` again.
 """
@@ -25,18 +25,18 @@ from typing import Any
 
 from ml_collections import ConfigDict
 
+from lmuscale import sweepdir
+from lmuscale.models import count_params, flops_per_token
+from lmuscale.outcomes import ConfigError
 from lmuscale.sweep.throughput import Throughput
-from lmuscale.train.config import RESUMABLE_CHANGES, ConfigError, flatten, load, override, where_in
+from lmuscale.train.config import RESUMABLE_CHANGES, flatten, load, model_config, override, where_in
+from lmuscale.workdir import DONE
 
 NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._+=-]*")
 # What a trial is for, which decides the analyses that take it (lmuscale.analysis.results): the
 # paper's grid of sizes at one budget, an IsoFLOP budget, a learning-rate grid, or a repeat of
 # a grid trial at another seed. Not part of the config, so it does not change the folder.
 ROLES = ("grid", "isoflop", "learning_rate", "seed")
-
-
-class SweepError(ConfigError):
-    """A sweep file that cannot run: the message names the file and line, and the trial."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -73,6 +73,10 @@ class ResolvedTrial:
     def folder_name(self) -> str:
         return f"{self.name}-{self.key}"
 
+    def result_row(self, folder: Path) -> dict:
+        """Its row of the results table, from its ``folder`` (``sweepdir.result_row``)."""
+        return sweepdir.result_row(self, folder, lambda: sizes(self.config))
+
 
 @dataclasses.dataclass(frozen=True)
 class Sweep:
@@ -83,6 +87,8 @@ class Sweep:
     after: Callable[[Path], Any] | None = None
     workdir: Path | None = None  # where the ended trials given to get_trials were read
     overrides: tuple[str, ...] = ()  # the command line's, for every trial
+    # the results table of workdir, whose rows get_trials is given; kept across reloads
+    table: sweepdir.Table | None = dataclasses.field(default=None, compare=False, repr=False)
 
     @property
     def name(self) -> str:
@@ -92,10 +98,10 @@ class Sweep:
     def waiting(self) -> list[ResolvedTrial]:
         return [t for t in self.trials if t.waits]
 
-    def reload(self, workdir: Path | None = None) -> Sweep:
-        """The sweep file read again, given the ended trials in ``workdir`` (default: where
-        it was read before): trials that waited for those may now run."""
-        return load_sweep(self.path, workdir or self.workdir, self.overrides)
+    def reload(self) -> Sweep:
+        """The sweep file read again, given the trials ended in its workdir since: trials that
+        waited for those may now run."""
+        return load_sweep(self.path, self.workdir, self.overrides, self.table)
 
 
 def config_hash(config: ConfigDict | dict) -> str:
@@ -106,89 +112,102 @@ def config_hash(config: ConfigDict | dict) -> str:
 
 
 def load_sweep(
-    path: str | Path, workdir: str | Path | None = None, overrides: Sequence[str] = ()
+    path: str | Path,
+    workdir: str | Path | None = None,
+    overrides: Sequence[str] = (),
+    table: sweepdir.Table | None = None,
 ) -> Sweep:
     """Run the sweep file and resolve every trial; errors name the file and line. A sweep in
-    stages is given the ended trials in ``workdir`` (none without one). ``overrides``:
+    stages is given the ended trials in ``workdir`` (none without one), their rows from
+    ``table``, the results table of ``workdir`` (a new one by default). ``overrides``:
     ``KEY=VALUE`` strings (the command line's ``--config.KEY=VALUE``) applied to every trial
     after its own."""
     path = Path(path)
     if path.suffix != ".py" or not path.is_file():
-        raise SweepError(f"sweep file {str(path)!r} not found (expected a .py file)")
+        raise ConfigError(f"sweep file {str(path)!r} not found (expected a .py file)")
     module_spec = importlib.util.spec_from_file_location(f"_lmuscale_sweep_{path.stem}", path)
     module = importlib.util.module_from_spec(module_spec)
     try:
         module_spec.loader.exec_module(module)
-    except ConfigError as error:  # SweepError included
-        raise SweepError(str(error)) from None
+    except ConfigError:
+        raise
     except Exception as error:
-        raise SweepError(f"{where_in(path, error)}: {type(error).__name__}: {error}") from None
+        raise ConfigError(f"{where_in(path, error)}: {type(error).__name__}: {error}") from None
     get_trials = getattr(module, "get_trials", None)
     if not callable(get_trials):
-        raise SweepError(f"{path}: defines no get_trials() returning Trial(...) items")
+        raise ConfigError(f"{path}: defines no get_trials() returning Trial(...) items")
     staged = bool(inspect.signature(get_trials).parameters)
     workdir = None if workdir is None else Path(workdir)
+    table = table or (None if workdir is None else sweepdir.Table(workdir))
     done: dict[str, dict] = {}
     while True:
         resolved = _trials(path, get_trials, done if staged else None, overrides)
         if not (staged and workdir and any(t.waits for t in resolved)):
             break
-        now = _ended(resolved, workdir)
+        now = _ended(resolved, table)
         if now.keys() <= done.keys():
             break
         done = now
     throughput = _throughput(path, getattr(module, "THROUGHPUT", None))
     slurm = getattr(module, "SLURM", {})
     if not isinstance(slurm, dict):
-        raise SweepError(f"{path}: SLURM must be a dict of submitit parameters")
+        raise ConfigError(f"{path}: SLURM must be a dict of submitit parameters")
     after = getattr(module, "after", None)
-    return Sweep(path, resolved, throughput, dict(slurm), after, workdir, tuple(overrides))
+    return Sweep(path, resolved, throughput, dict(slurm), after, workdir, tuple(overrides), table)
 
 
 def _trials(path: Path, get_trials, done: dict | None, overrides=()) -> list[ResolvedTrial]:
     """``get_trials`` (given ``done`` unless it is None) called and its trials resolved."""
     try:
         trials = list(get_trials() if done is None else get_trials(dict(done)))
-    except ConfigError as error:  # SweepError included
-        raise SweepError(str(error)) from None
+    except ConfigError:
+        raise
     except Exception as error:
-        raise SweepError(f"{where_in(path, error)}: {type(error).__name__}: {error}") from None
+        raise ConfigError(f"{where_in(path, error)}: {type(error).__name__}: {error}") from None
     if not trials:
-        raise SweepError(f"{path}: get_trials() returned no trials")
+        raise ConfigError(f"{path}: get_trials() returned no trials")
     resolved, seen = [], {}
     for trial in trials:
         if not isinstance(trial, Trial):
-            raise SweepError(f"{path}: get_trials() gave {trial!r}; expected Trial(...) items")
+            raise ConfigError(f"{path}: get_trials() gave {trial!r}; expected Trial(...) items")
         where = f"{_short(trial.origin)} (trial {trial.name!r})"
         if not isinstance(trial.name, str) or not NAME.fullmatch(trial.name):
-            raise SweepError(
+            raise ConfigError(
                 f"{where}: a trial name is letters, digits and . _ + = - (it names a folder)"
             )
         if trial.name in seen:
-            raise SweepError(
+            raise ConfigError(
                 f"{where}: the name is already used by the trial at {seen[trial.name]}"
             )
         if trial.role not in ROLES:
-            raise SweepError(f"{where}: role is {trial.role!r}; expected one of {', '.join(ROLES)}")
+            raise ConfigError(
+                f"{where}: role is {trial.role!r}; expected one of {', '.join(ROLES)}"
+            )
         for key in ("waits", "note"):
             if not isinstance(getattr(trial, key), str):
-                raise SweepError(f"{where}: {key} is {getattr(trial, key)!r}; expected text")
+                raise ConfigError(f"{where}: {key} is {getattr(trial, key)!r}; expected text")
         seen[trial.name] = _short(trial.origin)
         resolved.append(_resolve(trial, path.parent, where, path.stem, overrides))
     return resolved
 
 
-def _ended(trials: list[ResolvedTrial], workdir: Path) -> dict[str, dict]:
-    """The result rows of the trials (not waiting) that finished or diverged in ``workdir``."""
-    from lmuscale.sweep.trials import result_row
-    from lmuscale.workdir import status
+def _ended(trials: list[ResolvedTrial], table: sweepdir.Table) -> dict[str, dict]:
+    """The result rows of the trials (not waiting) that finished or diverged, by name. Every
+    trial's row is in ``table`` after it: the runner's first table is these rows."""
+    rows = {t.name: table.row(t) for t in trials if not t.waits}
+    return {name: row for name, row in rows.items() if row["status"] in DONE}
 
-    rows = {}
-    for trial in trials:
-        folder = workdir / "trials" / trial.folder_name
-        if not trial.waits and status(folder) in ("finished", "diverged"):
-            rows[trial.name] = result_row(trial, folder)
-    return rows
+
+def sizes(config: ConfigDict) -> dict:
+    """The results row's model fields (``sweepdir.sizes``) counted from a trial's config."""
+    model = model_config(config.model)
+    params = count_params(model)
+    return {
+        "family": model.family,
+        "N": params.non_embedding,
+        "total_params": params.total,
+        "flops_per_token": flops_per_token(model, config.data.seq_len).train,
+    }
 
 
 def twins(trials: list[ResolvedTrial]) -> list[list[str]]:
@@ -207,7 +226,7 @@ def _throughput(path: Path, value) -> Throughput:
     if value is None:
         return Throughput(None, source=f"no THROUGHPUT in {path}")
     if isinstance(value, bool) or not (isinstance(value, int | float) and value > 0):
-        raise SweepError(
+        raise ConfigError(
             f"{path}: THROUGHPUT is {value!r}; expected a positive number of FLOP/s or "
             "from_benchmarks(folder, default)"
         )
@@ -237,9 +256,9 @@ def _resolve(
     except ConfigError as error:
         # override() speaks of the command line; here the keys come from the sweep file.
         message = str(error).removeprefix("command line: ")
-        raise SweepError(f"{where}: {message.replace('--config.', 'overrides: ')}") from None
+        raise ConfigError(f"{where}: {message.replace('--config.', 'overrides: ')}") from None
     except Exception as error:
-        raise SweepError(f"{where}: {type(error).__name__}: {error}") from None
+        raise ConfigError(f"{where}: {type(error).__name__}: {error}") from None
     try:
         if overrides:
             override(config, list(overrides))
@@ -249,7 +268,7 @@ def _resolve(
             if config.log.wandb and not config.log.wandb_group:
                 config.log.wandb_group = group  # a log.* key: the hash stays the same
     except ConfigError as error:
-        raise SweepError(f"{where}: {error}") from None
+        raise ConfigError(f"{where}: {error}") from None
     config.lock()
     return ResolvedTrial(
         trial.name, config, config_hash(config), trial.role, trial.waits.strip(), trial.note

@@ -4,13 +4,16 @@ The runners (local and SLURM) start this process per trial. It holds the trial's
 long as it lives, so two runners never train the same trial at once, and on Linux it dies
 with the process that started it, so killing a runner leaves no orphan training behind. Its
 exit status is the outcome's in ``lmuscale.outcomes.Exit``, 75 also when the runner died as it
-started; a status not in ``ENDED`` is a failure, and error.json has its traceback.
+started; a status not in ``ENDED`` is a failure, and error.json has its traceback (written by
+the runner, ``record_crash``, when the worker died before it could).
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
+import signal
 import socket
 import subprocess
 import sys
@@ -21,7 +24,7 @@ from pathlib import Path
 from lmuscale.files import atomic_write_json
 from lmuscale.outcomes import DamagedFile, Exit, WorkdirBusy, run_main
 from lmuscale.processes import die_with_parent
-from lmuscale.workdir import ATTEMPTS, ERROR, LOG, TRIAL, Lock, read_json
+from lmuscale.workdir import ATTEMPTS, DONE, ERROR, LOG, TRIAL, Lock, read_json, status
 from lmuscale.workdir import outcome as final_outcome
 
 # How a worker that ended by itself says so: every other status is a failure (or a crash, when
@@ -118,6 +121,31 @@ def train(folder: Path) -> int:
             flush=True,
         )
         return Exit.FINISHED
+    finally:
+        lock.release()
+
+
+def record_crash(folder: Path, returncode: int) -> None:
+    """A worker that died without its own error.json (a signal, a crash in native code, the
+    kernel's OOM killer) gets one that says how it ended and ends with its last output."""
+    if (folder / ERROR).exists():
+        return
+    lock = Lock(folder)
+    if not lock.acquire():  # someone else has started the trial again: not ours to mark
+        return
+    try:
+        if (folder / ERROR).exists() or status(folder) in DONE:
+            return
+        how = f"exit status {returncode}"
+        if returncode < 0:
+            how = f"signal {signal.Signals(-returncode).name}"
+        else:
+            with contextlib.suppress(ValueError):  # a status outside the table says no more
+                how += f" ({Exit(returncode).meaning})"
+        log = folder / LOG
+        tail = log.read_text(errors="replace").splitlines()[-30:] if log.exists() else []
+        text = "\n".join([f"the worker ended with {how}; the end of {LOG}:", *tail])
+        atomic_write_json(folder / ERROR, {"error": f"worker ended with {how}", "traceback": text})
     finally:
         lock.release()
 
