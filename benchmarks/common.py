@@ -14,7 +14,7 @@ import jax
 import numpy as np
 import scipy
 
-from lmuscale import __version__
+from lmuscale import __version__, ops
 from lmuscale.files import atomic_write_json
 from lmuscale.models import build
 from lmuscale.train import base_config, optim
@@ -33,7 +33,7 @@ def machine() -> dict:
         "platform": device.platform,
         "device_kind": device.device_kind,
         "device_count": jax.device_count(),
-        # NVIDIA's "major.minor" (None on a CPU): what models.fused_loss.resolve reads.
+        # NVIDIA's "major.minor" (None on a CPU): what ops.resolve reads.
         "compute_capability": getattr(device, "compute_capability", None),
         "cpu": cpu,
         "cpu_count": os.cpu_count(),
@@ -81,15 +81,18 @@ def write_json(out: Path, record: dict, quiet: bool = False) -> None:
         print(f"\nwrote {out}")
 
 
-def train_step_for(config, seq_len: int, devices=None):
+def train_step_for(config, seq_len: int, devices=None, impls=None, model=None):
     """The jitted train step of ``lmuscale.train`` (Adam, schedule, plateau scale, norms, the
-    chunked loss) for a model config, on a mesh of ``devices`` (default: all of them).
+    chunked loss) for a model config, on a mesh of ``devices`` (default: all of them), its ops
+    run as ``impls`` says (default: as a run of it would, ``ops.resolve``); ``model``: a model
+    of the config to train instead of ``build``'s.
 
     Returns ``(train_step, init, mesh, abstract_state)``; ``step_lib.init_state(init, mesh)``
     makes the state.
     """
     train = base_config(config)
-    model = build(config)
+    if model is None:
+        model = build(config, ops.resolve(config, devices) if impls is None else impls)
     tx, lr = optim.optimizer(train.optim, train.train.steps)
     init = step_lib.init_fn(model, tx, optim.plateau(train.optim), 0, seq_len)
     mesh = step_lib.make_mesh(1, devices=devices)

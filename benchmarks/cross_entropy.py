@@ -9,8 +9,8 @@
 
 ``--part loss``: the loss's forward+backward alone (the gradients of the mean loss with
 respect to h and the tied embedding w), for each implementation ("xla": the custom VJP over
-token chunks; "pallas": ``models.fused_loss`` with its dh kernel; "pallas, dh from the
-forward": dh from the forward's expected embeddings, ``fused_loss.DH_FROM_FORWARD``; the
+token chunks; "pallas": ``ops.cross_entropy_pallas`` with its dh kernel; "pallas, dh from the
+forward": dh from the forward's expected embeddings (``ops.LossKernels.dh_from_forward``); the
 kernels on a GPU where they run, else the row says why not) at d in --widths, --batch x
 --seq-len tokens (64 x 1024: the paper configs' micro-batch), V = 50,257, bfloat16 and
 float32 activations. Each row: the median ms of --repeats calls after a warm-up, TFLOP/s on
@@ -22,7 +22,7 @@ body once); for the kernels, a lower bound, each kernel's operands read once and
 written once, and beside it (``tile_loads_gb``) every tile load counted as if no cache held
 any (the forward and dh kernels load all of w once per tile of tokens).
 
-``--part loss-tiles``: each fused kernel alone (``models.fused_loss``: dw, the forward that
+``--part loss-tiles``: each fused kernel alone (``ops.cross_entropy_pallas``: dw, the forward that
 also forms the expected embeddings, dh and the plain forward, in that order) under every
 launch of a grid, rows x step tiles of --tiles, --warps and --stages (81 a kernel by default),
 at the same inputs. --resources leaves out the launches that ``kernel_resources.py
@@ -77,12 +77,16 @@ from common import (
     write_json,
 )
 
+from lmuscale import ops
 from lmuscale.data.tokenizer import GPT2_VOCAB
-from lmuscale.models import base, fused_loss, named_config
+from lmuscale.models import build, named_config
+from lmuscale.models.base import logits_from_hidden
+from lmuscale.ops import cross_entropy_pallas as fused_loss
+from lmuscale.ops.cross_entropy import LOSS_CHUNK, cross_entropy
 from lmuscale.train import step as step_lib
 
 
-def rematerialised(h_BxTxD, w_VxD, targets_BxT, chunk=base.LOSS_CHUNK):
+def rematerialised(h_BxTxD, w_VxD, targets_BxT, chunk=LOSS_CHUNK):
     """The cross-entropy as it was: a checkpointed ``lax.map`` over chunks of positions."""
     batch, length, width = h_BxTxD.shape
     count = batch * length
@@ -94,7 +98,7 @@ def rematerialised(h_BxTxD, w_VxD, targets_BxT, chunk=base.LOSS_CHUNK):
     @jax.checkpoint
     def one_chunk(args):
         h_cxD, targets_c = args
-        logits_cxV = base.logits_from_hidden(h_cxD, w_VxD)
+        logits_cxV = logits_from_hidden(h_cxD, w_VxD)
         picked_c = jnp.take_along_axis(logits_cxV, targets_c[:, None], axis=-1)[:, 0]
         return jax.nn.logsumexp(logits_cxV, axis=-1) - picked_c
 
@@ -103,17 +107,20 @@ def rematerialised(h_BxTxD, w_VxD, targets_BxT, chunk=base.LOSS_CHUNK):
 
 
 def compiled_step(name: str, batch: int, seq_len: int, loss, chunk: int):
-    """``(compiled train step, its initial state, tokens)`` with ``loss`` as the model's
-    cross-entropy (swapped in while the step is traced)."""
-    kept = base.cross_entropy
-    base.cross_entropy = lambda h, w, targets, *_: loss(h, w, targets, chunk)
-    try:
-        config = named_config(name, batch_chunk=0) if name.startswith("lmu") else named_config(name)
-        train_step, init, mesh, abstract = train_step_for(config, seq_len)
-        tokens = jnp.zeros((1, batch, seq_len + 1), jnp.int32)
-        return train_step.lower(abstract, tokens).compile(), step_lib.init_state(init, mesh), tokens
-    finally:
-        base.cross_entropy = kept
+    """``(compiled train step, its initial state, tokens)`` of ``name``'s model with ``loss``
+    as its cross-entropy (a subclass whose ``loss`` calls it)."""
+    config = named_config(name, batch_chunk=0) if name.startswith("lmu") else named_config(name)
+    built = build(config, ops.resolve(config))
+
+    class WithLoss(type(built)):
+        def loss(self, inputs_BxT, targets_BxT):
+            per_position = loss(self.hidden(inputs_BxT), self.embed.embedding, targets_BxT, chunk)
+            return per_position.mean(), per_position
+
+    model = WithLoss(config, impls=built.impls)
+    train_step, init, mesh, abstract = train_step_for(config, seq_len, model=model)
+    tokens = jnp.zeros((1, batch, seq_len + 1), jnp.int32)
+    return train_step.lower(abstract, tokens).compile(), step_lib.init_state(init, mesh), tokens
 
 
 def measure(name: str, batch: int, seq_len: int, repeats: int, chunk: int) -> list[dict]:
@@ -121,7 +128,7 @@ def measure(name: str, batch: int, seq_len: int, repeats: int, chunk: int) -> li
     drift of the machine's speed moves both alike, and the median ratio of each pair."""
     steps = {
         label: compiled_step(name, batch, seq_len, loss, chunk)
-        for label, loss in (("custom VJP", base.cross_entropy), ("recomputed", rematerialised))
+        for label, loss in (("custom VJP", cross_entropy), ("recomputed", rematerialised))
     }
     rows = {
         label: {"model": name, "loss": label, **compiled_figures(step)}
@@ -145,7 +152,7 @@ def measure(name: str, batch: int, seq_len: int, repeats: int, chunk: int) -> li
 
 
 # "pallas": the fused kernels with the dh kernel; the last, dh from the forward's expected
-# embeddings (``fused_loss.DH_FROM_FORWARD``), whichever of the two the models run.
+# embeddings (``ops.LossKernels.dh_from_forward``; the models run the first).
 DH_FROM_FORWARD = "pallas, dh from the forward"
 LOSS_IMPLS = ("xla", "pallas", DH_FROM_FORWARD)
 
@@ -164,7 +171,7 @@ def loss_program(impl: str):
 
     def loss(h, w, targets):
         if impl == "xla":
-            return base.cross_entropy(h, w, targets, impl="xla")
+            return cross_entropy(h, w, targets, impl="xla")
         return fused_loss.cross_entropy(h, w, targets, dh_from_forward=impl == DH_FROM_FORWARD)
 
     def run(h, w, targets):
@@ -176,8 +183,8 @@ def loss_program(impl: str):
 
 
 def xla_bytes(tokens: int, width: int, dtype: str, vocab: int) -> float | None:
-    """XLA's bytes accessed for one chunk of ``base.LOSS_CHUNK`` tokens, times the chunks."""
-    chunk = min(tokens, base.LOSS_CHUNK)
+    """XLA's bytes accessed for one chunk of ``LOSS_CHUNK`` tokens, times the chunks."""
+    chunk = min(tokens, LOSS_CHUNK)
     shapes = (
         jax.ShapeDtypeStruct((1, chunk, width), jnp.dtype(dtype)),
         jax.ShapeDtypeStruct((vocab, width), jnp.float32),
@@ -242,7 +249,7 @@ def measure_loss(impl, width, dtype, batch, seq_len, repeats, reference=None):
     """One implementation at one shape: ``(row, outputs)``; outputs None where not run."""
     tokens, vocab = batch * seq_len, GPT2_VOCAB
     row = {"impl": impl, "d": width, "dtype": dtype, "batch": batch, "seq_len": seq_len}
-    reason = fused_loss.unsupported_reason() if impl != "xla" else None
+    reason = ops.unsupported_reason() if impl != "xla" else None
     if reason is not None:
         return {**row, "skipped": reason}, None
     h, w, targets = loss_inputs(batch, seq_len, width, dtype, vocab)
@@ -303,7 +310,7 @@ def measure_losses(widths, dtypes, batch, seq_len, repeats, impls=LOSS_IMPLS) ->
 
 
 # The kernels the sweep times: ``fused_loss.Tiling``'s three, and "forward_expected", the
-# forward that also forms the expected embeddings (``fused_loss.DH_FROM_FORWARD``; its launch
+# forward that also forms the expected embeddings (``ops.LossKernels.dh_from_forward``; its launch
 # is ``tiling.forward``). Swept in this order: dw, the longest (15.2 ms of lmu-1M's micro-batch
 # on the H200 at d = 204), and the form that would replace the next two (13.4 and 7.2 ms) first,
 # so that a spent budget leaves out the least.
@@ -414,7 +421,7 @@ def sweep_launches(
     ``not_started``); each kernel's default launch, its reference, and the loss's timings run
     whatever the budget. ``unfit``:
     ``(kernel, Launch)`` pairs not run (``unfit_launches``), counted in ``left_out``."""
-    reason = None if interpret else fused_loss.unsupported_reason()
+    reason = None if interpret else ops.unsupported_reason()
     if reason is not None:
         return {"skipped": reason}
     started = time.monotonic()
@@ -641,7 +648,7 @@ def main(argv=None) -> None:
     parser.add_argument("--batch", type=int, help="sequences (step: 8, loss: 64)")
     parser.add_argument("--seq-len", type=int, default=1024)
     parser.add_argument("--time", type=int, default=0, help="timed steps (0: compile only)")
-    parser.add_argument("--loss-chunk", type=int, default=base.LOSS_CHUNK)
+    parser.add_argument("--loss-chunk", type=int, default=LOSS_CHUNK)
     parser.add_argument("--widths", nargs="+", type=int, default=[48, 204], help="loss: d")
     parser.add_argument("--dtypes", nargs="+", default=["bfloat16", "float32"])
     parser.add_argument("--repeats", type=int, help="loss: timed calls (10; loss-tiles: 5)")

@@ -12,15 +12,16 @@ Parts (``--only`` takes shell patterns of these names):
   micro-batch plan) at --batch x --seq-len tokens (512 x 1024): the planned micro-batches,
   XLA's memory estimate, the device's peak bytes in use so far in the process (it only grows,
   so it bounds each model's peak from above), the median step time of --steps steps after
-  a warm-up step, tokens/s and MFU by Table 2's FLOP count, and the kernels that ran
-  (``loss_impl``: --loss-impl, and for the LMU families ``memory_impl``: --memory-impl; "auto"
-  by default, resolved). An out-of-memory or other failure is recorded in the model's row, and
-  the rest go on. Rows of another loss_impl or memory_impl are kept. With --tuned-loss (and
-  --loss-impl pallas) the fused loss at the swept d and dtype (lmu-1M's) runs in the form and
-  tiling that this device's JSON's ``loss_tiles`` part timed fastest among those that agreed
-  with the reference loss, not the committed ones, and those models' rows say which
-  (``loss_tuned``; kept beside the committed code's rows, and left out of the sweeps' dry-run
-  estimates): one GPU session measures the step as the tuning would make it.
+  a warm-up step, tokens/s and MFU by Table 2's FLOP count, and the ops that ran
+  (``ops.Impls.record``: ``loss_impl`` from --loss-impl, and for the LMU families
+  ``memory_impl`` from --memory-impl, "auto" by default, resolved; the layout and forms). An
+  out-of-memory or other failure is recorded in the model's row, and the rest go on. Rows of
+  another loss_impl or memory_impl are kept. With --tuned-loss (and --loss-impl pallas) the
+  fused loss at the swept d and dtype (lmu-1M's) runs in the form and tiling that this
+  device's JSON's ``loss_tiles`` part timed fastest among those that agreed with the
+  reference loss, not the committed ones, and those models' rows say which (``loss_tuned``;
+  kept beside the committed code's rows, and left out of the sweeps' dry-run estimates):
+  one GPU session measures the step as the tuning would make it.
 - ``plan/FAMILY``: the same configs compiled and planned only, no step run (not a default
   part). On a CPU it checks that every paper config compiles and fits a budget such as
   --budget-gb 80, by XLA:CPU's estimate: a CPU has no flash attention and lays buffers out
@@ -30,11 +31,9 @@ Parts (``--only`` takes shell patterns of these names):
 - ``block``: one LMU block of lmu-1M (FFN, implicit attention, FFN) at --block-batch x
   --block-seq-len (64 x 1024), forward and forward+backward, in --block-dtypes (bfloat16 and
   float32): of --block-impls (default all), the FFT memory, and per --block-chunks the XLA
-  chunked path (on a GPU one product written channels last), the same in the layers' order
-  off a GPU ("steps-last"), the experiments with autodiff's gradient (the scores by sums, and
-  by batched products) and the fused Pallas kernels (``memory_kernel``; the row says why
-  not where they cannot run), with TFLOP/s and each one's largest differences from the XLA
-  path (``lmu_memory.bench_block``).
+  chunked path as a run resolves it (on a GPU one product written channels last) and in
+  each layout ("steps-last", "channels-last"), with TFLOP/s and each one's largest
+  differences from the resolved path (``lmu_memory.bench_block``).
 - ``loss``: the cross-entropy's forward+backward alone at d = 48 and 204, --xent-batch x
   --seq-len tokens (64 x 1024), bfloat16 and float32, by the XLA path and by the fused Pallas
   kernels (skipped where they cannot run), with the kernels' largest differences from the
@@ -75,7 +74,6 @@ replaces the rows of the models it ran and keeps the others; other parts are rep
 from __future__ import annotations
 
 import argparse
-import contextlib
 import dataclasses
 import datetime
 import fnmatch
@@ -91,19 +89,19 @@ import sys
 import tempfile
 import time
 from pathlib import Path
-from unittest import mock
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 from common import machine, print_table, slug, timed_steps, train_step_for, versions, write_json
-from lmu_memory import BLOCK_IMPLS, SHAPES, bench_block, steps_last
+from lmu_memory import BLOCK_IMPLS, SHAPES, bench_block
 
+from lmuscale import ops
 from lmuscale.data.tokenizer import GPT2_VOCAB
-from lmuscale.memory_kernel import MEMORY_IMPLS
-from lmuscale.models import count_params, flops_per_token, fused_loss
-from lmuscale.models.fused_loss import LOSS_IMPLS
+from lmuscale.models import count_params, flops_per_token
 from lmuscale.models.sizes import FAMILIES, NAMES, SIZES
+from lmuscale.ops.cross_entropy_pallas import Tiling
+from lmuscale.outcomes import ConfigError
 from lmuscale.train import config as config_lib
 from lmuscale.train import memory, run
 from lmuscale.train import step as step_lib
@@ -146,10 +144,11 @@ def paper_config(
         return config_lib.override(config, items)
 
 
-def _planned(config):
-    """``(plan, compiled step, init, mesh, seconds)`` of a paper config."""
+def _planned(config, impls):
+    """``(plan, compiled step, init, mesh, seconds)`` of a paper config, its ops as ``impls``
+    says (None: as a run of it would, ``ops.resolve``)."""
     model = config_lib.model_config(config.model)
-    train_step, init, mesh, abstract = train_step_for(model, config.data.seq_len)
+    train_step, init, mesh, abstract = train_step_for(model, config.data.seq_len, impls=impls)
     start = time.perf_counter()
     plan, compiled = memory.plan_train_step(train_step, abstract, config, mesh)
     return plan, compiled, init, mesh, time.perf_counter() - start
@@ -171,7 +170,7 @@ def _model_row(name: str, config) -> dict:
         "seq_len": config.data.seq_len,
         "batch": config.train.global_batch,
         "dtype": model.dtype,
-        **config_lib.kernel_implementations(model),  # what runs, never "auto"
+        **ops.resolve(model).record(),  # what runs, never "auto"
         "train_flops_per_token": flops_per_token(model, config.data.seq_len).train,
     }
 
@@ -186,9 +185,9 @@ def _plan_fields(plan: memory.Plan, seconds: float) -> dict:
     }
 
 
-def measure_train(name: str, config, steps: int) -> dict:
+def measure_train(name: str, config, steps: int, impls=None) -> dict:
     row = _model_row(name, config)
-    plan, compiled, init, mesh, seconds = _planned(config)
+    plan, compiled, init, mesh, seconds = _planned(config, impls)
     row.update(_plan_fields(plan, seconds))
     state = step_lib.init_state(init, mesh)
     micro, seq_len = plan.microbatches, config.data.seq_len
@@ -215,9 +214,9 @@ def measure_train(name: str, config, steps: int) -> dict:
     return row
 
 
-def measure_plan(name: str, config) -> dict:
+def measure_plan(name: str, config, impls=None) -> dict:
     row = _model_row(name, config)
-    plan, _, _, _, seconds = _planned(config)
+    plan, _, _, _, seconds = _planned(config, impls)
     row.update(_plan_fields(plan, seconds))
     return row
 
@@ -303,10 +302,11 @@ def part_train(family: str, args, plan_only: bool, keep=None) -> dict:
                 microbatches=args.microbatches,
                 **_impls(args),
             )
+            model = config_lib.model_config(config.model)
             tuned = args.tuned() if args.tuned else None
-            with loss_launched(tuned) as ran:
-                row = measure(name, config, *extra)
-            return _with_tuning(row, tuned if ran else None)  # not at another width
+            impls, tuned = tuned_impls(model, ops.resolve(model), tuned)
+            row = measure(name, config, *extra, impls)
+            return _with_tuning(row, tuned)  # None at another width
 
         row = _guarded(name, one)
         if row is not None and "error" in row:
@@ -342,8 +342,9 @@ def _kernels_asked(name: str, args, seq_len: int, batch: int) -> dict:
     if model is None:
         return {} if args.loss_impl == "auto" else {"loss_impl": args.loss_impl}
     try:
-        return config_lib.kernel_implementations(model)
-    except Exception:
+        record = ops.resolve(model).record()
+        return {key: record[key] for key in ("loss_impl", "memory_impl") if key in record}
+    except ConfigError:
         asked = {"loss_impl": model.loss_impl, "memory_impl": getattr(model, "memory_impl", None)}
         return {key: impl for key, impl in asked.items() if impl not in (None, "auto")}
 
@@ -389,7 +390,7 @@ def tuned_loss_from(record: dict, source) -> dict:
     ``record`` (this device's JSON, read from ``source``) timed whole, the fastest:
     ``{"label", "dh_from_forward", "tiling", "loss_ms", "default_ms", "committed_ms", "d",
     "dtype", "sweep_session"}``: beside its time, the default tiling's in the same form, and
-    the committed code's (``fused_loss.DH_FROM_FORWARD``'s form, the default tiling). Only
+    the committed code's (the dh kernel, the default tiling). Only
     losses whose values and gradients agreed with the reference's (``LOSS_AGREEMENT``) are
     taken. A ValueError naming ``source`` and what it lacks where that part is missing, was
     skipped or timed no such loss (in the model's row: the parts run before it are kept)."""
@@ -418,7 +419,7 @@ def tuned_loss_from(record: dict, source) -> dict:
     label = min(agreed, key=agreed.get)
     form = label.split(", ")[0]  # "dh kernel" or "dh from the forward"
     try:
-        tiling = fused_loss.Tiling.from_dict(tilings[label])
+        tiling = Tiling.from_dict(tilings[label])
     except (TypeError, ValueError) as error:
         raise ValueError(
             f'--tuned-loss: {source}\'s parts["loss_tiles"]["tilings"]["{label}"]: {error}'
@@ -429,7 +430,7 @@ def tuned_loss_from(record: dict, source) -> dict:
         "tiling": tiling,
         "loss_ms": timed[label],
         "default_ms": timed.get(f"{form}, default"),
-        "committed_ms": timed.get(f"{_committed_form()}, default"),
+        "committed_ms": timed.get(f"{COMMITTED_FORM}, default"),
         "d": part["d"],
         "dtype": part["dtype"],
         "sweep_session": part.get("args", {}).get("session"),
@@ -456,31 +457,20 @@ def _agrees(diffs) -> bool:
     )
 
 
-@contextlib.contextmanager
-def loss_launched(tuned: dict | None):
-    """While in force, the fused loss at ``tuned``'s (d, dtype) runs in its form and tiling
-    (``tuned_loss_from``), at other widths and dtypes as committed; None: as committed. Yields
-    a list that gets an entry each time the tuned loss is traced (empty: it never ran)."""
-    ran = []
-    if tuned is None:
-        yield ran
-        return
-    committed = fused_loss.cross_entropy
-    chosen = {"tiling": tuned["tiling"], "dh_from_forward": tuned["dh_from_forward"]}
-
-    def cross_entropy(h_BxTxD, w_VxD, targets_BxT, **options):
-        width, dtype = h_BxTxD.shape[-1], jnp.dtype(h_BxTxD.dtype).name
-        if not options and (width, dtype) == (tuned["d"], tuned["dtype"]):
-            options = chosen
-            ran.append((width, dtype))
-        return committed(h_BxTxD, w_VxD, targets_BxT, **options)
-
-    with mock.patch.object(fused_loss, "cross_entropy", cross_entropy):
-        yield ran
+def tuned_impls(model, impls: ops.Impls, tuned: dict | None):
+    """``(impls, tuned)``: what ``model``'s ops (a model config's) run under --tuned-loss
+    (``tuned``, from ``tuned_loss_from``; None: as committed): ``impls``, with the fused loss
+    in ``tuned``'s form and tiling where it runs the kernels at ``tuned``'s (d, dtype);
+    ``tuned`` again where it does, else None."""
+    width = (model.d, jnp.dtype(model.dtype).name)
+    if tuned is None or impls.loss != "pallas" or width != (tuned["d"], tuned["dtype"]):
+        return impls, None
+    kernels = ops.LossKernels(tiling=tuned["tiling"], dh_from_forward=tuned["dh_from_forward"])
+    return dataclasses.replace(impls, loss_kernels=kernels), tuned
 
 
-def _committed_form() -> str:
-    return "dh from the forward" if fused_loss.DH_FROM_FORWARD else "dh kernel"
+# The committed code's form of the fused loss (ops.LossKernels' default).
+COMMITTED_FORM = "dh kernel"
 
 
 def _with_tuning(row: dict, tuned: dict | None) -> dict:
@@ -603,11 +593,9 @@ def part_precision(args) -> dict:
 
 def part_attention(args) -> dict:
     """cuDNN's attention against XLA's, both in bfloat16, and both against float32."""
-    import jax.numpy as jnp
+    from lmuscale.ops.attention import causal_attention
 
-    from lmuscale.layers import attention_implementation, causal_attention
-
-    if attention_implementation(jnp.bfloat16) != "cudnn":
+    if ops.attention_implementation(jnp.bfloat16, jax.devices()[0]) != "cudnn":
         return {"rows": [], "skipped": f"cuDNN attention is not used on {machine()['device_kind']}"}
     rows = []
     for width in (13, 24, 28, 34, 36):
@@ -638,15 +626,14 @@ def part_attention(args) -> dict:
 PROFILE_MODELS = ("lmu-1M", "transformer-1M")
 
 
-# What the profile part traces, by label: the model, and what is patched in while it is
-# traced. After the two models, lmu-1M with its chunk products in the layers' order off a GPU
-# (lmu_memory.steps_last), as every GPU step measured before layers.channels_last_memory was
-# (gpu-nvidia-h200.json's included): on a GPU the layers now write them channels last, and
-# the two micro-batches compare.
+# What the profile part traces, by label: the model, and what its ops run besides what a run
+# resolves. After the two models, lmu-1M with its chunk products in a CPU's layout
+# (steps-last), as every GPU step measured before the GPU's channels-last one was
+# (gpu-nvidia-h200.json's included): the two micro-batches compare.
 PROFILED = {
-    "lmu-1M": ("lmu-1M", contextlib.nullcontext),
-    "transformer-1M": ("transformer-1M", contextlib.nullcontext),
-    "lmu-1M steps-last": ("lmu-1M", steps_last),
+    "lmu-1M": ("lmu-1M", {}),
+    "transformer-1M": ("transformer-1M", {}),
+    "lmu-1M steps-last": ("lmu-1M", {"memory_layout": "steps-last"}),
 }
 # XLA's GPU options to try on the micro-batch steps, each against the default. Command buffers
 # (CUDA graphs) by default cover fusions and library calls; the chunk-state scan and the loss
@@ -665,14 +652,14 @@ XLA_OPTIONS = {
 }
 
 
-def micro_batch_step(name: str, args, options: dict | None = None):
+def micro_batch_step(name: str, args, options: dict | None = None, **impls):
     """``name``'s paper train step for one micro-batch of --profile-batch sequences, compiled
-    with XLA ``options``: ``(compiled, state, tokens)``."""
-    import jax.numpy as jnp
-
+    with XLA ``options``, its ops as a run resolves them changed by ``impls`` (``ops.Impls``'s
+    fields): ``(compiled, state, tokens)``."""
     config = paper_config(name, args.seq_len, args.profile_batch, args.budget_gb)
     model = config_lib.model_config(config.model)
-    train_step, init, mesh, abstract = train_step_for(model, args.seq_len)
+    chosen = dataclasses.replace(ops.resolve(model), **impls)
+    train_step, init, mesh, abstract = train_step_for(model, args.seq_len, impls=chosen)
     sharding = step_lib.batch_sharding(mesh, 3, axis=1)
     shape = (1, args.profile_batch, args.seq_len + 1)
     abstract_tokens = jax.ShapeDtypeStruct(shape, jnp.int32, sharding=sharding)
@@ -733,10 +720,10 @@ def _show(row: dict, result: str = "step_seconds") -> None:
     )
 
 
-def profile_one(label: str, args, folder: Path) -> dict:
-    name, traced_as = PROFILED[label]
-    with traced_as():
-        compiled, state, tokens = micro_batch_step(name, args)
+def profile_one(label: str, args, folder: Path, **impls) -> dict:
+    """The profile of ``label`` (``PROFILED``), its ops changed by ``impls`` besides."""
+    name, changes = PROFILED[label]
+    compiled, state, tokens = micro_batch_step(name, args, **{**changes, **impls})
     state, _ = timed_steps(compiled, state, tokens, 2)  # after compiling, warm
     if folder.exists():
         shutil.rmtree(folder)
@@ -1000,11 +987,11 @@ def main(argv=None) -> None:
     parser.add_argument("--loss-data", type=Path, default=ROOT / "data" / "shakespeare-gpt2")
     parser.add_argument("--profile-batch", type=int, default=64, help="sequences, one micro-batch")
     parser.add_argument(
-        "--loss-impl", choices=LOSS_IMPLS, default="auto", help="model.loss_impl of train/, long"
+        "--loss-impl", choices=ops.IMPLS, default="auto", help="model.loss_impl of train/, long"
     )
     parser.add_argument(
         "--memory-impl",
-        choices=MEMORY_IMPLS,
+        choices=ops.IMPLS,
         default="auto",
         help="model.memory_impl of train/, long (LMU families)",
     )

@@ -2,22 +2,21 @@
 
     pip install "jax-cuda12-plugin==$(python -c 'import jaxlib; print(jaxlib.__version__)')"
     JAX_PLATFORMS=cpu python benchmarks/gpu_aot.py [--models lmu-1M transformer-1M]
-        [--batch 64] [--dtype bfloat16] [--impl auto] [--attention layers] [--top 10]
+        [--batch 64] [--dtype bfloat16] [--impl auto] [--layout channels-last] [--top 10]
         [--out FILE]
 
 XLA's GPU compiler compiles the train step of ``lmuscale.train`` (Adam, the chunked loss; one
 micro-batch of --batch sequences of 1024 tokens) for a one-device H100 topology
 (``jax.experimental.topologies``: no GPU and no driver, only the CUDA plugin's wheel, as for
-``kernel_resources.py``). The model is traced as on a GPU (``jax.default_backend()`` reads
-"gpu" meanwhile, so ``layers.gelu`` and the exact precision take their GPU forms); what picks
-itself by the device it finds takes XLA's path, since JAX finds a CPU: cuDNN's attention, and
-the fused kernels under --impl "auto". --impl "pallas" sets the configs' ``loss_impl`` and
-``memory_impl`` to the fused Pallas kernels, lowered for the H100; their FLOPs are inside
-Triton's calls, not in the HLO, so their floors count their bytes only. Triton's GEMM fusions
-are off: their tiles come from the autotuner, which needs a GPU, so cuBLAS's calls stand in.
-XLA is this jaxlib's, which need not be the GPU machine's. --attention channels-last (or
-channels-last-dots) traces the LMUs with ``lmu_memory.attend_channels_last``, the experiment
-``gpu.py``'s block part times.
+``kernel_resources.py``). The model's ops run as ``ops.resolve`` decides for an H100
+(``H100_DEVICE``: the GPU's memory layout, gelu and exact products; the fused cross-entropy
+where --impl, the configs' ``loss_impl``, takes it: "auto" in bfloat16, or "pallas"), but
+for causal attention, which stays XLA's (cuDNN's is a library call, outside the estimate).
+The fused kernels are lowered for the H100; their FLOPs are inside Triton's calls, not in
+the HLO, so their floors count their bytes only. Triton's GEMM fusions are off: their tiles
+come from the autotuner, which needs a GPU, so cuBLAS's calls stand in. XLA is this
+jaxlib's, which need not be the GPU machine's. --layout steps-last compiles the LMUs with
+their memory in a CPU's layout.
 
 From the compiled HLO, each kernel's HBM traffic is estimated as its operands plus its
 outputs (an operand a fusion only slices counts its slices; an update in place counts the
@@ -35,19 +34,17 @@ from __future__ import annotations
 
 import argparse
 import collections
-import contextlib
+import dataclasses
 import os
 import re
 import time
 from pathlib import Path
-from unittest import mock
+from types import SimpleNamespace
 
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
-import jax
 from common import abstract_step_inputs, machine, print_table, train_step_for, versions, write_json
-from lmu_memory import channels_last
 
-from lmuscale import kernels
+from lmuscale import ops
 from lmuscale.models import named_config
 from lmuscale.train.metrics import PEAK_FLOPS
 
@@ -78,8 +75,10 @@ platform_name: "CUDA"
 dnn_version_info { major: 9 minor: 7 }
 runtime_version { major: 12 minor: 8 }
 """
-    + f'device_description_str: "{kernels.CUDA_TARGET}"\n'
+    + f'device_description_str: "{ops.CUDA_TARGET}"\n'
 )
+# The device ``ops.resolve`` decides for, as JAX would describe that H100.
+H100_DEVICE = SimpleNamespace(platform="gpu", device_kind=ops.CUDA_TARGET, compute_capability="9.0")
 HBM_BYTES_PER_S = float(re.search(r"memory_bandwidth: (\d+)", H100_TARGET).group(1))
 BF16_FLOPS_PER_S = dict(PEAK_FLOPS)["H100"]["bfloat16"]  # dense
 
@@ -93,32 +92,20 @@ def h100():
     )
 
 
-@contextlib.contextmanager
-def traced_as_on_a_gpu():
-    with mock.patch.object(jax, "default_backend", lambda: "gpu"):
-        yield
-
-
-def _no_reason_against(devices=None) -> None:
-    """``kernels.unsupported_reason`` for the GPU compiled for: none."""
-    del devices
-
-
-def compiled_step_text(name: str, batch: int, dtype: str, devices, impl: str = "auto") -> str:
-    """The HLO text of ``name``'s train step on one micro-batch, compiled for ``devices``.
-    ``impl`` is the config's ``loss_impl`` and an LMU's ``memory_impl``: with "pallas" the fused
-    kernels are lowered for the GPU (JAX, finding a CPU here, would refuse them)."""
+def compiled_step_text(
+    name: str, batch: int, dtype: str, devices, impl: str = "auto", layout: str = ""
+) -> str:
+    """The HLO text of ``name``'s train step on one micro-batch, compiled for ``devices``, its
+    ops as ``ops.resolve`` decides for ``H100_DEVICE`` with the config's ``loss_impl`` =
+    ``impl`` (causal attention XLA's; ``layout``: an LMU memory's, if given)."""
     positions = {"max_len": 1024} if name.startswith("transformer") else {}
-    memory = {"batch_chunk": 0, "memory_impl": impl} if name.startswith("lmu") else {}
-    kernels_lowered = (
-        mock.patch.object(kernels, "unsupported_reason", _no_reason_against)
-        if impl == "pallas"
-        else contextlib.nullcontext()
-    )
-    with kernels_lowered, traced_as_on_a_gpu():
-        config = named_config(name, dtype=dtype, loss_impl=impl, **positions, **memory)
-        train_step, _, mesh, abstract = train_step_for(config, 1024, devices)
-        lowered = train_step.lower(*abstract_step_inputs(mesh, abstract, batch, 1024))
+    memory = {"batch_chunk": 0} if name.startswith("lmu") else {}
+    config = named_config(name, dtype=dtype, loss_impl=impl, **positions, **memory)
+    impls = dataclasses.replace(ops.resolve(config, [H100_DEVICE]), attention="xla")
+    if layout and impls.memory_layout:
+        impls = dataclasses.replace(impls, memory_layout=layout)
+    train_step, _, mesh, abstract = train_step_for(config, 1024, devices, impls)
+    lowered = train_step.lower(*abstract_step_inputs(mesh, abstract, batch, 1024))
     # Triton's GEMM tiles come from the autotuner, which needs a GPU.
     return lowered.compile({"xla_gpu_enable_triton_gemm": False}).as_text()
 
@@ -337,12 +324,12 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--models", nargs="+", default=["lmu-1M", "transformer-1M"])
     parser.add_argument("--batch", type=int, default=64)
     parser.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float32"))
-    parser.add_argument("--impl", default="auto", choices=kernels.IMPLS)
+    parser.add_argument("--impl", default="auto", choices=ops.IMPLS, help="model.loss_impl")
     parser.add_argument(
-        "--attention",
-        default="layers",
-        choices=("layers", "channels-last", "channels-last-dots"),
-        help="the LMUs' memory and attention: the layers', or lmu_memory's experiment",
+        "--layout",
+        default="channels-last",
+        choices=ops.FORMS["memory_layout"],
+        help="the LMUs' memory layout (a GPU's: channels-last)",
     )
     parser.add_argument("--top", type=int, default=10)
     parser.add_argument(
@@ -350,19 +337,13 @@ def main(argv: list[str] | None = None) -> None:
     )
     args = parser.parse_args(argv)
     suffix = "" if args.impl == "auto" else f"-{args.impl}"
-    suffix += "" if args.attention == "layers" else f"-{args.attention}"
+    suffix += "" if args.layout == "channels-last" else f"-{args.layout}"
     out = args.out or Path(__file__).parent / "results" / f"gpu_aot-h100{suffix}.json"
     devices = h100().devices
-    traced_as = {
-        "layers": contextlib.nullcontext,
-        "channels-last": channels_last,
-        "channels-last-dots": lambda: channels_last(scores_by_products=True),
-    }[args.attention]
     records = {}
     for name in args.models:
         start = time.perf_counter()
-        with traced_as():
-            text = compiled_step_text(name, args.batch, args.dtype, devices, args.impl)
+        text = compiled_step_text(name, args.batch, args.dtype, devices, args.impl, args.layout)
         rows = kernels_of(text)
         record = summary(rows) | {"compile_seconds": time.perf_counter() - start}
         record["top"] = sorted(rows, key=floor_seconds, reverse=True)[: args.top]

@@ -19,13 +19,11 @@
 # 4. profile: one 64-sequence micro-batch of lmu-1M and transformer-1M traced, then of lmu-1M
 #    with its chunk products in the order the layers use off a GPU (steps-last);
 # 5. train/lmu, train/transformer at 55k;
-# 6. block: one lmu-1M block, the FFT, the XLA chunked path, the same steps-last, two
-#    channels-last experiments and the fused memory kernels (--block-impls and
-#    --block-dtypes after SECONDS pick fewer);
+# 6. block: one lmu-1M block, the FFT and the XLA chunked path as resolved and in each
+#    layout (--block-impls and --block-dtypes after SECONDS pick fewer);
 # 7. loss (the cross-entropy alone, XLA's path and the kernels at d = 48 and 204), attention,
 #    the other families' train parts (lmu_g, sru, sru_pp, lstm), long, precision;
-# 8. train/lmu at 1M with the Pallas loss and memory (3.5 s a step on the H200, 2026-11-28);
-# 9. xla_options: the profile's micro-batch steps under each of XLA's GPU options, if time is
+# 8. xla_options: the profile's micro-batch steps under each of XLA's GPU options, if time is
 #    left (the command's own time limit may stop it; the groups before are kept).
 #
 # Each part, and each model of a train part, is in the JSON as soon as it is done. Writes into
@@ -112,6 +110,5 @@ traces # at once: a later group that the command's time limit stops cannot lose 
 run --sizes 55k -- train/lmu train/transformer
 run block
 run loss attention train/lmu_g 'train/sru*' train/lstm long precision
-run --sizes 1M --loss-impl pallas --memory-impl pallas -- train/lmu
 run xla_options
 exit "$status"

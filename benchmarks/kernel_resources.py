@@ -1,12 +1,11 @@
 """What each Pallas kernel asks of an H100, found without one: registers, spills, shared memory.
 
     pip install "jax-cuda12-plugin==$(python -c 'import jaxlib; print(jaxlib.__version__)')"
-    JAX_PLATFORMS=cpu python benchmarks/kernel_resources.py [--sizes 55k 1M] [--out FILE]
+    JAX_PLATFORMS=cpu python benchmarks/kernel_resources.py [--widths 48 204] [--out FILE]
     JAX_PLATFORMS=cpu python benchmarks/kernel_resources.py --loss-launches --widths 204 \
         --out results/kernel_resources-sm90a-loss-launches.json
 
-Each kernel (the fused LMU memory's three, ``memory_kernel``, at each Table 3 LMU size with its
-chunk of 64, and the fused cross-entropy's three, ``models.fused_loss``, at d = 48 and 204,
+Each kernel (the fused cross-entropy's three, ``ops.cross_entropy_pallas``, at d = 48 and 204,
 with in bfloat16 the forward that also forms the expected embeddings, and, also in bfloat16,
 every kernel with d held in power-of-two parts where that pads it less, ``split width``) is
 lowered for CUDA here, its Triton module compiled to PTX for sm_90a by the Triton that the CUDA
@@ -19,7 +18,7 @@ per thread, the spill stores and loads (bytes of local-memory traffic the code h
 counts of execution) and the stack frame. An H100 gives a program at most 227 KB of shared
 memory (``SHARED_LIMIT``): a kernel asking more is refused when XLA compiles it, and so can
 never run there. Spills and stack are slow local memory. Times are not measured here:
-``benchmarks/gpu.py``'s ``block`` and ``loss`` parts measure them on a GPU.
+``benchmarks/gpu.py``'s ``loss`` and ``loss_tiles`` parts measure them on a GPU.
 """
 
 from __future__ import annotations
@@ -44,12 +43,11 @@ import jax.numpy as jnp
 from common import machine, print_table, versions, write_json
 from cross_entropy import launch_candidates
 
-from lmuscale import kernels, memory_kernel
-from lmuscale.models import fused_loss, named_config
+from lmuscale import ops
+from lmuscale.ops import cross_entropy_pallas as fused_loss
 
 SHARED_LIMIT = 227 * 1024  # bytes of shared memory an H100 gives one program (block)
 ARCH = "9.0"  # the H100's compute capability; ptxas takes sm_90a, the features Triton uses
-CHUNK = 64  # lmu.DEFAULT_CHUNK, the paper configs' chunk
 PTXAS_SECONDS = 900
 
 
@@ -86,7 +84,7 @@ def triton_modules(function, args) -> list[tuple[str, bytes]]:
 
     lowering.lower_jaxpr_to_triton_module = capture
     try:
-        kernels.lowered_for_cuda(function, *args)
+        ops.lowered_for_cuda(function, *args)
     finally:
         lowering.lower_jaxpr_to_triton_module = build
     return captured
@@ -153,30 +151,6 @@ def compile_rows(label: str, function, args, launch) -> list[dict]:
             rows[i].update(future.result())
     for row in rows:
         _print_row(row)
-    return rows
-
-
-def memory_rows(size: str) -> list[dict]:
-    """The fused memory's kernels, forward and backward, at an LMU size's (d, q, q')."""
-    config = named_config(f"lmu-{size}")
-    d, q, k = config.d, config.q, config.q_prime
-    options = memory_kernel._pallas_call.keywords["compiler_params"]
-    rows = []
-    for dtype, precision in ((jnp.bfloat16, "fast"), (jnp.float32, "exact")):
-        x = jax.ShapeDtypeStruct((2, 3, d, CHUNK + q), dtype)
-        w = jax.ShapeDtypeStruct((3, CHUNK + q, k, CHUNK), jnp.float32)
-        bias, p = jax.ShapeDtypeStruct((3, k), jnp.float32), jax.ShapeDtypeStruct((k,), jnp.float32)
-
-        def loss(*args, precision=precision, dtype=dtype):
-            m = memory_kernel.memory_attention(*args, precision=precision, dtype=dtype)
-            return jnp.sum(m.astype(jnp.float32))
-
-        label = f"memory lmu-{size} {jnp.dtype(dtype).name}"
-        step = jax.value_and_grad(loss, argnums=range(4))
-        launch = lambda _: (options.num_warps, options.num_stages)  # noqa: E731
-        rows += compile_rows(label, step, (x, w, bias, p), launch)
-    for row in rows:
-        row.update(d=d, q=q, q_prime=k, chunk=CHUNK)
     return rows
 
 
@@ -305,7 +279,6 @@ def print_rows(rows: list[dict]) -> None:
 
 def main(argv=None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--sizes", nargs="+", default=["55k", "1M"], help="LMU Table 3 sizes")
     parser.add_argument("--widths", nargs="+", type=int, default=[48, 204], help="loss: d")
     parser.add_argument(
         "--loss-launches",
@@ -324,8 +297,6 @@ def main(argv=None) -> None:
     if args.loss_launches:
         rows += loss_launch_rows(args.widths[0], jnp.bfloat16, launch_candidates())
     else:
-        for size in args.sizes:
-            rows += memory_rows(size)
         for width in args.widths:
             rows += loss_rows(width)
     print_rows(rows)

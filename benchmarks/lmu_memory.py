@@ -22,33 +22,27 @@ table gives each mode's speed-up over the scan (or over reduced, the FFT path, f
 modes) and XLA's ``cost_analysis()`` bytes accessed of the compiled function. A scan body is
 counted once by XLA, so the scan's bytes are not comparable. --block also times one whole
 ``LMUBlock`` of the 1M model (FFN, implicit attention, FFN) on (batch, n, d) in each of
---block-dtypes: the FFT memory, and per chunk the XLA chunked path (on a GPU one product
-written channels last), the same in the layers' order off a GPU ("steps-last"), the experiment
-with autodiff's gradient of the attention (``attend_channels_last``) and the fused Pallas
-kernels (``bench_block``; on a GPU where they run), with TFLOP/s by ``block_flops``.
+--block-dtypes: the FFT memory, and per chunk the XLA chunked path as a run resolves it here
+(on a GPU one product written channels last) and in each layout (``bench_block``), with
+TFLOP/s by ``block_flops``.
 The JSON holds the machine, versions, shapes and every time.
 """
 
 from __future__ import annotations
 
 import argparse
-import contextlib
 import dataclasses
-import functools
-import math
 import statistics
 import sys
 import time
 from pathlib import Path
-from unittest import mock
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 from common import machine, print_table, versions, write_json
-from jax import lax
 
-from lmuscale import layers, lmu, memory_kernel
+from lmuscale import lmu, ops
 from lmuscale.models import named_config
 from lmuscale.models.lmu import LMUBlock
 
@@ -60,8 +54,10 @@ MODES = ("scan", "fft", "chunked", "reduced", "reduced_chunked", "final")
 
 
 def mode_functions(shape: dict, modes, chunks, precisions) -> dict:
-    """For each mode name, ``(fn, reduced)``: a function of (u, L) returning its output."""
+    """For each mode name, ``(fn, reduced)``: a function of (u, L) returning its output; the
+    chunked memory's exact products as a run here would compute them (``ops.resolve``)."""
     q, theta, n = shape["q"], shape["theta"], shape["n"]
+    exact = {"exact_algorithm": ops.resolve(named_config("lmu-1M")).exact_algorithm}
     h = lmu.impulse_response(q, theta, n, dtype=np.float32)
     abar, bbar = lmu.discretize(q, theta, dtype=np.float32)
     functions = {
@@ -74,10 +70,11 @@ def mode_functions(shape: dict, modes, chunks, precisions) -> dict:
         for c in chunks:
 
             def full(u, l_KxQ, c=c, precision=precision):
-                return lmu.memory_chunked(u, q, theta, chunk=c, precision=precision)[0]
+                return lmu.memory_chunked(u, q, theta, chunk=c, precision=precision, **exact)[0]
 
             def reduced(u, l_KxQ, c=c, precision=precision):
-                return lmu.memory_chunked(u, q, theta, l_KxQ, chunk=c, precision=precision)[0]
+                args = (u, q, theta, l_KxQ)
+                return lmu.memory_chunked(*args, chunk=c, precision=precision, **exact)[0]
 
             functions[f"chunked/{precision}/{c}"] = (full, False)
             functions[f"reduced_chunked/{precision}/{c}"] = (reduced, True)
@@ -165,89 +162,9 @@ def add_speedups(rows: list[dict]) -> None:
             row[phase]["baseline"] = base_mode
 
 
-BLOCK_IMPLS = ("fft", "xla", "steps-last", "channels-last", "channels-last-dots", "pallas")
-
-
-def attend_channels_last(self, x_BxTxD, scores_by_products: bool = False):
-    """``layers.ImplicitSelfAttention._attend`` (the chunked memory in XLA) with each chunk
-    product written as ``(q', c, B, J, d)``, the order ``dot_general(w, x)`` writes: the
-    attention's sums over d then run along the minor axis, as XLA's GPU reductions want, where
-    in ``(B, J, d, q', c)`` an H200 spent 68 of lmu-1M's 171 ms per micro-batch transposing
-    them (gpu-nvidia-h200.json's profile). The experiment the layers' GPU path
-    (``layers.channels_last_memory``) grew from: three products
-    (``lmu.chunk_product_channels_last``), and autodiff's gradient of the attention where the
-    layers have one product and a hand-written gradient; only the output, ``(c, B, J, d)``, is
-    moved. Compiled for an H100 (benchmarks/gpu_aot.py), lmu-1M's memory moves 90.4 GB per
-    micro-batch of 64 x 1024 in bfloat16 this way, against 167.0 in the layers' order (on
-    2026-11-27). Patched in by ``bench_block`` (and gpu.py's profile part) to time it against
-    the XLA path; on a CPU it is slower, as XLA's CPU backend wants the layers' order.
-
-    ``scores_by_products``: the scores as batched matrix products over d (batched over c, B
-    and J, from the gelus in the model's dtype, accumulated in float32), where the sum of
-    broadcast products reads each gelu(Q) and gelu(K) row q' times (the H200 spent 4.5 ms a
-    layer on that reduction in the layers' order); their gradients are products too.
-
-    The biases are added in float32 (so that autodiff sums their gradients in float32), the
-    layers' in the model's dtype: the same function to rounding. A layer that would not run
-    the chunked memory in XLA is refused by name."""
-    impl = memory_kernel.resolve(self.memory_impl, self.dtype)
-    if self.memory_mode != "chunked" or impl == "pallas":
-        raise ValueError(
-            "attend_channels_last replaces the chunked memory in XLA, but this layer has "
-            f"memory_mode={self.memory_mode!r} and memory_impl={self.memory_impl!r} ({impl})"
-        )
-    batch, length, width = x_BxTxD.shape
-    fast = jnp.dtype(self.dtype) == jnp.bfloat16
-    precision = "fast" if fast else "exact"
-    x_BxJxDxZ, _ = lmu.chunk_operands(
-        x_BxTxD.astype(jnp.float32),
-        self.q,
-        self.theta,
-        chunk=self.memory_chunk,
-        dtype=jnp.bfloat16 if fast else None,
-    )
-    c = x_BxJxDxZ.shape[-1] - self.q
-    wide = layers._wide(self.dtype)  # every sum, as in the layers
-    to_5 = functools.partial(lax.broadcast_to_rank, rank=5)
-    gelus = []
-    for l_KxQ, b_K in zip(self.l, self.bias, strict=True):
-        w_ZxKxc = lmu.chunk_weights(self.q, self.theta, c, l_KxQ)
-        y_KxcxBxJxD = lmu.chunk_product_channels_last(x_BxJxDxZ, w_ZxKxc, precision, self.dtype)
-        bias_Kx1x1x1x1 = jnp.moveaxis(to_5(b_K.astype(wide)), -1, 0)
-        pre_KxcxBxJxD = (y_KxcxBxJxD.astype(wide) + bias_Kx1x1x1x1).astype(self.dtype)
-        gelus.append(layers.gelu(pre_KxcxBxJxD))
-    gq, gk, gv = (g.astype(wide) for g in gelus)
-    # scores[i, k] = sum over d of gelu(Q)[i, d] gelu(K)[k, d]; the softmax runs over k.
-    if scores_by_products:
-        options = {} if fast else {"precision": lax.Precision.HIGHEST}
-        batched = (((4,), (4,)), ((1, 2, 3), (1, 2, 3)))  # -> (c, B, J, i, k)
-        scores_cxBxJxKxK = lax.dot_general(
-            gelus[0], gelus[1], batched, preferred_element_type=wide, **options
-        )
-        scores_KxKxcxBxJ = jnp.moveaxis(scores_cxBxJxKxK, (3, 4), (0, 1)) / math.sqrt(width)
-    else:
-        scores_KxKxcxBxJ = jnp.sum(gq[:, None] * gk[None, :], axis=-1) / math.sqrt(width)
-    weights_KxKxcxBxJ = jax.nn.softmax(scores_KxKxcxBxJ, axis=1)
-    p_Kx1x1x1x1 = jnp.moveaxis(to_5(self.p.astype(wide)), -1, 0)
-    w_KxcxBxJ = jnp.sum(weights_KxKxcxBxJ * p_Kx1x1x1x1, axis=0)
-    m_cxBxJxD = functools.reduce(
-        jnp.add, (g * w[..., None] for g, w in zip(gv, w_KxcxBxJ, strict=True))
-    )
-    m_BxJxcxD = jnp.transpose(m_cxBxJxD.astype(self.dtype), (1, 2, 0, 3))
-    return m_BxJxcxD.reshape(batch, -1, width)[:, :length]
-
-
-def steps_last():
-    """A context in which the LMU layers are traced with the chunk products in the layers'
-    order, (B, J, d, q', c), whatever the backend: the XLA path off a GPU
-    (``layers.channels_last_memory``), for timing it on one."""
-    return mock.patch.object(layers, "channels_last_memory", lambda: False)
-
-
-def channels_last(scores_by_products: bool = False):
-    """A context in which the LMU layers are traced with ``attend_channels_last``."""
-    attend = functools.partialmethod(attend_channels_last, scores_by_products=scores_by_products)
-    return mock.patch.object(layers.ImplicitSelfAttention, "_attend", attend)
+# The block's memories: the FFT, and the chunked one in XLA as a run here resolves it ("xla")
+# or in either layout (``ops.Impls.memory_layout``) on any backend.
+BLOCK_IMPLS = ("fft", "xla", "steps-last", "channels-last")
 
 
 def block_flops(config, batch: int, n: int, chunk: int) -> float:
@@ -268,7 +185,7 @@ def block_flops(config, batch: int, n: int, chunk: int) -> float:
 
 
 def _largest_differences(got, want) -> dict:
-    """The kernel's output and gradients against the XLA path's at the same inputs: the largest
+    """A variant's output and gradients against the XLA path's at the same inputs: the largest
     absolute difference over the largest magnitude, of the output and of any gradient."""
 
     def relative(a, b):
@@ -286,44 +203,33 @@ def _largest_differences(got, want) -> dict:
 def bench_block(
     shape: dict, batch: int, repeats: int, chunks, dtypes, impls=BLOCK_IMPLS, model="lmu-1M"
 ) -> list[dict]:
-    """One LMUBlock of ``model``, forward and forward+backward, per memory: the FFT
-    ("fft"), the chunked products and attention in XLA ("xla": on a GPU one product written
-    channels last, elsewhere three in the layers' order), the layers' order on any backend
-    ("steps-last", ``steps_last``), the experiment with autodiff's gradient of the attention
-    ("channels-last", ``attend_channels_last``) and fused in Pallas ("pallas",
-    ``memory_kernel``; a row that says why not where the kernels cannot run), for each chunk
-    and dtype; "channels-last-dots" with its scores by products. Rows: ``mode`` ("fft",
-    "chunked/C", "steps-last/C", "channels-last/C", "channels-last-dots/C" or "pallas/C"),
-    ``impl``, ``chunk``, times (``time_phases``), TFLOP/s by ``block_flops`` for the chunked
-    rows, and for the others their largest differences from the XLA path at the same chunk."""
-
+    """One LMUBlock of ``model``, forward and forward+backward, per memory: the FFT ("fft"),
+    the chunked products and attention in XLA as a run here resolves them ("xla": on a GPU
+    one product written channels last, elsewhere three in the steps-last layout), or in
+    either layout on any backend ("steps-last", "channels-last"), for each chunk and dtype.
+    Rows: ``mode`` ("fft", "chunked/C", "steps-last/C" or "channels-last/C"), ``impl``,
+    ``chunk``, the ops as they ran (``ops.Impls.record``), times (``time_phases``), TFLOP/s
+    by ``block_flops`` for the chunked rows, and for the layouts their largest differences
+    from the "xla" row at the same chunk."""
     rng = np.random.default_rng(0)
     rows = []
     for dtype in dtypes:
         config = named_config(model, dtype=dtype, batch_chunk=0)
+        resolved = ops.resolve(config)
         x = jnp.asarray(rng.standard_normal((batch, shape["n"], config.d)), jnp.float32)
         variants = [("fft", lmu.DEFAULT_CHUNK)] * ("fft" in impls)
-        chunked = ("xla", "steps-last", "channels-last", "channels-last-dots", "pallas")
+        chunked = ("xla", "steps-last", "channels-last")
         variants += [(impl, c) for c in chunks for impl in chunked if impl in impls]
         outputs = {}  # the XLA path's output and gradients in this dtype, per chunk
         for impl, c in variants:
             name = "fft" if impl == "fft" else f"{'chunked' if impl == 'xla' else impl}/{c}"
+            layout = impl if impl.endswith("-last") else resolved.memory_layout
+            block_impls = dataclasses.replace(resolved, memory_layout=layout)
             row = {"mode": name, "impl": impl, "chunk": c, "batch": batch, "n": shape["n"]}
-            row["dtype"] = dtype
-            reason = memory_kernel.unsupported_reason() if impl == "pallas" else None
-            if reason:
-                rows.append({**row, "skipped": f"the fused kernels cannot run here: {reason}"})
-                print(f"  block  {name}: skipped ({reason})", file=sys.stderr, flush=True)
-                continue
-            memory = {"fft": {"memory_mode": "fft"}, "pallas": {"memory_impl": "pallas"}}.get(
-                impl, {"memory_impl": "xla"}
-            )
-            block = LMUBlock(dataclasses.replace(config, memory_chunk=c, **memory))
-            traced_as = {
-                "steps-last": steps_last,
-                "channels-last": channels_last,
-                "channels-last-dots": functools.partial(channels_last, scores_by_products=True),
-            }.get(impl, contextlib.nullcontext)
+            row.update(dtype=dtype, **block_impls.record())
+            mode = "fft" if impl == "fft" else "chunked"
+            block_config = dataclasses.replace(config, memory_chunk=c, memory_mode=mode)
+            block = LMUBlock(block_config, block_impls)
             params = block.init(jax.random.key(0), x[:1, :8])  # the same values for every row
 
             def loss(params, x, block=block):
@@ -331,20 +237,18 @@ def bench_block(
 
             forward = jax.jit(block.apply)
             backward = jax.jit(jax.grad(loss, argnums=(0, 1)))
-            label = f"block  {name} {dtype}"
-            # The jitted functions are traced at their first call, maybe again in the
-            # comparison (after an error): both with the variant in force.
-            with traced_as():
-                row.update(time_phases(label, forward, backward, (params, x), repeats))
-                if impl != "fft" and "error" not in row["forward_backward"]:
-                    try:
-                        result = (forward(params, x), backward(params, x))
-                        if impl == "xla":
-                            outputs[c] = result
-                        elif c in outputs:
-                            row.update(_largest_differences(result, outputs[c]))
-                    except Exception as error:  # an out-of-memory holding both: say so
-                        row["comparison_error"] = f"{type(error).__name__}: {error}"[:300]
+            row.update(
+                time_phases(f"block  {name} {dtype}", forward, backward, (params, x), repeats)
+            )
+            if impl != "fft" and "error" not in row["forward_backward"]:
+                try:
+                    result = (forward(params, x), backward(params, x))
+                    if impl == "xla":
+                        outputs[c] = result
+                    elif c in outputs:
+                        row.update(_largest_differences(result, outputs[c]))
+                except Exception as error:  # an out-of-memory holding both: say so
+                    row["comparison_error"] = f"{type(error).__name__}: {error}"[:300]
             if impl != "fft":
                 flops = block_flops(config, batch, shape["n"], c)
                 row["forward_flops"] = flops
@@ -400,8 +304,8 @@ def _tflops(phase: dict) -> str:
 
 
 def print_block_rows(block_rows: list[dict], title: str) -> None:
-    """The block rows as a table: times, TFLOP/s (``block_flops``), XLA's bytes, and the
-    kernels' largest differences from the XLA path (or why a row did not run)."""
+    """The block rows as a table: times, TFLOP/s (``block_flops``), XLA's bytes, and each
+    variant's largest differences from the XLA path (or why a row did not run)."""
     table = []
     for r in block_rows:
         if "skipped" in r:

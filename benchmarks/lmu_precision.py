@@ -7,8 +7,8 @@ reduced memory) on random N(0, 1) inputs. Each mode's output is compared with
 ``lmu.memory_reference`` (numpy, float64): rms and max of |out - ref| relative to max |ref|,
 and rms of |out - ref| / rms(ref). Modes: the FFT paths (complex64), and ``memory_chunked`` in
 "exact" and "fast" precision for several chunk lengths. On a GPU, "exact" is also run with
-each candidate dot algorithm (``--exact-algorithms``), by swapping the one the library uses,
-so the choice in ``lmu._exact_precision`` can be checked against its alternatives.
+each candidate dot algorithm (``--exact-algorithms``, ``lmu.EXACT_ALGORITHMS``), so the one
+``ops.resolve`` takes here (``Impls.exact_algorithm``) can be checked against the others.
 """
 
 from __future__ import annotations
@@ -22,16 +22,11 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from common import machine, print_table, versions, write_json
-from jax import lax
 
-from lmuscale import lmu
+from lmuscale import lmu, ops
+from lmuscale.models import named_config
 
-ALGORITHMS = {
-    "highest": lax.Precision.HIGHEST,
-    "bf16x3": lax.DotAlgorithmPreset.BF16_BF16_F32_X3,
-    "bf16x6": lax.DotAlgorithmPreset.BF16_BF16_F32_X6,
-    "tf32": lax.DotAlgorithmPreset.TF32_TF32_F32,
-}
+ALGORITHMS = lmu.EXACT_ALGORITHMS
 
 
 def errors(out, ref) -> dict:
@@ -83,11 +78,14 @@ def main(argv: list[str] | None = None) -> None:
         ("full", "fft (complex64)"): lambda: lmu.memory_fft(u, h),
         ("reduced", "fft (complex64)"): lambda: lmu.memory_reduced(u, h, l_KxQ),
     }
+    default = ops.resolve(named_config("lmu-1M")).exact_algorithm  # a run's on this device
     for precision in lmu.PRECISIONS:
         for c in args.chunks:
             for kind, proj in (("full", None), ("reduced", l_KxQ)):
                 runs[(kind, f"chunked {precision} c={c}")] = lambda proj=proj, c=c, p=precision: (
-                    lmu.memory_chunked(u, q, theta, proj, chunk=c, precision=p)[0]
+                    lmu.memory_chunked(
+                        u, q, theta, proj, chunk=c, precision=p, exact_algorithm=default
+                    )[0]
                 )
     rows = []
     for (kind, mode), run in runs.items():
@@ -99,25 +97,22 @@ def main(argv: list[str] | None = None) -> None:
                 **errors(result, ref_full if kind == "full" else ref_reduced),
             }
         )
-    default = lmu._exact_precision
-    try:
-        for name in algorithms:
-            lmu._exact_precision = lambda dtype=None, name=name: ALGORITHMS[name]
-            for kind, proj in (("full", None), ("reduced", l_KxQ)):
-                c = lmu.DEFAULT_CHUNK
-                result = jax.jit(
-                    lambda proj=proj, c=c: lmu.memory_chunked(u, q, theta, proj, chunk=c)[0]
-                )()
-                ref = ref_full if kind == "full" else ref_reduced
-                rows.append(
-                    {"memory": kind, "mode": f"chunked exact={name} c={c}", **errors(result, ref)}
-                )
-    finally:
-        lmu._exact_precision = default
+    for name in algorithms:
+        for kind, proj in (("full", None), ("reduced", l_KxQ)):
+            c = lmu.DEFAULT_CHUNK
+            result = jax.jit(
+                lambda proj=proj, c=c, name=name: lmu.memory_chunked(
+                    u, q, theta, proj, chunk=c, exact_algorithm=name
+                )[0]
+            )()
+            ref = ref_full if kind == "full" else ref_reduced
+            rows.append(
+                {"memory": kind, "mode": f"chunked exact={name} c={c}", **errors(result, ref)}
+            )
 
     print_table(
         f"memory error against float64, n {n}, d {args.channels}, q {q}, 3q' {args.reduced} "
-        f"({info['device_kind']}; exact here = {default()})",
+        f"({info['device_kind']}; exact here = {default})",
         ("memory", "mode", "max/peak", "rms/peak", "rms/rms"),
         [
             (
@@ -139,7 +134,7 @@ def main(argv: list[str] | None = None) -> None:
             "machine": info,
             "versions": versions(),
             "args": {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()},
-            "exact_default": str(default()),
+            "exact_default": default,
             "results": rows,
         },
     )

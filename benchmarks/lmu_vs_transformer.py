@@ -31,7 +31,6 @@
 from __future__ import annotations
 
 import argparse
-import contextlib
 import json
 import os
 import resource
@@ -40,7 +39,6 @@ import subprocess
 import sys
 import time
 from pathlib import Path
-from unittest import mock
 
 import jax
 import jax.numpy as jnp
@@ -57,56 +55,87 @@ from common import (
 )
 from gpu_aot import kernels_of
 
-from lmuscale import layers
-from lmuscale.models import build, named_config
+from lmuscale import lmu, ops
+from lmuscale.layers import ImplicitSelfAttention
+from lmuscale.models import LMULanguageModel, build, named_config
+from lmuscale.models.lmu import LMUBlock
 from lmuscale.train import step as step_lib
 
 GB = 1e9
 
 
-def _attention_reading_its_inputs_once(q_xDxKxc, k_xDxKxc, v_xDxKxc, bias_3xK, p_K, dtype):
-    # One pass over Q, K and V, nothing else: the least an attention that reads the chunk
-    # products' outputs from memory can cost.
-    del bias_3xK, p_K
-    return jnp.sum(q_xDxKxc + k_xDxKxc + v_xDxKxc, axis=-2).astype(dtype)
+class _AttentionReadingItsInputsOnce(ImplicitSelfAttention):
+    """The chunked memory with an attention that reads Q, K and V once and does nothing else:
+    the least an attention that reads the chunk products' outputs from memory can cost."""
+
+    def _attend(self, x_BxTxD):
+        exact = {"exact_algorithm": self.impls.exact_algorithm}
+        x_BxJxDxZ, _ = lmu.chunk_operands(
+            x_BxTxD.astype(jnp.float32), self.q, self.theta, chunk=self.memory_chunk, **exact
+        )
+        c = x_BxJxDxZ.shape[-1] - self.q
+        q_k_v = (
+            lmu.chunk_product(x_BxJxDxZ, lmu.chunk_weights(self.q, self.theta, c, l_KxQ, **exact))
+            for l_KxQ in self.l
+        )
+        m_BxJxDxc = jnp.sum(sum(q_k_v), axis=-2).astype(self.dtype)
+        return lmu.sequence_from_chunks(m_BxJxDxc, x_BxTxD.shape[1])
 
 
-def _no_memory(self, x_BxTxD):
-    del self
-    return jnp.zeros_like(x_BxTxD)
+class _NoMemory(ImplicitSelfAttention):
+    def setup(self):  # no parameters
+        pass
+
+    def __call__(self, x_BxTxD):
+        return jnp.zeros_like(x_BxTxD)
 
 
-# The LMU's parts, by what replaces which part while a model is traced: its cost is then the
-# model's cost without that part. The label is a row of the tables and a key of the JSON.
+def _lmu_with(memory_class):
+    """The LMU language model with ``memory_class`` in place of each block's memory."""
+
+    class Block(LMUBlock):
+        pass
+
+    Block.memory_class = memory_class
+
+    class Model(LMULanguageModel):
+        block_class = Block
+
+    return Model
+
+
+# The LMU's parts, by the model that leaves one out: its cost is then the model's cost without
+# that part. The label is a row of the tables and a key of the JSON.
 LMU_PARTS = {
-    "lmu-1M": contextlib.nullcontext,
-    "lmu-1M, attention reads Q, K, V once": lambda: mock.patch.object(
-        layers, "implicit_attention", _attention_reading_its_inputs_once
-    ),
-    "lmu-1M without its memory": lambda: mock.patch.object(
-        layers.ImplicitSelfAttention, "__call__", _no_memory
-    ),
+    "lmu-1M": LMULanguageModel,
+    "lmu-1M, attention reads Q, K, V once": _lmu_with(_AttentionReadingItsInputsOnce),
+    "lmu-1M without its memory": _lmu_with(_NoMemory),
 }
 
 
-def loss_and_grad_program(name: str, seq_len: int, part=contextlib.nullcontext, **overrides):
-    """Forward+backward of ``name``'s loss on one random sequence, traced with ``part`` (a
-    context, as ``LMU_PARTS``'s) in force: ``(lowered, init)``, ``init()`` its parameters."""
+def _model(config, model_class=None):
+    """``config``'s model (as ``model_class``, a cut-down one), its ops as a run resolves them."""
+    impls = ops.resolve(config)
+    return build(config, impls) if model_class is None else model_class(config, impls=impls)
+
+
+def loss_and_grad_program(name: str, seq_len: int, model_class=None, **overrides):
+    """Forward+backward of ``name``'s loss on one random sequence, its model a
+    ``model_class`` (as ``LMU_PARTS``'s; None: the family's): ``(lowered, init)``, ``init()``
+    its parameters."""
     config = named_config(name, **overrides)
-    model = build(config)
+    model = _model(config, model_class)
     rng = np.random.default_rng(0)
     tokens = jnp.asarray(rng.integers(0, config.vocab_size, (1, seq_len + 1)), jnp.int32)
 
     def init():
-        with part():
-            return jax.jit(model.init)(jax.random.key(0), tokens[:, :4])
+        return jax.jit(model.init)(jax.random.key(0), tokens[:, :4])
 
     def loss(params):
         return model.apply(params, tokens[:, :-1], tokens[:, 1:], method=model.loss)[0]
 
-    with part():
-        params = jax.eval_shape(model.init, jax.random.key(0), tokens[:, :4])
-        return jax.jit(jax.value_and_grad(loss)).lower(params), init
+    params = jax.eval_shape(model.init, jax.random.key(0), tokens[:, :4])
+    return jax.jit(jax.value_and_grad(loss)).lower(params), init
 
 
 def minor_faults() -> int:
@@ -115,12 +144,12 @@ def minor_faults() -> int:
     return resource.getrusage(resource.RUSAGE_SELF).ru_minflt
 
 
-def loss_and_grad(name: str, seq_len: int, part=contextlib.nullcontext, **overrides):
+def loss_and_grad(name: str, seq_len: int, model_class=None, **overrides):
     """A timed call: forward+backward of ``name``'s loss on one random sequence, ``(run,
     flops)``: ``run()`` returns its seconds and the minor page faults it took; ``flops`` is
     XLA's count for the program (at one sequence of 1024 tokens every loop has one trip,
     but for the memory's state scans, which are small)."""
-    lowered, init = loss_and_grad_program(name, seq_len, part, **overrides)
+    lowered, init = loss_and_grad_program(name, seq_len, model_class, **overrides)
     grad, params = lowered.compile(), init()
     jax.block_until_ready(grad(params))
 
@@ -137,7 +166,7 @@ def time_ratio(pairs: int) -> dict:
     ``pairs`` rounds; the ratios pair each LMU time with the transformer's of its round.
     Beside the times, each program's GFLOP and its minor page faults per call (median): on a
     CPU, XLA's buffers for a call are mapped afresh and each page's first touch is a fault."""
-    runs = {label: loss_and_grad("lmu-1M", 1024, part) for label, part in LMU_PARTS.items()}
+    runs = {label: loss_and_grad("lmu-1M", 1024, model) for label, model in LMU_PARTS.items()}
     transformer, transformer_flops = loss_and_grad("transformer-1M", 1024)
     for run, _ in (*runs.values(), (transformer, None)):
         run()  # the first calls after compiling run slow on a CPU: not counted
@@ -170,15 +199,15 @@ def time_ratio(pairs: int) -> dict:
     }
 
 
-def compiled_step(name: str, batch: int, seq_len: int, part=contextlib.nullcontext, **overrides):
-    """The compiled train step of ``lmuscale.train`` (traced with ``part`` in force) and a
-    state and batch to run it on."""
+def compiled_step(name: str, batch: int, seq_len: int, model_class=None, **overrides):
+    """The compiled train step of ``lmuscale.train`` (of a ``model_class``, as
+    ``loss_and_grad_program``'s) and a state and batch to run it on."""
     positions = {"max_len": seq_len} if name.startswith("transformer") else {}
     config = named_config(name, **positions, **overrides)
-    with part():
-        train_step, init, mesh, abstract = train_step_for(config, seq_len)
-        state, tokens = abstract_step_inputs(mesh, abstract, batch, seq_len)
-        compiled = train_step.lower(state, tokens).compile()
+    model = _model(config, model_class)
+    train_step, init, mesh, abstract = train_step_for(config, seq_len, model=model)
+    state, tokens = abstract_step_inputs(mesh, abstract, batch, seq_len)
+    compiled = train_step.lower(state, tokens).compile()
 
     def make_inputs():
         rng = np.random.default_rng(0)

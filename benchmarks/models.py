@@ -30,6 +30,7 @@ import numpy as np
 import optax
 from common import machine, print_table, versions, write_json
 
+from lmuscale import ops
 from lmuscale.models import NAMES, build, count_params, decode, flops_per_token, named_config
 
 
@@ -40,7 +41,7 @@ def noisy(params, scale: float, seed: int = 1):
 
 def check(name: str, tokens: int) -> dict:
     config = named_config(name)
-    model = build(config)
+    model = build(config, ops.resolve(config))  # its ops as a run here would
     ids = jax.random.randint(jax.random.key(1), (1, tokens), 0, config.vocab_size)
     params = jax.jit(model.init)(jax.random.key(0), ids[:, :4])
     result = {}
@@ -56,7 +57,7 @@ def check(name: str, tokens: int) -> dict:
 
 def speed(name: str, batch: int, seq_len: int, steps: int) -> dict:
     config = named_config(name)
-    model = build(config)
+    model = build(config, ops.resolve(config))  # its ops as a run here would
     tokens = jax.random.randint(jax.random.key(1), (batch, seq_len + 1), 0, config.vocab_size)
     params = jax.jit(model.init)(jax.random.key(0), tokens[:, :4])
     optimizer = optax.adam(1e-3)

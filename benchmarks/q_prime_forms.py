@@ -1,57 +1,49 @@
-"""The channels-last attention's q' x q' sums on a GPU, in each form of ``layers.Q_PRIME_SUMS``
-and ``layers.NARROW_PRODUCTS``.
+"""The channels-last attention's q' x q' products on a GPU, asking XLA for each precision of
+``ops.Impls.q_prime_precision``.
 
     python benchmarks/q_prime_forms.py [--budget SECONDS] [--steps 10] [--forms FORM ...]
         [--out benchmarks/results/q_prime_forms.json]
 
 Compiles lmu-1M's paper train step for one micro-batch of 64 x 1024 tokens (as
-``gpu.py``'s profile part) with the attention's scores and its gradient's dgelu(Q), dgelu(K)
-formed by matrix products batched over the positions with bf16 operands ("products", the
-layers' form), the same asking XLA for its default precision rather than the highest
-("products, default precision", ``layers.NARROW_PRECISION``: the same sums, not yet timed),
-with float32 operands ("products, float32 operands") and by sums over broadcast products
-("elementwise"), and times --steps steps of each (the median);
-then, where --budget allows, the paper step at 512 x 1024 in 8 micro-batches in the faster
-form, with the cross-entropy "auto" picks and with XLA's, and a ``jax.profiler`` trace of its
-micro-batch (the top operations, and the trace as ``profile-<model>-q-prime.json.gz`` beside
---out). Each row is written as soon as it is timed. A compile on an H100 took 21-63 s.
-
-On an H100 (results/q_prime_forms-h100.json, 2026-11-28; the experiment's six forms, of which
-"dots/dots" is "products" and "broadcast/reduce" "elementwise"), lmu-1M's micro-batch took
-124.1 ms by products (then with float32 operands) against 149.8 elementwise. On an H200
-(results/q_prime_forms-h200.json, 2026-11-28, the forms of commit a7d1a83), by products
-with bf16 operands 84.9 ms, with float32 operands 97.7, with bf16 only in the forward's
-scores 92.5, and that with XLA's Triton gemms off (cuBLAS) 117.8; the paper step with bf16
-operands 663.7 ms (6.3% MFU) with the fused cross-entropy, 782.3 with XLA's. ``SMOKE=1``
-runs the script on a CPU at tiny shapes, with the GPU's layout, to check it.
+``gpu.py``'s profile part), its ops as a run resolves them with the memory written channels
+last: the attention's scores and its gradient's dgelu(Q), dgelu(K) are matrix products
+batched over the positions with bf16 operands summed in float32, asking XLA for its highest
+precision ("products", a run's) or its default ("products, default precision": the same
+sums, not yet timed), and times --steps steps of each (the median); then, where --budget
+allows, the paper step at 512 x 1024 in 8 micro-batches in the faster form, with the
+cross-entropy "auto" picks and with XLA's, and a ``jax.profiler`` trace of its micro-batch
+(the top operations, and the trace as ``profile-<model>-q-prime.json.gz`` beside --out).
+Each row is written as soon as it is timed. The earlier forms' measurements (sums over
+broadcast products, float32 operands: results/q_prime_forms-h100.json, -h200.json) are in
+the README. ``SMOKE=1`` runs the script on a CPU at tiny shapes, with the GPU's layout, to
+check it.
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import os
 import statistics
 import sys
 import time
 from pathlib import Path
-from unittest import mock
 
 sys.path.insert(0, str(Path(__file__).parent))
 import gpu
 from common import machine, print_table, slug, timed_steps, versions, write_json
 
-from lmuscale import layers
+from lmuscale import ops
+from lmuscale.train import config as config_lib
 
-# Each form: the layers' module settings patched while it is traced, and XLA's options for its
-# compile (none now; the experiment's fourth form turned XLA's Triton gemms off).
+# Each form: what its ops run besides what a run resolves (``ops.Impls``'s fields), the memory
+# written channels last on any backend.
 FORMS = {
-    "products": ({"Q_PRIME_SUMS": "products", "NARROW_PRODUCTS": True}, {}),
-    "products, default precision": (
-        {"Q_PRIME_SUMS": "products", "NARROW_PRODUCTS": True, "NARROW_PRECISION": "default"},
-        {},
-    ),
-    "products, float32 operands": ({"Q_PRIME_SUMS": "products", "NARROW_PRODUCTS": False}, {}),
-    "elementwise": ({"Q_PRIME_SUMS": "elementwise", "NARROW_PRODUCTS": False}, {}),
+    "products": {"memory_layout": "channels-last"},
+    "products, default precision": {
+        "memory_layout": "channels-last",
+        "q_prime_precision": "default",
+    },
 }
 MODEL = "lmu-1M"  # one of gpu.py's profiled models
 SMOKE = bool(os.environ.get("SMOKE"))
@@ -69,8 +61,6 @@ def main(argv=None) -> None:
     options = argparse.Namespace(
         seq_len=seq_len, profile_batch=micro, budget_gb=0.0, profile_steps=3, profile_top=20
     )
-    if SMOKE:
-        layers.channels_last_memory = lambda: True
 
     def left() -> float:
         return args.budget - (time.perf_counter() - start)
@@ -86,11 +76,10 @@ def main(argv=None) -> None:
     for form in args.forms:
         if left() <= 0:
             break
-        settings, xla = FORMS[form]
+        settings = FORMS[form]
         compile_start = time.perf_counter()
         try:
-            with mock.patch.multiple(layers, **settings):
-                compiled, state, tokens = gpu.micro_batch_step(MODEL, options, xla)
+            compiled, state, tokens = gpu.micro_batch_step(MODEL, options, **settings)
             compile_seconds = time.perf_counter() - compile_start
             state, _ = timed_steps(compiled, state, tokens, 2)
             state, times = timed_steps(compiled, state, tokens, args.steps)
@@ -105,7 +94,6 @@ def main(argv=None) -> None:
             {
                 "form": form,
                 **settings,
-                "xla_options": xla,
                 "batch": micro,
                 "seq_len": seq_len,
                 "compile_seconds": compile_seconds,
@@ -127,29 +115,29 @@ def main(argv=None) -> None:
     if not rows:
         return
     best = min(rows, key=lambda r: r["step_seconds"])["form"]
-    with mock.patch.multiple(layers, **FORMS[best][0]):
-        for loss in ("auto", "xla"):
-            if left() <= 0:
-                break
-            config = gpu.paper_config(MODEL, seq_len, batch, 0.0, loss_impl=loss, microbatches=8)
-            row = gpu.measure_train(MODEL, config, 5)
-            record["train"].append({"form": best, **row})
-            write_json(args.out, record, quiet=True)
-            print(
-                f"{MODEL} {batch} x {seq_len}, {row['loss_impl']} loss: "
-                f"{1e3 * row['step_seconds']:.1f} ms, MFU {row['mfu']}"
-            )
-        if left() > 0:
-            record["profile"] = {"form": best, **profile(options, args.out.parent)}
-            write_json(args.out, record, quiet=True)
+    for loss in ("auto", "xla"):
+        if left() <= 0:
+            break
+        config = gpu.paper_config(MODEL, seq_len, batch, 0.0, loss_impl=loss, microbatches=8)
+        resolved = ops.resolve(config_lib.model_config(config.model))
+        row = gpu.measure_train(MODEL, config, 5, dataclasses.replace(resolved, **FORMS[best]))
+        record["train"].append({"form": best, **row})
+        write_json(args.out, record, quiet=True)
+        print(
+            f"{MODEL} {batch} x {seq_len}, {row['loss_impl']} loss: "
+            f"{1e3 * row['step_seconds']:.1f} ms, MFU {row['mfu']}"
+        )
+    if left() > 0:
+        record["profile"] = {"form": best, **profile(options, args.out.parent, FORMS[best])}
+        write_json(args.out, record, quiet=True)
     write_json(args.out, record)
 
 
-def profile(options, out: Path) -> dict:
-    """``gpu.py``'s profile of lmu-1M's micro-batch, in the form patched in now; its Perfetto trace
-    copied to ``out``."""
+def profile(options, out: Path, impls: dict) -> dict:
+    """``gpu.py``'s profile of lmu-1M's micro-batch, its ops changed by ``impls``; its Perfetto
+    trace copied to ``out``."""
     folder = gpu.ROOT / "benchmarks" / "results" / f"profile-{slug(machine()['device_kind'])}"
-    row = gpu.profile_one(MODEL, options, folder / f"{MODEL}-q-prime")
+    row = gpu.profile_one(MODEL, options, folder / f"{MODEL}-q-prime", **impls)
     for trace in (gpu.ROOT / row["trace"]).rglob("perfetto_trace.json.gz"):
         (out / f"profile-{MODEL}-q-prime.json.gz").write_bytes(trace.read_bytes())
     for op in row["top_ops"]:

@@ -39,7 +39,6 @@ jax.config.update("jax_numpy_rank_promotion", "raise")
 # order: no test depends on another file's.
 HEAVIEST_FIRST = (
     "test_models",
-    "test_memory_kernel",
     "test_train",
     "test_generate",
     "test_train_checkpoints",
@@ -52,7 +51,8 @@ HEAVIEST_FIRST = (
     "test_layers",
     "test_train_multiprocess",
     "test_tasks",
-    "test_fused_loss",
+    "test_cross_entropy",
+    "test_ops",
     "test_roles",
     "test_train_sharding",
     "test_extrapolate",

@@ -147,7 +147,7 @@ def test_a_spent_time_budget_starts_nothing_and_keeps_the_json_s_earlier_parts(t
     assert record["not_started"] == {"session": "", "time_budget_s": 0.001, "what": what}
 
 
-def _plan_row(name, config):
+def _plan_row(name, config, impls=None):
     row = {"model": name, "seq_len": config.data.seq_len, "batch": 4, "estimate_gb": 1.0}
     return {**row, "microbatches": 1}
 
@@ -159,7 +159,7 @@ def test_a_train_part_stopped_part_way_keeps_the_models_that_finished(tmp_path, 
     gpu = _gpu_module()
     calls = []
 
-    def measure_plan(name, config):
+    def measure_plan(name, config, impls=None):
         calls.append(name)
         if len(calls) == 2:
             raise KeyboardInterrupt
@@ -191,7 +191,7 @@ def test_a_model_after_the_time_budget_is_listed_in_its_part(tmp_path, monkeypat
     # asked for, so that a later run of the same model, shape and kernels replaces it.
     gpu = _gpu_module()
 
-    def measure_plan(name, config):
+    def measure_plan(name, config, impls=None):
         gpu.DEADLINE.seconds = 1e-9  # spent from now on
         raise RuntimeError("out of memory")
 
@@ -269,7 +269,6 @@ def test_the_gpu_session_script_runs_its_groups_in_the_budget_and_writes_into_ou
         ["block"],
         ["loss", "attention", "train/lmu_g", "train/sru", "train/sru_pp", "train/lstm", "long"],
         ["precision"],
-        ["train/lmu"],  # at 1M with the Pallas loss and memory
         ["xla_options"],
     ]
     everything = [part for group in groups for part in group]
@@ -390,45 +389,73 @@ def test_the_profile_part_names_the_source_of_a_kernel_replayed_in_a_cuda_graph(
     ]
 
 
-def test_the_profile_part_traces_the_layers_order_as_before_and_puts_the_layout_back():
-    # The third profile is lmu-1M with its products in the layers' order off a GPU, as every
-    # GPU step was before channels_last_memory; the others trace the layers as they are.
-    from lmuscale import layers
+def test_the_profile_part_traces_a_cpu_s_layout_beside_what_a_gpu_resolves():
+    # The third profile is lmu-1M with its products in a CPU's layout, as every GPU step was
+    # before the channels-last one; the others trace the ops as a run resolves them. Here, as
+    # for an H100 (channels-last), without a GPU.
+    import dataclasses
+    import types
+
+    from lmuscale import ops
+    from lmuscale.models import named_config
 
     gpu = _gpu_module()
-    whole, attend = layers.channels_last_memory, layers.ImplicitSelfAttention._attend
-    traced = {}
-    for label, (model, traced_as) in gpu.PROFILED.items():
-        with traced_as():
-            layout = layers.channels_last_memory()
-            traced[label] = (model, layout if layers.channels_last_memory is not whole else None)
-            assert layers.ImplicitSelfAttention._attend is attend
-        assert layers.channels_last_memory is whole
-    assert traced == {
-        "lmu-1M": ("lmu-1M", None),
-        "transformer-1M": ("transformer-1M", None),
-        "lmu-1M steps-last": ("lmu-1M", False),
+    assert gpu.PROFILED == {
+        "lmu-1M": ("lmu-1M", {}),
+        "transformer-1M": ("transformer-1M", {}),
+        "lmu-1M steps-last": ("lmu-1M", {"memory_layout": "steps-last"}),
     }
+    h100 = types.SimpleNamespace(platform="gpu", device_kind="H100", compute_capability="9.0")
+    resolved = ops.resolve(named_config("lmu-1M", dtype="bfloat16"), [h100])
+    layouts = {
+        label: dataclasses.replace(resolved, **changes).memory_layout
+        for label, (_, changes) in gpu.PROFILED.items()
+    }
+    assert layouts["lmu-1M"] == "channels-last" and layouts["lmu-1M steps-last"] == "steps-last"
 
 
-def test_the_lmu_s_parts_are_cut_out_while_it_is_traced_and_put_back_after():
+def test_the_lmu_s_parts_are_cut_down_models_of_less_work():
     # lmu_vs_transformer's breakdown of lmu-1M, here one layer of lmu-55k on 16 tokens: each
-    # cut-down model does less work than the one before it, its parameters are those it was
-    # traced with, and the model is whole again afterwards.
-    from lmuscale import layers
+    # cut-down model (its own classes, not a patch of the layers) does less work than the one
+    # before it, its parameters are those it was traced with, and the whole model is the
+    # family's own.
+    from lmuscale.models import LMULanguageModel
 
     bench = _benchmark("lmu_vs_transformer")
-    whole_attention, whole_call = layers.implicit_attention, layers.ImplicitSelfAttention.__call__
     flops, memory_params = {}, {}
-    for label, part in bench.LMU_PARTS.items():
-        lowered, init = bench.loss_and_grad_program("lmu-55k", 16, part, vocab_size=256, n_layers=1)
+    for label, model_class in bench.LMU_PARTS.items():
+        lowered, init = bench.loss_and_grad_program(
+            "lmu-55k", 16, model_class, vocab_size=256, n_layers=1
+        )
         flops[label] = lowered.cost_analysis()["flops"]
         memory_params[label] = sorted(init()["params"]["block_0"].get("memory", {}))
     whole, attention_reads_once, no_memory = flops.values()
     assert whole > attention_reads_once > no_memory > 0, flops
     assert list(memory_params.values()) == [["bias", "l", "p"], ["bias", "l", "p"], []]
-    assert layers.implicit_attention is whole_attention
-    assert layers.ImplicitSelfAttention.__call__ is whole_call
+    assert bench.LMU_PARTS["lmu-1M"] is LMULanguageModel
+
+
+def test_the_block_benchmark_times_each_layout_and_compares_it_with_the_resolved_path():
+    # One small block of lmu-55k: the chunked memory as a run here resolves it (a CPU's
+    # steps-last layout), and in each layout, given to the block (nothing patched): the
+    # steps-last row is the same program here, the channels-last one the same function to
+    # float32's rounding.
+    from lmuscale.models import named_config
+
+    lmu_memory = _benchmark("lmu_memory")
+    shape = {"n": 12, "d": 48, "q": 50, "q_prime": 5, "theta": 350.0}
+    rows = lmu_memory.bench_block(shape, 1, 1, [8], ["float32"], model="lmu-55k")
+    assert [r["mode"] for r in rows] == ["fft", "chunked/8", "steps-last/8", "channels-last/8"]
+    assert [r["memory_layout"] for r in rows[1:]] == ["steps-last", "steps-last", "channels-last"]
+    steps_last, channels = rows[2:]
+    assert steps_last["output_max_diff_rel_to_max"] == steps_last["grad_max_diff_rel_to_max"] == 0
+    assert 0 < channels["output_max_diff_rel_to_max"] <= 1e-5  # traced anew, not a cached trace
+    assert channels["grad_max_diff_rel_to_max"] <= 1e-4
+    for row in rows[1:]:
+        flops = row["forward_flops"]
+        assert flops == lmu_memory.block_flops(named_config("lmu-55k"), 1, 12, 8)
+        for phase, count in (("forward", flops), ("forward_backward", 3 * flops)):
+            assert row[phase]["tflops_per_s"] == count / row[phase]["median_s"] / 1e12
 
 
 def test_the_step_s_bytes_count_a_loop_at_every_trip_beside_xla_s_once_in_all():
@@ -577,7 +604,7 @@ def test_the_loss_tile_sweep_times_every_launch_of_each_kernel_and_they_agree(tm
     tilings = ("default", "fastest", "default, split width", "fastest, split width")
     assert set(record["loss_ms"]) == {f"{f}, {t}" for f in forms for t in tilings}
     # Each timed loss's launches, as --tuned-loss reads them back.
-    from lmuscale.models.fused_loss import Launch, Tiling
+    from lmuscale.ops.cross_entropy_pallas import Launch, Tiling
 
     assert set(record["tilings"]) == set(record["loss_ms"]) == set(record["loss_diffs"])
     assert record["loss_errors"] == {} and record["loss_reference"] == "dh kernel, default"
@@ -601,13 +628,13 @@ def _launched_on_a_gpu(loss, h, w, targets) -> dict:
 
     import jax
 
-    from lmuscale import kernels
+    from lmuscale import ops
 
     def loss_and_grads(h, w, targets):
         return jax.value_and_grad(lambda h, w: loss(h, w, targets).mean(), (0, 1))(h, w)
 
     launched = {}
-    for line in kernels.lowered_for_cuda(loss_and_grads, h, w, targets).as_text().splitlines():
+    for line in ops.lowered_for_cuda(loss_and_grads, h, w, targets).as_text().splitlines():
         if "xla.gpu.triton" in line:
             [name] = re.findall(r'name = "_(\w+)_kernel"', line)
             keys = ("grid_x", "num_warps", "num_stages")
@@ -617,17 +644,21 @@ def _launched_on_a_gpu(loss, h, w, targets) -> dict:
 
 def test_the_tuned_loss_is_the_sweeps_fastest_whole_loss_and_runs_only_at_its_width():
     # A loss_tiles part as the sweep records it: the whole loss was fastest in the form with
-    # dh from the forward under the kernels' fastest launches. Under --tuned-loss the fused
-    # loss at that (d, dtype) runs exactly that (two kernels, their grids, warps and stages);
-    # at another width, and once the context is left, the committed launches (three kernels).
+    # dh from the forward under the kernels' fastest launches. Under --tuned-loss a model's
+    # fused loss at that (d, dtype) runs exactly that (two kernels, their grids, warps and
+    # stages); at another width, or without the fused loss, as committed (three kernels).
     import dataclasses
+    import functools
     from dataclasses import asdict
 
     import jax
     import jax.numpy as jnp
 
-    from lmuscale.models import fused_loss
-    from lmuscale.models.fused_loss import Launch, Tiling
+    from lmuscale import ops
+    from lmuscale.models import named_config
+    from lmuscale.ops import cross_entropy_pallas as fused_loss
+    from lmuscale.ops.cross_entropy import cross_entropy
+    from lmuscale.ops.cross_entropy_pallas import Launch, Tiling
 
     gpu = _gpu_module()
     fastest = Tiling(Launch(32, 64, 4, 1), Launch(64, 32, 8, 3), Launch(128, 16, 16, 2))
@@ -646,7 +677,7 @@ def test_the_tuned_loss_is_the_sweeps_fastest_whole_loss_and_runs_only_at_its_wi
     tuned = gpu.tuned_loss_from({"parts": {"loss_tiles": part}}, "gpu-x.json")
     assert tuned["label"] == "dh from the forward, fastest" and tuned["dh_from_forward"]
     assert tuned["tiling"] == fastest and (tuned["loss_ms"], tuned["default_ms"]) == (3.0, 4.5)
-    assert tuned["committed_ms"] == 5.0  # DH_FROM_FORWARD is off: the dh kernel's default
+    assert tuned["committed_ms"] == 5.0  # the committed form: the dh kernel's default
     assert tuned["sweep_session"] == "session-1"
     # Were the split width fastest, it is what runs, in its own form; unless its gradients
     # disagreed with the reference's on the GPU, when the next fastest runs.
@@ -666,15 +697,20 @@ def test_the_tuned_loss_is_the_sweeps_fastest_whole_loss_and_runs_only_at_its_wi
     committed = {"forward": (10, 8, 2), "dh": (10, 8, 2), "dw": (786, 8, 2)}  # 64 x 64 tiles
     h_48 = jax.ShapeDtypeStruct((2, 300, 48), jnp.bfloat16)
     w_48 = jax.ShapeDtypeStruct((50257, 48), jnp.float32)
-    with gpu.loss_launched(tuned) as ran:
-        by_48 = _launched_on_a_gpu(fused_loss.cross_entropy, h_48, w_48, targets)
-        assert by_48 == committed and ran == []  # so a model of d = 48 is not labelled
-        assert _launched_on_a_gpu(fused_loss.cross_entropy, h, w, targets) == {
-            "forward": (20, 4, 1),
-            "dw": (393, 16, 2),
-        }
-        assert ran and set(ran) == {(204, "bfloat16")}
-    assert _launched_on_a_gpu(fused_loss.cross_entropy, h, w, targets) == committed
+    fused = ops.Impls(loss="pallas")
+
+    def launched(model, impls, h, w):
+        impls, ran = gpu.tuned_impls(model, impls, tuned)
+        kernels = impls.loss_kernels
+        loss = functools.partial(cross_entropy, impl=impls.loss, kernels=kernels)
+        return _launched_on_a_gpu(loss, h, w, targets), ran
+
+    lmu_1m, lmu_55k = (named_config(f"lmu-{n}", dtype="bfloat16") for n in ("1M", "55k"))
+    assert launched(lmu_1m, fused, h, w) == ({"forward": (20, 4, 1), "dw": (393, 16, 2)}, tuned)
+    # A model of d = 48 runs as committed, and is not labelled; one on XLA's loss neither.
+    assert launched(lmu_55k, fused, h_48, w_48) == (committed, None)
+    assert gpu.tuned_impls(lmu_1m, ops.Impls(), tuned) == (ops.Impls(), None)
+    assert gpu.tuned_impls(lmu_1m, fused, None) == (fused, None)
 
     # Its rows say what ran, and are kept beside the committed code's rows of the model.
     row = {"model": "lmu-1M", "seq_len": 1024, "batch": 512, "loss_impl": "pallas"}
@@ -758,7 +794,7 @@ def test_a_sweep_whose_reference_loss_fails_keeps_its_timings_and_tunes_nothing(
     # fails to compile, the others are still timed, but none is checked, so --tuned-loss
     # takes none; a failing loss leaves the sweep's other results in place.
     cross_entropy, gpu = _benchmark("cross_entropy"), _gpu_module()
-    from lmuscale.models import fused_loss
+    from lmuscale.ops import cross_entropy_pallas as fused_loss
 
     programs = cross_entropy._loss_program
     default = fused_loss.default_tiling(12, "float32")

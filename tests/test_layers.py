@@ -12,8 +12,17 @@ import numpy as np
 import pytest
 import scipy.special
 
-from lmuscale import layers, lmu
-from lmuscale.layers import ImplicitSelfAttention, ParallelLMU, implicit_attention
+from lmuscale import lmu
+from lmuscale.layers import ImplicitSelfAttention, ParallelLMU
+from lmuscale.ops import Impls
+from lmuscale.ops import implicit_attention as attention_ops
+from lmuscale.ops.implicit_attention import (
+    gelu,
+    implicit_attention,
+    implicit_attention_channels_last,
+)
+
+STEPS_LAST, CHANNELS_LAST = Impls(), Impls(memory_layout="channels-last")
 
 
 def reference(params, x_BxTxD, layer: ParallelLMU) -> np.ndarray:
@@ -105,18 +114,17 @@ def reference_attention(q_xDxKxc, k_xDxKxc, v_xDxKxc, bias_3xK, p_K):
 
 
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.float64])
-@pytest.mark.parametrize("backend", ["cpu", "gpu"])
-def test_gelu_is_exact_through_erfc_here_and_through_erf_on_a_gpu(monkeypatch, backend, dtype):
-    # The form is chosen while tracing by the backend JAX computes on; both are x Phi(x) to
-    # the dtype's rounding, from deep in the negative tail to the positive side.
-    monkeypatch.setattr(jax, "default_backend", lambda: backend)
+@pytest.mark.parametrize("form", ["erfc", "erf"])
+def test_gelu_is_exact_through_erfc_and_through_erf(form, dtype):
+    # Both forms (Impls.gelu: erfc on a CPU, erf on a GPU) are x Phi(x) to the dtype's
+    # rounding, from deep in the negative tail to the positive side, each by its own function.
     x = np.linspace(-12.0, 12.0, 4801)
     want = x * 0.5 * scipy.special.erfc(-x / math.sqrt(2.0))
     with jax.enable_x64(dtype == jnp.float64):
-        program = jax.jit(lambda v: layers.gelu(v)).lower(jnp.asarray(x, dtype))
+        program = jax.jit(lambda v: gelu(v, form)).lower(jnp.asarray(x, dtype))
         got = np.asarray(program.compile()(jnp.asarray(x, dtype)), np.float64)
     erf_ops = re.findall(r"chlo\.(erfc?) ", program.as_text())
-    assert erf_ops == (["erf"] if backend == "gpu" else ["erfc"])
+    assert erf_ops == [form]
     eps = float(jnp.finfo(dtype).eps)
     np.testing.assert_allclose(got, want, rtol=4 * eps, atol=16 * eps)
 
@@ -126,29 +134,19 @@ def _channels_last(*args_and_dtype):
     (B, D, q', P) input written (q', P, B, D) and the three stacked, the output put back."""
     *qkv, bias_3xK, p_K, dtype = args_and_dtype
     qkv_3xKxPxBxD = jnp.stack([jnp.transpose(x, (2, 3, 0, 1)) for x in qkv])
-    m_PxBxD = layers.implicit_attention_channels_last(qkv_3xKxPxBxD, bias_3xK, p_K, dtype)
+    m_PxBxD = implicit_attention_channels_last(qkv_3xKxPxBxD, bias_3xK, p_K, dtype, "erfc")
     return jnp.transpose(m_PxBxD, (1, 2, 0))
 
 
 ATTENTIONS = {"steps-last": implicit_attention, "channels-last": _channels_last}
 
 
-@pytest.mark.parametrize(
-    ("layout", "sums"),
-    [
-        ("steps-last", "elementwise"),
-        ("channels-last", "products"),
-        ("channels-last", "elementwise"),
-    ],
-)
+@pytest.mark.parametrize("layout", ["steps-last", "channels-last"])
 @pytest.mark.parametrize("positions", [5, 1])
-def test_implicit_attention_and_its_gradient_equal_eqs_8_to_10_in_float64(
-    positions, layout, sums, monkeypatch
-):
+def test_implicit_attention_and_its_gradient_equal_eqs_8_to_10_in_float64(positions, layout):
     # (2 sequences, 7 channels, q' = 3, positions): a chunk's steps, or one decoding step. The
     # attention in either layout: the layers' order (the CPU's), or channels last (a GPU's),
-    # whose q' x q' sums are matrix products, or as a benchmark may set them, elementwise.
-    monkeypatch.setattr(layers, "Q_PRIME_SUMS", sums)
+    # whose q' x q' sums are matrix products over the positions.
     rng = np.random.default_rng(0)
     with jax.enable_x64(True):
         args = [jnp.asarray(rng.standard_normal((2, 7, 3, positions))) for _ in range(3)]
@@ -167,18 +165,17 @@ def test_implicit_attention_and_its_gradient_equal_eqs_8_to_10_in_float64(
             np.testing.assert_allclose(g, w, rtol=1e-12, atol=1e-13, err_msg=name)
 
 
-@pytest.mark.parametrize("channels_last", [False, True])
+@pytest.mark.parametrize("impls", [STEPS_LAST, CHANNELS_LAST], ids=["steps-last", "channels-last"])
 @pytest.mark.parametrize("chunk", [4, 7, 64])
-def test_chunked_and_fft_memory_give_the_same_attention_and_gradients(
-    chunk, channels_last, monkeypatch
-):
+def test_chunked_and_fft_memory_give_the_same_attention_and_gradients(chunk, impls):
     # 21 steps: chunk 4 leaves a ragged last chunk of 1 step, 7 divides 21, 64 exceeds it. The
     # chunked memory as here, and as on a GPU: one product, written channels last.
-    monkeypatch.setattr(layers, "channels_last_memory", lambda: channels_last)
     x = jax.random.normal(jax.random.key(0), (3, 21, 10))
     results = []
     for mode in ("fft", "chunked"):
-        layer = ImplicitSelfAttention(12, 3, 16.0, memory_mode=mode, memory_chunk=chunk)
+        layer = ImplicitSelfAttention(
+            12, 3, 16.0, memory_mode=mode, memory_chunk=chunk, impls=impls
+        )
         params = layer.init(jax.random.key(1), x)
         params = jax.tree.map(lambda a: a + 0.3, params)  # nonzero biases
 
@@ -203,19 +200,19 @@ def _data_moves(hlo_text: str, min_elements: int) -> list[str]:
     return moves
 
 
-def _layer_gradient_inputs(dtype: str):
+def _layer_gradient_inputs(dtype: str, impls: Impls):
     """``(layer, params, x)`` of ``_lowered_layer_gradient``."""
     batch, length, width, order, reduced, chunk = 2, 64, 16, 12, 4, 16
     layer = ImplicitSelfAttention(
-        order, reduced, 20.0, dtype=jnp.dtype(dtype), memory_chunk=chunk, batch_chunk=0
+        order, reduced, 20.0, jnp.dtype(dtype), memory_chunk=chunk, batch_chunk=0, impls=impls
     )
     x = jax.random.normal(jax.random.key(0), (batch, length, width))
     return layer, layer.init(jax.random.key(1), x), x
 
 
-def _lowered_layer_gradient(dtype: str):
+def _lowered_layer_gradient(dtype: str, impls: Impls):
     """A small chunked layer's forward+backward, lowered, and the size of its Q."""
-    layer, params, x = _layer_gradient_inputs(dtype)
+    layer, params, x = _layer_gradient_inputs(dtype, impls)
 
     def loss(params, x):
         return jnp.sum(jnp.sin(layer.apply(params, x).astype(jnp.float32)))
@@ -225,14 +222,13 @@ def _lowered_layer_gradient(dtype: str):
 
 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
-def test_the_chunked_attention_moves_nothing_the_size_of_its_q_k_or_v(dtype, monkeypatch):
+def test_the_chunked_attention_moves_nothing_the_size_of_its_q_k_or_v(dtype):
     # The chunk products write Q, K and V with each channel's steps last, and the attention
     # and its hand-written gradient read them there: the compiled forward+backward holds no
     # transpose or copy of an array that large, fused or not (the layout before this one,
     # Q, K, V in sequence order, held six per layer). Only the output, q' times smaller, is
     # put in sequence order. This is the CPU's path: compiled here, for here.
-    monkeypatch.setattr(layers, "channels_last_memory", lambda: False)
-    lowered, q_size = _lowered_layer_gradient(dtype)
+    lowered, q_size = _lowered_layer_gradient(dtype, STEPS_LAST)
     hlo = lowered.compile().as_text()
     shapes = re.findall(r"(?:f32|bf16)\[([\d,]+)\]", hlo)
     assert max(math.prod(int(d) for d in shape.split(",")) for shape in shapes) >= q_size
@@ -247,33 +243,13 @@ def _lowered_results(text: str, op: str) -> list[int]:
 
 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
-def test_the_attention_as_on_a_gpu_takes_one_product_and_moves_only_its_output(dtype, monkeypatch):
-    # As on a GPU (channels_last_memory): Q, K and V come from one product, written (3 q', c,
-    # B, J, d), and the attention and its hand-written gradient read them there. With its q' x
-    # q' sums elementwise, the program as traced asks for no transpose of anything Q-sized:
-    # only the output, q' times smaller, is put in sequence order. (Compiled for an H100 with
-    # benchmarks/gpu_aot.py, XLA adds none either; XLA:CPU, which this path is not for, copies
-    # the products' gradient once.)
-    monkeypatch.setattr(layers, "channels_last_memory", lambda: True)
-    monkeypatch.setattr(layers, "Q_PRIME_SUMS", "elementwise")
-    lowered, q_size = _lowered_layer_gradient(dtype)
-    text = lowered.as_text()
-    assert _lowered_results(text, "dot_general").count(3 * q_size) == 1
-    moves = _lowered_results(text, "transpose")
-    assert q_size // 4 in moves  # the output's (q' = 4), so the check sees transposes
-    assert max(moves) < q_size
-
-
-@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
-def test_the_attention_as_on_a_gpu_forms_its_q_prime_sums_by_products_over_the_positions(
-    dtype, monkeypatch
-):
-    # The GPU's form (Q_PRIME_SUMS, "products"): besides the one product of Q, K and V, the
+def test_the_attention_as_on_a_gpu_forms_its_q_prime_sums_by_products_over_the_positions(dtype):
+    # A GPU's layout: besides the one product of Q, K and V, written (3 q', c, B, J, d), the
     # scores (q' x q' at each of the 128 positions) and dgelu(Q), dgelu(K) (Q-sized) are three
     # matrix products batched over the positions. Those two gradients, which a batched product
-    # writes positions first, are the only Q-sized arrays the program as traced transposes.
-    monkeypatch.setattr(layers, "channels_last_memory", lambda: True)
-    lowered, q_size = _lowered_layer_gradient(dtype)
+    # writes positions first, are the only Q-sized arrays the program as traced transposes:
+    # only the output, q' times smaller, is put in sequence order.
+    lowered, q_size = _lowered_layer_gradient(dtype, CHANNELS_LAST)
     text = lowered.as_text()
     products = _lowered_results(text, "dot_general")
     scores_size = q_size * 4 // 16  # q' x q' a position, where Q has q' x 16 channels
@@ -296,33 +272,29 @@ def _batched_products(text: str) -> list[tuple[str, str, str]]:
     return sorted(found)
 
 
-@pytest.mark.parametrize(
-    ("dtype", "narrow", "operands"),
-    [("bfloat16", True, "bf16"), ("bfloat16", False, "f32"), ("float32", True, "f32")],
-)
+@pytest.mark.parametrize(("dtype", "operands"), [("bfloat16", "bf16"), ("float32", "f32")])
 def test_the_attention_s_products_over_the_positions_take_the_model_s_dtype_and_sum_in_float32(
-    dtype, narrow, operands, monkeypatch
+    dtype, operands
 ):
-    # NARROW_PRODUCTS: in a bfloat16 model the scores, dgelu(Q) and dgelu(K) multiply bfloat16
-    # operands (gelu(Q), gelu(K) and the rounded dscores) and sum in float32; turned off, or in
-    # a float32 model, float32 operands. Each product's result is float32 either way.
-    monkeypatch.setattr(layers, "channels_last_memory", lambda: True)
-    monkeypatch.setattr(layers, "NARROW_PRODUCTS", narrow)
-    lowered, _ = _lowered_layer_gradient(dtype)
+    # In a bfloat16 model the scores, dgelu(Q) and dgelu(K) multiply bfloat16 operands
+    # (gelu(Q), gelu(K) and the rounded dscores) and sum in float32 (measured faster on an
+    # H200 than float32 operands); in a float32 model, float32 operands. Each product's result
+    # is float32 either way.
+    lowered, _ = _lowered_layer_gradient(dtype, CHANNELS_LAST)
     assert _batched_products(lowered.as_text()) == [(operands, operands, "f32")] * 3
 
 
-def test_the_attention_as_on_a_gpu_in_bfloat16_is_the_cpu_s_to_its_rounding(monkeypatch):
+def test_the_attention_as_on_a_gpu_in_bfloat16_is_the_cpu_s_to_its_rounding():
     # The same bf16 layer through either path: outputs and gradients (input, L, biases, p)
     # within bf16's rounding of each other, and not equal (each path was traced anew).
     layer = ImplicitSelfAttention(12, 3, 16.0, dtype=jnp.bfloat16, memory_chunk=8)
     x = jax.random.normal(jax.random.key(0), (2, 21, 10))
     params = jax.tree.map(lambda a: a + 0.3, layer.init(jax.random.key(1), x))
     results = []
-    for channels_last in (False, True):
-        monkeypatch.setattr(layers, "channels_last_memory", lambda c=channels_last: c)
+    for impls in (STEPS_LAST, CHANNELS_LAST):
+        layer = layer.clone(impls=impls)
 
-        def loss(params, x):
+        def loss(params, x, layer=layer):
             return jnp.sum(jnp.sin(layer.apply(params, x).astype(jnp.float32)))
 
         results.append(jax.jit(jax.value_and_grad(loss, argnums=(0, 1)))(params, x))
@@ -353,9 +325,9 @@ def _library_fusions_summing_a_product(
 def test_the_gradient_sums_over_channels_a_product_computed_apart_on_a_cpu():
     # XLA:CPU puts a sum over the channel axis, with the product it sums, into one YNNPACK
     # fusion, which ran about 10x slower than the two apart at lmu-1M's shapes
-    # (layers._apart_from_its_sum): the compiled backward pass has no such fusion over a
-    # product the size of V. The shapes are large enough for XLA to use these fusions at all,
-    # and without the rounding the check finds dw's.
+    # (ops.implicit_attention._apart_from_its_sum): the compiled backward pass has no such
+    # fusion over a product the size of V. The shapes are large enough for XLA to use these
+    # fusions at all, and without the rounding the check finds dw's.
     shape = (1, 2, 32, 4, 16)
     rng = np.random.default_rng(0)
     sizes = [shape, shape, shape, (3, shape[3]), (shape[3],), (*shape[:3], shape[4])]
@@ -383,7 +355,7 @@ def test_the_rounding_that_keeps_a_product_apart_changes_no_bit(dtype):
         x = bits.astype(unsigned).view(np.dtype(dtype))
         extremes = np.array([0.0, -0.0, np.inf, -np.inf, np.nan, float(info.tiny), float(info.max)])
         x = np.concatenate([x, extremes.astype(np.dtype(dtype))])
-        y = np.asarray(jax.jit(layers._apart_from_its_sum)(jnp.asarray(x)))
+        y = np.asarray(jax.jit(attention_ops._apart_from_its_sum)(jnp.asarray(x)))
     mantissa = unsigned((1 << info.nmant) - 1)
     exponent = unsigned(((1 << info.nexp) - 1) << info.nmant)
 
@@ -402,27 +374,6 @@ def test_unknown_memory_mode_is_named():
         ImplicitSelfAttention(4, 2, 8.0, memory_mode="scan").init(jax.random.key(0), x)
 
 
-class _Device:
-    def __init__(self, platform, compute_capability=None):
-        self.platform = platform
-        if compute_capability is not None:
-            self.compute_capability = compute_capability
-
-
-def test_flash_attention_is_chosen_only_on_recent_nvidia_gpus_in_half_precision():
-    from lmuscale.layers import attention_implementation
-
-    hopper, volta = _Device("gpu", "9.0"), _Device("gpu", "7.0")
-    assert attention_implementation(jnp.bfloat16, hopper) == "cudnn"
-    assert attention_implementation(jnp.float16, _Device("gpu", "8.0")) == "cudnn"
-    assert attention_implementation(jnp.float32, hopper) == "xla"
-    assert attention_implementation(jnp.bfloat16, volta) == "xla"
-    assert attention_implementation(jnp.bfloat16, _Device("gpu", "gfx90a")) == "xla"
-    assert attention_implementation(jnp.bfloat16, _Device("gpu")) == "xla"
-    assert attention_implementation(jnp.bfloat16, _Device("tpu")) == "xla"
-    assert attention_implementation(jnp.bfloat16) == "xla"  # this machine's CPU
-
-
 def _attention_reference(q, k, v):
     q, k, v = (np.asarray(x, np.float64) for x in (q, k, v))
     scores = np.einsum("bthd,bshd->bhts", q, k) / math.sqrt(q.shape[-1])
@@ -435,7 +386,7 @@ def _attention_reference(q, k, v):
 
 @pytest.mark.parametrize("width", [13, 24, 34])
 def test_causal_attention_padded_for_cudnn_equals_the_float64_softmax(width, monkeypatch):
-    from lmuscale.layers import causal_attention
+    from lmuscale.ops.attention import causal_attention
 
     keys = jax.random.split(jax.random.key(0), 3)
     q, k, v = (jax.random.normal(key, (2, 9, 3, width)) for key in keys)
@@ -460,7 +411,7 @@ def test_causal_attention_padded_for_cudnn_equals_the_float64_softmax(width, mon
 @pytest.mark.parametrize("order", [3, 70])
 def test_sums_over_the_reduced_order_equal_numpy_written_out_or_not(order):
     # q' up to 64 is summed term by term (one fused pass), beyond that by a reduction.
-    from lmuscale.layers import _UNROLL, _sum_of_products
+    from lmuscale.ops.implicit_attention import _UNROLL, _sum_of_products
 
     rng = np.random.default_rng(order)
     a = rng.standard_normal((2, 5, order, 4))
@@ -471,21 +422,20 @@ def test_sums_over_the_reduced_order_equal_numpy_written_out_or_not(order):
 
 
 @pytest.mark.parametrize("dtype", ["bfloat16", "float32"])
-def test_the_narrow_products_precision_changes_only_what_xla_is_asked(dtype, monkeypatch):
-    # NARROW_PRECISION: the bf16 products over the positions ask "default" or "highest" of
-    # XLA; the sums are the same (products of bf16 numbers are exact in float32, summed in
+def test_the_q_prime_products_precision_changes_only_what_xla_is_asked(dtype):
+    # Impls.q_prime_precision: the bf16 products over the positions ask "default" or "highest"
+    # of XLA; the sums are the same (products of bf16 numbers are exact in float32, summed in
     # float32), so the layer's value and gradients agree to float32 rounding (on this CPU,
     # with jaxlib 0.10.2, bit for bit: the numbers guard the sums, the lowered precisions the
     # setting). A float32 model's products ask "highest" whatever it says.
-    monkeypatch.setattr(layers, "channels_last_memory", lambda: True)
     texts, results = {}, {}
     for precision in ("highest", "default"):
-        monkeypatch.setattr(layers, "NARROW_PRECISION", precision)
-        lowered, _ = _lowered_layer_gradient(dtype)
+        impls = Impls(memory_layout="channels-last", q_prime_precision=precision)
+        lowered, _ = _lowered_layer_gradient(dtype, impls)
         text = lowered.as_text()
         dots = re.findall(r"stablehlo\.dot_general [^\n]*batching_dims[^\n]*", text)
         texts[precision] = [("HIGHEST" in dot) for dot in dots]
-        _, params, x = _layer_gradient_inputs(dtype)
+        _, params, x = _layer_gradient_inputs(dtype, impls)
         outputs = jax.tree.leaves(lowered.compile()(params, x))
         results[precision] = [np.asarray(leaf, np.float64) for leaf in outputs]
     assert len(texts["highest"]) == 3 and all(texts["highest"])

@@ -13,8 +13,6 @@ from pathlib import Path
 import pytest
 from sweep_files import sweep_command, write_sweep
 
-from lmuscale import memory_kernel
-from lmuscale.models import fused_loss
 from lmuscale.outcomes import ConfigError, DamagedFile
 from lmuscale.sweep import BenchmarkError, Throughput, from_benchmarks, load_sweep
 from lmuscale.sweep.plan import plan, table
@@ -94,10 +92,10 @@ def test_a_trial_takes_its_model_then_its_family_then_the_default(tmp_path):
     assert from_benchmarks(tmp_path).lookup("lstm", 100) == (None, None)
 
 
-def test_rows_of_the_cross_entropy_auto_would_not_take_are_left_out(tmp_path, monkeypatch):
-    # From a table without this GPU (the committed one has the H100 in bfloat16): "auto" takes
-    # XLA's cross-entropy here until the kernels are put in it below.
-    monkeypatch.setattr(fused_loss, "FASTER_THAN_XLA", frozenset())
+def test_rows_of_the_cross_entropy_auto_would_not_take_are_left_out(tmp_path):
+    # On a GPU where the fused loss was not measured faster (not in ops.LOSS.faster), "auto"
+    # takes XLA's cross-entropy: the kernels' rows are left out.
+    a100 = "NVIDIA A100-SXM4-80GB"
     rows = [
         row("lmu", 100, 2e13, loss_impl="xla"),
         row("lmu", 100, 6e13, loss_impl="pallas"),
@@ -107,12 +105,13 @@ def test_rows_of_the_cross_entropy_auto_would_not_take_are_left_out(tmp_path, mo
         row("lmu", 100, 9e13, loss_impl="pallas", loss_tuned="dh from the forward, fastest"),
     ]
     when = "2026-11-23T10:00:00+00:00"
-    write_benchmark(tmp_path, H100, when, {"train/lmu": rows}, compute_capability="9.0")
+    write_benchmark(tmp_path, a100, when, {"train/lmu": rows}, compute_capability="8.0")
     measured = from_benchmarks(tmp_path, default=1e14).measured
     assert measured == {("lmu", 100): 2e13, ("lmu", 300): 4e13}
-    # Once a benchmark has put the kernels in FASTER_THAN_XLA for this GPU in bfloat16, "auto"
-    # takes them there, on one device (on several it does not), and not in float32.
-    monkeypatch.setattr(fused_loss, "FASTER_THAN_XLA", frozenset({(H100, "bfloat16")}))
+    # On the H100, measured faster in bfloat16, "auto" takes them there, on one device (on
+    # several it does not), and not in float32.
+    shutil.rmtree(tmp_path)
+    write_benchmark(tmp_path, H100, when, {"train/lmu": rows}, compute_capability="9.0")
     assert from_benchmarks(tmp_path, default=1e14).measured == {("lmu", 100): 6e13}
     in_float32 = from_benchmarks(tmp_path, default=1e14, dtype="float32").measured
     assert in_float32 == {("lmu", 100): 3e13}
@@ -122,10 +121,10 @@ def test_rows_of_the_cross_entropy_auto_would_not_take_are_left_out(tmp_path, mo
     assert from_benchmarks(tmp_path, default=1e14).measured == measured
 
 
-def test_rows_of_the_lmu_memory_auto_would_not_take_are_left_out(tmp_path, monkeypatch):
-    # The cross-entropy's "auto" held on XLA, as the rows ran it, so that only the memory's
-    # table decides which rows count.
-    monkeypatch.setattr(fused_loss, "FASTER_THAN_XLA", frozenset())
+def test_rows_of_the_lmu_memory_auto_would_not_take_are_left_out(tmp_path):
+    # "auto" takes no fused LMU memory anywhere (this version has none): rows of the old
+    # kernels drop out, the XLA rows stay, and the transformer's, which has no LMU memory.
+    a100 = "NVIDIA A100-SXM4-80GB"  # where "auto" takes XLA's cross-entropy, as the rows ran
     rows = {
         "train/lmu": [
             row("lmu", 100, 2e13, memory_impl="xla"),
@@ -136,17 +135,9 @@ def test_rows_of_the_lmu_memory_auto_would_not_take_are_left_out(tmp_path, monke
         "train/transformer": [row("transformer", 100, 5e13)],  # a family without the switch
     }
     when = "2026-11-23T10:00:00+00:00"
-    write_benchmark(tmp_path, H100, when, rows, compute_capability="9.0")
+    write_benchmark(tmp_path, a100, when, rows, compute_capability="8.0")
     measured = {("lmu", 100): 2e13, ("lmu", 300): 4e13, ("transformer", 100): 5e13}
     assert from_benchmarks(tmp_path, default=1e14).measured == measured
-    # Once the memory kernels are measured faster on this GPU, "auto" takes them: the LMU's
-    # XLA rows drop out, and the transformer's, which has no LMU memory, stay.
-    monkeypatch.setattr(memory_kernel, "FASTER_THAN_XLA", frozenset({(H100, "bfloat16")}))
-    assert from_benchmarks(tmp_path, default=1e14).measured == {
-        ("lmu", 100): 6e13,
-        ("transformer", 100): 5e13,
-    }
-    # Measured in bfloat16 only: in float32 "auto" stays on XLA, whose row stays.
     in_float32 = from_benchmarks(tmp_path, default=1e14, dtype="float32").measured
     assert in_float32 == {("lmu", 100): 3e13}
 

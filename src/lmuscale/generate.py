@@ -34,6 +34,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from lmuscale import ops
 from lmuscale.data.tokenizer import TOKENIZERS, Tokenizer, get_tokenizer
 from lmuscale.models import NAMES, LanguageModel, ModelConfig, build, decode, named_config
 from lmuscale.outcomes import Exit, StorageError, report
@@ -226,7 +227,7 @@ def main(argv: list[str] | None = None) -> int:
             prompt_ids = tokenizer.encode(args.prompt)
         except ValueError as error:
             parser.error(f"--prompt: {error}")
-        model = build(config)
+        model = build(config, ops.resolve(config, training=False))  # its ops on these devices
         if checkpoint is None:
             print(f"{what}: random init (seed {args.seed}), no --checkpoint", file=sys.stderr)
             params = model.init(jax.random.key(args.seed), jnp.zeros((1, 1), jnp.int32))

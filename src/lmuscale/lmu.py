@@ -288,20 +288,35 @@ def _abar_power(order: int, theta: float, steps: int) -> np.ndarray:
     return _read_only(result)
 
 
-def _exact_precision(dtype=jnp.float32):
-    # True float32 (or float64) on CPU. On a GPU, three bf16 passes (hi*hi + hi*lo + lo*hi)
-    # keep float32 accuracy on the tensor cores that HIGHEST would leave: 1.1e-5 of max|m| at
-    # the paper's largest layer on an H100, 1.7x faster (benchmarks/lmu_precision.py).
-    if jax.default_backend() == "cpu" or jnp.dtype(dtype) == jnp.float64:
+# How products at float32 accuracy run (``exact_algorithm``; a run's is ``ops.Impls``'s):
+# "highest", float32 products, or on a GPU's tensor cores, which XLA's highest would leave,
+# "bf16x3", three bf16 passes (hi*hi + hi*lo + lo*hi), float32 accuracy to 1.1e-5 of max|m|
+# at the paper's largest layer; "bf16x6" and "tf32" are the alternatives
+# benchmarks/lmu_precision.py measures. float64 is always exact.
+EXACT_ALGORITHMS = {
+    "highest": lax.Precision.HIGHEST,
+    "bf16x3": lax.DotAlgorithmPreset.BF16_BF16_F32_X3,
+    "bf16x6": lax.DotAlgorithmPreset.BF16_BF16_F32_X6,
+    "tf32": lax.DotAlgorithmPreset.TF32_TF32_F32,
+}
+
+
+def _exact_precision(dtype, algorithm: str):
+    if algorithm not in EXACT_ALGORITHMS:
+        raise ValueError(
+            f"exact_algorithm must be one of {tuple(EXACT_ALGORITHMS)}, got {algorithm!r}"
+        )
+    if jnp.dtype(dtype) == jnp.float64:
         return lax.Precision.HIGHEST
-    return lax.DotAlgorithmPreset.BF16_BF16_F32_X3
+    return EXACT_ALGORITHMS[algorithm]
 
 
-def _exact(spec: str, a, b):
-    """An einsum at float32 accuracy (``_exact_precision``), accumulated and returned in the
+def _exact(spec: str, a, b, algorithm: str):
+    """An einsum at float32 accuracy (by ``algorithm``), accumulated and returned in the
     operands' dtype, at least float32."""
     dtype = _compute_dtype(a.dtype, b.dtype)
-    return jnp.einsum(spec, a, b, precision=_exact_precision(dtype), preferred_element_type=dtype)
+    precision = _exact_precision(dtype, algorithm)
+    return jnp.einsum(spec, a, b, precision=precision, preferred_element_type=dtype)
 
 
 def chunk_operands(
@@ -312,12 +327,14 @@ def chunk_operands(
     *,
     chunk: int = DEFAULT_CHUNK,
     dtype=None,
+    exact_algorithm: str = "highest",
 ):
     """The operand of ``memory_chunked``, shared by any number of projections L:
     ``(x_BxJxCxZ, m_BxCxQ)``, Z = c + Q rows ``[u_{j,0..c-1}; m_j]`` for each of J chunks of
     c = min(chunk, T) steps (the last zero-padded), and the state after the last input. The
-    state passing runs at float32 accuracy whatever the product's ``dtype`` (default the
-    compute dtype; bfloat16 for a "fast" product, which rounds to it anyway)."""
+    state passing runs at float32 accuracy (by ``exact_algorithm``) whatever the product's
+    ``dtype`` (default the compute dtype; bfloat16 for a "fast" product, which rounds to it
+    anyway)."""
     _check_input(u_BxTxC)
     order, theta = _check_count("order", order), _check_theta(theta)
     batch, n, channels = u_BxTxC.shape
@@ -338,11 +355,12 @@ def chunk_operands(
     # The state passing is sequential, but only J = T / c steps long.
     hrev_cxQ = jnp.asarray(h_cxQ[::-1].copy(), state_dtype)
     # End states of every chunk but the last (which only the final state needs).
-    ends_JxBxCxQ = jnp.swapaxes(_exact("bjsc,sq->bjcq", u_BxJxcxC[:, :-1], hrev_cxQ), 0, 1)
+    exact = functools.partial(_exact, algorithm=exact_algorithm)
+    ends_JxBxCxQ = jnp.swapaxes(exact("bjsc,sq->bjcq", u_BxJxcxC[:, :-1], hrev_cxQ), 0, 1)
     abar_c_QxQ = jnp.asarray(_abar_power(order, theta, c), state_dtype)
 
     def pass_state(m_BxCxQ, end_BxCxQ):
-        return _exact("bcq,pq->bcp", m_BxCxQ, abar_c_QxQ) + end_BxCxQ, m_BxCxQ
+        return exact("bcq,pq->bcp", m_BxCxQ, abar_c_QxQ) + end_BxCxQ, m_BxCxQ
 
     m_last_BxCxQ, carried_JxBxCxQ = lax.scan(pass_state, m0_BxCxQ, ends_JxBxCxQ)
     carried_BxJxCxQ = jnp.swapaxes(jnp.concatenate([carried_JxBxCxQ, m_last_BxCxQ[None]]), 0, 1)
@@ -353,18 +371,27 @@ def chunk_operands(
     hlast_cxQ = np.zeros_like(h_cxQ)
     hlast_cxQ[:last] = h_cxQ[:last][::-1]
     abar_last_QxQ = jnp.asarray(_abar_power(order, theta, last), state_dtype)
-    final_BxCxQ = _exact("bcq,pq->bcp", m_last_BxCxQ, abar_last_QxQ) + _exact(
+    final_BxCxQ = exact("bcq,pq->bcp", m_last_BxCxQ, abar_last_QxQ) + exact(
         "bsc,sq->bcq", u_BxJxcxC[:, -1], jnp.asarray(hlast_cxQ, state_dtype)
     )
     return x_BxJxCxZ, final_BxCxQ
 
 
-def chunk_weights(order: int, theta: float, chunk: int, l_KxQ=None, dtype=jnp.float32):
+def chunk_weights(
+    order: int,
+    theta: float,
+    chunk: int,
+    l_KxQ=None,
+    dtype=jnp.float32,
+    exact_algorithm: str = "highest",
+):
     """The chunk product's matrix ``w_ZxKxc = [T; R]`` for a projection L, in ``dtype``:
     ``T[s, :, t] = G[t - s]`` for s <= t (zero above), the Toeplitz matrix of ``G[k] = L H[k]``;
     ``R[:, :, t] = (L Abar^{t+1})^T`` reads out the carried state, built from ``L Abar`` by
-    log2(c) doublings at float32 accuracy, so gradients reach L. The chunk's step is the last
-    column axis (``chunk_product``). ``l_KxQ`` None is the full memory (L = I)."""
+    log2(c) doublings at float32 accuracy (by ``exact_algorithm``), so gradients reach L. The
+    chunk's step is the last column axis (``chunk_product``). ``l_KxQ`` None is the full
+    memory (L = I)."""
+    exact = functools.partial(_exact, algorithm=exact_algorithm)
     order, theta = _check_count("order", order), _check_theta(theta)
     c = _check_count("chunk", chunk)
     h_cxQ = jnp.asarray(impulse_response(order, theta, c), dtype)
@@ -375,12 +402,12 @@ def chunk_weights(order: int, theta: float, chunk: int, l_KxQ=None, dtype=jnp.fl
         l_KxQ = jnp.asarray(l_KxQ).astype(dtype)
         if l_KxQ.ndim != 2 or l_KxQ.shape[1] != order:
             raise ValueError(f"L must have shape (reduced order, order={order}), got {l_KxQ.shape}")
-        g_cxK = _exact("tq,kq->tk", h_cxQ, l_KxQ)
-        r_KxQ = _exact("kq,qp->kp", l_KxQ, abar_QxQ)
+        g_cxK = exact("tq,kq->tk", h_cxQ, l_KxQ)
+        r_KxQ = exact("kq,qp->kp", l_KxQ, abar_QxQ)
     r_cxKxQ, k = r_KxQ[None], 1
     while k < c:  # R[k:2k] = R[:k] Abar^k
         power_QxQ = jnp.asarray(_abar_power(order, theta, k), dtype)
-        r_cxKxQ = jnp.concatenate([r_cxKxQ, _exact("tkq,qp->tkp", r_cxKxQ[: c - k], power_QxQ)])
+        r_cxKxQ = jnp.concatenate([r_cxKxQ, exact("tkq,qp->tkp", r_cxKxQ[: c - k], power_QxQ)])
         k *= 2
     lag_cxc = np.arange(c)[None, :] - np.arange(c)[:, None]  # [s, t] -> t - s
     toeplitz_cxcxK = jnp.where(
@@ -392,11 +419,12 @@ def chunk_weights(order: int, theta: float, chunk: int, l_KxQ=None, dtype=jnp.fl
 
 
 def _product_operands(precision: str, x_BxJxCxZ, w_ZxKxc):
-    """The chunk product's operands as its matmuls take them, and the matmuls' options."""
+    """The chunk product's operands as its matmuls take them, and the matmuls' options, for
+    ``precision`` "fast" or an exact algorithm."""
     if precision == "fast":
         return x_BxJxCxZ.astype(jnp.bfloat16), w_ZxKxc.astype(jnp.bfloat16), {}
     dtype = _compute_dtype(x_BxJxCxZ.dtype, w_ZxKxc.dtype)
-    return x_BxJxCxZ, w_ZxKxc, {"precision": _exact_precision(dtype)}
+    return x_BxJxCxZ, w_ZxKxc, {"precision": _exact_precision(dtype, precision)}
 
 
 # The contractions of the chunk product, on (B, J, C, Z) operands and (B, J, C, K, c) outputs:
@@ -446,34 +474,43 @@ def _chunk_matmul_bwd(precision, out_dtype, channels_last, residuals, dy):
 _chunk_matmul.defvjp(_chunk_matmul_fwd, _chunk_matmul_bwd)
 
 
-def _checked_out_dtype(x_BxJxCxZ, w_ZxKxc, precision: str, out_dtype) -> jnp.dtype:
-    """A chunk product's output dtype (default the operand's, at least float32), once its
-    operands and precision are checked."""
+def _chunk_product(x_BxJxCxZ, w_ZxKxc, precision, out_dtype, exact_algorithm, channels_last):
+    """``chunk_product`` or, ``channels_last``, ``chunk_product_channels_last``, once the
+    operands and precision are checked; the output dtype defaults to the operand's, at least
+    float32."""
     if precision not in PRECISIONS:
         raise ValueError(f"precision must be one of {PRECISIONS}, got {precision!r}")
+    _exact_precision(jnp.float32, exact_algorithm)  # checks the name
     if x_BxJxCxZ.ndim != 4 or w_ZxKxc.ndim != 3 or x_BxJxCxZ.shape[-1] != w_ZxKxc.shape[0]:
         raise ValueError(
             f"the chunk product takes an operand (batch, chunks, channels, Z) and weights "
             f"(Z, K, c) with the same Z, got {x_BxJxCxZ.shape} and {w_ZxKxc.shape}"
         )
-    return _compute_dtype(x_BxJxCxZ.dtype) if out_dtype is None else jnp.dtype(out_dtype)
+    out_dtype = _compute_dtype(x_BxJxCxZ.dtype) if out_dtype is None else jnp.dtype(out_dtype)
+    mode = "fast" if precision == "fast" else exact_algorithm
+    return _chunk_matmul(x_BxJxCxZ, w_ZxKxc, mode, out_dtype, channels_last)
 
 
-def chunk_product(x_BxJxCxZ, w_ZxKxc, precision: str = "exact", out_dtype=None):
+def chunk_product(
+    x_BxJxCxZ, w_ZxKxc, precision: str = "exact", out_dtype=None, exact_algorithm="highest"
+):
     """Every chunk's outputs in one matrix product, ``y_BxJxCxKxc = [u_j; m_j]^T [T; R]``.
     ``y`` stays in the layout the product writes (``sequence_from_chunks`` orders it by
     position), rounded to ``out_dtype`` (default the operand's, at least float32; bfloat16
-    halves the bytes for a bfloat16 consumer). ``precision`` is as in ``memory_chunked``."""
-    out_dtype = _checked_out_dtype(x_BxJxCxZ, w_ZxKxc, precision, out_dtype)
-    return _chunk_matmul(x_BxJxCxZ, w_ZxKxc, precision, out_dtype, False)
+    halves the bytes for a bfloat16 consumer). ``precision`` and ``exact_algorithm`` are as in
+    ``memory_chunked``."""
+    args = (precision, out_dtype, exact_algorithm)
+    return _chunk_product(x_BxJxCxZ, w_ZxKxc, *args, channels_last=False)
 
 
-def chunk_product_channels_last(x_BxJxCxZ, w_ZxKxc, precision: str = "exact", out_dtype=None):
+def chunk_product_channels_last(
+    x_BxJxCxZ, w_ZxKxc, precision: str = "exact", out_dtype=None, exact_algorithm="highest"
+):
     """``chunk_product`` written channels last: ``y_KxcxBxJxC``, the same numbers with the
     channels minor and the projection and step axes major, as a matrix product ``w^T x``
     writes them (no transpose), for sums over the channels along the minor axis."""
-    out_dtype = _checked_out_dtype(x_BxJxCxZ, w_ZxKxc, precision, out_dtype)
-    return _chunk_matmul(x_BxJxCxZ, w_ZxKxc, precision, out_dtype, True)
+    args = (precision, out_dtype, exact_algorithm)
+    return _chunk_product(x_BxJxCxZ, w_ZxKxc, *args, channels_last=True)
 
 
 def sequence_from_chunks(y_BxJx___xc, length: int):
@@ -492,6 +529,7 @@ def memory_chunked(
     *,
     chunk: int = DEFAULT_CHUNK,
     precision: str = "exact",
+    exact_algorithm: str = "highest",
 ):
     """The memory in chunks of c steps by matrix products: ``L m_t`` (or ``m_t``) for every t,
     the function of ``memory_reduced`` (``memory_fft`` without L) for any T, with the state
@@ -504,16 +542,18 @@ def memory_chunked(
     ``lax.scan`` over J (``chunk_operands``).
 
     ``precision`` is the output products': "exact", float32 accuracy (1e-6 of max|m| at the
-    paper's largest layer on CPU, 1.1e-5 on an H100), or "fast", one bf16 pass for bf16 models
-    (about 3e-3, benchmarks/lmu_precision.py); the state is always at float32 accuracy.
+    paper's largest layer in float32 products, 1.1e-5 in ``exact_algorithm="bf16x3"``), or
+    "fast", one bf16 pass for bf16 models (about 3e-3); the state is always at float32
+    accuracy.
     Returns ``(y_BxTxCxK, m_BxCxQ)`` (K = Q without L), float32 (float64 for float64 input).
     """
     operand = jnp.bfloat16 if precision == "fast" else None  # chunk_product checks the name
+    exact = {"exact_algorithm": exact_algorithm}
     x_BxJxCxZ, final_BxCxQ = chunk_operands(
-        u_BxTxC, order, theta, m0_BxCxQ, chunk=chunk, dtype=operand
+        u_BxTxC, order, theta, m0_BxCxQ, chunk=chunk, dtype=operand, **exact
     )
     c = x_BxJxCxZ.shape[-1] - order
     dtype = final_BxCxQ.dtype
-    w_ZxKxc = chunk_weights(order, theta, c, l_KxQ, dtype=dtype)
-    y_BxJxCxKxc = chunk_product(x_BxJxCxZ, w_ZxKxc, precision, out_dtype=dtype)
+    w_ZxKxc = chunk_weights(order, theta, c, l_KxQ, dtype=dtype, **exact)
+    y_BxJxCxKxc = chunk_product(x_BxJxCxZ, w_ZxKxc, precision, out_dtype=dtype, **exact)
     return sequence_from_chunks(y_BxJxCxKxc, u_BxTxC.shape[1]), final_BxCxQ

@@ -8,6 +8,7 @@ from __future__ import annotations
 from lmuscale.models import lmu, transformer, sru, lstm  # noqa: F401
 
 # isort: on
+from lmuscale import ops
 from lmuscale.models import family as families
 from lmuscale.models import sizes
 from lmuscale.models.base import LanguageModel, cross_entropy, decode
@@ -40,8 +41,16 @@ __all__ = [
 ]
 
 
-def build(config: ModelConfig) -> LanguageModel:
-    return families.of(config).model(config)
+def build(config: ModelConfig, impls: ops.Impls | None = None) -> LanguageModel:
+    """The model of ``config``, its ops run as ``impls`` says: what ``ops.resolve`` decided for
+    a run (None: XLA's forms for a CPU). A ``ValueError`` names a switch of the config that
+    ``impls`` does not follow ("pallas" asked, "xla" given, or the reverse)."""
+    impls = ops.Impls() if impls is None else impls
+    for switch, given in ((ops.LOSS, impls.loss), (ops.MEMORY, impls.memory)):
+        asked = getattr(config, switch.key, "auto")
+        if asked != "auto" and given is not None and given != asked:
+            raise ValueError(f"{switch.key}={asked!r} in the config, but the impls run {given!r}")
+    return families.of(config).model(config, impls=impls)
 
 
 def __getattr__(name: str):

@@ -17,19 +17,16 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from lmuscale import GPT2_VOCAB
+from lmuscale import GPT2_VOCAB, ops
 from lmuscale.layers import layer_norm
-from lmuscale.models import fused_loss
 from lmuscale.models.family import Registered
+from lmuscale.ops.cross_entropy import LOSS_CHUNK, cross_entropy
 
 DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16}
 
 # GPT-2's token embedding initialisation. It is also the output projection (tied), so it must
 # be small: at std 1 the initial logits would have std sqrt(d), far from the uniform ln(V).
 embedding_init = nn.initializers.normal(0.02)
-
-# Tokens per cross-entropy chunk: 1024 x 50257 float32 logits are 206 MB, alive one at a time.
-LOSS_CHUNK = 1024
 
 
 def compute_dtype(name: str):
@@ -40,22 +37,15 @@ def compute_dtype(name: str):
 
 
 def check_config(config, positive: tuple[str, ...]) -> None:
-    """The checks every family's config shares: positive ints, the dtype, the loss's
-    implementation (resolved only when a model traces its loss: a config may be made on a
-    machine without the devices it will run on)."""
+    """The checks every family's config shares: positive ints, the dtype, the kernel switches
+    (resolved by ``ops.resolve`` when a run starts: a config may be made on a machine without
+    the devices it will run on)."""
     for name in positive:
         check_positive(config, name)
     compute_dtype(config.dtype)
-    if config.loss_impl not in fused_loss.LOSS_IMPLS:
-        raise ValueError(
-            f"{type(config).__name__}.loss_impl must be one of {fused_loss.LOSS_IMPLS}, "
-            f"got {config.loss_impl!r}"
-        )
-
-
-def loss_impl_of(config) -> str:
-    """A model config's ``loss_impl``: "auto" for a family whose config has no such field."""
-    return getattr(config, "loss_impl", "auto")
+    for switch in (ops.LOSS, ops.MEMORY):
+        if hasattr(config, switch.key):
+            ops.check(f"{type(config).__name__}.{switch.key}", getattr(config, switch.key))
 
 
 def check_positive(config, name: str) -> None:
@@ -69,7 +59,7 @@ class RecurrentConfig(Registered):
     """``n_layers`` recurrent layers of width ``d`` (SRU, LSTM). ``dtype`` is the compute
     dtype, "float32" or "bfloat16" (parameters and the state are float32); ``remat``
     rematerialises each layer in the backward pass; ``loss_impl`` is "auto", "xla" or "pallas"
-    (``fused_loss.resolve``)."""
+    (``ops.resolve``)."""
 
     d: int
     n_layers: int
@@ -96,87 +86,12 @@ def logits_from_hidden(h_xD, w_VxD):
     )
 
 
-def cross_entropy(h_BxTxD, w_VxD, targets_BxT, chunk: int = LOSS_CHUNK, impl: str = "xla"):
-    """Next-token cross-entropy in nats at every position, without the full logits: float32
-    ``loss_BxT = logsumexp(logits) - logits[target]``.
-
-    ``impl`` is a config's ``loss_impl``: "pallas" (``fused_loss``), "auto"
-    (``fused_loss.resolve``) or "xla", where one pass over chunks of ``chunk`` tokens computes
-    each chunk's logits (in h's dtype, accumulated in float32), the loss and already the
-    gradients in h and the tied w: the backward pass only scales them, and stores or recomputes
-    no logits. That needs the same cotangent at every position, as for the mean or sum; for any
-    other, the gradient in w is NaN, never silently wrong (the one in h stays exact).
-    """
-    if fused_loss.resolve(impl, h_BxTxD.dtype) == "pallas":
-        return fused_loss.cross_entropy(h_BxTxD, w_VxD, targets_BxT)
-    return _cross_entropy(h_BxTxD, w_VxD, targets_BxT, chunk)
-
-
-def _chunked(h_BxTxD, w_VxD, targets_BxT, chunk: int, gradients: bool):
-    """``loss_BxT`` by one ``lax.scan`` over chunks, and with ``gradients`` the gradients of
-    its sum, ``dh_BxTxD`` (h's dtype) and ``dw_VxD`` (float32)."""
-    batch, length, width = h_BxTxD.shape
-    count = batch * length
-    chunk = max(1, min(chunk, count))
-    pad = -count % chunk  # the padding has h = 0, whose gradients are 0
-    h_JxcxD = jnp.pad(h_BxTxD.reshape(count, width), ((0, pad), (0, 0))).reshape(-1, chunk, width)
-    targets_Jxc = jnp.pad(targets_BxT.reshape(count), (0, pad)).reshape(-1, chunk)
-    w_VxD_h = w_VxD.astype(h_BxTxD.dtype)
-    vocab_1xV = lax.broadcasted_iota(jnp.int32, (1, w_VxD.shape[0]), 1)
-
-    def one_chunk(dw_VxD, chunk_inputs):
-        h_cxD, targets_c = chunk_inputs
-        logits_cxV = jnp.einsum("cd,vd->cv", h_cxD, w_VxD_h, preferred_element_type=jnp.float32)
-        lse_c = jax.nn.logsumexp(logits_cxV, axis=-1)
-        is_target_cxV = targets_c[:, None] == vocab_1xV
-        loss_c = lse_c - jnp.sum(jnp.where(is_target_cxV, logits_cxV, 0.0), axis=-1)
-        if not gradients:
-            return dw_VxD, (loss_c, None)
-        # d loss / d logits: the softmax minus the one-hot target.
-        dlogits_cxV = (jnp.exp(logits_cxV - lse_c[:, None]) - is_target_cxV).astype(h_cxD.dtype)
-        dh_cxD = jnp.einsum("cv,vd->cd", dlogits_cxV, w_VxD_h, preferred_element_type=jnp.float32)
-        dw_VxD += jnp.einsum("cv,cd->vd", dlogits_cxV, h_cxD, preferred_element_type=jnp.float32)
-        return dw_VxD, (loss_c, dh_cxD.astype(h_cxD.dtype))
-
-    dw_VxD = jnp.zeros(w_VxD.shape, jnp.float32) if gradients else None
-    dw_VxD, (loss_Jxc, dh_JxcxD) = lax.scan(one_chunk, dw_VxD, (h_JxcxD, targets_Jxc))
-    loss_BxT = loss_Jxc.reshape(-1)[:count].reshape(batch, length)
-    if not gradients:
-        return loss_BxT
-    dh_BxTxD = dh_JxcxD.reshape(-1, width)[:count].reshape(batch, length, width)
-    return loss_BxT, dh_BxTxD, dw_VxD
-
-
-@functools.partial(jax.custom_vjp, nondiff_argnums=(3,))
-def _cross_entropy(h_BxTxD, w_VxD, targets_BxT, chunk):
-    return _chunked(h_BxTxD, w_VxD, targets_BxT, chunk, gradients=False)
-
-
-def _cross_entropy_fwd(h_BxTxD, w_VxD, targets_BxT, chunk):
-    loss_BxT, dh_BxTxD, dw_VxD = _chunked(h_BxTxD, w_VxD, targets_BxT, chunk, gradients=True)
-    w_dtype = jnp.zeros((0,), w_VxD.dtype)  # residuals must be arrays
-    return loss_BxT, (dh_BxTxD, dw_VxD, w_dtype)
-
-
-def _cross_entropy_bwd(chunk, residuals, g_BxT):
-    """Scale the gradients of the sum by the cotangent ``g_BxT``."""
-    del chunk
-    dh_BxTxD, dw_VxD, w_dtype = residuals
-    dh = (dh_BxTxD.astype(jnp.float32) * g_BxT[..., None]).astype(dh_BxTxD.dtype)
-    if g_BxT.size == 0:
-        return dh, jnp.zeros(dw_VxD.shape, w_dtype.dtype), None
-    g = g_BxT.reshape(-1)[0]
-    dw = jnp.where(jnp.all(g_BxT == g), g * dw_VxD, jnp.nan)  # see cross_entropy
-    return dh, dw.astype(w_dtype.dtype), None
-
-
-_cross_entropy.defvjp(_cross_entropy_fwd, _cross_entropy_bwd)
-
-
 class LanguageModel(nn.Module):
-    """Parallel logits and loss, and the recurrent step, shared by every family."""
+    """Parallel logits and loss, and the recurrent step, shared by every family. ``impls``:
+    what its ops run (``ops.resolve``; the default: XLA's forms for a CPU)."""
 
     block_class: ClassVar[type[nn.Module]]
+    impls: ops.Impls = dataclasses.field(default=ops.Impls(), kw_only=True)
 
     def setup(self):
         c = self.config
@@ -187,9 +102,9 @@ class LanguageModel(nn.Module):
         self.norm = layer_norm(dtype)
 
     def block_fields(self, layer: int) -> dict:
-        """The fields of block ``layer`` (from 0): by default the model's config."""
+        """The fields of block ``layer`` (from 0): by default the model's config and impls."""
         del layer
-        return {"config": self.config}
+        return {"config": self.config, "impls": self.impls}
 
     def embed_tokens(self, tokens, index):
         """The blocks' input: tokens at positions 0..T-1 (``index`` None) or one token at
@@ -246,9 +161,10 @@ class LanguageModel(nn.Module):
                 f"inputs {inputs_BxT.shape} and targets {targets_BxT.shape} differ in shape"
             )
         h_BxTxD = self.hidden(inputs_BxT)
-        # resolved by the config's dtype, as the run's log and summary.json name it
-        impl = fused_loss.resolve(loss_impl_of(self.config), self.config.dtype)
-        per_position = cross_entropy(h_BxTxD, self.embed.embedding, targets_BxT, chunk, impl)
+        w_VxD, impls = self.embed.embedding, self.impls
+        per_position = cross_entropy(
+            h_BxTxD, w_VxD, targets_BxT, chunk, impls.loss, impls.loss_kernels
+        )
         return per_position.mean(), per_position
 
 

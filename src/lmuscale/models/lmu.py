@@ -10,17 +10,17 @@ from __future__ import annotations
 import dataclasses
 import functools
 import math
+from typing import ClassVar
 
 import flax.linen as nn
 import jax.numpy as jnp
 
-from lmuscale import GPT2_VOCAB, lmu
+from lmuscale import GPT2_VOCAB, lmu, ops
 from lmuscale.layers import (
     FFN,
     MEMORY_MODES,
     GlobalSelfAttention,
     ImplicitSelfAttention,
-    check_memory_impl,
     kv_cache,
     layer_norm,
 )
@@ -40,11 +40,10 @@ class LMUConfig(Registered):
     """Everything that fixes an LMU language model's function and parameter shapes. ``theta``
     is in tokens; ``q_prime`` is the rows of each L_i. The _G variant (``global_attention``,
     with ``n_heads``) ignores ``pre_ffn_dim``: attention replaces the pre-FFN. ``memory_mode``,
-    ``memory_chunk``, ``memory_impl`` and ``batch_chunk`` are as in
-    ``layers.ImplicitSelfAttention`` (``memory_impl`` resolved only when a model traces its
-    memory, as ``loss_impl`` is when it traces its loss): batch
-    chunks of 2 cut XLA's buffers for a (16, 1024) Adam step of lmu-1M on CPU from 7.7 to 2.1 GB;
-    on an accelerator 0 with micro-batches is faster. The rest is as in ``base.RecurrentConfig``."""
+    ``memory_chunk`` and ``batch_chunk`` are as in ``layers.ImplicitSelfAttention``: batch
+    chunks of 2 bound a CPU's memory; on an accelerator 0 with micro-batches is faster.
+    ``memory_impl`` ("auto", "xla" or "pallas") is the memory's kernel switch, as ``loss_impl``
+    the loss's (``ops.resolve``). The rest is as in ``base.RecurrentConfig``."""
 
     d: int
     q: int
@@ -77,7 +76,6 @@ class LMUConfig(Registered):
                 f"LMUConfig.memory_mode must be one of {MEMORY_MODES}, got {self.memory_mode!r}"
             )
         check_positive(self, "memory_chunk")
-        check_memory_impl(self.memory_mode, self.memory_impl, "LMUConfig.")
         if self.batch_chunk < 0:
             raise ValueError(f"LMUConfig.batch_chunk must be >= 0, got {self.batch_chunk!r}")
         if self.global_attention and self.d % self.n_heads:
@@ -90,28 +88,23 @@ class LMUBlock(nn.Module):
     ``x += FFN_post(LN(x))``."""
 
     config: LMUConfig
+    impls: ops.Impls = ops.Impls()
+    memory_class: ClassVar[type[nn.Module]] = ImplicitSelfAttention  # a subclass may cut it down
 
     def setup(self):
-        c = self.config
+        c, impls = self.config, self.impls
         dtype = compute_dtype(c.dtype)
         self.norm_pre = layer_norm(dtype)
         if c.global_attention:
-            self.pre = GlobalSelfAttention(c.d, c.n_heads, dtype=dtype)
+            self.pre = GlobalSelfAttention(c.d, c.n_heads, dtype=dtype, attention=impls.attention)
         else:
-            self.pre = FFN(c.pre_ffn_dim, dtype=dtype)
+            self.pre = FFN(c.pre_ffn_dim, dtype=dtype, gelu=impls.gelu)
         self.norm_memory = layer_norm(dtype)
-        self.memory = ImplicitSelfAttention(
-            c.q,
-            c.q_prime,
-            c.theta,
-            dtype,
-            c.memory_mode,
-            c.memory_chunk,
-            c.batch_chunk,
-            c.memory_impl,
+        self.memory = self.memory_class(
+            c.q, c.q_prime, c.theta, dtype, c.memory_mode, c.memory_chunk, c.batch_chunk, impls
         )
         self.norm_post = layer_norm(dtype)
-        self.post = FFN(c.post_ffn_dim, dtype=dtype)
+        self.post = FFN(c.post_ffn_dim, dtype=dtype, gelu=impls.gelu)
 
     def __call__(self, x_BxTxD):
         x_BxTxD = x_BxTxD + self.pre(self.norm_pre(x_BxTxD))

@@ -32,10 +32,11 @@ import jax.numpy as jnp
 from jax import lax
 
 from lmuscale import GPT2_VOCAB
-from lmuscale.layers import DEFAULT_INIT, cached_attention, kv_cache, layer_norm
+from lmuscale.layers import DEFAULT_INIT, kv_cache, layer_norm
 from lmuscale.models import sizes
 from lmuscale.models.base import LanguageModel, RecurrentConfig, check_config, compute_dtype
 from lmuscale.models.family import Family, Registered, register
+from lmuscale.ops.attention import cached_attention
 
 
 @dataclasses.dataclass(frozen=True)

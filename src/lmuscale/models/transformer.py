@@ -14,7 +14,7 @@ import math
 import flax.linen as nn
 import jax.numpy as jnp
 
-from lmuscale import GPT2_VOCAB
+from lmuscale import GPT2_VOCAB, ops
 from lmuscale.layers import FFN, GlobalSelfAttention, kv_cache, layer_norm
 from lmuscale.models import sizes
 from lmuscale.models.base import LanguageModel, check_config, compute_dtype, default_heads
@@ -36,7 +36,7 @@ class TransformerConfig(Registered):
     vocab_size: int = GPT2_VOCAB
     dtype: str = "float32"
     remat: bool = False
-    loss_impl: str = "auto"  # "auto", "xla" or "pallas" (``fused_loss.resolve``)
+    loss_impl: str = "auto"  # "auto", "xla" or "pallas" (``ops.resolve``)
 
     def __post_init__(self):
         check_config(self, ("d", "n_heads", "n_layers", "mlp_ratio", "max_len", "vocab_size"))
@@ -50,17 +50,19 @@ class TransformerConfig(Registered):
 
 class TransformerBlock(nn.Module):
     config: TransformerConfig
+    impls: ops.Impls = ops.Impls()
 
     def setup(self):
-        c = self.config
+        c, impls = self.config, self.impls
         dtype = compute_dtype(c.dtype)
         out_init = nn.initializers.normal(0.02 / math.sqrt(2 * c.n_layers))
         self.norm_attention = layer_norm(dtype)
+        inits = {"kernel_init": KERNEL_INIT, "out_init": out_init}
         self.attention = GlobalSelfAttention(
-            c.d, c.n_heads, dtype=dtype, kernel_init=KERNEL_INIT, out_init=out_init
+            c.d, c.n_heads, dtype=dtype, attention=impls.attention, **inits
         )
         self.norm_mlp = layer_norm(dtype)
-        self.mlp = FFN(c.mlp_dim, dtype=dtype, kernel_init=KERNEL_INIT, out_init=out_init)
+        self.mlp = FFN(c.mlp_dim, dtype=dtype, gelu=impls.gelu, **inits)
 
     def __call__(self, x_BxTxD):
         x_BxTxD = x_BxTxD + self.attention(self.norm_attention(x_BxTxD))

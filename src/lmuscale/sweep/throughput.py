@@ -21,9 +21,8 @@ from datetime import UTC, datetime
 from pathlib import Path
 from types import SimpleNamespace
 
-from lmuscale import memory_kernel
+from lmuscale import ops
 from lmuscale.models import family as families
-from lmuscale.models import fused_loss
 from lmuscale.outcomes import DataError
 
 ENV = "LMUSCALE_GPU_BENCHMARK"
@@ -224,10 +223,7 @@ def _auto_kernels(machine: dict, dtype: str) -> dict[str, str]:
             compute_capability=machine.get("compute_capability", ""),
         )
     ] * int(machine.get("device_count", 1))
-    return {
-        "loss_impl": fused_loss.resolve("auto", dtype, devices),
-        "memory_impl": memory_kernel.resolve("auto", dtype, devices),
-    }
+    return {switch.key: switch.choose("auto", dtype, devices) for switch in (ops.LOSS, ops.MEMORY)}
 
 
 def _ran_auto(row: dict, family: str, auto: dict[str, str]) -> bool:

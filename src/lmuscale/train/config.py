@@ -17,10 +17,8 @@ from pathlib import Path
 
 from ml_collections import ConfigDict
 
-from lmuscale import memory_kernel
-from lmuscale.models import ModelConfig, fused_loss
+from lmuscale.models import ModelConfig
 from lmuscale.models import family as families
-from lmuscale.models.base import loss_impl_of
 from lmuscale.outcomes import ConfigError
 
 # Keys that may differ when a run resumes: none of them changes the trained numbers. (The
@@ -32,8 +30,8 @@ RESUMABLE_CHANGES = (
     "data.path",
     "peak_flops",
     "train.memory_budget_gb",
-    "model.loss_impl",  # the same loss to rounding (models.fused_loss)
-    "model.memory_impl",  # the same LMU memory to rounding (memory_kernel)
+    "model.loss_impl",  # the same loss to rounding (lmuscale.ops)
+    "model.memory_impl",  # the same LMU memory to rounding
 )
 # Keys added after runs were saved, with the value those runs had in effect (``upgrade``).
 ADDED_KEYS = {
@@ -195,38 +193,6 @@ def model_config(section) -> ModelConfig:
         return record.config(**fields, **record.fixed)
     except (TypeError, ValueError) as error:
         raise ConfigError(f"model: {error}") from None
-
-
-def loss_implementation(model: ModelConfig) -> str:
-    """The cross-entropy this process runs for ``model.loss_impl``: "xla" or "pallas". A
-    ``ConfigError`` where "pallas" cannot run here."""
-    try:
-        return fused_loss.resolve(loss_impl_of(model), model.dtype)
-    except ValueError as error:
-        raise ConfigError(f"model.{error}") from None
-
-
-def memory_implementation(model: ModelConfig) -> str | None:
-    """The LMU memory this process runs for ``model.memory_impl``: "xla" or "pallas", or None
-    for a family without that key. A ``ConfigError`` where "pallas" cannot run here."""
-    impl = getattr(model, "memory_impl", None)
-    if impl is None:
-        return None
-    try:
-        return memory_kernel.resolve(impl, model.dtype)
-    except ValueError as error:
-        raise ConfigError(f"model.{error}") from None
-
-
-def kernel_implementations(model: ModelConfig) -> dict[str, str]:
-    """What runs for each kernel switch of ``model``: ``{"loss_impl": ..., "memory_impl": ...}``
-    (no "memory_impl" for a family without one), each "xla" or "pallas"; a ``ConfigError``
-    naming the key where "pallas" cannot run here, raised before anything is written."""
-    chosen = {"loss_impl": loss_implementation(model)}
-    memory = memory_implementation(model)
-    if memory is not None:
-        chosen["memory_impl"] = memory
-    return chosen
 
 
 def flatten(config, prefix: str = "") -> dict:

@@ -29,6 +29,7 @@ from jax.sharding import NamedSharding, PartitionSpec
 from ml_collections import ConfigDict
 from tqdm import tqdm
 
+from lmuscale import ops
 from lmuscale import workdir as workdir_lib
 from lmuscale.data import (
     EMBEDDED_SOURCES,
@@ -40,7 +41,7 @@ from lmuscale.data import (
 )
 from lmuscale.data.format import META
 from lmuscale.models import build, count_params, flops_per_token
-from lmuscale.outcomes import LostProcess, TrainingDiverged, TrainingInterrupted
+from lmuscale.outcomes import ConfigError, LostProcess, TrainingDiverged, TrainingInterrupted
 from lmuscale.train import config as config_lib
 from lmuscale.train import memory, optim, wandb_log
 from lmuscale.train import step as step_lib
@@ -109,7 +110,7 @@ def open_data(c: ConfigDict, model_config, primary: bool, progress: bool):
     """The prepared dataset of ``data.path``, checked against the config; an embedded
     ``data.source`` is prepared first."""
     if not c.data.path:
-        raise config_lib.ConfigError(
+        raise ConfigError(
             "data.path is empty: set --config.data.path=DIR, a folder made by "
             "'python -m lmuscale.data prepare'"
         )
@@ -123,22 +124,22 @@ def open_data(c: ConfigDict, model_config, primary: bool, progress: bool):
             multihost_utils.sync_global_devices("lmuscale-prepare")
     elif not path.exists():
         source = c.data.source or "SOURCE"
-        raise config_lib.ConfigError(
+        raise ConfigError(
             f"data.path: no dataset at {path}; prepare one with 'python -m lmuscale.data "
             f"prepare {source} INPUTS --tokenizer {c.data.tokenizer} --out {path}'"
         )
     try:
         dataset = open_dataset(path, verify=c.data.verify and primary)
     except DataError as error:
-        raise config_lib.ConfigError(f"data.path: {error}") from None
+        raise ConfigError(f"data.path: {error}") from None
     where = dataset.folder / META
     if dataset.tokenizer != c.data.tokenizer:
-        raise config_lib.ConfigError(
+        raise ConfigError(
             f"{where}: the dataset was tokenised with {dataset.tokenizer!r} but "
             f"data.tokenizer is {c.data.tokenizer!r}"
         )
     if dataset.vocab_size != model_config.vocab_size:
-        raise config_lib.ConfigError(
+        raise ConfigError(
             f"{where}: the dataset's vocabulary has {dataset.vocab_size} ids "
             f"({dataset.tokenizer}) but model.vocab_size is {model_config.vocab_size}"
         )
@@ -146,7 +147,7 @@ def open_data(c: ConfigDict, model_config, primary: bool, progress: bool):
         for split in ("train", "val", "test"):
             dataset.windows(split, c.data.seq_len)
     except DataError as error:
-        raise config_lib.ConfigError(f"data: {error}") from None
+        raise ConfigError(f"data: {error}") from None
     return dataset
 
 
@@ -160,7 +161,7 @@ def check_batches(c: ConfigDict, mesh) -> None:
     eval_batch = c.eval.global_batch, f"eval.global_batch ({c.eval.global_batch})"
     for size, what in (train_batch, eval_batch):
         if size % data_axis:
-            raise config_lib.ConfigError(
+            raise ConfigError(
                 f"{what} must be a multiple of the mesh's data axis ({data_axis} devices)"
             )
 
@@ -192,7 +193,7 @@ def run(
     summary = workdir_lib.finished(workdir)
     if summary is not None:
         return summary
-    config_lib.kernel_implementations(model_config)  # "pallas" where it cannot run: refused now
+    impls = ops.resolve(model_config)  # once a run; "pallas" where it cannot run: refused now
     if primary:
         wandb_log.require(c)
     dataset = open_data(c, model_config, primary, show)
@@ -202,13 +203,13 @@ def run(
         if primary and not locked:
             hold.enter_context(workdir_lib.Lock(workdir_lib.usable(workdir)))
             check_workdir(c, workdir)  # again, now that no other process can change it
-        return _train(c, workdir, model_config, dataset, mesh, primary, show)
+        return _train(c, workdir, model_config, impls, dataset, mesh, primary, show)
 
 
-def _train(c, workdir: Path, model_config, dataset, mesh, primary: bool, show: bool) -> dict:
+def _train(c, workdir: Path, model_config, impls, dataset, mesh, primary: bool, show) -> dict:
     if primary:
         workdir_lib.write_config(c, workdir)
-    program = compile_program(c, workdir, model_config, mesh, primary)
+    program = compile_program(c, workdir, model_config, impls, mesh, primary)
     session = Session(c, workdir, dataset, mesh, program, primary, show)
     try:
         # The final evaluation too: a signal during it is noted, and the run still finishes.
@@ -334,7 +335,7 @@ class Program:
     """The run's model compiled for the mesh: its steps, initial state and FLOPs per token."""
 
     model_config: object
-    kernels: dict  # what runs for each kernel switch (config.kernel_implementations)
+    impls: ops.Impls  # what each op runs (ops.resolve)
     init: Callable[[], dict]
     shardings: dict  # the state's, a tree like it
     plan: memory.Plan
@@ -344,18 +345,10 @@ class Program:
     flops: object  # flops_per_token's
 
 
-KERNEL_NAMES = {"loss_impl": "cross-entropy", "memory_impl": "LMU memory"}
-
-
-def describe_kernels(kernels: dict) -> str:
-    """``cross-entropy: xla; LMU memory: xla``: what runs for each switch."""
-    return "; ".join(f"{KERNEL_NAMES[key]}: {impl}" for key, impl in kernels.items())
-
-
-def compile_program(c, workdir: Path, model_config, mesh, primary: bool) -> Program:
-    """Plans the micro-batches (``train.memory``), writes plan.json and compiles the steps."""
-    kernels = config_lib.kernel_implementations(model_config)
-    model = build(model_config)
+def compile_program(c, workdir: Path, model_config, impls, mesh, primary: bool) -> Program:
+    """Plans the micro-batches (``train.memory``), writes plan.json (with ``impls``, what each
+    op runs) and compiles the steps."""
+    model = build(model_config, impls)
     tx, lr = optim.optimizer(c.optim, c.train.steps)
     plateau = optim.plateau(c.optim)
     init = step_lib.init_fn(model, tx, plateau, c.train.seed, c.data.seq_len)
@@ -364,11 +357,11 @@ def compile_program(c, workdir: Path, model_config, mesh, primary: bool) -> Prog
         step_lib.make_train_step(model, tx, lr, mesh, abstract), abstract, c, mesh, workdir
     )
     if primary:
-        memory.write(workdir, plan)
-        print(f"train step: {memory.describe(plan)}; {describe_kernels(kernels)}", flush=True)
+        memory.write(workdir, plan, ops=impls.record())
+        print(f"train step: {memory.describe(plan)}; {impls.describe()}", flush=True)
     return Program(
         model_config=model_config,
-        kernels=kernels,
+        impls=impls,
         init=init,
         shardings=step_lib.state_shardings(mesh, abstract),
         plan=plan,
@@ -539,7 +532,7 @@ def sizes(c, program: Program) -> dict:
     return {
         "name": c.name,
         "family": program.model_config.family,
-        **program.kernels,
+        **program.impls.record(),
         "params": {**dataclasses.asdict(params), "total": params.total},
         "flops_per_token": {"forward": program.flops.forward, "train": program.flops.train},
         "seq_len": c.data.seq_len,

@@ -300,8 +300,9 @@ def plan_train_step(train_step, abstract_state, config, mesh, workdir: Path | No
     )
 
 
-def write(workdir: Path, the_plan: Plan) -> None:
-    atomic_write_json(Path(workdir) / PLAN, the_plan.record())
+def write(workdir: Path, the_plan: Plan, **more) -> None:
+    """plan.json: the plan's record, and ``more`` (the run's ``ops``)."""
+    atomic_write_json(Path(workdir) / PLAN, {**the_plan.record(), **more})
 
 
 def describe(the_plan: Plan) -> str:

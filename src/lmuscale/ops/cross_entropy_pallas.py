@@ -1,13 +1,13 @@
 """The cross-entropy as fused Pallas kernels: the logits live only in on-chip tiles.
 
-Unlike ``base.cross_entropy`` (the XLA path), no kernel writes logits to memory. The forward
+Unlike ``cross_entropy.cross_entropy``'s XLA path, no kernel writes logits to memory. The forward
 walks the vocabulary per tile of tokens with an online log-sum-exp and writes two floats per
 token; dh (per tile of tokens) and dw (per tile of the vocabulary) recompute each logits tile
 and form ``g * (softmax - onehot)`` on chip: 5 logits-sized products against the XLA path's 3,
 but nothing V-sized is written but dw, and the per-token cotangent ``g`` enters exactly, so
-any weighting of the losses has exact gradients. With ``DH_FROM_FORWARD`` the forward also
+any weighting of the losses has exact gradients. With ``dh_from_forward`` the forward also
 writes each token's expected embedding under its softmax (D' floats, kept for the backward
-pass) and dh needs no kernel: 4 products.
+pass) and dh needs no kernel: 4 products, the dh kernel's logits recomputed no more.
 
 Written for Pallas's Triton lowering (NVIDIA GPUs): d is zero-padded to a power of two (or,
 with ``Tiling.split_width``, to a multiple of 16 held as power-of-two parts, each product a
@@ -27,22 +27,6 @@ import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pl_triton
-
-from lmuscale import kernels
-
-LOSS_IMPLS = kernels.IMPLS
-
-# (Device kind, compute dtype) where a committed benchmark (benchmarks/gpu.py's ``loss`` part,
-# as benchmarks/cross_entropy.py's; results under benchmarks/results/) measured the kernels'
-# forward+backward faster than the XLA path at the paper's micro-batch, 64 x 1024 tokens, at
-# d = 48 and 204. The H200 (gpu-nvidia-h200-2026-11-27.json; gpu-nvidia-h200.json, the next
-# day, within 1% of it): 2.0x at d = 48, 1.4x at 204 in bfloat16; in float32 as fast at 48
-# and 14x slower at 204, so not there. The H100 (gpu-nvidia-h100-80gb-hbm3.json, 2026-11-28):
-# 2.5x at 48 and 1.6x at 204 in bfloat16 (lmu-1M's paper step 1,015 ms against 1,180); in
-# float32 1.3x at 48 and 15x slower at 204.
-FASTER_THAN_XLA: frozenset[tuple[str, str]] = frozenset(
-    {("NVIDIA H200", "bfloat16"), ("NVIDIA H100 80GB HBM3", "bfloat16")}
-)
 
 # Tiles on a GPU (``default_tiling``), not yet tuned on a device: one tile of an operand is at
 # most TILE_BYTES. At d = 204 (padded to 256) in bf16 that is 64 x 256, whose float32
@@ -172,32 +156,6 @@ def _pallas_call(kernel, launch: Launch, **kwargs):
     product)."""
     params = pl_triton.CompilerParams(num_warps=launch.warps, num_stages=launch.stages)
     return pl.pallas_call(kernel, compiler_params=params, **kwargs)
-
-
-# Whether the forward kernel also forms each token's expected embedding under its softmax,
-# E_p[w] = sum_v p_v w_v (a second product on each tile it already holds, its running sum
-# rescaled as the max grows), so that dh = g (E_p[w] - w_target) needs no kernel of its own:
-# the kernels execute 8 N V d FLOPs instead of 10, the dh kernel's logits recomputed no more.
-# Not yet timed on a GPU, so off; benchmarks/gpu.py's loss part times both forms.
-DH_FROM_FORWARD = False
-
-
-def unsupported_reason(devices=None) -> str | None:
-    """Why the kernels cannot run on ``devices`` (``kernels.unsupported_reason``), or None."""
-    return kernels.unsupported_reason(devices)
-
-
-def resolve(impl: str, dtype, devices=None) -> str:
-    """What a config's ``loss_impl`` runs with h in ``dtype`` on ``devices`` (default: this
-    run's): "xla" or "pallas", by the switch every kernel shares (``kernels.resolve``)."""
-    return kernels.resolve(
-        impl,
-        key="loss_impl",
-        kernels="the fused cross-entropy kernels",
-        faster=FASTER_THAN_XLA,
-        dtype=dtype,
-        devices=devices,
-    )
 
 
 def _tile_logits(h_parts, w_parts):
@@ -372,14 +330,13 @@ def cross_entropy(
     targets_BxT,
     *,
     tiling: Tiling | None = None,
-    dh_from_forward: bool | None = None,
+    dh_from_forward: bool = False,
     interpret: bool = False,
 ):
-    """``base.cross_entropy`` by the fused kernels, exact gradients for any cotangent;
-    ``tiling``: the kernels' tiles and launches (None: ``default_tiling``); ``dh_from_forward``
-    (None: ``DH_FROM_FORWARD``): dh from the forward's expected embeddings, without the dh
-    kernel (``tiling.dh`` then launches nothing, though it is checked and counts in the
-    padding)."""
+    """``cross_entropy.cross_entropy`` by the fused kernels, exact gradients for any cotangent;
+    ``tiling``: the kernels' tiles and launches (None: ``default_tiling``); ``dh_from_forward``:
+    dh from the forward's expected embeddings, without the dh kernel (``tiling.dh`` then
+    launches nothing, though it is checked and counts in the padding)."""
     if h_BxTxD.shape[:-1] != targets_BxT.shape or h_BxTxD.shape[-1] != w_VxD.shape[-1]:
         raise ValueError(
             f"h {h_BxTxD.shape}, w {w_VxD.shape} and targets {targets_BxT.shape} do not fit: "
@@ -390,8 +347,7 @@ def cross_entropy(
     if tiling is None:
         tiling = default_tiling(h_BxTxD.shape[-1], h_BxTxD.dtype)
     tiling.check(interpret)
-    dh_from_forward = DH_FROM_FORWARD if dh_from_forward is None else bool(dh_from_forward)
-    return _fused(h_BxTxD, w_VxD, targets_BxT, tiling, dh_from_forward, interpret)
+    return _fused(h_BxTxD, w_VxD, targets_BxT, tiling, bool(dh_from_forward), interpret)
 
 
 def forward_call(

@@ -1,27 +1,23 @@
-"""The fused cross-entropy kernels (models.fused_loss), run in Pallas's interpret mode on CPU
-at small shapes, and the switch that chooses them."""
+"""The cross-entropy's fused kernels (ops.cross_entropy_pallas), run in Pallas's interpret mode
+on CPU at small shapes, against a float64 softmax and XLA's path (ops.cross_entropy)."""
 
 from __future__ import annotations
 
 import dataclasses
 import functools
 import re
-import types
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from small_config import small
 from test_models import reference_cross_entropy, reference_gradients
 
-from lmuscale import kernels
-from lmuscale.models import base, build, fused_loss, named_config
-from lmuscale.models.sizes import FAMILIES
-from lmuscale.train import config as config_lib
-from lmuscale.train import run
+from lmuscale import ops
+from lmuscale.ops import cross_entropy_pallas as pallas
+from lmuscale.ops.cross_entropy import cross_entropy as xla_or_fused
 
-Launch, Tiling = fused_loss.Launch, fused_loss.Tiling
+Launch, Tiling = pallas.Launch, pallas.Tiling
 TILES = {"tiling": Tiling.shared(8, 16), "interpret": True}
 # Each kernel its own tiles, warps and stages; the tokens and the vocabulary are padded to the
 # largest tile of each: 33 tokens to 48 (dw's step of 16), V = 70 to 96 (dw's 32 rows).
@@ -33,7 +29,7 @@ SPLIT_PER_KERNEL = dataclasses.replace(PER_KERNEL, split_width=True)
 
 
 def fused(h, w, targets, **tiles):
-    return fused_loss.cross_entropy(h, w, targets, **{**TILES, **tiles})
+    return pallas.cross_entropy(h, w, targets, **{**TILES, **tiles})
 
 
 def inputs(batch, length, width, vocab, seed=0, dtype=jnp.float32):
@@ -83,7 +79,7 @@ def test_losses_and_weighted_gradients_equal_a_float64_softmax(shape, tiles):
     batch, length = shape[:2]
     h, w, targets = inputs(*shape)
     weights = np.random.default_rng(9).uniform(-1.0, 2.0, (batch, length)).astype(np.float32)
-    losses, pullback = jax.vjp(lambda h, w: fused_loss.cross_entropy(h, w, targets, **tiles), h, w)
+    losses, pullback = jax.vjp(lambda h, w: pallas.cross_entropy(h, w, targets, **tiles), h, w)
     assert losses.shape == (batch, length) and losses.dtype == jnp.float32
     np.testing.assert_allclose(losses, reference_cross_entropy(h, w, targets), rtol=2e-6)
     # Per-position weights of either sign: exact for dw too (the XLA path's dw is NaN here).
@@ -101,7 +97,7 @@ def test_the_kernels_equal_the_xla_path_for_a_mean_loss():
         return jax.value_and_grad(lambda h, w: loss_fn(h, w, targets).mean(), (0, 1))(h, w)
 
     got = mean(lambda h, w, t: fused(h, w, t, tiling=Tiling.shared(8, 32)))
-    want = mean(lambda h, w, t: base.cross_entropy(h, w, t, chunk=5, impl="xla"))
+    want = mean(lambda h, w, t: xla_or_fused(h, w, t, chunk=5, impl="xla"))
     np.testing.assert_allclose(got[0], want[0], rtol=1e-6)
     for g, x in zip(got[1], want[1], strict=True):
         np.testing.assert_allclose(g, x, rtol=1e-5, atol=1e-6 * np.abs(x).max())
@@ -118,7 +114,7 @@ def test_bfloat16_activations_match_the_xla_path_to_bfloat16_rounding(dh_from_fo
         return jax.value_and_grad(lambda h, w: loss_fn(h, w, targets).mean(), (0, 1))(h, w)
 
     (loss, (dh, dw)) = mean(functools.partial(fused, dh_from_forward=dh_from_forward))
-    (xla_loss, (xla_dh, xla_dw)) = mean(lambda h, w, t: base.cross_entropy(h, w, t, impl="xla"))
+    (xla_loss, (xla_dh, xla_dw)) = mean(lambda h, w, t: xla_or_fused(h, w, t, impl="xla"))
     assert dh.dtype == jnp.bfloat16 and dw.dtype == jnp.float32
     # The losses see the same bf16 operands and float32 sums: equal but for summation order.
     w_bf16 = np.asarray(w.astype(jnp.bfloat16), np.float64)
@@ -202,7 +198,7 @@ def test_bad_tiles_and_shapes_are_named():
         fused(h, w, targets, tiling=Tiling.shared(8, 24))
     # On a GPU, Triton's products need tiles of at least 16.
     with pytest.raises(ValueError, match=r"tiling\.forward\.rows must be .* >= 16, got 8"):
-        fused_loss.cross_entropy(h, w, targets, tiling=Tiling.shared(8, 16))
+        pallas.cross_entropy(h, w, targets, tiling=Tiling.shared(8, 16))
     bad_warps = dataclasses.replace(PER_KERNEL, dh=Launch(4, 16, 6, 1))
     with pytest.raises(ValueError, match=r"tiling\.dh\.warps must be a power of two <= 32, got 6"):
         fused(h, w, targets, tiling=bad_warps)
@@ -234,10 +230,10 @@ def test_the_width_is_padded_to_a_power_of_two_or_held_in_parts():
         12: (16, ((0, 16),), 16, ((0, 16),)),
     }
     for width, (whole, whole_parts, split, split_parts) in cases.items():
-        assert fused_loss.padded_width(width) == whole
-        assert fused_loss.width_parts(whole) == whole_parts
-        assert fused_loss.padded_width(width, split=True) == split
-        assert fused_loss.width_parts(split) == split_parts
+        assert pallas.padded_width(width) == whole
+        assert pallas.width_parts(whole) == whole_parts
+        assert pallas.padded_width(width, split=True) == split
+        assert pallas.width_parts(split) == split_parts
 
 
 @pytest.mark.parametrize(
@@ -257,8 +253,8 @@ def test_the_kernels_lower_to_triton_for_an_nvidia_gpu(width, dtype, dh_from_for
     # and its numerics need the GPU (benchmarks/cross_entropy.py --part loss). With dh from
     # the forward there is no dh kernel, and the forward has a third output. With the width
     # split, d = 204 is held as 208 (128 + 64 + 16), each part its own power-of-two load.
-    tiling = dataclasses.replace(fused_loss.default_tiling(width, dtype), split_width=split)
-    wide = fused_loss.padded_width(width, split)
+    tiling = dataclasses.replace(pallas.default_tiling(width, dtype), split_width=split)
+    wide = pallas.padded_width(width, split)
     h = jax.ShapeDtypeStruct((2, 300, width), dtype)
     w = jax.ShapeDtypeStruct((50257, width), jnp.float32)
     targets = jax.ShapeDtypeStruct((2, 300), jnp.int32)
@@ -267,11 +263,11 @@ def test_the_kernels_lower_to_triton_for_an_nvidia_gpu(width, dtype, dh_from_for
 
     def loss_and_grads(h, w, targets):
         def loss(h, w):
-            return fused_loss.cross_entropy(h, w, targets, **options).mean()
+            return pallas.cross_entropy(h, w, targets, **options).mean()
 
         return jax.value_and_grad(loss, (0, 1))(h, w)
 
-    text = kernels.lowered_for_cuda(loss_and_grads, h, w, targets).as_text()
+    text = ops.lowered_for_cuda(loss_and_grads, h, w, targets).as_text()
     names = re.findall(r'name = "_(\w+)_kernel"', text)
     assert names == (["forward", "dw"] if dh_from_forward else ["forward", "dh", "dw"])
     [forward] = [line for line in text.splitlines() if '"_forward_kernel"' in line]
@@ -281,9 +277,9 @@ def test_the_kernels_lower_to_triton_for_an_nvidia_gpu(width, dtype, dh_from_for
 
     # The losses alone (an evaluation) form no expected embeddings, whatever the form.
     def loss_alone(h, w, targets):
-        return fused_loss.cross_entropy(h, w, targets, **options).mean()
+        return pallas.cross_entropy(h, w, targets, **options).mean()
 
-    text = kernels.lowered_for_cuda(loss_alone, h, w, targets).as_text()
+    text = ops.lowered_for_cuda(loss_alone, h, w, targets).as_text()
     [forward] = [line for line in text.splitlines() if '"_forward_kernel"' in line]
     assert forward.split("->")[-1].strip().startswith("(tensor<640xf32>, tensor<640xf32>)")
     assert f"640x{wide}" not in forward.split("->")[-1]
@@ -299,11 +295,11 @@ def test_each_kernel_is_launched_on_a_gpu_with_its_own_tiles_warps_and_stages():
 
     def loss_and_grads(h, w, targets):
         def loss(h, w):
-            return fused_loss.cross_entropy(h, w, targets, tiling=tiling).mean()
+            return pallas.cross_entropy(h, w, targets, tiling=tiling).mean()
 
         return jax.value_and_grad(loss, (0, 1))(h, w)
 
-    text = kernels.lowered_for_cuda(loss_and_grads, h, w, targets).as_text()
+    text = ops.lowered_for_cuda(loss_and_grads, h, w, targets).as_text()
     launched = {}
     for line in text.splitlines():
         if "xla.gpu.triton" in line:
@@ -313,109 +309,3 @@ def test_each_kernel_is_launched_on_a_gpu_with_its_own_tiles_warps_and_stages():
                 for key in ("grid_x", "num_warps", "num_stages")
             )
     assert launched == {"forward": (20, 4, 1), "dh": (10, 8, 3), "dw": (393, 16, 2)}
-
-
-# ---------------------------------------------------------------- the switch
-
-
-def gpu(kind="NVIDIA H100 80GB HBM3", capability="9.0"):
-    return types.SimpleNamespace(platform="gpu", device_kind=kind, compute_capability=capability)
-
-
-def test_auto_takes_xla_on_this_cpu_and_pallas_is_refused_by_name():
-    assert jax.default_backend() == "cpu"
-    for dtype in (jnp.float32, jnp.bfloat16):
-        assert fused_loss.resolve("auto", dtype) == "xla" == fused_loss.resolve("xla", dtype)
-    with pytest.raises(ValueError, match=r'loss_impl="pallas".*devices are cpu.*"xla"'):
-        fused_loss.resolve("pallas", jnp.bfloat16)
-    with pytest.raises(ValueError, match=r"loss_impl must be one of .* got 'triton'"):
-        fused_loss.resolve("triton", jnp.float32)
-    h, w, targets = inputs(1, 3, 4, 9)
-    with pytest.raises(ValueError, match='loss_impl="pallas"'):
-        base.cross_entropy(h, w, targets, impl="pallas")
-
-
-def test_auto_takes_the_kernels_only_on_a_gpu_measured_faster(monkeypatch):
-    # Measured on the H200 and the H100 SXM, in bfloat16 (gpu-nvidia-h200.json,
-    # gpu-nvidia-h100-80gb-hbm3.json): "auto" takes the kernels there and in that dtype alone,
-    # where the kernels were faster; not in float32, where at d = 204 they were 14-15x slower,
-    # and not on a GPU where they have not been timed.
-    h100, h200, a100 = gpu(), gpu("NVIDIA H200"), gpu("NVIDIA A100-SXM4-80GB", capability="8.0")
-    bf16, f32 = jnp.bfloat16, jnp.float32
-    assert {(h100.device_kind, "bfloat16"), ("NVIDIA H200", "bfloat16")} == (
-        fused_loss.FASTER_THAN_XLA
-    )
-    for measured in (h100, h200):
-        assert fused_loss.resolve("auto", "bfloat16", [measured]) == "pallas"
-        assert fused_loss.resolve("auto", jnp.dtype(bf16), [measured]) == "pallas"
-        assert fused_loss.resolve("auto", f32, [measured]) == "xla"
-        assert fused_loss.resolve("xla", bf16, [measured]) == "xla"
-    assert fused_loss.resolve("pallas", f32, [h100]) == "pallas"
-    assert fused_loss.resolve("auto", bf16, [a100]) == "xla"
-    monkeypatch.setattr(fused_loss, "FASTER_THAN_XLA", frozenset({(h100.device_kind, "float32")}))
-    assert fused_loss.resolve("auto", f32, [h100]) == "pallas"
-    assert fused_loss.resolve("auto", bf16, [h100]) == "xla"
-    assert fused_loss.resolve("auto", bf16, [h200]) == "xla"
-    # Where the kernels cannot run, "auto" stays on XLA whatever the table says.
-    for devices, reason in (
-        ([gpu(capability="7.5")], "compute capability 7.5, below 8.0"),
-        ([h100, h100], "2 devices, and the kernels are not partitioned"),
-        ([types.SimpleNamespace(platform="gpu", device_kind=h100.device_kind)], "not an NVIDIA"),
-        ([gpu("AMD Instinct MI250X", capability="gfx90a")], "not an NVIDIA"),  # ROCm's name
-    ):
-        assert fused_loss.resolve("auto", f32, devices) == "xla"
-        with pytest.raises(ValueError, match=reason):
-            fused_loss.resolve("pallas", f32, devices)
-
-
-def test_the_model_configs_take_the_switch_and_training_refuses_pallas_here():
-    for family in FAMILIES:
-        name = f"{family}-55k"
-        assert named_config(name).loss_impl == "auto"
-        with pytest.raises(ValueError, match=r"loss_impl must be one of .* got 'fused'"):
-            named_config(name, loss_impl="fused")
-    assert config_lib.loss_implementation(named_config("lmu-55k")) == "xla"
-    with pytest.raises(config_lib.ConfigError, match=r'model\.loss_impl="pallas".*cpu'):
-        config_lib.loss_implementation(named_config("lmu-55k", loss_impl="pallas"))
-    # A run saved before the key existed resumes as it ran: with the XLA path.
-    upgraded = config_lib.upgrade({"model": {"family": "lmu", "d": 8}})
-    assert upgraded["model"]["loss_impl"] == "xla"
-
-
-def test_a_model_with_loss_impl_pallas_runs_the_kernels(monkeypatch):
-    # The model's loss reaches the kernels through its config (here in interpret mode, as if
-    # this CPU could run them) and equals the XLA path's.
-    calls, kernels = [], fused_loss.cross_entropy
-
-    def interpreted(h, w, targets):
-        calls.append(h.shape)
-        return kernels(h, w, targets, **TILES)
-
-    monkeypatch.setattr(fused_loss, "resolve", lambda impl, devices=None: impl)
-    monkeypatch.setattr(fused_loss, "cross_entropy", interpreted)
-    small_model = config_lib.model_config(small().model)  # a one-layer LMU, d = 16
-    tokens = jax.random.randint(jax.random.key(0), (2, 9), 0, small_model.vocab_size)
-    given, targets = tokens[:, :-1], tokens[:, 1:]
-    losses = {}
-    for impl in ("pallas", "xla"):
-        model = build(dataclasses.replace(small_model, loss_impl=impl))
-        params = model.init(jax.random.key(1), given)
-        losses[impl] = jax.value_and_grad(
-            lambda p, model=model: model.apply(p, given, targets, method=model.loss)[0]
-        )(params)
-    assert calls == [(2, 8, 16)]  # traced once, by the "pallas" model only
-    np.testing.assert_allclose(losses["pallas"][0], losses["xla"][0], rtol=1e-6)
-    got, want = (
-        np.concatenate([np.ravel(leaf) for leaf in jax.tree.leaves(losses[impl][1])])
-        for impl in ("pallas", "xla")
-    )
-    # Float32 rounding of the two paths' sums, against the largest gradient of any parameter.
-    assert np.abs(got - want).max() <= 1e-5 * np.abs(want).max()
-
-
-def test_training_refuses_pallas_here_before_it_writes_anything(byte_corpus, tmp_path):
-    config = small(str(byte_corpus))
-    config.model.loss_impl = "pallas"
-    with pytest.raises(config_lib.ConfigError, match=r'model\.loss_impl="pallas".*cpu'):
-        run(config, tmp_path / "run")
-    assert not (tmp_path / "run").exists()

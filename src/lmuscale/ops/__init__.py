@@ -1,0 +1,249 @@
+"""The ops whose implementation a run chooses, and ``resolve``, the one place that chooses.
+
+Each op's reference is plain JAX with its custom VJP; a fused GPU kernel (Pallas) stands beside
+it where one has been written:
+- ``cross_entropy``: XLA's chunked loss; ``cross_entropy_pallas``: the fused kernels, whose
+  logits never leave the chip (``model.loss_impl``);
+- ``implicit_attention``: the LMU's implicit self-attention and ``gelu`` in XLA, in the layout
+  the chunk products write Q, K and V on a CPU ("steps-last") or on a GPU ("channels-last");
+  no kernels in this version (``model.memory_impl``);
+- ``attention``: causal attention, XLA's or cuDNN's flash attention.
+
+A config's switch is "auto", "xla" or "pallas": "pallas" runs the kernels or is refused by
+name; "auto" takes them only on a device kind, in a compute dtype, where a committed benchmark
+measured them faster than XLA (``Switch.faster``). ``resolve`` decides every op once per run
+from the model config and the devices, into an ``Impls`` that the run logs, writes to
+plan.json and summary.json, and passes to the model (``models.build``): no op, layer or model
+chooses for itself. The kernels are written for Pallas's Triton lowering: one NVIDIA GPU of
+compute capability >= 8.0.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import re
+from typing import TYPE_CHECKING
+
+import jax
+import jax.numpy as jnp
+
+from lmuscale.outcomes import ConfigError
+
+if TYPE_CHECKING:
+    from lmuscale.ops.cross_entropy_pallas import Tiling
+
+IMPLS = ("auto", "xla", "pallas")
+MIN_CAPABILITY = (8, 0)  # bf16 tensor-core products in Triton: Ampere and newer
+# The GPU the kernels are lowered for when there is none (``lowered_for_cuda``).
+CUDA_TARGET = "NVIDIA H100 80GB HBM3"
+
+
+@dataclasses.dataclass(frozen=True)
+class Switch:
+    """A model config's kernel switch: its ``key``, what its "pallas" runs (``kernels``; None
+    while this version has none), and ``faster``, the (device kind, compute dtype) pairs where a
+    committed benchmark measured the kernels faster than XLA: what "auto" takes."""
+
+    key: str
+    kernels: str | None
+    faster: frozenset[tuple[str, str]] = frozenset()
+
+    def choose(self, impl: str, dtype, devices) -> str:
+        """What ``impl`` runs in ``dtype`` on ``devices``: "xla" or "pallas"; a ``ConfigError``
+        where "pallas" cannot run."""
+        check(self.key, impl)
+        if impl == "xla":
+            return "xla"
+        reason = unsupported_reason(devices)
+        if self.kernels is None and impl == "pallas":
+            reason = "this version has no Pallas kernels for it"
+        elif impl == "pallas" and reason is not None:
+            reason = (
+                f"{self.kernels} need one NVIDIA GPU of compute capability >= 8.0, but {reason}"
+            )
+        if impl == "pallas" and reason is not None:
+            raise ConfigError(f'model.{self.key}="pallas": {reason}; use "auto" or "xla"')
+        measured = (devices[0].device_kind, jnp.dtype(dtype).name)
+        faster = self.kernels is not None and reason is None and measured in self.faster
+        return "pallas" if impl == "pallas" or faster else "xla"
+
+
+# The kernels' measurements are in the README's "Benchmarks" and benchmarks/results/.
+LOSS = Switch(
+    "loss_impl",
+    "the fused cross-entropy kernels",
+    frozenset({("NVIDIA H200", "bfloat16"), ("NVIDIA H100 80GB HBM3", "bfloat16")}),
+)
+# The fused memory kernels were retired (slower than XLA on every GPU measured); the next
+# ones plug in here.
+MEMORY = Switch("memory_impl", None)
+
+
+@dataclasses.dataclass(frozen=True)
+class LossKernels:
+    """How the fused cross-entropy runs: ``tiling`` (None: ``default_tiling``),
+    ``dh_from_forward`` (dh from the forward's expected embeddings, no dh kernel) and
+    ``interpret`` (Pallas's interpret mode, on any backend: the tests). Experiments no GPU has
+    timed: a benchmark sets them, a config never does."""
+
+    tiling: Tiling | None = None
+    dh_from_forward: bool = False
+    interpret: bool = False
+
+
+FORMS = {
+    "memory_layout": ("steps-last", "channels-last"),
+    "attention": ("xla", "cudnn"),
+    "gelu": ("erfc", "erf"),
+    "exact_algorithm": ("highest", "bf16x3"),
+    "q_prime_precision": ("highest", "default"),
+}
+OPTIONAL = ("loss", "memory", "memory_layout")  # None: not run, or not resolved (decoding)
+
+
+@dataclasses.dataclass(frozen=True)
+class Impls:
+    """What each op runs, decided by ``resolve``; the defaults are XLA's forms for a CPU.
+
+    - ``loss``: the cross-entropy, "xla" or "pallas" (``loss_kernels``: the kernels' options;
+      None: not resolved, for decoding);
+    - ``memory``: the LMU memory and its attention, "xla" (None for a family without one, or
+      for decoding);
+    - ``memory_layout``: how XLA's chunked memory writes Q, K and V for the attention:
+      "steps-last", (B, J, d, q', c), which XLA's CPU backend reduces fastest, or
+      "channels-last", one product for the three, (3 q', c, B, J, d), where a GPU's
+      reductions want the summed axis minor (on an H200 the other order spent 68 of lmu-1M's
+      171 ms a micro-batch transposing them);
+    - ``attention``: causal attention, "xla" or "cudnn" (flash attention: no n x n scores);
+    - ``gelu``: "erfc" (``jax.nn.gelu``'s form; on a CPU it keeps the forward's gelu apart
+      from ``gelu_grad``'s erf, which XLA would otherwise keep alive) or "erf" (a GPU's: XLA
+      split erfc's expansion over several kernels, each writing Q-sized temporaries);
+    - ``exact_algorithm``: how products at float32 accuracy run: "highest" (float32 products)
+      or "bf16x3" (three bf16 passes on the tensor cores that XLA's highest would leave,
+      1.1e-5 of max|m| at the paper's largest layer);
+    - ``q_prime_precision``: what the channels-last attention's products over the positions
+      ask XLA for on bf16 operands, "highest" or "default" (the same sums: a product of two
+      bf16 numbers is exact in float32). An experiment no GPU has timed, as ``loss_kernels``.
+    """
+
+    loss: str | None = "xla"
+    memory: str | None = "xla"
+    memory_layout: str | None = "steps-last"
+    attention: str = "xla"
+    gelu: str = "erfc"
+    exact_algorithm: str = "highest"
+    loss_kernels: LossKernels = LossKernels()
+    q_prime_precision: str = "highest"
+
+    def __post_init__(self):
+        for name, allowed in {**FORMS, "loss": ("xla", "pallas"), "memory": ("xla",)}.items():
+            value = getattr(self, name)
+            if value not in allowed and not (value is None and name in OPTIONAL):
+                raise ValueError(f"Impls.{name} must be one of {allowed}, got {value!r}")
+
+    def record(self) -> dict:
+        """What plan.json, summary.json and the benchmarks' rows say ran (the experiments only
+        where they are not the defaults)."""
+        record = {
+            "loss_impl": self.loss,
+            "memory_impl": self.memory,
+            "memory_layout": self.memory_layout,
+            "attention_impl": self.attention,
+            "gelu": self.gelu,
+            "exact_algorithm": self.exact_algorithm,
+        }
+        if self.loss_kernels != LossKernels():
+            record["loss_kernels"] = dataclasses.asdict(self.loss_kernels)
+        if self.q_prime_precision != "highest":
+            record["q_prime_precision"] = self.q_prime_precision
+        return {key: value for key, value in record.items() if value is not None}
+
+    def describe(self) -> str:
+        """``cross-entropy: xla; LMU memory: xla, steps-last; ...``, for the log."""
+        memory = f"; LMU memory: {self.memory}, {self.memory_layout}" if self.memory_layout else ""
+        return (
+            f"cross-entropy: {self.loss}{memory}; attention: {self.attention}; gelu: "
+            f"{self.gelu}; exact products: {self.exact_algorithm}"
+        )
+
+
+def resolve(model_config, devices=None, *, training: bool = True) -> Impls:
+    """What each op of ``model_config`` runs on ``devices`` (default: this process's), once per
+    run. ``training`` false (decoding: no loss, no chunked memory) leaves their switches
+    unresolved (None). A ``ConfigError`` names a switch that cannot run here."""
+    if devices is None:
+        devices, platform = jax.devices(), jax.default_backend()
+    else:
+        devices = list(devices)
+        platform = devices[0].platform
+    dtype = jnp.dtype(model_config.dtype)
+    loss = LOSS.choose(model_config.loss_impl, dtype, devices) if training else None
+    memory = layout = None
+    if hasattr(model_config, "memory_impl"):  # the LMU families
+        memory = MEMORY.choose(model_config.memory_impl, dtype, devices) if training else None
+        layout = "channels-last" if platform == "gpu" else "steps-last"
+    return Impls(
+        loss=loss,
+        memory=memory,
+        memory_layout=layout,
+        attention=attention_implementation(dtype, devices[0]),
+        gelu="erf" if platform == "gpu" else "erfc",
+        exact_algorithm="highest" if platform == "cpu" else "bf16x3",
+    )
+
+
+def attention_implementation(dtype, device) -> str:
+    """``"cudnn"`` on an NVIDIA GPU of compute capability >= 8.0 in bfloat16 or float16,
+    ``"xla"`` elsewhere."""
+    half = jnp.dtype(dtype) in (jnp.bfloat16, jnp.float16)
+    return "cudnn" if half and _capability(device) >= MIN_CAPABILITY else "xla"
+
+
+def _capability(device) -> tuple[int, ...]:
+    """An NVIDIA GPU's compute capability, (0,) for any other device (a ROCm GPU has its gfx
+    name there)."""
+    capability = str(getattr(device, "compute_capability", ""))
+    if device.platform != "gpu" or not re.fullmatch(r"\d+\.\d+", capability):
+        return (0,)
+    return tuple(int(part) for part in capability.split("."))
+
+
+def check(key: str, impl: str) -> None:
+    """A ``ValueError`` naming ``key`` unless ``impl`` is one of ``IMPLS``."""
+    if impl not in IMPLS:
+        raise ValueError(f"{key} must be one of {IMPLS}, got {impl!r}")
+
+
+def unsupported_reason(devices=None) -> str | None:
+    """Why the kernels cannot run on ``devices`` (default: this run's), or None: they need one
+    NVIDIA GPU of compute capability >= 8.0. They are not partitioned, so under a sharded
+    ``jit`` XLA would gather every device's inputs onto each device."""
+    devices = jax.devices() if devices is None else list(devices)
+    device = devices[0]
+    if device.platform != "gpu":
+        return f"this run's devices are {device.platform} ({device.device_kind})"
+    if _capability(device) == (0,):
+        capability = getattr(device, "compute_capability", "") or "no"
+        return f"the GPU is not an NVIDIA one ({device.device_kind}, {capability} capability)"
+    if _capability(device) < MIN_CAPABILITY:
+        return (
+            f"the GPU {device.device_kind} has compute capability {device.compute_capability}, "
+            "below 8.0"
+        )
+    if len(devices) > 1:
+        return f"this run has {len(devices)} devices, and the kernels are not partitioned yet"
+    return None
+
+
+def lowered_for_cuda(function, *args, device_kind: str = CUDA_TARGET):
+    """``jax.jit(function)`` traced at ``args`` (arrays or ``ShapeDtypeStruct``) and lowered for
+    CUDA on any machine, a CPU one included: the checks that every kernel has a Triton lowering,
+    and ``benchmarks/kernel_resources.py``'s compile for an H100. Pallas's Triton lowering reads
+    the target GPU from the abstract mesh (jax >= 0.11 refuses to lower with no GPU otherwise),
+    so the lowering runs under a one-device mesh of ``device_kind``."""
+    from jax.sharding import AbstractDevice, AbstractMesh, AxisType, use_abstract_mesh
+
+    target = AbstractDevice(device_kind=device_kind, num_cores=None, platform="cuda")
+    mesh = AbstractMesh((1,), ("x",), (AxisType.Explicit,), abstract_device=target)
+    with use_abstract_mesh(mesh):
+        return jax.jit(function).trace(*args).lower(lowering_platforms=("cuda",))
