@@ -13,6 +13,7 @@ import jax
 import jax.numpy as jnp
 import pytest
 
+from lmuscale import resume, workdir
 from lmuscale.layers import layer_norm
 from lmuscale.models import build, count_params, flops_per_token, named_config, sizes
 from lmuscale.models import family as families
@@ -140,10 +141,10 @@ def test_a_saved_run_of_a_family_without_loss_impl_upgrades_without_it(monkeypat
         families.REGISTRY, "plain", dataclasses.replace(TOY, name="plain", config=PlainConfig)
     )
     saved = {"model": {"family": "plain", "d": 8}}
-    assert config_lib.upgrade(saved)["model"] == {"family": "plain", "d": 8}
+    assert resume.upgrade(saved)["model"] == {"family": "plain", "d": 8}
     # A built-in family's saved run predates the key: it ran the XLA path.
     saved = {"model": {"family": "transformer", "d": 8, "n_heads": 2}}
-    assert config_lib.upgrade(saved)["model"]["loss_impl"] == "xla"
+    assert resume.upgrade(saved)["model"]["loss_impl"] == "xla"
 
 
 def test_an_unregistered_family_is_named():
@@ -161,13 +162,14 @@ def test_a_second_record_under_a_registered_name_is_refused(toy):
 
 
 @pytest.mark.parametrize("name", sizes.NAMES)
-def test_every_named_config_survives_the_training_config_round_trip(name):
+def test_every_named_config_survives_the_training_config_round_trip(name, tmp_path):
     config = named_config(name)
     section = base_config(config).model
     assert section.family == config.family == name.partition("-")[0]
     assert not set(families.get(section.family).fixed) & set(section)
     assert config_lib.model_config(section) == config
-    saved = json.loads(config_lib.to_json(base_config(config)))
+    workdir.write_config(base_config(config), tmp_path)  # config.json, as a run writes it
+    saved = json.loads((tmp_path / workdir.CONFIG).read_text())
     assert config_lib.model_config(saved["model"]) == config
 
 

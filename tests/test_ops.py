@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 from small_config import small
 
-from lmuscale import ops
+from lmuscale import ops, resume
 from lmuscale.models import build, named_config
 from lmuscale.models.sizes import FAMILIES
 from lmuscale.ops import Impls, LossKernels
@@ -155,14 +155,14 @@ def test_the_model_configs_take_the_switches_and_keep_their_folder():
         named_config("lmu-55k", memory_impl="fused")
     # A run saved before the keys existed resumes as it ran, with the XLA paths; the keys do
     # not change a trial's folder name (the same function to rounding).
-    upgraded = config_lib.upgrade({"model": {"family": "lmu", "d": 8}})
+    upgraded = resume.upgrade({"model": {"family": "lmu", "d": 8}})
     assert (upgraded["model"]["loss_impl"], upgraded["model"]["memory_impl"]) == ("xla", "xla")
-    assert "memory_impl" not in config_lib.upgrade({"model": {"family": "sru", "d": 8}})["model"]
+    assert "memory_impl" not in resume.upgrade({"model": {"family": "sru", "d": 8}})["model"]
     config = base_config(named_config("lmu-55k"))
     for key, value in (("loss_impl", "pallas"), ("memory_impl", "xla")):
         other = base_config(named_config("lmu-55k", **{key: value}))
         assert config_hash(config) == config_hash(other)
-        assert config_lib.differences(config.to_dict(), other) == {}
+        assert resume.differences(config.to_dict(), other) == {}
 
 
 @pytest.mark.parametrize("key", ["loss_impl", "memory_impl"])

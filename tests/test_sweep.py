@@ -27,6 +27,7 @@ from sweep_files import SMALL, environment, run_sweep, sweep_command, wait_for, 
 
 from lmuscale.models import count_params
 from lmuscale.outcomes import ConfigError, Exit
+from lmuscale.resume import flatten
 from lmuscale.sweep import Throughput, Trial, config_hash, load_sweep
 from lmuscale.sweep.__main__ import parse as sweep_parse
 from lmuscale.sweep.__main__ import slurm_params
@@ -36,7 +37,6 @@ from lmuscale.sweep.runner import select
 from lmuscale.sweep.spec import _resolve, twins
 from lmuscale.sweepdir import RESULT_FIELDS
 from lmuscale.train import load, model_config, run
-from lmuscale.train.config import flatten
 from lmuscale.workdir import Lock as TrialLock
 from lmuscale.workdir import is_locked
 

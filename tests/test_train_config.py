@@ -10,9 +10,10 @@ import pytest
 from ml_collections import ConfigDict
 
 from lmuscale.models import NAMES, named_config
+from lmuscale.resume import upgrade
 from lmuscale.train import ConfigError, load, model_config, override
 from lmuscale.train.__main__ import main, parse
-from lmuscale.train.config import check, upgrade
+from lmuscale.train.config import check
 from lmuscale.train.loop import check_workdir
 
 ROOT = Path(__file__).resolve().parents[1]

@@ -23,9 +23,10 @@ from wandb.proto import wandb_internal_pb2
 
 from lmuscale.models import SRUConfig
 from lmuscale.outcomes import Exit, LoggingServiceError
+from lmuscale.resume import flatten, upgrade
 from lmuscale.sweep import config_hash, load_sweep
 from lmuscale.train import ConfigError, TrainingInterrupted, base_config, loop, run
-from lmuscale.train.config import check, flatten, upgrade
+from lmuscale.train.config import check
 from lmuscale.train.metrics import MetricsLog
 from lmuscale.train.wandb_log import MISSING
 from lmuscale.workdir import WANDB as RUN_FILE

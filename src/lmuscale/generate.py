@@ -38,9 +38,10 @@ from lmuscale import ops
 from lmuscale.data.tokenizer import TOKENIZERS, Tokenizer, get_tokenizer
 from lmuscale.models import NAMES, LanguageModel, ModelConfig, build, decode, named_config
 from lmuscale.outcomes import Exit, StorageError, report
+from lmuscale.resume import upgrade
 from lmuscale.sweepdir import INDEX
 from lmuscale.train.checkpoint import CheckpointError, locate, newest, read_variables
-from lmuscale.train.config import model_config, upgrade
+from lmuscale.train.config import model_config
 from lmuscale.workdir import CONFIG, read_json, status, summary
 
 DEFAULT_MODEL = "lmu-1M"

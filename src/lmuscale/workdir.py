@@ -1,11 +1,12 @@
 """A run's folder (its workdir): the one place that names its files and keeps their rules.
 
 ``train``, ``tasks`` and the sweep's trials share them (the README lists them): a workdir that
-holds training resumes only the same config (``check``); a ``"finished"`` or ``"diverged"``
-summary is final (``DONE``); ``lock`` is an flock held for the whole run, which the kernel drops
-when its holder dies. JSON files are written whole (``lmuscale.files``), JSONL logs a line at a
-time. One policy for damage: a torn last line is dropped; any other file or line that does not
-parse is a ``DamagedFile`` naming it (and its line), never skipped in silence.
+holds training resumes only the same config (``lmuscale.resume.check``); a ``"finished"`` or
+``"diverged"`` summary is final (``DONE``); ``lock`` is an flock held for the whole run, which
+the kernel drops when its holder dies. JSON files are written whole (``lmuscale.files``),
+JSONL logs a line at a time. One policy for damage: a torn last line is dropped; any other
+file or line that does not parse is a ``DamagedFile`` naming it (and its line), never skipped
+in silence.
 """
 
 from __future__ import annotations
@@ -103,31 +104,11 @@ def has_checkpoint(workdir: Path) -> bool:
     return folder.is_dir() and any(p.name.isdigit() for p in folder.iterdir())
 
 
-def check(config, workdir: Path, has_training: bool) -> None:
-    """Refuse a workdir that holds training (``has_training``: the caller's own checkpoint; or
-    a finished summary) of another config, up to ``train.config.RESUMABLE_CHANGES``."""
-    # Here, not at the top: the analysis reads run folders without importing training code.
-    from lmuscale.train.config import differences
-
-    if not has_training and finished(workdir) is None:  # finished() refuses a file
-        return
-    old = read_json(Path(workdir) / CONFIG)
-    if old is None:
-        return
-    changed = differences(old, config)
-    if changed:
-        listed = "; ".join(f"{k}: {was!r} -> {now!r}" for k, (was, now) in changed.items())
-        raise ConfigError(
-            f"{workdir} holds a run of another config (differs in {listed}); use a new "
-            "--workdir, or the saved config"
-        )
-
-
 def write_config(config, workdir: Path) -> None:
-    """Write ``config.json`` into a workdir that exists (the caller holds its ``Lock``)."""
-    from lmuscale.train.config import to_json
-
-    atomic_write_bytes(Path(workdir) / CONFIG, to_json(config).encode())
+    """Write ``config.json`` (a ConfigDict's, keys sorted) into a workdir that exists (the
+    caller holds its ``Lock``)."""
+    text = json.dumps(config.to_dict(), indent=2, sort_keys=True) + "\n"
+    atomic_write_bytes(Path(workdir) / CONFIG, text.encode())
 
 
 def folder_or_absent(workdir: Path) -> None:

@@ -21,7 +21,7 @@ class Family:
       fixed: config fields the family's name decides (LMU_G: ``global_attention=True``),
         left out of the model section and restored from the name.
       legacy: fields added after runs were saved, with the values those runs used; a saved
-        config that lacks one resumes with it (``train.config.upgrade``).
+        config that lacks one resumes with it (``lmuscale.resume.upgrade``).
     """
 
     name: str

@@ -28,8 +28,9 @@ from ml_collections import ConfigDict
 from lmuscale import sweepdir
 from lmuscale.models import count_params, flops_per_token
 from lmuscale.outcomes import ConfigError
+from lmuscale.resume import RESUMABLE_CHANGES, flatten
 from lmuscale.sweep.throughput import Throughput
-from lmuscale.train.config import RESUMABLE_CHANGES, flatten, load, model_config, override, where_in
+from lmuscale.train.config import load, model_config, override, where_in
 from lmuscale.workdir import DONE
 
 NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._+=-]*")

@@ -153,7 +153,8 @@ def record_crash(folder: Path, returncode: int) -> None:
 def _config(folder: Path, tasks: int):
     from ml_collections import ConfigDict
 
-    from lmuscale.train.config import check, upgrade
+    from lmuscale.resume import upgrade
+    from lmuscale.train.config import check
 
     record = read_json(folder / TRIAL)  # DamagedFile when it does not parse
     if record is None or not isinstance(record.get("config"), dict):

@@ -19,6 +19,7 @@ import optax
 from ml_collections import ConfigDict
 from tqdm import tqdm
 
+from lmuscale import resume
 from lmuscale import workdir as workdir_lib
 from lmuscale.files import atomic_write_bytes
 from lmuscale.outcomes import TrainingDiverged
@@ -111,12 +112,12 @@ def run_task(config: ConfigDict, workdir, progress: bool | None = None) -> dict:
     """Train (or resume, or just read back) one task run; returns its summary. The workdir
     is locked for the run, as a training run's is."""
     workdir = Path(workdir)
-    workdir_lib.check(config, workdir, workdir_lib.has_checkpoint(workdir))
+    resume.check(config, workdir, workdir_lib.has_checkpoint(workdir))
     summary = workdir_lib.finished(workdir)
     if summary is not None:
         return summary
     with workdir_lib.Lock(workdir_lib.usable(workdir)):
-        workdir_lib.check(config, workdir, workdir_lib.has_checkpoint(workdir))
+        resume.check(config, workdir, workdir_lib.has_checkpoint(workdir))
         old = workdir / workdir_lib.OLD_TASK_CHECKPOINT
         if old.exists():
             raise CheckpointError(

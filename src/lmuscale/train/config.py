@@ -10,7 +10,6 @@ from __future__ import annotations
 import dataclasses
 import difflib
 import importlib.util
-import json
 import math
 import traceback
 from pathlib import Path
@@ -20,33 +19,8 @@ from ml_collections import ConfigDict
 from lmuscale.models import ModelConfig
 from lmuscale.models import family as families
 from lmuscale.outcomes import ConfigError
+from lmuscale.resume import flatten
 
-# Keys that may differ when a run resumes: none of them changes the trained numbers. (The
-# memory budget decides a micro-batch plan, which the workdir records: see train.memory.)
-RESUMABLE_CHANGES = (
-    "log.",
-    "distributed.",
-    "data.verify",
-    "data.path",
-    "peak_flops",
-    "train.memory_budget_gb",
-    "model.loss_impl",  # the same loss to rounding (lmuscale.ops)
-    "model.memory_impl",  # the same LMU memory to rounding
-)
-# Keys added after runs were saved, with the value those runs had in effect (``upgrade``).
-ADDED_KEYS = {
-    "train.memory_budget_gb": 0.0,
-    "distributed.heartbeat_timeout": 100,
-    "log.wandb": False,
-    "log.wandb_project": "",
-    "log.wandb_name": "",
-    "log.wandb_mode": "",
-    "log.wandb_group": "",
-    "log.profile_steps": 0,
-    "log.profile_start": 10,
-}
-# The same for model config fields, filled in only for a family whose config has the field.
-ADDED_MODEL_FIELDS = {"loss_impl": "xla", "memory_impl": "xla"}
 POSITIVE = (lambda v: v >= 1, "> 0")
 NON_NEGATIVE = (lambda v: v >= 0, ">= 0")
 # Each checked key's valid values: (test, the range as the error message says it). Floats must
@@ -193,16 +167,6 @@ def model_config(section) -> ModelConfig:
         return record.config(**fields, **record.fixed)
     except (TypeError, ValueError) as error:
         raise ConfigError(f"model: {error}") from None
-
-
-def flatten(config, prefix: str = "") -> dict:
-    out = {}
-    for key, value in config.items():
-        if isinstance(value, ConfigDict | dict):
-            out.update(flatten(value, f"{prefix}{key}."))
-        else:
-            out[f"{prefix}{key}"] = value
-    return out
 
 
 def _type_name(value) -> str:
@@ -369,32 +333,3 @@ def override(config: ConfigDict, overrides: list[str], checker=check) -> ConfigD
             config.update_from_flattened_dict({key: _parse(key, text, values[key])})
     checker(config, where="command line")
     return config
-
-
-def to_json(config: ConfigDict) -> str:
-    return json.dumps(config.to_dict(), indent=2, sort_keys=True) + "\n"
-
-
-def upgrade(saved: dict) -> dict:
-    """A saved config (config.json, a sweep trial's) with the keys it predates filled in as it
-    ran (``ADDED_KEYS``, ``ADDED_MODEL_FIELDS``, its family's ``legacy``), to resume the run."""
-    saved = dict(saved)
-    for key, value in ADDED_KEYS.items():
-        section, leaf = key.split(".")
-        if isinstance(saved.get(section), dict) and leaf not in saved[section]:
-            saved[section] = {**saved[section], leaf: value}
-    model = saved.get("model", {})
-    record = families.REGISTRY.get(model.get("family"))
-    if record is None:
-        return saved
-    fields = {f.name for f in dataclasses.fields(record.config)}
-    added = {k: v for k, v in ADDED_MODEL_FIELDS.items() if k in fields}
-    return {**saved, "model": {**added, **record.legacy, **model}}
-
-
-def differences(saved: dict, config: ConfigDict) -> dict[str, tuple]:
-    """The keys whose value differs from a saved config.json (upgraded first) and would change
-    the run, each with its (saved, new) value."""
-    old, new = flatten(upgrade(saved)), flatten(config)
-    changed = sorted(k for k in set(old) | set(new) if old.get(k) != new.get(k))
-    return {k: (old.get(k), new.get(k)) for k in changed if not k.startswith(RESUMABLE_CHANGES)}

@@ -29,7 +29,7 @@ from jax.sharding import NamedSharding, PartitionSpec
 from ml_collections import ConfigDict
 from tqdm import tqdm
 
-from lmuscale import ops
+from lmuscale import ops, resume
 from lmuscale import workdir as workdir_lib
 from lmuscale.data import (
     EMBEDDED_SOURCES,
@@ -168,7 +168,7 @@ def check_batches(c: ConfigDict, mesh) -> None:
 
 def check_workdir(c: ConfigDict, workdir: Path) -> None:
     """A workdir with a checkpoint or a summary resumes only the same run."""
-    workdir_lib.check(c, workdir, workdir_lib.has_checkpoint(workdir))
+    resume.check(c, workdir, workdir_lib.has_checkpoint(workdir))
 
 
 def run(

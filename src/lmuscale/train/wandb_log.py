@@ -18,7 +18,7 @@ from pathlib import Path
 
 from lmuscale.files import atomic_write_json
 from lmuscale.outcomes import ConfigError, LoggingServiceError, one_line
-from lmuscale.train.config import flatten
+from lmuscale.resume import flatten
 from lmuscale.workdir import WANDB
 
 MISSING = "log.wandb=true needs the wandb package: pip install -e '.[wandb]'"
