@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import glob
+import json
 from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path
 
@@ -77,18 +78,28 @@ def existing_paths(path_or_glob: str) -> list[Path]:
     return [path]
 
 
-def folder_files(folder: Path, suffixes: tuple[str, ...]) -> tuple[list[Path], list[Path]]:
+def folder_files(
+    folder: Path, suffixes: tuple[str, ...], hint: str = ""
+) -> tuple[list[Path], list[Path]]:
     """The files under ``folder`` (searched recursively, sorted by path) whose names end with one
-    of ``suffixes``, resolved; and the others, which the caller reports as skipped."""
+    of ``suffixes``, resolved; and the others, which the caller reports as skipped. None found is
+    an error, its message ending with ``hint``."""
     found, skipped = [], []
     for path in sorted(p for p in folder.rglob("*") if p.is_file()):
         (found if path.name.endswith(suffixes) else skipped).append(path.resolve())
+    if not found:
+        raise DataError(f"{folder}: the folder holds no {' or '.join(suffixes)} files{hint}")
     return found, skipped
 
 
-def input_files(inputs: Iterable[str], files_of) -> tuple[list[Path], tuple[Path, ...]]:
-    """The files that ``files_of(path) -> (found, others)`` finds for each path the inputs name
-    (paths or globs), each once, in order; and the others in the folders given, not read."""
+def file_source(
+    spec: str, inputs: list[str], no_paths: str, files_of, shards_of, text_column: str | None
+) -> Source:
+    """The source of the files that ``files_of(path) -> (found, others)`` finds for each path or
+    glob in ``inputs`` (each once, in order), with the shards ``shards_of(file)``; ``others`` are
+    the files in the folders given that it does not read. No inputs is the error ``no_paths``."""
+    if not inputs:
+        raise DataError(no_paths)
     files: dict[Path, None] = {}
     skipped: dict[Path, None] = {}
     for given in inputs:
@@ -96,8 +107,24 @@ def input_files(inputs: Iterable[str], files_of) -> tuple[list[Path], tuple[Path
             found, others = files_of(path)
             files.update(dict.fromkeys(found))
             skipped.update(dict.fromkeys(others))
-    return list(files), tuple(p for p in skipped if p not in files)
+    return Source(
+        spec,
+        sized(files),
+        lambda: (shard for path in files for shard in shards_of(path)),
+        text_column,
+        tuple(p for p in skipped if p not in files),
+    )
 
 
 def sized(paths: Iterable[Path]) -> tuple[tuple[str, int], ...]:
     return tuple((str(p), p.stat().st_size) for p in paths)
+
+
+def read_json_object(path: Path) -> dict:
+    try:
+        record = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise DataError(f"{path}: not readable JSON ({e})") from None
+    if not isinstance(record, dict):
+        raise DataError(f"{path}: not a JSON object")
+    return record

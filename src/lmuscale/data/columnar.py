@@ -10,7 +10,8 @@ resident). A binary column is read as UTF-8 text. In a save_to_disk folder only 
 from __future__ import annotations
 
 import json
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
+from functools import partial
 from pathlib import Path
 
 import pyarrow as pa
@@ -24,9 +25,9 @@ from lmuscale.data.base import (
     Document,
     Shard,
     Source,
+    file_source,
     folder_files,
-    input_files,
-    sized,
+    read_json_object,
     utf8_error,
 )
 
@@ -164,30 +165,16 @@ def _batches(
     batches: Iterator[pa.RecordBatch], path: Path, problem: str = "truncated or corrupt Arrow data"
 ) -> Iterator[pa.RecordBatch]:
     """``batches``, with a read error as a DataError that says ``problem``."""
-    while True:
-        try:
-            batch = next(batches)
-        except StopIteration:
-            return
-        except (pa.ArrowException, OSError) as e:
-            raise DataError(f"{path}: {problem} ({e})") from None
-        yield batch
-
-
-def _read_json(path: Path) -> dict:
     try:
-        record = json.loads(path.read_text(encoding="utf-8"))
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
-        raise DataError(f"{path}: cannot read it as JSON ({e})") from None
-    if not isinstance(record, dict):
-        raise DataError(f"{path}: not a JSON object")
-    return record
+        yield from batches
+    except (pa.ArrowException, OSError) as e:
+        raise DataError(f"{path}: {problem} ({e})") from None
 
 
 def _saved_dataset(folder: Path) -> list[Path]:
     """The data files of a ``Dataset.save_to_disk`` folder, in the order of ``state.json``."""
     state_path = folder / STATE
-    state = _read_json(state_path)
+    state = read_json_object(state_path)
     listed = state.get("_data_files")
     if (
         not isinstance(listed, list)
@@ -212,7 +199,7 @@ def _saved_dataset(folder: Path) -> list[Path]:
 
 def _saved_dataset_dict(folder: Path) -> list[Path]:
     """The data files of every split of a ``DatasetDict.save_to_disk`` folder, in its order."""
-    splits = _read_json(folder / DATASET_DICT).get("splits")
+    splits = read_json_object(folder / DATASET_DICT).get("splits")
     if not isinstance(splits, list) or not all(isinstance(s, str) for s in splits):
         raise DataError(f'{folder / DATASET_DICT}: no "splits" list of split names')
     files = []
@@ -230,13 +217,8 @@ def _table_files(path: Path) -> tuple[list[Path], list[Path]]:
             return _saved_dataset_dict(path), []
         if (path / STATE).is_file():
             return _saved_dataset(path), []
-        found, skipped = folder_files(path, (".parquet",))
-        if not found:
-            raise DataError(
-                f"{path}: the folder holds no .parquet files, and is not a save_to_disk folder "
-                f"(it has no {STATE} or {DATASET_DICT})"
-            )
-        return found, skipped
+        hint = f", and is not a save_to_disk folder (it has no {STATE} or {DATASET_DICT})"
+        return folder_files(path, (".parquet",), hint)
     if path.name.endswith(TABLE_SUFFIXES):
         return [path.resolve()], []
     raise DataError(
@@ -244,20 +226,16 @@ def _table_files(path: Path) -> tuple[list[Path], list[Path]]:
     )
 
 
+def _table_shards(path: Path, text_column: str) -> Iterable[Shard]:
+    if path.name.endswith(".parquet"):
+        return _parquet_shards(path, text_column)
+    return [Shard(str(path), partial(_arrow_documents, path, text_column))]
+
+
 def parquet_source(inputs: list[str], text_column: str) -> Source:
-    """Parquet files, Arrow files and save_to_disk folders (see the module docstring)."""
-    if not inputs:
-        raise DataError(
-            "parquet needs at least one path or glob: .parquet files, folders of them, or a "
-            "folder written by datasets' save_to_disk"
-        )
-    files, skipped = input_files(inputs, _table_files)
-
-    def shards() -> Iterator[Shard]:
-        for path in files:
-            if path.name.endswith(".parquet"):
-                yield from _parquet_shards(path, text_column)
-            else:
-                yield Shard(str(path), lambda path=path: _arrow_documents(path, text_column))
-
-    return Source("parquet", sized(files), shards, text_column, skipped)
+    no_paths = (
+        "parquet needs at least one path or glob: .parquet files, folders of them, or a "
+        "folder written by datasets' save_to_disk"
+    )
+    shards_of = partial(_table_shards, text_column=text_column)
+    return file_source("parquet", inputs, no_paths, _table_files, shards_of, text_column)

@@ -5,12 +5,11 @@ document."""
 from __future__ import annotations
 
 import hashlib
-import json
 from pathlib import Path
 
 import numpy as np
 
-from lmuscale.data.sources import DataError
+from lmuscale.data.base import DataError, read_json_object
 
 FORMAT = "lmuscale-tokens/1"
 META = "meta.json"
@@ -34,8 +33,7 @@ def token_dtype(vocab_size: int) -> np.dtype:
 
 def scan_tokens(path: Path, dtype: np.dtype, vocab_size: int) -> tuple[str, int | None, int]:
     """(sha256, position of the first id >= vocab_size or None, that id) of a token file."""
-    digest, position, offset = hashlib.sha256(), None, 0
-    value = -1
+    digest, position, value, offset = hashlib.sha256(), None, -1, 0
     with open(path, "rb") as f:
         while data := f.read(READ_BYTES):
             digest.update(data)
@@ -78,10 +76,7 @@ def read_meta(folder: Path) -> dict:
         )
     if not path.exists():
         raise DataError(f"{folder}: not a prepared dataset (no {META})")
-    try:
-        meta = json.loads(path.read_text())
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
-        raise DataError(f"{path}: not readable JSON ({e})") from None
+    meta = read_json_object(path)
     for dotted, kind in _REQUIRED.items():
         value = meta
         for key in dotted.split("."):

@@ -211,9 +211,7 @@ def _start(out: Path, work: Path, plan: dict, restart: bool) -> dict | None:
         "shards": 0,
         "chain": "",
         "last_shard": None,
-        "tokens": dict.fromkeys(SPLITS, 0),
-        "documents": dict.fromkeys(SPLITS, 0),
-        "bytes": dict.fromkeys(SPLITS, 0),
+        **{count: dict.fromkeys(SPLITS, 0) for count in ("tokens", "documents", "bytes")},
         "bad_lines": 0,
         "bad_examples": [],
         "seconds": 0.0,
@@ -315,15 +313,6 @@ class _Run:
         self.started = self.committed = time.perf_counter()
         self.earlier_seconds = state["seconds"]  # of the runs this one resumes
         self.new_tokens = 0
-        self.files = {}
-        for split in SPLITS:  # cut back to the last record: later bytes may be torn
-            path, size = work / f"{split}.bin", state["tokens"][split] * dtype.itemsize
-            self.files[split] = f = open(path, "r+b" if path.exists() else "w+b")  # noqa: SIM115
-            if os.fstat(f.fileno()).st_size < size:
-                self.close()
-                raise DataError(f"{path}: shorter than its progress record says; use --restart")
-            f.truncate(size)
-            f.seek(size)
         self.bar = tqdm(
             desc=f"prepare {spec}",
             unit=" docs",
@@ -333,10 +322,18 @@ class _Run:
             dynamic_ncols=True,
             mininterval=0.1 if sys.stderr.isatty() else 10.0,
         )
+        self.files = {}
+        for split in SPLITS:  # cut back to the last record: later bytes may be torn
+            path, size = work / f"{split}.bin", state["tokens"][split] * dtype.itemsize
+            self.files[split] = f = open(path, "r+b" if path.exists() else "w+b")  # noqa: SIM115
+            if os.fstat(f.fileno()).st_size < size:
+                self.close()
+                raise DataError(f"{path}: shorter than its progress record says; use --restart")
+            f.truncate(size)
+            f.seek(size)
 
     def close(self) -> None:
-        if hasattr(self, "bar"):
-            self.bar.close()
+        self.bar.close()
         for f in self.files.values():
             f.close()
 

@@ -31,8 +31,8 @@ from lmuscale.data.base import (
     Document,
     Shard,
     Source,
+    file_source,
     folder_files,
-    input_files,
     sized,
     utf8_error,
 )
@@ -212,10 +212,7 @@ def _tar_shards(path: Path, field: str) -> Iterator[Shard]:
 def _json_files(path: Path, suffixes: tuple[str, ...], source: str) -> tuple[list, list]:
     """The files ``path`` names (a folder: its files with ``suffixes``), and a folder's others."""
     if path.is_dir():
-        found, others = folder_files(path, suffixes)
-        if not found:
-            raise DataError(f"{path}: the folder holds no {' or '.join(suffixes)} files")
-        return found, others
+        return folder_files(path, suffixes)
     if path.name.endswith(suffixes):
         return [path.resolve()], []
     tables = " (prepare parquet reads those)" if path.suffix in TABLE_SUFFIXES else ""
@@ -235,23 +232,11 @@ _JSON_SOURCES = {
 }
 
 
-def _json_source(spec: str, inputs: list[str], field: str) -> Source:
-    """owt2 or text: tar archives (of JSON lines), JSON lines and text files, one shard per file
-    or tar member."""
-    suffixes, no_paths = _JSON_SOURCES[spec]
-    if not inputs:
-        raise DataError(no_paths)
-    files, skipped = input_files(inputs, lambda path: _json_files(path, suffixes, spec))
-
-    def shards() -> Iterator[Shard]:
-        for path in files:
-            if path.name.endswith(".tar"):
-                yield from _tar_shards(path, field)
-            else:
-                yield Shard(str(path), lambda path=path: _file_documents(path, field))
-
-    recorded = None if field == TEXT_COLUMN else field  # the default is not recorded
-    return Source(spec, sized(files), shards, recorded, skipped)
+def _json_shards(path: Path, field: str) -> Iterable[Shard]:
+    """One shard per file, or per tar member."""
+    if path.name.endswith(".tar"):
+        return _tar_shards(path, field)
+    return [Shard(str(path), partial(_file_documents, path, field))]
 
 
 _HEADING = re.compile(r"^#{1,6}\s")
@@ -356,8 +341,12 @@ def open_source(
     inputs = list(inputs)
     if not text_column:
         raise DataError("--text-column must name a column, got an empty string")
-    if spec in _JSON_SOURCES:
-        return _json_source(spec, inputs, text_column)
+    if spec in _JSON_SOURCES:  # tar archives (of JSON lines), JSON lines and text files
+        suffixes, no_paths = _JSON_SOURCES[spec]
+        files_of = partial(_json_files, suffixes=suffixes, source=spec)
+        shards_of = partial(_json_shards, field=text_column)
+        recorded = None if text_column == TEXT_COLUMN else text_column
+        return file_source(spec, inputs, no_paths, files_of, shards_of, recorded)
     if spec == "parquet":
         from lmuscale.data.columnar import parquet_source  # pyarrow, only where it is used
 

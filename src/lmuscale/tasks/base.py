@@ -49,7 +49,3 @@ class Task:
     data: dict
     load: Callable[[ConfigDict], Splits]
     paper: dict[str, float]
-
-    @property
-    def higher_is_better(self) -> bool:
-        return self.metric == "accuracy"

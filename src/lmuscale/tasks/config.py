@@ -30,20 +30,13 @@ def base_config(task: str, **model) -> ConfigDict:
     """Every key a task config has. ``model`` gives TaskModelConfig fields (``kind`` at least).
     Training is Adam with its defaults (lr 1e-3), as in the parallel-LMU paper."""
     spec = TASKS[task]
-    fields = dataclasses.asdict(
-        TaskModelConfig(outputs=spec.outputs, sequence_output=spec.sequence_output, **model)
+    made = TaskModelConfig(outputs=spec.outputs, sequence_output=spec.sequence_output, **model)
+    fixed = ("outputs", "sequence_output")  # by the task, not by the config
+    fields = {key: value for key, value in dataclasses.asdict(made).items() if key not in fixed}
+    train = dict(seed=0, epochs=100, batch_size=32, learning_rate=1e-3, eval_batch_size=256)
+    return ConfigDict(
+        {"name": "", "task": task, "model": fields, "data": dict(spec.data), "train": train}
     )
-    for name in ("outputs", "sequence_output"):  # fixed by the task, not by the config
-        del fields[name]
-    c = ConfigDict()
-    c.name = ""
-    c.task = task
-    c.model = ConfigDict(fields)
-    c.data = ConfigDict(dict(spec.data))
-    c.train = ConfigDict(
-        {"seed": 0, "epochs": 100, "batch_size": 32, "learning_rate": 1e-3, "eval_batch_size": 256}
-    )
-    return c
 
 
 def model_config(config: ConfigDict) -> TaskModelConfig:

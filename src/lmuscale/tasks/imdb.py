@@ -124,15 +124,12 @@ def load(data: ConfigDict) -> Splits:
 
     held = np.random.default_rng(data.seed).permutation(len(train_x))
     val, train = held[: data.val], held[data.val :]
-    source = (
-        f"IMDB from {path}: {len(train)}/{len(val)}/{len(test_x)} reviews, vocabulary "
-        f"{data.vocab}, last {data.maxlen} tokens"
-    )
     return Splits(
         split([train_x[i] for i in train], train_y[train]),
         split([train_x[i] for i in val], train_y[val]),
         split(test_x, test_y),
-        source=source,
+        source=f"IMDB from {path}: {len(train)}/{len(val)}/{len(test_x)} reviews, vocabulary "
+        f"{data.vocab}, last {data.maxlen} tokens",
     )
 
 

@@ -69,12 +69,14 @@ class TaskModelConfig:
 class TaskModel(nn.Module):
     config: TaskModelConfig
 
-    def setup(self):
+    @nn.compact
+    def __call__(self, x):
+        """``x_BxTxD`` numbers (or ``tokens_BxT``) -> ``y_BxTxO`` (``y_BxO`` for the last step)."""
         c = self.config
-        if c.vocab_size:
-            self.embed = nn.Embed(c.vocab_size, c.embed_dim)
+        if c.vocab_size:  # padding (token 0) stays exactly zero
+            x = nn.Embed(c.vocab_size, c.embed_dim, name="embed")(x) * (x != 0)[..., None]
         if c.kind == "lmu":
-            self.sequence = ParallelLMU(
+            h = ParallelLMU(
                 units=c.units,
                 order=c.order,
                 theta=c.theta,
@@ -83,30 +85,15 @@ class TaskModel(nn.Module):
                 output_activation=c.output_activation,
                 return_sequences=c.sequence_output,
                 mode=c.mode,
-            )
+                name="sequence",
+            )(x)
         else:
-            self.lstms = [
-                nn.RNN(nn.OptimizedLSTMCell(c.lstm_units), name=f"lstm_{i}")
-                for i in range(c.lstm_layers)
-            ]
-        if c.hidden:
-            self.dense = nn.Dense(c.hidden)
-        self.head = nn.Dense(c.outputs)
-
-    def __call__(self, x):
-        """``x_BxTxD`` numbers (or ``tokens_BxT``) -> ``y_BxTxO`` (``y_BxO`` for the last step)."""
-        c = self.config
-        if c.vocab_size:
-            x = self.embed(x) * (x != 0)[..., None]  # padding (token 0) stays exactly zero
-        if c.kind == "lmu":
-            h = self.sequence(x)
-        else:
-            for lstm in self.lstms:
-                x = lstm(x)
+            for i in range(c.lstm_layers):  # parent=None: the cell is lstm_i/cell, not a sibling
+                x = nn.RNN(nn.OptimizedLSTMCell(c.lstm_units, parent=None), name=f"lstm_{i}")(x)
             h = x if c.sequence_output else x[:, -1]
         if c.hidden:
-            h = activation(c.hidden_activation)(self.dense(h))
-        return self.head(h)
+            h = activation(c.hidden_activation)(nn.Dense(c.hidden, name="dense")(h))
+        return nn.Dense(c.outputs, name="head")(h)
 
 
 def tree_params(params) -> int:

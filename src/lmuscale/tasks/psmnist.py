@@ -28,10 +28,9 @@ IDX_FILES = {
 IDX_MAGIC = {1: 0x00000801, 3: 0x00000803}
 MISSING = (
     "psMNIST needs a local copy of MNIST, and none was found at {path!r}; give "
-    "--config.data.path=DIR: a folder of the four idx files train-images-idx3-ubyte, "
-    "train-labels-idx1-ubyte, t10k-images-idx3-ubyte, t10k-labels-idx1-ubyte (optionally .gz), "
-    "or a TensorFlow Datasets data_dir with mnist prepared (pip install tensorflow-datasets). "
-    "lmuscale never downloads data."
+    f"--config.data.path=DIR: a folder of the four idx files {', '.join(IDX_FILES.values())} "
+    "(optionally .gz), or a TensorFlow Datasets data_dir with mnist prepared (pip install "
+    "tensorflow-datasets). lmuscale never downloads data."
 )
 
 
@@ -117,15 +116,12 @@ def load(data: ConfigDict) -> Splits:
         return Split(pixels[..., None], y.astype(np.int32))
 
     cut = len(train_x) - data.val
-    source = (
-        f"MNIST from {folder}: {cut}/{data.val}/{len(test_x)} images, permutation seed "
-        f"{data.permutation_seed}"
-    )
     return Splits(
         split(train_x[:cut], train_y[:cut]),
         split(train_x[cut:], train_y[cut:]),
         split(test_x, test_y),
-        source=source,
+        source=f"MNIST from {folder}: {cut}/{data.val}/{len(test_x)} images, permutation seed "
+        f"{data.permutation_seed}",
     )
 
 

@@ -50,7 +50,7 @@ def metric(task: Task, predictions: np.ndarray, targets: np.ndarray) -> float:
 def better(task: Task, value: float, best: float) -> bool:
     if math.isnan(best):
         return not math.isnan(value)
-    return value > best if task.higher_is_better else value < best
+    return value > best if task.metric == "accuracy" else value < best
 
 
 class Trainer:
@@ -62,12 +62,12 @@ class Trainer:
         self.optimizer = optax.adam(config.train.learning_rate)  # otherwise Adam's defaults
         self.batch_size = config.train.batch_size
         self.eval_batch_size = config.train.eval_batch_size
-        loss = LOSSES[self.task.loss]
+
+        def loss(params, inputs, targets):
+            return LOSSES[self.task.loss](self.model.apply(params, inputs), targets)
 
         def train_step(params, opt_state, inputs, targets):
-            value, grads = jax.value_and_grad(lambda p: loss(self.model.apply(p, inputs), targets))(
-                params
-            )
+            value, grads = jax.value_and_grad(loss)(params, inputs, targets)
             updates, opt_state = self.optimizer.update(grads, opt_state, params)
             return optax.apply_updates(params, updates), opt_state, value
 
