@@ -11,7 +11,7 @@ from ml_collections import ConfigDict
 
 from lmuscale.models import NAMES, named_config
 from lmuscale.resume import upgrade
-from lmuscale.train import ConfigError, load, model_config, override
+from lmuscale.train import ConfigError, base_config, load, model_config, override
 from lmuscale.train.__main__ import main, parse
 from lmuscale.train.config import check
 from lmuscale.train.loop import check_workdir
@@ -284,3 +284,51 @@ def test_configs_saved_before_the_memory_budget_resume_and_keep_their_sweep_hash
     # it is not part of a trial's folder name.
     check_workdir(override(load(f"{OWT2}:tiny"), ["train.memory_budget_gb=3"]), tmp_path)
     assert config_hash(config) == config_hash(saved)
+
+
+# The keys whose change keeps a run's hash and lets it resume: settings of the run that leave
+# its numbers as they are (to rounding, for the kernel switches and the memory budget's plan).
+RESUMABLE = (
+    "distributed.",
+    "log.",
+    "data.path",
+    "data.verify",
+    "peak_flops",
+    "train.memory_budget_gb",
+    "model.loss_impl",
+    "model.memory_impl",
+)
+
+
+def _changed(value):
+    """Another value of ``value``'s type."""
+    if isinstance(value, bool):
+        return not value
+    if isinstance(value, int | float):
+        return value * 2 + 1
+    return f"{value}-other"
+
+
+@pytest.mark.parametrize("family", ["lmu", "lmu_g", "transformer", "sru", "sru_pp", "lstm"])
+def test_every_option_that_changes_numbers_changes_the_hash_and_refuses_a_resume(family, tmp_path):
+    # Every key of a config (each family's model fields among them): changed, either the
+    # trial's hash changes and a resume of the saved config is refused with the key named,
+    # or the key is one of the resumable settings, which keep both.
+    from lmuscale.resume import RESUMABLE_CHANGES, differences, flatten
+    from lmuscale.sweep.spec import config_hash
+
+    assert sorted(RESUMABLE_CHANGES) == sorted(RESUMABLE)
+    config = base_config(named_config(f"{family}-55k"))
+    config.data.path = str(tmp_path)
+    saved = json.loads(json.dumps(config.to_dict()))  # as config.json holds it
+    keys = flatten(config)
+    assert f"model.{dataclasses.fields(named_config(f'{family}-55k'))[0].name}" in keys
+    for key, value in keys.items():
+        other = ConfigDict(config.to_dict())
+        other.update_from_flattened_dict({key: _changed(value)})
+        changed = differences(saved, other)
+        if key.startswith(RESUMABLE):
+            assert config_hash(other) == config_hash(config) and changed == {}, key
+        else:
+            assert config_hash(other) != config_hash(config), key
+            assert list(changed) == [key], key

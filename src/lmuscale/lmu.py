@@ -269,9 +269,8 @@ def memory_reference(u_BxTxC, order: int, theta: float) -> np.ndarray:
     return m_BxTxCxQ
 
 
-# The chunk length c of ``memory_chunked``: at the paper's largest layer (benchmarks/lmu_memory.py)
-# 64 is within 5% of the best of 32 / 64 / 128 on an H100 and a 2-core CPU, with half the
-# sequential state-passing steps of 32.
+# The chunk length c of ``memory_chunked``: as fast as 32 or 128 (the README's benchmarks),
+# with half the sequential state-passing steps of 32.
 DEFAULT_CHUNK = 64
 PRECISIONS = ("exact", "fast")
 
@@ -499,8 +498,7 @@ def chunk_product(
     position), rounded to ``out_dtype`` (default the operand's, at least float32; bfloat16
     halves the bytes for a bfloat16 consumer). ``precision`` and ``exact_algorithm`` are as in
     ``memory_chunked``."""
-    args = (precision, out_dtype, exact_algorithm)
-    return _chunk_product(x_BxJxCxZ, w_ZxKxc, *args, channels_last=False)
+    return _chunk_product(x_BxJxCxZ, w_ZxKxc, precision, out_dtype, exact_algorithm, False)
 
 
 def chunk_product_channels_last(
@@ -509,8 +507,7 @@ def chunk_product_channels_last(
     """``chunk_product`` written channels last: ``y_KxcxBxJxC``, the same numbers with the
     channels minor and the projection and step axes major, as a matrix product ``w^T x``
     writes them (no transpose), for sums over the channels along the minor axis."""
-    args = (precision, out_dtype, exact_algorithm)
-    return _chunk_product(x_BxJxCxZ, w_ZxKxc, *args, channels_last=True)
+    return _chunk_product(x_BxJxCxZ, w_ZxKxc, precision, out_dtype, exact_algorithm, True)
 
 
 def sequence_from_chunks(y_BxJx___xc, length: int):

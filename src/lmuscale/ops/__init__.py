@@ -52,20 +52,20 @@ class Switch:
         """What ``impl`` runs in ``dtype`` on ``devices``: "xla" or "pallas"; a ``ConfigError``
         where "pallas" cannot run."""
         check(self.key, impl)
-        if impl == "xla":
-            return "xla"
         reason = unsupported_reason(devices)
-        if self.kernels is None and impl == "pallas":
-            reason = "this version has no Pallas kernels for it"
-        elif impl == "pallas" and reason is not None:
-            reason = (
-                f"{self.kernels} need one NVIDIA GPU of compute capability >= 8.0, but {reason}"
-            )
-        if impl == "pallas" and reason is not None:
-            raise ConfigError(f'model.{self.key}="pallas": {reason}; use "auto" or "xla"')
+        if impl == "pallas":
+            if self.kernels is None:
+                reason = "this version has no Pallas kernels for it"
+            elif reason is not None:
+                reason = (
+                    f"{self.kernels} need one NVIDIA GPU of compute capability >= 8.0, but {reason}"
+                )
+            if reason is not None:
+                raise ConfigError(f'model.{self.key}="pallas": {reason}; use "auto" or "xla"')
+            return "pallas"
         measured = (devices[0].device_kind, jnp.dtype(dtype).name)
-        faster = self.kernels is not None and reason is None and measured in self.faster
-        return "pallas" if impl == "pallas" or faster else "xla"
+        auto = impl == "auto" and self.kernels is not None and reason is None
+        return "pallas" if auto and measured in self.faster else "xla"
 
 
 # The kernels' measurements are in the README's "Benchmarks" and benchmarks/results/.
@@ -111,9 +111,8 @@ class Impls:
       for decoding);
     - ``memory_layout``: how XLA's chunked memory writes Q, K and V for the attention:
       "steps-last", (B, J, d, q', c), which XLA's CPU backend reduces fastest, or
-      "channels-last", one product for the three, (3 q', c, B, J, d), where a GPU's
-      reductions want the summed axis minor (on an H200 the other order spent 68 of lmu-1M's
-      171 ms a micro-batch transposing them);
+      "channels-last", one product for the three, (3 q', c, B, J, d), for a GPU, whose
+      reductions want the summed axis minor (in the other order it transposes them);
     - ``attention``: causal attention, "xla" or "cudnn" (flash attention: no n x n scores);
     - ``gelu``: "erfc" (``jax.nn.gelu``'s form; on a CPU it keeps the forward's gelu apart
       from ``gelu_grad``'s erf, which XLA would otherwise keep alive) or "erf" (a GPU's: XLA
