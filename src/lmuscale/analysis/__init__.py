@@ -34,10 +34,8 @@ class Report:
         results = self.results
         out = [f"{len(results.runs)} runs ({results.role_counts()}) from {results.path}"]
         out += [f"  left out: {note}" for note in results.skipped]
-        for fit, form, runs, name, estimate, interval in tables.summary_rows(
-            self.fits, self.optimal
-        ):
-            out.append(f"  {fit}, {form}: {name} = {estimate} {interval} ({runs})")
+        for fit, form, runs, name, estimate, ci in tables.summary_rows(self.fits, self.optimal):
+            out.append(f"  {fit}, {form}: {name} = {estimate} {ci} ({runs})")
         out += [f"  not made: {line}" for line in self.refusals]
         return [*out, "wrote " + ", ".join(str(p) for p in self.files)]
 
@@ -78,8 +76,7 @@ def analyse(
     fits = fit_all(loaded, n_boot=n_boot, ci=ci, seed=seed, progress=progress)
     best = optimal.compute_optimal(loaded, n_boot=n_boot, ci=ci, seed=seed, target=target_loss)
     tested = extrapolation.extrapolate(fits, best.frontiers, ci=ci)
-    grid = loaded.grid()
-    drawn, refusals = paper_figures(grid, fits, size)
+    drawn, refusals = paper_figures(loaded.grid(), fits, size)
     if tested.records:
         drawn["extrapolation"] = extrapolation.figure(tested, loaded.unit)
     refusals += not_made(fits, best, tested)

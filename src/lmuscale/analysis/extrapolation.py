@@ -32,19 +32,9 @@ def extrapolate(group_fits, frontiers, *, ci: float = 0.9) -> Extrapolation:
     for g in group_fits:
         if g.fit is not None:
             f = g.fit
-            result.extend(
-                holdout(
-                    g.form,
-                    f.n,
-                    f.loss,
-                    f.tokens,
-                    trials=g.trials,
-                    family=g.family,
-                    name=g.name,
-                    ci=ci,
-                    grid=warm_starts(f) if g.form == "chinchilla" else None,
-                )
-            )
+            grid = warm_starts(f) if g.form == "chinchilla" else None
+            meta = dict(trials=g.trials, family=g.family, name=g.name, grid=grid)
+            result.extend(holdout(g.form, f.n, f.loss, f.tokens, ci=ci, **meta))
     for frontier in frontiers:
         name = f"{label(frontier.family)}, IsoFLOP frontier"
         for form, line in frontier_lines(frontier).items():
@@ -140,12 +130,10 @@ def figure(extrapolation: Extrapolation, unit: str = "nats per token"):
             values = [v for r in group for v in (r.measured, r.lo, r.hi) if np.isfinite(v)]
             span = (max(values) - min(values)) if values else 0.0
             for r in group:
-                filled = r.held_out == 1
                 # nudged sideways by form and held-out count, so equal x stay apart
                 slot = 2 * list(MARKERS).index(r.form) % 6 + r.held_out - 2.5
-                dodge = 1.01**slot if group is optima else 1.0
-                x = r.measured * dodge if group is optima else r.measured + 0.008 * span * slot
-                face = color(r.family) if filled else "none"
+                x = r.measured * 1.01**slot if group is optima else r.measured + 0.008 * span * slot
+                face = color(r.family) if r.held_out == 1 else "none"
                 err = np.array([[r.predicted - r.lo], [r.hi - r.predicted]])
                 ax.errorbar(
                     x,

@@ -228,7 +228,6 @@ def figure5(results: Results, fits):
     results = results.grid()
     base = results.base_tokens
     base_steps = _steps_at(results, base)
-    batch = base / base_steps
     notes = []
     with matplotlib.rc_context(STYLE):
         fig, (ax,) = panels(1)
@@ -252,7 +251,7 @@ def figure5(results: Results, fits):
             steps = more * base_steps
             ax.plot(
                 grid,
-                transformer_loss(grid, steps, batch),
+                transformer_loss(grid, steps, base / base_steps),
                 color=REFERENCE_COLOR,
                 lw=1.3,
                 ls="--",
@@ -283,12 +282,11 @@ def figure5(results: Results, fits):
                     "budget."
                 )
         notes += _skipped(results)
-        lo, hi = min(sizes), max(sizes)
         ax.set_title(
             f"LMU at {human(base)} tokens vs. transformer at {human(more * base)} "
             f"({more:.3g}x the tokens)"
         )
-        _axes(ax, results, lo, hi)
+        _axes(ax, results, min(sizes), max(sizes))
         side_legend(fig)
         add_notes(fig, notes)
     return fig
@@ -397,14 +395,8 @@ def _draw_fit(ax, group_fit, n, notes, ls="-") -> None:
     family, fit = group_fit.family, group_fit.fit
     grid = np.geomspace(min(n) / 1.15, max(n) * 1.15, 100)
     alpha = interval(fit.params["alpha"], fit.ci_low[1], fit.ci_high[1], ".3f", fit.ci)
-    ax.plot(
-        grid,
-        fit.predict(grid),
-        color=color(family),
-        ls=ls,
-        lw=1.6,
-        label=f"{label(family)} fit: $\\alpha$ = {alpha}",
-    )
+    text = f"{label(family)} fit: $\\alpha$ = {alpha}"
+    ax.plot(grid, fit.predict(grid), color=color(family), ls=ls, lw=1.6, label=text)
     low, high = fit.band(grid)
     if np.all(np.isfinite(low)):
         ax.fill_between(grid, low, high, color=color(family), alpha=0.15, lw=0)

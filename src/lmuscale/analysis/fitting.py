@@ -40,10 +40,9 @@ class GroupFit:
 
 
 def fit_all(results: Results, *, n_boot: int, ci: float, seed: int, progress=False) -> list:
-    """Power law and saturating fits per family and budget of the paper grid
-    (``Results.grid``); a Chinchilla fit per family over its grid runs, and over its IsoFLOP
-    runs, where either has two or more budgets. A group too small for a form gets a
-    ``GroupFit`` with ``error``."""
+    """The fits of the module docstring, the paper grid's from ``Results.grid``; Chinchilla's
+    where the runs have two or more budgets. A group too small for a form gets a ``GroupFit``
+    with ``error``."""
     grid = results.grid()
     jobs = []
     for family in grid.families:

@@ -46,7 +46,7 @@ def isoflop_figure(frontiers, unit: str, ci: float = 0.95):
                     lw=0.8,
                     label=f"{label(fit.family)}, C = {sci(fit.budget)} FLOPs",
                 )
-                if fit.coef is not None and fit.n_opt is not None:
+                if fit.n_opt is not None:
                     x = np.linspace(np.log10(n.min()), np.log10(n.max()), 100)
                     ax.plot(10**x, np.polyval(fit.coef, x), color=tint, lw=1)
                     best = fit.n_opt
@@ -83,14 +83,9 @@ def optimal_figure(frontiers, envelopes=()):
             c = color(frontier.family)
             if frontier.error:
                 notes.append(f"{label(frontier.family)}: {frontier.error}.")
-            for ax, which, line, symbol, exponent in zip(
-                axes,
-                ("n_opt", "d_opt"),
-                (frontier.n_line, frontier.d_line),
-                "ab",
-                (frontier.a, frontier.b),
-                strict=False,
-            ):
+            n_panel = ("n_opt", frontier.n_line, "a", frontier.a)
+            d_panel = ("d_opt", frontier.d_line, "b", frontier.b)
+            for ax, (which, line, symbol, exponent) in zip(axes, (n_panel, d_panel), strict=False):
                 if not fits:
                     continue
                 budget = np.array([f.budget for f in fits])
@@ -287,10 +282,8 @@ def _interval(value) -> str:
 
 
 def _span(x, factor: float) -> np.ndarray:
-    """50 log-spaced points from min(x) / factor to max(x) * factor."""
     return np.geomspace(np.min(x) / factor, np.max(x) * factor, 50)
 
 
 def _power(line, x):
-    """A straight line in log-log: 10^(slope log10 x + intercept)."""
     return 10 ** (line[0] * np.log10(x) + line[1])

@@ -31,7 +31,7 @@ LABELS = {
     "sru_pp": "SRU++",
     "lstm": "LSTM",
 }
-FAMILY_ORDER = ("lmu", "lmu_g", "transformer", "sru", "sru_pp", "lstm")  # in legends, tables
+FAMILY_ORDER = tuple(LABELS)  # in legends, tables
 LMU_FAMILIES = ("lmu", "lmu_g")
 # What a run is for (lmuscale.sweep.spec.ROLES): the analyses each role feeds are in
 # lmuscale.analysis.analyse; ROLE_NAMES are their names in tables and messages.
@@ -150,7 +150,7 @@ class Results:
     @property
     def unit(self) -> str:
         """The loss unit in words: "nats per token" (GPT-2), "nats per byte", ..."""
-        if self.tokenizer in (None, "gpt2"):
+        if self.gpt2_tokens:
             return "nats per token"
         if self.tokenizer == "bytes":
             return "nats per byte"

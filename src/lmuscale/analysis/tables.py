@@ -11,6 +11,7 @@ from pathlib import Path
 
 import numpy as np
 
+from lmuscale.analysis.isoflop import Interval
 from lmuscale.analysis.results import LMU_FAMILIES, ROLE_NAMES, Results, family_key, label
 from lmuscale.files import atomic_write_bytes
 from lmuscale.scaling import FORMULAS, reference, steps_to_match
@@ -52,29 +53,21 @@ def fit_rows(fits) -> list[dict]:
             "formula": FORMULAS[g.form],
             "n_points": len(g.trials),
         }
-        if g.fit is None:
+        f = g.fit
+        if f is None:
             rows.append({**common, "error": g.error})
             continue
-        f = g.fit
-        residuals = json.dumps(
-            {t: round(float(r), 6) for t, r in zip(g.trials, f.residuals, strict=True)}
+        residuals = {t: round(float(r), 6) for t, r in zip(g.trials, f.residuals, strict=True)}
+        common.update(
+            ci=f.ci,
+            n_boot=f.n_boot,
+            n_boot_used=len(f.samples),
+            rms_log_residual=f.rms_residual,
+            residuals=json.dumps(residuals),
         )
         for i, name in enumerate(f.names):
-            rows.append(
-                {
-                    **common,
-                    "parameter": name,
-                    "estimate": f.estimate[i],
-                    "stderr": f.stderr[i],
-                    "ci_low": f.ci_low[i],
-                    "ci_high": f.ci_high[i],
-                    "ci": f.ci,
-                    "n_boot": f.n_boot,
-                    "n_boot_used": len(f.samples),
-                    "rms_log_residual": f.rms_residual,
-                    "residuals": residuals,
-                }
-            )
+            estimate = {"parameter": name, "estimate": f.estimate[i], "stderr": f.stderr[i]}
+            rows.append({**common, **estimate, "ci_low": f.ci_low[i], "ci_high": f.ci_high[i]})
     return rows
 
 
@@ -96,11 +89,9 @@ def markdown(results: Results, fits, best, refusals: list[str], sections=()) -> 
     """fits.md: a summary of every exponent with its CI and runs, then ``sections`` (lists of
     lines), the fitted parameters, residuals, compute-optimal analyses, reference curves and
     data efficiency, the runs behind each fit, and last one line per analysis not made."""
-    roles = (
-        "inferred from the runs: the table has no role column"
-        if results.roles_inferred
-        else ("from the table's role column")
-    )
+    roles = "from the table's role column"
+    if results.roles_inferred:
+        roles = "inferred from the runs: the table has no role column"
     out = [
         "# Scaling-law fits",
         "",
@@ -122,9 +113,8 @@ def markdown(results: Results, fits, best, refusals: list[str], sections=()) -> 
     out += ["## Fitted parameters", ""]
     out += ["| fit | form | points | parameter | estimate | stderr | CI | RMS log residual |"]
     out += ["|---|---|---:|---|---:|---:|---|---:|"]
-    for g in fits:
-        if g.fit is None:
-            continue
+    fitted = [g for g in fits if g.fit is not None]
+    for g in fitted:
         f, why = g.fit, g.fit.unresolved  # a property that recomputes: once per fit
         for i, name in enumerate(f.names):
             ci = interval_text(f.ci_low[i], f.ci_high[i], why[i], ".4g")
@@ -136,9 +126,7 @@ def markdown(results: Results, fits, best, refusals: list[str], sections=()) -> 
     out += ["", "## Residuals (log measured - log fitted)", ""]
     out += ["| fit | form | trial | N | tokens | loss | fitted | residual |"]
     out += ["|---|---|---|---:|---:|---:|---:|---:|"]
-    for g in fits:
-        if g.fit is None:
-            continue
+    for g in fitted:
         f = g.fit
         fitted = f.predict(f.n, f.tokens)
         tokens = f.tokens if f.tokens is not None else [g.tokens] * len(f.n)
@@ -164,63 +152,36 @@ def summary_rows(fits, best) -> list[list[str]]:
     runs, exponent, estimate, CI), each family's together."""
     rows = []  # (family, cells)
 
-    def add(family, fit, form, runs, name, estimate, interval):
+    def add(family, fit, form, runs, name, value: Interval):
         spec = ".3g" if name == "ratio" else ".3f"
-        rows.append((family, [fit, form, runs, name, f"{estimate:{spec}}", interval]))
+        ci = interval_text(value.lo, value.hi, value.why, ".3f")
+        rows.append((family, [fit, form, runs, name, f"{value.estimate:{spec}}", ci]))
 
     for g in fits:
         if g.fit is not None:
             f, why = g.fit, g.fit.unresolved
+            runs = f"{len(g.trials)} {ROLE_NAMES[g.role]} runs"
             for i, name in enumerate(f.names):
                 if name in EXPONENTS:
-                    ci = interval_text(f.ci_low[i], f.ci_high[i], why[i], ".3f")
-                    runs = f"{len(g.trials)} {ROLE_NAMES[g.role]} runs"
-                    add(g.family, g.name, FORMULAS[g.form], runs, name, f.estimate[i], ci)
+                    value = Interval(f.estimate[i], f.ci_low[i], f.ci_high[i], why[i])
+                    add(g.family, g.name, FORMULAS[g.form], runs, name, value)
     for frontier in best.frontiers:
         if frontier.a is not None:
             used = [f for f in frontier.fits if f.n_opt is not None]
             runs = f"{sum(len(f.runs) for f in used)} IsoFLOP runs, {len(used)} budgets"
-            for name, value, form in (
-                ("a", frontier.a, "N_opt ∝ C^a"),
-                ("b", frontier.b, "D_opt ∝ C^b"),
-            ):
-                ci = interval_text(value.lo, value.hi, value.why, ".3f")
-                add(
-                    frontier.family,
-                    f"{label(frontier.family)}, IsoFLOP minima",
-                    form,
-                    runs,
-                    name,
-                    value.estimate,
-                    ci,
-                )
+            fit = f"{label(frontier.family)}, IsoFLOP minima"
+            add(frontier.family, fit, "N_opt ∝ C^a", runs, "a", frontier.a)
+            add(frontier.family, fit, "D_opt ∝ C^b", runs, "b", frontier.b)
     for env in best.envelopes:
         if env.a is not None:
-            ci = interval_text(env.a.lo, env.a.hi, env.a.why, ".3f")
-            runs = f"{len(env.trials)} curves"
-            add(
-                env.family,
-                f"{label(env.family)}, lower envelope",
-                "N ∝ C^a along it",
-                runs,
-                "a",
-                env.a.estimate,
-                ci,
-            )
+            fit, runs = f"{label(env.family)}, lower envelope", f"{len(env.trials)} curves"
+            add(env.family, fit, "N ∝ C^a along it", runs, "a", env.a)
     for eff in best.efficiency:
         if eff.ratio_geomean is not None:
             a, b = eff.families
+            ratio = Interval(eff.ratio_geomean, math.nan, math.nan, "not bootstrapped")
             what = f"tokens to reach loss {eff.target:.4f}"
-            ci = "no interval (not bootstrapped)"
-            add(
-                a,
-                f"{label(b)} / {label(a)}",
-                what,
-                f"{len(eff.n)} sizes",
-                "ratio",
-                eff.ratio_geomean,
-                ci,
-            )
+            add(a, f"{label(b)} / {label(a)}", what, f"{len(eff.n)} sizes", "ratio", ratio)
     rows.sort(key=lambda item: family_key(item[0]))  # stable: each family's rows together
     return [cells for _, cells in rows]
 

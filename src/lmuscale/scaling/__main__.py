@@ -120,10 +120,9 @@ def _predict(args) -> int:
             lines = fits.frontiers[family]
             n, n_lo, n_hi = (float(v) for v in lines["n_opt"].interval(args.flops, ci=args.ci))
             d, d_lo, d_hi = (float(v) for v in lines["d_opt"].interval(args.flops, ci=args.ci))
-            chinchilla = [w for w in laws if w.family == family and w.form == "chinchilla"]
+            w = next((w for w in laws if w.family == family and w.form == "chinchilla"), None)
             loss = "no Chinchilla fit"
-            if chinchilla:
-                w = chinchilla[0]
+            if w is not None:
                 value, lo, hi = (float(v) for v in w.interval(n, d, ci=args.ci))
                 loss = f"{value:.4f} {interval_text(lo, hi, w.why, '.4f')}"
             print(

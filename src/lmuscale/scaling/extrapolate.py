@@ -243,18 +243,16 @@ class Extrapolation:
     def csv_rows(self) -> list[dict]:
         """Rows in fits.csv's columns: a held-out run's predicted loss (with its interval) and
         its measured loss; one row with ``error`` per refused test."""
+
+        def test(r: Heldout | Refusal) -> dict:
+            fit = f"{r.name}, holding out {r.held_out}"
+            return {"fit": fit, "family": r.family, "form": r.form, "ci": self.ci}
+
         rows = []
         for r in self.records:
             what = f"N={human(r.x)}" if r.form in FITTERS else f"C={r.x:.3g}"
             quantity = {"n_opt": "N_opt", "d_opt": "D_opt"}.get(r.form, "loss")
-            common = {
-                "fit": f"{r.name}, holding out {r.held_out}",
-                "family": r.family,
-                "form": r.form,
-                "ci": self.ci,
-                "n_points": r.n_points,
-                "tokens": r.tokens,
-            }
+            common = {**test(r), "n_points": r.n_points, "tokens": r.tokens}
             lo, hi = (r.lo, r.hi) if np.isfinite(r.lo) else (None, None)
             pre = f"{quantity} at {what} ({r.trial})"
             rows.append(
@@ -262,17 +260,7 @@ class Extrapolation:
                 | {"ci_low": lo, "ci_high": hi}
             )
             rows.append({**common, "parameter": f"{pre}, measured", "estimate": r.measured})
-        for r in self.refusals:
-            rows.append(
-                {
-                    "fit": f"{r.name}, holding out {r.held_out}",
-                    "family": r.family,
-                    "form": r.form,
-                    "ci": self.ci,
-                    "error": r.why,
-                }
-            )
-        return rows
+        return rows + [{**test(r), "error": r.why} for r in self.refusals]
 
 
 def _bracket(r: Heldout, fmt) -> str:
@@ -366,11 +354,6 @@ class Line:
     y: np.ndarray
     var: np.ndarray
 
-    @property
-    def slope_intercept(self) -> tuple[float, float]:
-        slope, intercept = np.polyfit(self.x, self.y, 1)
-        return float(slope), float(intercept)
-
     def interval(self, budget, *, ci: float = 0.9, own_var=None):
         """(predicted, low, high) of y at ``budget`` FLOPs as a new budget would measure it:
         the wider of (a) a normal interval from the budgets' variances (the line's, plus
@@ -379,7 +362,7 @@ class Line:
         t on J - 2 dof), which also holds a frontier that is not quite a line."""
         check_ci(ci)
         x = np.log10(np.asarray(budget, dtype=float))
-        slope, intercept = self.slope_intercept
+        slope, intercept = np.polyfit(self.x, self.y, 1)
         centre = self.x.mean()
         sxx = np.sum((self.x - centre) ** 2)
         # the prediction is sum_j c_j y_j
@@ -409,8 +392,7 @@ def line_holdout(line: Line, *, family="", name="", form="n_opt", ci=0.9) -> Ext
     rest, last = order[:-1], order[-1]
     short = Line(line.x[rest], line.y[rest], line.var[rest])
     budget = float(10 ** line.x[last])
-    interval = short.interval(budget, ci=ci, own_var=line.var[last])
-    predicted, lo, hi = (float(v) for v in interval)
+    predicted, lo, hi = (float(v) for v in short.interval(budget, ci=ci, own_var=line.var[last]))
     measured = float(10 ** line.y[last])
     trial = f"C={budget:.3g}"
     why = None if np.isfinite(lo) else "a budget's parabola leaves no residual to measure noise"
@@ -502,10 +484,9 @@ def load_fits(path) -> FitsFile:
         if value is None and optional:
             return None
         try:
-            out = np.array(value, dtype=float)
+            return np.array(value, dtype=float)
         except (TypeError, ValueError):
             raise DataError(f"{path}: {where}.{key} is {value!r}, not numbers") from None
-        return out
 
     laws = []
     for i, item in enumerate(get(top, "fits", "the file", list)):

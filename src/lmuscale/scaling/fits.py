@@ -147,14 +147,7 @@ def human(x: float) -> str:
     """55000 -> "55k", 1.3e10 -> "13B", inf -> "inf": counts of parameters, tokens, FLOPs."""
     if math.isfinite(x):
         x = float(f"{x:.3g}")  # rounded first: 999.6k is "1M", not "1e+03k"
-    for scale, suffix in (
-        (1e18, "E"),
-        (1e15, "P"),
-        (1e12, "T"),
-        (1e9, "B"),
-        (1e6, "M"),
-        (1e3, "k"),
-    ):
+    for scale, suffix in zip((1e18, 1e15, 1e12, 1e9, 1e6, 1e3), "EPTBMk", strict=True):
         if math.isfinite(x) and abs(x) >= scale:
             return f"{x / scale:.3g}{suffix}"
     return f"{x:.3g}"
