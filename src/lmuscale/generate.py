@@ -127,9 +127,7 @@ def sweep_trial(workdir: Path, trial: str | None) -> Path:
     trials = index.get("trials")
     if not isinstance(trials, dict) or not all(isinstance(v, str) for v in trials.values()):
         raise CheckpointError(f"{workdir / INDEX}: no 'trials' map of names to folders")
-    matches = [n for n in trials if n == trial] or [
-        n for n in trials if trial and n.startswith(trial)
-    ]
+    matches = [trial] if trial in trials else [n for n in trials if trial and n.startswith(trial)]
     if len(matches) == 1:
         return workdir / trials[matches[0]]
     if trial is None:

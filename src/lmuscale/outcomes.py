@@ -67,9 +67,7 @@ class Exit(enum.IntEnum):
     def __new__(cls, code: int, error: type[BaseException] | None, word: str, meaning: str):
         member = int.__new__(cls, code)
         member._value_ = code
-        member.error = error
-        member.word = word
-        member.meaning = meaning
+        member.error, member.word, member.meaning = error, word, meaning
         return member
 
     FINISHED = 0, None, "", "finished (or had finished before)"

@@ -2,9 +2,8 @@
 ``lmuscale.workdir`` is for one run's folder (each trial's, under ``trials/``).
 
 ``sweep.json`` indexes the trial folders by name (for ``python -m lmuscale.generate --trial``);
-``results.jsonl`` and ``results.csv`` hold a row per trial, kept by ``Table``: a row is built
-when its trial is first seen and again when the trial ends (of the other folders, only the
-status is read again). Nothing here imports training code: the analysis reads these names too.
+``results.jsonl`` and ``results.csv`` hold a row per trial, kept by ``Table``. Nothing here
+imports training code: the analysis reads these names too.
 """
 
 from __future__ import annotations
@@ -67,9 +66,8 @@ def write_index(workdir: Path, sweep: Path, folders: dict[str, str]) -> None:
 
 
 def sizes(record: dict | None) -> dict | None:
-    """The row's model fields as a run's summary.json records them (``lmuscale.train.loop``
-    writes them in every final summary): family, N (non-embedding parameters), total_params
-    and flops_per_token (training FLOPs); None when it records none."""
+    """The row's model fields from a run's final summary.json: family, N (non-embedding
+    parameters), total_params and flops_per_token (training FLOPs); None when it has none."""
     record = record or {}
     params, flops = record.get("params"), record.get("flops_per_token")
     if not (isinstance(params, dict) and isinstance(flops, dict) and "family" in record):
@@ -134,7 +132,6 @@ class Table:
         self.rows: dict[str, dict] = {}
 
     def row(self, trial, ended: bool = False) -> dict:
-        """The row of ``trial``, a ``ResolvedTrial`` (its ``result_row``)."""
         folder = self.workdir / TRIALS / trial.folder_name
         row = self.rows.get(folder.name)
         if row is None or ended or status(folder) not in (row["status"], "running"):

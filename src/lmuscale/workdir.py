@@ -77,12 +77,9 @@ def outcome(workdir: Path) -> str | None:
 
 
 def finished(workdir: Path) -> dict | None:
-    """The summary of a finished run in ``workdir``, or None."""
     folder_or_absent(workdir)
     record = summary(workdir)
-    if record is None or record.get("status", "finished") != "finished":
-        return None
-    return record
+    return record if record is not None and record.get("status", "finished") == "finished" else None
 
 
 def status(workdir: Path) -> str:

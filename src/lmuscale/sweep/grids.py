@@ -5,14 +5,13 @@ budget buys at its own training FLOPs per token, not 6N) and ``learning_rate_gri
 from __future__ import annotations
 
 import math
-import sys
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 
 from ml_collections import ConfigDict
 
 from lmuscale.models import ModelConfig, count_params, flops_per_token
-from lmuscale.sweep.spec import Trial
+from lmuscale.sweep.spec import Trial, caller
 
 MakeConfig = Callable[[ModelConfig], ConfigDict]  # a model -> its training config
 
@@ -112,7 +111,7 @@ def isoflop_grid(
         name = f"{point.family}-{short(point.n)}-{short(point.budget)}"
         config = schedule(base, point.steps, evals, lr)
         note = f"learning rate {lr:.3g} from {learning_rate_from}" if lr is not None else ""
-        trials += _seeded(name, config, seeds, _caller(), "isoflop", note)
+        trials += _seeded(name, config, seeds, caller(1), "isoflop", note)
     return trials
 
 
@@ -163,7 +162,7 @@ def learning_rate_grid(
             for lr in sorted(learning_rates):
                 config = schedule(make_config(model), steps, evals, lr)
                 name = f"{family}-{short(n)}-lr{lr:g}"
-                trials += _seeded(name, config, seeds, _caller(), "learning_rate")
+                trials += _seeded(name, config, seeds, caller(1), "learning_rate")
     return trials
 
 
@@ -176,7 +175,7 @@ def seed_replicates(trials: Iterable[Trial], seeds: Sequence[int]) -> list[Trial
         for seed in seeds:
             overrides = {**trial.overrides, "train.seed": seed}
             name = f"{trial.name}-s{seed}"
-            replicas.append(Trial(name, trial.config, overrides, "seed", origin=_caller()))
+            replicas.append(Trial(name, trial.config, overrides, "seed", origin=caller(1)))
     return replicas
 
 
@@ -206,12 +205,6 @@ def short(x: float) -> str:
         if x >= scale:
             return f"{x / scale:.3g}{unit}"
     return f"{x:.3g}"
-
-
-def _caller() -> str:
-    """The sweep file's line that asked for the grid, for the trials' error messages."""
-    frame = sys._getframe(2)
-    return f"{frame.f_code.co_filename}:{frame.f_lineno}"
 
 
 def _seeded(name, config: ConfigDict, seeds: Sequence[int], origin: str, role: str, note=""):

@@ -12,11 +12,10 @@ from collections.abc import Callable
 from pathlib import Path
 
 from lmuscale.outcomes import ConfigError, Exit
-from lmuscale.sweep.worker import ENDED, record_crash, start
+from lmuscale.sweep.worker import ENDED, STOP_GRACE_SECONDS, record_crash, start
 from lmuscale.workdir import DONE, is_locked, status
 
 POLL_SECONDS = 0.5
-STOP_GRACE_SECONDS = 120  # how long stopped workers get to write their checkpoint
 
 
 def gpu_slots(parallel: int) -> list[dict]:

@@ -20,9 +20,7 @@ from lmuscale.train.metrics import duration
 from lmuscale.workdir import ATTEMPTS, METRICS, read_log
 
 # Seconds a trial takes beyond its training steps at their median speed, where no trial of the
-# sweep has finished to measure it. CPU: the median of the 8 trials of sweeps/demo.py (13.7 s,
-# 10.8-19.3) and the 42 of the IsoFLOP demo (13.5 s, 7.5-19.5), 2-core machine, 2026-11-25.
-# GPU: not measured, a guess (JAX start-up, compiling and planning the step, evaluation).
+# sweep has finished to measure it: on a CPU, as the demo sweeps measured; on a GPU, a guess.
 OVERHEAD_SECONDS = {"cpu": (14.0, "CPU default"), "gpu": (120.0, "GPU guess")}
 
 
@@ -32,17 +30,11 @@ def _speeds(folder: Path) -> list[float]:
     ]
 
 
-def measured_flops(folder: Path, flops_per_token: float) -> float | None:
-    """Median model FLOP/s of a trial's logged steps, or None before it has logged any."""
-    speeds = _speeds(folder)
-    return statistics.median(speeds) * flops_per_token if speeds else None
-
-
-def measured_overhead(folder: Path, tokens: int) -> float | None:
+def measured_overhead(folder: Path, tokens: int, speeds: list[float]) -> float | None:
     """Seconds from the worker's start to the trial's end beyond its steps at their median
-    speed, for a trial finished in one attempt whose runner recorded the start; else None."""
+    speed (of ``speeds``), for a trial finished in one attempt whose runner recorded the start;
+    else None."""
     events = read_log(folder / ATTEMPTS)
-    speeds = _speeds(folder)
     if len(events) != 2 or not speeds:
         return None
     start, end = events
@@ -59,10 +51,10 @@ def overhead(throughput: Throughput, rows: list[dict]) -> tuple[float, str]:
     if throughput.overhead is not None:
         return throughput.overhead, "configured"
     platform = throughput.platform
-    if not platform:
+    if not platform:  # this machine's: where the dry run's trials would start
         import jax
 
-        platform = jax.default_backend()
+        platform = jax.devices()[0].platform
     return OVERHEAD_SECONDS.get(platform, OVERHEAD_SECONDS["gpu"])
 
 
@@ -73,9 +65,12 @@ def plan(trials, workdir: Path, throughput: Throughput) -> list[dict]:
         folder = workdir / TRIALS / trial.folder_name
         row = trial.result_row(folder)
         row["dtype"] = trial.config.model.get("dtype")
-        row["flops_per_second"] = measured_flops(folder, row["flops_per_token"])
+        speeds = _speeds(folder)
+        row["flops_per_second"] = (
+            statistics.median(speeds) * row["flops_per_token"] if speeds else None
+        )
         row["source"] = "measured" if row["flops_per_second"] else None
-        row["overhead"] = measured_overhead(folder, row["tokens"])
+        row["overhead"] = measured_overhead(folder, row["tokens"], speeds)
         row["waits"], row["note"] = trial.waits, trial.note
         if trial.waits:
             row["status"] = "waits"

@@ -19,7 +19,7 @@ from pathlib import Path
 from lmuscale.files import atomic_write_json
 from lmuscale.outcomes import ConfigError, Exit
 from lmuscale.sweep.spec import Sweep
-from lmuscale.sweep.worker import ENDED, TASK, record_crash, start
+from lmuscale.sweep.worker import ENDED, STOP_GRACE_SECONDS, TASK, record_crash, start
 from lmuscale.sweepdir import TRIALS
 from lmuscale.workdir import DONE, LOG, is_locked, read_json, status
 
@@ -34,7 +34,6 @@ except ImportError:  # the local executor needs none of it
 # checkpoint, which leaves time to requeue. A 250k-step trial may need many requeues.
 DEFAULTS = {"timeout_min": 24 * 60, "slurm_signal_delay_s": 180}
 MAX_REQUEUES = 1000
-STOP_GRACE_SECONDS = 120
 POLL_SECONDS = 2.0
 REQUEUE_GRACE_SECONDS = 30.0
 JOBS = Path("slurm", "jobs.json")  # trial folder -> array task (JOB_TASK) of every submission
@@ -148,8 +147,7 @@ def run_slurm(
         raise ConfigError(f"SLURM refused the job array: {type(error).__name__}: {error}") from None
     recorded |= {folder.name: job.job_id for folder, job in zip(todo, jobs, strict=True)}
     atomic_write_json(workdir / JOBS, {"tasks": recorded})
-    array = jobs[0].job_id.split("_")[0]
-    return f"SLURM job array {array} ({len(jobs)} tasks)"
+    return f"SLURM job array {jobs[0].job_id.split('_')[0]} ({len(jobs)} tasks)"
 
 
 def wait(workdir: Path, on_update: Callable[[dict], None], write: Callable[[str], None]) -> None:

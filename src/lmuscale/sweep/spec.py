@@ -11,10 +11,8 @@ does not run it, and once the trials before it have ended, asks ``get_trials`` a
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import hashlib
-import importlib.util
 import inspect
 import json
 import re
@@ -29,8 +27,8 @@ from lmuscale import sweepdir
 from lmuscale.models import count_params, flops_per_token
 from lmuscale.outcomes import ConfigError
 from lmuscale.resume import RESUMABLE_CHANGES, flatten
-from lmuscale.sweep.throughput import Throughput
-from lmuscale.train.config import load, model_config, override, where_in
+from lmuscale.sweep.throughput import Throughput, short_path
+from lmuscale.train.config import errors_named, load, load_module, model_config, override
 from lmuscale.workdir import DONE
 
 NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._+=-]*")
@@ -56,9 +54,8 @@ class Trial:
     origin: str = dataclasses.field(default="", compare=False, repr=False)
 
     def __post_init__(self):
-        if not self.origin:  # the sweep file's line that made this trial, for error messages
-            frame = sys._getframe(2)
-            object.__setattr__(self, "origin", f"{frame.f_code.co_filename}:{frame.f_lineno}")
+        if not self.origin:
+            object.__setattr__(self, "origin", caller(2))  # 1 up: the dataclass's __init__
 
 
 @dataclasses.dataclass(frozen=True)
@@ -75,7 +72,6 @@ class ResolvedTrial:
         return f"{self.name}-{self.key}"
 
     def result_row(self, folder: Path) -> dict:
-        """Its row of the results table, from its ``folder`` (``sweepdir.result_row``)."""
         return sweepdir.result_row(self, folder, lambda: sizes(self.config))
 
 
@@ -124,16 +120,7 @@ def load_sweep(
     ``KEY=VALUE`` strings (the command line's ``--config.KEY=VALUE``) applied to every trial
     after its own."""
     path = Path(path)
-    if path.suffix != ".py" or not path.is_file():
-        raise ConfigError(f"sweep file {str(path)!r} not found (expected a .py file)")
-    module_spec = importlib.util.spec_from_file_location(f"_lmuscale_sweep_{path.stem}", path)
-    module = importlib.util.module_from_spec(module_spec)
-    try:
-        module_spec.loader.exec_module(module)
-    except ConfigError:
-        raise
-    except Exception as error:
-        raise ConfigError(f"{where_in(path, error)}: {type(error).__name__}: {error}") from None
+    module = load_module(path, "sweep file", "a .py file")
     get_trials = getattr(module, "get_trials", None)
     if not callable(get_trials):
         raise ConfigError(f"{path}: defines no get_trials() returning Trial(...) items")
@@ -159,12 +146,8 @@ def load_sweep(
 
 def _trials(path: Path, get_trials, done: dict | None, overrides=()) -> list[ResolvedTrial]:
     """``get_trials`` (given ``done`` unless it is None) called and its trials resolved."""
-    try:
+    with errors_named(path):
         trials = list(get_trials() if done is None else get_trials(dict(done)))
-    except ConfigError:
-        raise
-    except Exception as error:
-        raise ConfigError(f"{where_in(path, error)}: {type(error).__name__}: {error}") from None
     if not trials:
         raise ConfigError(f"{path}: get_trials() returned no trials")
     resolved, seen = [], {}
@@ -280,8 +263,13 @@ def _text(value) -> str:
     return str(value).lower() if isinstance(value, bool) else str(value)
 
 
+def caller(up: int) -> str:
+    """``file:line`` of the frame ``up`` calls above the function calling this: the sweep
+    file's line that made a trial, for the trial's error messages."""
+    frame = sys._getframe(up + 1)
+    return f"{frame.f_code.co_filename}:{frame.f_lineno}"
+
+
 def _short(origin: str) -> str:
     file, _, line = origin.rpartition(":")
-    with contextlib.suppress(ValueError):
-        file = str(Path(file).relative_to(Path.cwd()))
-    return f"{file}:{line}"
+    return f"{short_path(Path(file))}:{line}"

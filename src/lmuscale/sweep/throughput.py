@@ -68,9 +68,7 @@ class Throughput:
         if same_family:
             return statistics.median(same_family), "benchmark family"
         figure = self.families.get(family) or self.default
-        if figure:
-            return figure, "configured"
-        return None, None
+        return (figure, "configured") if figure else (None, None)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -136,7 +134,7 @@ def load_benchmarks(
                 if found
                 else f"({', '.join(PATTERNS)})"
             )
-            raise BenchmarkError(f"there is no GPU benchmark {what} in {_short(folder)}")
+            raise BenchmarkError(f"there is no GPU benchmark {what} in {short_path(folder)}")
         device = max(usable, key=lambda b: b.when).name
         chosen = [b for b in usable if b.name == device]
     speeds: dict[tuple[str, int], tuple[float, float | None]] = {}
@@ -146,7 +144,7 @@ def load_benchmarks(
         speeds |= new
         if new:
             written = f", written {benchmark.written}" if benchmark.written else ""
-            used.append(f"{_short(benchmark.path)} ({benchmark.name}{written})")
+            used.append(f"{short_path(benchmark.path)} ({benchmark.name}{written})")
     platform = chosen[0].platform if chosen else "gpu"
     source = f"{platform.upper()} benchmark {'; '.join(used) or 'with no rows'}"
     if default:
@@ -167,9 +165,7 @@ def _read(path: Path, shape: tuple[int, int, str]) -> _Benchmark:
         data = json.loads(path.read_text())
     except (OSError, UnicodeDecodeError, json.JSONDecodeError) as error:
         raise BenchmarkError(f"{path}: not a readable JSON file ({error})") from None
-    kind, key = (
-        ("gpu", "parts") if path.name.startswith("gpu-") else ("train_throughput", "results")
-    )
+    kind = "gpu" if path.name.startswith("gpu-") else "train_throughput"
     problem = None
     machine = data.get("machine") if isinstance(data, dict) else None
     if not isinstance(data, dict) or data.get("benchmark") != kind:
@@ -196,12 +192,12 @@ def _read(path: Path, shape: tuple[int, int, str]) -> _Benchmark:
     if kind == "gpu":
         rows = [
             (f'parts["{name}"]', part.get("rows") if isinstance(part, dict) else None)
-            for name, part in data[key].items()
+            for name, part in data["parts"].items()
             if name.startswith("train/")
         ]
         auto = _auto_kernels(machine, shape[2])
     else:  # train_throughput ran the XLA paths
-        rows, auto = [("results", data[key])], {"loss_impl": "xla", "memory_impl": "xla"}
+        rows, auto = [("results", data["results"])], {"loss_impl": "xla", "memory_impl": "xla"}
     return _Benchmark(
         path,
         str(machine.get("platform", "gpu")),
@@ -242,17 +238,16 @@ def _speeds(
 ) -> dict[tuple[str, int], tuple[float, float | None]]:
     """(model FLOP/s, tokens/s) by (family, N): the medians of the training rows (gpu.py's
     ``train/*`` parts; train_throughput.py's results) at ``shape`` (seq_len, batch, dtype)
-    that ran the kernels "auto" takes on that device (``auto``: ``loss_impl`` and, for the
-    LMU families, ``memory_impl``; rows that do not name one ran "xla"). tokens/s only where
-    the row gives its FLOPs per token; rows without a speed, with ``error``, or with
-    ``loss_tuned`` (gpu.py --tuned-loss: the loss under launches not committed) are left out."""
+    that ran the kernels "auto" takes on that device (``_ran_auto``). tokens/s only where the
+    row gives its FLOPs per token; rows without a speed, with ``error``, or with ``loss_tuned``
+    (gpu.py --tuned-loss) are left out."""
     speeds: dict[tuple[str, int], list[tuple[float, float | None]]] = {}
     for where, rows in parts:
         if not isinstance(rows, list):
             raise BenchmarkError(f'{path}: {where} has no "rows" list')
         for i, row in enumerate(rows):
             if not isinstance(row, dict) or "error" in row or "loss_tuned" in row:
-                continue  # a failure, or a step under launches that are not committed
+                continue  # a failure, or the loss under launches that are not committed
             model, family = row.get("model"), row.get("family")
             if where == "results" and family is None and isinstance(model, str):
                 family = model.rsplit("-", 1)[0]  # train_throughput names "lmu_g-1M" only
@@ -311,7 +306,7 @@ def _pick(
     )
 
 
-def _short(path: Path) -> str:
+def short_path(path: Path) -> str:
     """``path`` relative to the current folder where it lies under it."""
     try:
         return str(path.resolve().relative_to(Path.cwd().resolve()))

@@ -30,7 +30,7 @@ from lmuscale.workdir import outcome as final_outcome
 # How a worker that ended by itself says so: every other status is a failure (or a crash, when
 # the worker left no error.json: the runner writes one).
 ENDED = (Exit.FINISHED, Exit.DIVERGED, Exit.STOPPED, Exit.INTERRUPTED)
-
+STOP_GRACE_SECONDS = 120  # how long a runner gives a worker it stops to write its checkpoint
 
 PARENT = "LMUSCALE_SWEEP_PARENT"  # the pid of the runner (or SLURM task) that started us
 # "RANK/TASKS" when the trial spans several processes (SLURM tasks): each runs a worker
@@ -81,24 +81,22 @@ def train(folder: Path) -> int:
     rank, tasks = task()
     # Of a trial that spans several processes, task 0 holds the lock and keeps the trial's
     # records (attempts, error.json); the others only train.
-    if rank > 0:
-        final = final_outcome(folder)
-        if final is not None:
-            return Exit.FINISHED if final == "finished" else Exit.DIVERGED
-        run(_config(folder, tasks), folder, progress=False, locked=True)
-        return Exit.FINISHED
     lock = Lock(folder)
-    # A runner's status check holds the lock for an instant: try a few times before giving up.
-    for _ in range(10):
-        if lock.acquire():
-            break
-        time.sleep(0.1)
-    else:
-        raise WorkdirBusy(f"trial {folder}: locked by {lock.holder()}; not started")
+    if rank == 0:
+        # A runner's status check holds the lock for an instant: try a few times.
+        for _ in range(10):
+            if lock.acquire():
+                break
+            time.sleep(0.1)
+        else:
+            raise WorkdirBusy(f"trial {folder}: locked by {lock.holder()}; not started")
     try:
         final = final_outcome(folder)
         if final is not None:
             return Exit.FINISHED if final == "finished" else Exit.DIVERGED
+        if rank > 0:
+            run(_config(folder, tasks), folder, progress=False, locked=True)
+            return Exit.FINISHED
         (folder / ERROR).unlink(missing_ok=True)
         spawned = os.environ.get(SPAWNED)
         _attempt(folder, {"event": "start"} | ({"spawned": float(spawned)} if spawned else {}))

@@ -387,7 +387,6 @@ def locate(path) -> Found:
 
 
 def newest(workdir) -> Found:
-    """The newest checkpoint of a training workdir."""
     workdir = Path(os.path.abspath(workdir))
     if not workdir.is_dir():
         what = "not a folder" if workdir.exists() else "no such folder"

@@ -7,6 +7,7 @@ every key and its type come from ``base_config``.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import difflib
 import importlib.util
@@ -59,7 +60,7 @@ RANGES = {
     # optax cuts the scale when its count of evaluations without improvement (0 after an
     # improvement) equals patience: 0 would cut at every improvement, a negative one never.
     "optim.plateau_patience": (lambda v: v >= 1, ">= 1"),
-    "optim.plateau_cooldown": (lambda v: v >= 0, ">= 0"),  # below 0 acts as 0
+    "optim.plateau_cooldown": NON_NEGATIVE,  # below 0 acts as 0
     # The scale starts at 1 and is max(scale, min_scale): above 1 would raise the rate.
     "optim.plateau_min_scale": (lambda v: 0 <= v <= 1, "in [0, 1]"),
     "distributed.process_id": (lambda v: v >= -1, ">= -1"),  # -1 = from the environment
@@ -242,16 +243,11 @@ def load(spec: str, checker=check) -> ConfigDict:
     which raises ConfigError) and locked."""
     path_text, _, name = spec.partition(":")
     path = Path(path_text)
-    module = load_module(path)
-    get_config = getattr(module, "get_config", None)
+    get_config = getattr(load_module(path), "get_config", None)
     if get_config is None:
         raise ConfigError(f"{path}: defines no get_config(name)")
-    try:
+    with errors_named(path):
         config = get_config(name or None)
-    except ConfigError:
-        raise
-    except Exception as error:
-        raise ConfigError(f"{where_in(path, error)}: {type(error).__name__}: {error}") from None
     if not isinstance(config, ConfigDict):
         raise ConfigError(f"{path}: get_config returned {type(config).__name__}, not ConfigDict")
     checker(config, where=str(path))
@@ -259,29 +255,36 @@ def load(spec: str, checker=check) -> ConfigDict:
     return config
 
 
-def load_module(path: Path):
+def load_module(path: Path, what: str = "config file", expected: str = "FILE.py[:NAME]"):
     """Import a config (or sweep) file; an error in it names the file and line."""
     if path.suffix != ".py" or not path.is_file():
-        raise ConfigError(f"config file {str(path)!r} not found (expected FILE.py[:NAME])")
+        raise ConfigError(f"{what} {str(path)!r} not found (expected {expected})")
     module_name = f"_lmuscale_config_{abs(hash(path.resolve()))}"
     module_spec = importlib.util.spec_from_file_location(module_name, path)
     module = importlib.util.module_from_spec(module_spec)
-    try:
+    with errors_named(path):
         module_spec.loader.exec_module(module)
-    except Exception as error:
-        raise ConfigError(f"{where_in(path, error)}: {type(error).__name__}: {error}") from None
     return module
 
 
-def where_in(path: Path, error: BaseException) -> str:
-    """``file:line`` of the deepest frame of ``error`` inside ``path`` (else just the file)."""
-    line = None
-    for frame in traceback.extract_tb(error.__traceback__):
-        if Path(frame.filename).resolve() == path.resolve():
-            line = frame.lineno
-    if isinstance(error, SyntaxError) and error.lineno:
-        line = error.lineno
-    return f"{path}:{line}" if line else str(path)
+@contextlib.contextmanager
+def errors_named(path: Path):
+    """Code of the file ``path`` runs in this: an error it raises (but a ConfigError, which
+    names what is wrong already) becomes a ConfigError naming the file and the line (the
+    deepest frame in the file)."""
+    try:
+        yield
+    except ConfigError:
+        raise
+    except Exception as error:
+        line = None
+        for frame in traceback.extract_tb(error.__traceback__):
+            if Path(frame.filename).resolve() == path.resolve():
+                line = frame.lineno
+        if isinstance(error, SyntaxError) and error.lineno:
+            line = error.lineno
+        where = f"{path}:{line}" if line else str(path)
+        raise ConfigError(f"{where}: {type(error).__name__}: {error}") from None
 
 
 def _parse(key: str, text: str, current):

@@ -29,7 +29,7 @@ from jax.sharding import NamedSharding, PartitionSpec
 from ml_collections import ConfigDict
 from tqdm import tqdm
 
-from lmuscale import ops, resume
+from lmuscale import ops, outcomes, resume
 from lmuscale import workdir as workdir_lib
 from lmuscale.data import (
     EMBEDDED_SOURCES,
@@ -123,10 +123,9 @@ def open_data(c: ConfigDict, model_config, primary: bool, progress: bool):
 
             multihost_utils.sync_global_devices("lmuscale-prepare")
     elif not path.exists():
-        source = c.data.source or "SOURCE"
         raise ConfigError(
-            f"data.path: no dataset at {path}; prepare one with 'python -m lmuscale.data "
-            f"prepare {source} INPUTS --tokenizer {c.data.tokenizer} --out {path}'"
+            f"data.path: no dataset at {path}; prepare one with 'python -m lmuscale.data prepare "
+            f"{c.data.source or 'SOURCE'} INPUTS --tokenizer {c.data.tokenizer} --out {path}'"
         )
     try:
         dataset = open_dataset(path, verify=c.data.verify and primary)
@@ -194,8 +193,8 @@ def run(
     if summary is not None:
         return summary
     impls = ops.resolve(model_config)  # once a run; "pallas" where it cannot run: refused now
-    if primary:
-        wandb_log.require(c)
+    if primary and c.log.wandb:
+        wandb_log.import_wandb()  # a ConfigError before any step when it is missing
     dataset = open_data(c, model_config, primary, show)
     mesh = step_lib.make_mesh(c.mesh.model)
     check_batches(c, mesh)
@@ -224,9 +223,8 @@ def _train(c, workdir: Path, model_config, impls, dataset, mesh, primary: bool, 
         where = "in a checkpoint's save: " if isinstance(error, CheckpointError) else ""
         raise LostProcess(
             f"process {jax.process_index()} of {jax.process_count()} lost contact with the "
-            f"others ({where}{str(lost).splitlines()[0][:300]}): another process has died or "
-            "hangs. "
-            f"The checkpoints in {workdir / workdir_lib.CHECKPOINTS} are kept: start all "
+            f"others ({where}{outcomes.one_line(lost)[:300]}): another process has died or "
+            f"hangs. The checkpoints in {workdir / workdir_lib.CHECKPOINTS} are kept: start all "
             f"{jax.process_count()} processes again to resume"
         ) from None
     finally:

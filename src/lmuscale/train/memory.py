@@ -233,7 +233,6 @@ def _decide(compile_for, counts, limit: Budget, device: Device, workdir: Path | 
     """``(count, compiled, note)``: the workdir's plan while it holds, else a search."""
     old = saved(workdir) if workdir is not None else None
     old_count = int(old["microbatches"]) if old and old.get("planned") else None
-    why = ""
     if old_count is not None:
         before = old.get("device", {})
         if before != dataclasses.asdict(device) or old.get("budget_bytes") != limit.bytes:
@@ -308,15 +307,12 @@ def write(workdir: Path, the_plan: Plan, **more) -> None:
 def describe(the_plan: Plan) -> str:
     """One line for the log: the count and how it was decided, and XLA's estimate of the
     step's memory per device against the budget."""
-    count = the_plan.microbatches
-    why = "train.microbatches; 0 plans the fewest that fit in memory"
-    if the_plan.budget is not None:
+    count, budget = the_plan.microbatches, the_plan.budget
+    why, against = "train.microbatches; 0 plans the fewest that fit in memory", ""
+    if budget is not None:
         why = f"the fewest that fit the budget; {the_plan.note}"
-    text = (
+        against = f" against a budget of {budget.bytes / GB:.3g} GB ({budget.source})"
+    return (
         f"{count} micro-batch{'es' if count > 1 else ''} per step ({why}), XLA estimates its "
-        f"memory at {the_plan.estimate.total / GB:.3g} GB per device"
+        f"memory at {the_plan.estimate.total / GB:.3g} GB per device{against}"
     )
-    if the_plan.budget is not None:
-        budget = the_plan.budget
-        text += f" against a budget of {budget.bytes / GB:.3g} GB ({budget.source})"
-    return text

@@ -84,8 +84,7 @@ class MetricsLog:
         self.enabled = enabled
         paths = {"train": workdir / METRICS, "eval": workdir / EVAL}
         self.files = {}
-        self.writer = None
-        self.wandb = None
+        self.writer = self.wandb = None
         if not enabled:
             return
         for path in paths.values():

@@ -97,8 +97,7 @@ def init_fn(model: LanguageModel, tx, plateau, seed: int, seq_len: int):
     """``() -> state``: the initial state, parameters drawn from ``seed``."""
 
     def init():
-        tokens = jnp.zeros((1, seq_len), jnp.int32)
-        params = model.init(jax.random.key(seed), tokens)
+        params = model.init(jax.random.key(seed), jnp.zeros((1, seq_len), jnp.int32))
         return {
             "step": jnp.zeros((), jnp.int32),
             "params": params,

@@ -37,12 +37,6 @@ def import_wandb():
     return wandb
 
 
-def require(config) -> None:
-    """Before training: ``log.wandb`` needs the wandb package."""
-    if config.log.wandb:
-        import_wandb()
-
-
 def stored_id(workdir: Path) -> str | None:
     """The W&B run id in ``WORKDIR/wandb.json``, or None when the run has none yet."""
     path = workdir / WANDB
