@@ -28,22 +28,15 @@ def cross_entropy(
     ``loss_BxT = logsumexp(logits) - logits[target]``, the logits ``h wᵀ`` (w tied).
 
     ``impl`` (``Impls.loss``): "pallas", the fused kernels run as ``kernels`` (a
-    ``LossKernels``; None: the defaults) says, or "xla",
-    where one pass over chunks of ``chunk`` tokens computes each chunk's logits (in h's dtype,
-    accumulated in float32), the loss and already the gradients in h and w: the backward pass
-    only scales them, and stores or recomputes no logits. That needs the same cotangent at
-    every position, as for the mean or sum; for any other, the gradient in w is NaN, never
-    silently wrong (the one in h stays exact)."""
+    ``LossKernels``; None: the defaults) says, or "xla", where one pass over chunks of
+    ``chunk`` tokens computes each chunk's logits (in h's dtype, accumulated in float32), the
+    loss and already the gradients in h and w: the backward pass only scales them, and stores
+    or recomputes no logits. That needs the same cotangent at every position, as for the mean
+    or sum; for any other, the gradient in w is NaN, never silently wrong (the one in h stays
+    exact)."""
     if impl == "pallas":
-        kernels = kernels or LossKernels()
-        return cross_entropy_pallas.cross_entropy(
-            h_BxTxD,
-            w_VxD,
-            targets_BxT,
-            tiling=kernels.tiling,
-            dh_from_forward=kernels.dh_from_forward,
-            interpret=kernels.interpret,
-        )
+        options = vars(kernels or LossKernels())  # tiling, dh_from_forward, interpret
+        return cross_entropy_pallas.cross_entropy(h_BxTxD, w_VxD, targets_BxT, **options)
     if impl != "xla":
         raise ValueError(f'the cross-entropy\'s impl must be "xla" or "pallas", got {impl!r}')
     return _cross_entropy(h_BxTxD, w_VxD, targets_BxT, chunk)
