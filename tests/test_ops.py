@@ -125,7 +125,14 @@ def test_resolve_takes_each_platform_s_forms():
     assert transformer.memory is None and "memory_impl" not in transformer.record()
     decoding = ops.resolve(named_config("lmu-55k", loss_impl="pallas"), training=False)
     assert decoding.loss is None and decoding.memory is None
-    assert build(named_config("lmu-55k", loss_impl="pallas"), decoding) is not None
+    # A model trained with the fused loss decodes here: build accepts the unresolved switches,
+    # and its step runs.
+    model = build(named_config("lmu-55k", loss_impl="pallas", vocab_size=11), decoding)
+    params = model.init(jax.random.key(0), jnp.zeros((1, 3), jnp.int32))
+    logits, _ = model.apply(
+        params, model.decode_state(1, 3), jnp.zeros(1, jnp.int32), method=model.step
+    )
+    assert logits.shape == (1, 11) and bool(jnp.isfinite(logits).all())
     assert "loss_impl" not in decoding.record() and "memory_impl" not in decoding.record()
 
 
