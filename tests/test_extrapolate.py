@@ -243,3 +243,24 @@ def test_extrapolate_tests_every_fit_and_its_figure_has_no_overlapping_text(fitt
     assert text_overlaps(fig) == []
     assert legend_covers_data(fig) == []
     assert tick_problems(fig) == []
+
+
+def test_a_line_with_negligible_budget_variance_gives_the_textbook_prediction_interval():
+    # Budgets measured with (next to) no bootstrap variance: the interval is the ordinary
+    # least-squares prediction interval for a new observation, y0 +- t s sqrt(1 + 1/J +
+    # (x0 - mean x)^2 / Sxx), computed here from its textbook formula, not from Line's code.
+    x = np.log10([1e15, 3e15, 1e16, 3e16, 1e17])
+    y = 0.5 * x - 1.0 + np.array([0.02, -0.015, 0.01, -0.025, 0.012])
+    line = Line(x, y, np.full(5, 1e-30))
+    budget = 1e18
+    predicted, low, high = line.interval(budget, ci=0.9)
+
+    slope, intercept = np.polyfit(x, y, 1)
+    x0 = np.log10(budget)
+    s = np.sqrt(np.sum((y - slope * x - intercept) ** 2) / (len(x) - 2))
+    sxx = np.sum((x - x.mean()) ** 2)
+    half = stats.t.ppf(0.95, len(x) - 2) * s * np.sqrt(1 + 1 / len(x) + (x0 - x.mean()) ** 2 / sxx)
+    centre = slope * x0 + intercept
+    np.testing.assert_allclose(
+        [predicted, low, high], 10 ** np.array([centre, centre - half, centre + half]), rtol=1e-12
+    )

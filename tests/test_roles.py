@@ -4,8 +4,10 @@ roles or they are inferred."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -13,7 +15,7 @@ from matplotlib.collections import PathCollection
 
 from lmuscale.analysis import analyse, figures, load_results, optimal
 from lmuscale.analysis.__main__ import main
-from lmuscale.analysis.results import infer_roles
+from lmuscale.analysis.results import Results, Run, infer_roles
 from lmuscale.outcomes import Exit
 from lmuscale.sweep import Trial, load_sweep
 from lmuscale.sweep.grids import seed_replicates
@@ -246,3 +248,31 @@ def test_fits_md_lists_each_size_the_data_efficiency_left_out():
     why = "LMU N=2.9e+04: lmu-d48 is already at or below 3.003 at its first evaluation (2.91)"
     eff = DataEfficiency(3.003, ("lmu", "transformer"), {}, one, one, one, one, 1.0, None, (why,))
     assert f"- Size left out: {why}" in OptimalReport(efficiency=[eff]).markdown(0.95)
+
+
+def test_a_geometric_grid_at_two_token_budgets_is_all_grid():
+    # Sizes doubling and a second budget of twice the tokens: (2N, T) and (N, 2T) have the
+    # same FLOPs, so each compute budget holds two sizes on two token counts. IsoFLOP needs 3
+    # sizes at one budget; none of these runs is one.
+    runs = [
+        Run(f"{family}-{n}-{k}x", family, n, 1_000 * k, 1_024_000 * k, 3.0, line)
+        for line, (family, n, k) in enumerate(
+            (family, 1_000 * 2**i, k)
+            for family in ("lmu", "transformer")
+            for i in range(5)
+            for k in (1, 2)
+        )
+    ]
+    runs = [dataclasses.replace(r, flops_per_token=6.0 * r.n, learning_rate=1e-3) for r in runs]
+    assert {r.role for r in infer_roles(runs)} == {"grid"}
+
+
+def test_a_learning_rate_tie_in_the_grid_keeps_the_lower_rate_and_names_the_other():
+    runs = [
+        Run("lmu-fast", "lmu", 5_000, 100, 102_400, 3.0, 1, learning_rate=3e-3),
+        Run("lmu-slow", "lmu", 5_000, 100, 102_400, 3.1, 2, learning_rate=1e-3),
+    ]
+    grid = Results(Path("results.jsonl"), "val", runs).grid()
+    assert [r.trial for r in grid.runs] == ["lmu-slow"]
+    assert len(grid.skipped) == 1 and grid.skipped[0].startswith("lmu-fast: learning rate")
+    assert "0.001" in grid.skipped[0]
