@@ -559,6 +559,7 @@ def part_precision(args) -> dict:
                 [
                     f"data.path={args.loss_data}",
                     "data.source=shakespeare",
+                    "data.prepare=true",
                     f"train.steps={args.loss_steps}",
                     f"optim.warmup_steps={warmup}",
                     f"eval.every={every}",

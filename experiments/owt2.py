@@ -64,7 +64,9 @@ def tiny():
     )
     config = base_config(model)
     config.name = "tiny"
-    config.data.update(path="data/shakespeare-bytes", source="shakespeare", tokenizer="bytes")
+    config.data.update(
+        path="data/shakespeare-bytes", source="shakespeare", prepare=True, tokenizer="bytes"
+    )
     config.data.seq_len = 128
     config.train.update(steps=250, global_batch=16)
     config.optim.update(learning_rate=3e-3, warmup_steps=25)

@@ -48,7 +48,9 @@ def transformer(d: int) -> TransformerConfig:
 
 def config(model):
     c = base_config(model)
-    c.data.update(path="data/shakespeare-bytes", source="shakespeare", tokenizer="bytes")
+    c.data.update(
+        path="data/shakespeare-bytes", source="shakespeare", prepare=True, tokenizer="bytes"
+    )
     c.data.seq_len = 128
     c.train.update(steps=STEPS, global_batch=16)
     c.optim.update(learning_rate=3e-3, warmup_steps=20)

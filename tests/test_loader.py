@@ -320,6 +320,7 @@ def test_missing_and_unfinished_folders(tmp_path):
             "train.bin: .* bytes, but meta.json says",
         ),
         (lambda m: m["splits"]["test"].update(file="gone.bin"), "gone.bin: missing"),
+        (lambda m: m.update(fingerprint="sha256:0"), "fingerprint sha256:0 is not that of the"),
     ],
 )
 def test_metadata_that_does_not_match_is_named(prepared, tmp_path, edit, message):

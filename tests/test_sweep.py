@@ -11,20 +11,26 @@ from __future__ import annotations
 
 import contextlib
 import csv
+import hashlib
 import json
 import os
 import re
+import shutil
 import signal
 import subprocess
 import sys
 from pathlib import Path
 
+import jax
+import numpy as np
 import pytest
 from compile_cache import env as cache_env
 from compile_cache import in_process
 from small_config import small
 from sweep_files import SMALL, environment, run_sweep, sweep_command, wait_for, write_sweep
 
+from lmuscale import __version__
+from lmuscale.data.format import fingerprint
 from lmuscale.models import count_params
 from lmuscale.outcomes import ConfigError, Exit
 from lmuscale.resume import flatten
@@ -428,9 +434,33 @@ def _starts(workdir: Path, row: dict) -> list[dict]:
     return [json.loads(line) for line in path.read_text().splitlines()]
 
 
+def head_commit() -> str | None:
+    """The checkout's commit, as git says it; None outside a git checkout."""
+    root = Path(__file__).resolve().parents[1]
+    if not (root / ".git").exists():
+        return None
+    return subprocess.check_output(["git", "-C", str(root), "rev-parse", "HEAD"], text=True).strip()
+
+
+def swap_content(folder: Path) -> str:
+    """Replace the prepared dataset in ``folder`` by other content of the same token counts
+    (each split's tokens in reverse order), with its meta.json as a new prepare would write
+    it; returns the new fingerprint."""
+    meta = json.loads((folder / "meta.json").read_text())
+    for entry in meta["splits"].values():
+        path = folder / entry["file"]
+        path.write_bytes(np.fromfile(path, meta["dtype"])[::-1].tobytes())
+        entry["sha256"] = hashlib.sha256(path.read_bytes()).hexdigest()
+    meta["fingerprint"] = fingerprint(meta)
+    (folder / "meta.json").write_text(json.dumps(meta))
+    return meta["fingerprint"]
+
+
 def test_failing_trial_is_marked_and_the_others_finish(
     tmp_path, byte_corpus, xla_cache, monkeypatch
 ):
+    data = tmp_path / "data"  # a copy, swapped for other data at the end
+    shutil.copytree(byte_corpus, data)
     sweep = write_sweep(
         tmp_path,
         {
@@ -441,7 +471,7 @@ def test_failing_trial_is_marked_and_the_others_finish(
     )
     work = tmp_path / "work"
     cache = cache_env(xla_cache)
-    out = run_sweep(sweep, work, byte_corpus, "--parallel", "2", extra_env=cache)  # two at once
+    out = run_sweep(sweep, work, data, "--parallel", "2", extra_env=cache)  # two at once
     assert out.returncode == Exit.UNFINISHED, out.stdout + out.stderr
     rows = _results(work)
     assert [rows[n]["status"] for n in ("good", "broken", "other")] == [
@@ -460,13 +490,19 @@ def test_failing_trial_is_marked_and_the_others_finish(
         assert len(row["val_per_position"]) == 32 and row["wall_seconds"] > 0
         summary = json.loads((work / "trials" / row["folder"] / "summary.json").read_text())
         assert row["val_loss"] == summary["val_loss"] and row["test_loss"] == summary["test_loss"]
+        # What the run trained on and with: the data's fingerprint, this checkout, the versions.
+        assert row["data_fingerprint"] == summary["data"]["fingerprint"]
+        assert summary["data"]["path"] == str(data.resolve())
+        made = summary["provenance"]
+        assert made["versions"]["jax"] == jax.__version__ and made["lmuscale"] == __version__
+        assert made["commit"] == head_commit()
     assert rows["good"]["val_loss"] != rows["other"]["val_loss"]  # another seed
     # The worker records when the runner started it, from which the dry run measures the
     # time a trial takes beyond its steps.
     for name in ("good", "other"):
         start, end = _starts(work, rows[name])
         assert start["spawned"] < start["time"] < end["time"]
-    monkeypatch.setenv("LMUSCALE_TEST_DATA", str(byte_corpus))
+    monkeypatch.setenv("LMUSCALE_TEST_DATA", str(data))
     planned = plan(load_sweep(sweep).trials, work, Throughput(1e9, platform="gpu"))
     assert {(r["overhead_source"], r["overhead"] > 0) for r in planned} == {
         ("measured (2 finished trials)", True)
@@ -481,11 +517,28 @@ def test_failing_trial_is_marked_and_the_others_finish(
     assert [float(loss) for _, loss in logged] == pytest.approx(losses, abs=5e-5)
 
     # Run again: the finished trials are not run again; the failed one is tried again.
-    again = run_sweep(sweep, work, byte_corpus, extra_env=cache)
+    again = run_sweep(sweep, work, data, extra_env=cache)
     assert again.returncode == Exit.UNFINISHED
     assert "1 to run" in again.stdout
     assert [e["event"] for e in _starts(work, rows["good"])] == ["start", "end"]
     assert [e.get("outcome") for e in _starts(work, rows["broken"])][1::2] == ["failed", "failed"]
+
+    # The data swapped under the same path (as a prepare of other text of the same size would
+    # leave it): the finished trials are not done on it. The sweep names both fingerprints and
+    # refuses; pinned to the new data, a trial is trained again, in a folder of its own.
+    was = rows["good"]["data_fingerprint"]
+    assert was == json.loads((data / "meta.json").read_text())["fingerprint"]
+    now = swap_content(data)
+    refused = run_sweep(sweep, work, data, extra_env=cache)
+    assert refused.returncode == Exit.CONFIG, refused.stdout + refused.stderr
+    assert f"holds the dataset {now}, but good, other ended on {was}" in refused.stderr
+    assert "already done" not in refused.stdout
+    pinned = f"--config.data.fingerprint={now}"
+    anew = run_sweep(sweep, work, data, "--only", "good", pinned, extra_env=cache)
+    assert anew.returncode == Exit.FINISHED, anew.stdout + anew.stderr
+    good = _results(work)["good"]
+    assert good["folder"] != rows["good"]["folder"] and good["data_fingerprint"] == now
+    assert good["status"] == "finished" and good["val_loss"] != rows["good"]["val_loss"]
 
 
 def test_runner_killed_and_restarted_completes_each_trial_once(

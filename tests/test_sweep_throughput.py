@@ -525,7 +525,11 @@ def test_the_data_warning_names_each_missing_folder_once(tmp_path, byte_corpus, 
         "c": {"data.path": str(tmp_path / "gone")},
         "d": {"data.path": str(half)},
         "e": {"data.path": str(half), "train.seed": 1},
-        "f": {"data.path": str(tmp_path / "elsewhere"), "data.source": "shakespeare"},
+        "f": {
+            "data.path": str(tmp_path / "elsewhere"),
+            "data.source": "shakespeare",
+            "data.prepare": True,
+        },
     }
     sweep = load_sweep(write_sweep(tmp_path, trials))
     warnings = missing_data(sweep.trials)

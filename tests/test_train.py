@@ -15,6 +15,7 @@ import numpy as np
 import pytest
 from small_config import small
 
+from lmuscale import GPT2_VOCAB
 from lmuscale.data import open_dataset
 from lmuscale.models import build, count_params
 from lmuscale.outcomes import DamagedFile
@@ -379,6 +380,12 @@ def test_the_compilation_listener_sees_compilations():
         ({"model.vocab_size": 512}, r"meta\.json: the dataset's vocabulary has 256 ids .* 512"),
         ({"data.seq_len": 100_000}, r"data: .*val\.bin: the val split has \d+ tokens, fewer than"),
         ({"data.path": ""}, r"data\.path is empty"),
+        (
+            {"data.path": "{missing}", "data.source": "shakespeare"},
+            r"no dataset at .*missing; set --config\.data\.prepare=true to prepare the embedded",
+        ),
+        ({"data.prepare": True, "data.source": "text"}, r"data\.prepare is for the embedded"),
+        ({"data.fingerprint": "sha256:0"}, r"fingerprint is sha256:\w+, but data\.fingerprint"),
     ],
 )
 def test_bad_datasets_are_rejected_before_anything_compiles(
@@ -394,6 +401,23 @@ def test_bad_datasets_are_rejected_before_anything_compiles(
     with pytest.raises(ConfigError, match=message):
         run(config, tmp_path / "work")
     assert not COMPILATIONS
+    assert not (tmp_path / "work").exists() and not (tmp_path / "missing").exists()
+
+
+def test_a_dataset_prepared_from_another_source_than_the_config_says_is_refused(
+    datafiles, tmp_path
+):
+    # A GPT-2 corpus made from text files, given to a config that says it is OpenWebText2.
+    from lmuscale.data.prepare import prepare
+
+    texts = datafiles.jsonl("docs.jsonl", datafiles.texts(400, words=10))
+    prepare("text", [str(texts)], out=tmp_path / "gpt2", tokenizer="gpt2", progress=False)
+    config = small(str(tmp_path / "gpt2"))
+    config.data.update(tokenizer="gpt2", source="owt2")
+    config.model.vocab_size = GPT2_VOCAB
+    message = r"gpt2/meta\.json: the dataset was prepared from 'text' but data\.source is 'owt2'"
+    with pytest.raises(ConfigError, match=message):
+        run(config, tmp_path / "work")
     assert not (tmp_path / "work").exists()
 
 

@@ -293,6 +293,7 @@ RESUMABLE = (
     "log.",
     "data.path",
     "data.verify",
+    "data.prepare",
     "peak_flops",
     "train.memory_budget_gb",
     "model.loss_impl",
@@ -320,6 +321,7 @@ def test_every_option_that_changes_numbers_changes_the_hash_and_refuses_a_resume
     assert sorted(RESUMABLE_CHANGES) == sorted(RESUMABLE)
     config = base_config(named_config(f"{family}-55k"))
     config.data.path = str(tmp_path)
+    config.data.fingerprint = "sha256:0123456789abcdef"  # as training records it
     saved = json.loads(json.dumps(config.to_dict()))  # as config.json holds it
     keys = flatten(config)
     assert f"model.{dataclasses.fields(named_config(f'{family}-55k'))[0].name}" in keys
@@ -332,3 +334,22 @@ def test_every_option_that_changes_numbers_changes_the_hash_and_refuses_a_resume
         else:
             assert config_hash(other) != config_hash(config), key
             assert list(changed) == [key], key
+
+
+def test_a_fingerprint_not_yet_known_is_no_difference_and_stays_out_of_the_hash(tmp_path):
+    # "" is what a sweep's trial has before training reads the data: the trial hashes as it did
+    # before fingerprints existed, and a saved config.json with the fingerprint filled in is
+    # the same run. Two known fingerprints that differ are another run.
+    from lmuscale.resume import ADDED_KEYS, differences
+    from lmuscale.sweep.spec import config_hash
+
+    config = base_config(named_config("lmu-55k"))
+    saved = json.loads(json.dumps(config.to_dict()))
+    del saved["data"]["fingerprint"], saved["data"]["prepare"]  # a config.json from before
+    before = config_hash(saved)
+    assert ADDED_KEYS["data.fingerprint"] == "" and config_hash(config) == before
+    saved["data"]["fingerprint"] = "sha256:aaaa"
+    assert differences(saved, config) == {}
+    config.data.fingerprint = "sha256:bbbb"
+    assert differences(saved, config) == {"data.fingerprint": ("sha256:aaaa", "sha256:bbbb")}
+    assert config_hash(config) != before

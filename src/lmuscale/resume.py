@@ -24,6 +24,7 @@ RESUMABLE_CHANGES = (
     "distributed.",
     "data.verify",
     "data.path",
+    "data.prepare",
     "peak_flops",
     "train.memory_budget_gb",
     "model.loss_impl",  # the same loss to rounding (lmuscale.ops)
@@ -40,7 +41,12 @@ ADDED_KEYS = {
     "log.wandb_group": "",
     "log.profile_steps": 0,
     "log.profile_start": 10,
+    "data.prepare": False,
+    "data.fingerprint": "",
 }
+# Filled in from the dataset by training (``train.loop.open_data``): "" is "not known yet" on
+# either side of a comparison, and a trial's hash leaves it out unless it is pinned.
+FINGERPRINT = "data.fingerprint"
 # The same for model config fields, filled in only for a family whose config has the field.
 ADDED_MODEL_FIELDS = {"loss_impl": "xla", "memory_impl": "xla"}
 
@@ -77,6 +83,9 @@ def differences(saved: dict, config: ConfigDict) -> dict[str, tuple]:
     """The keys whose value differs from a saved config.json (upgraded first) and would change
     the run, each with its (saved, new) value."""
     old, new = flatten(upgrade(saved)), flatten(config)
+    if "" in (old.get(FINGERPRINT), new.get(FINGERPRINT)):
+        for flat in (old, new):
+            flat.pop(FINGERPRINT, None)
     changed = sorted(k for k in set(old) | set(new) if old.get(k) != new.get(k))
     return {k: (old.get(k), new.get(k)) for k in changed if not k.startswith(RESUMABLE_CHANGES)}
 

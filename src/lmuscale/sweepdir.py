@@ -47,6 +47,7 @@ RESULT_FIELDS = (
     "step",
     "error",
     "folder",
+    "data_fingerprint",
     "val_per_position",
     "test_per_position",
 )
@@ -106,6 +107,9 @@ def result_row(trial, folder: Path, count: Callable[[], dict]) -> dict:
         seed=c.train.seed,
         status=state,
         folder=folder.name,
+        data_fingerprint=(record.get("data") or {}).get("fingerprint")
+        or c.data.fingerprint
+        or None,
     )
     if state == "finished":
         row.update({key: record.get(key) for key in FINAL}, step=c.train.steps)

@@ -13,12 +13,17 @@ from __future__ import annotations
 
 import errno
 import fcntl
+import functools
+import importlib.metadata
 import json
 import os
+import platform
 import socket
+import subprocess
 import time
 from pathlib import Path
 
+from lmuscale import __version__
 from lmuscale.files import atomic_write_bytes, atomic_write_json
 from lmuscale.outcomes import ConfigError, DamagedFile, WorkdirBusy
 
@@ -40,6 +45,35 @@ ATTEMPTS = "attempts.jsonl"  # one line per attempt: start and end, host, pid, o
 ERROR = "error.json"  # the exception and traceback of a failed attempt
 
 DONE = ("finished", "diverged")  # final results: never run again
+
+
+@functools.cache
+def provenance() -> dict:
+    """What made a run, for its summary: this package's version; its git commit and whether the
+    checkout had uncommitted changes, where it runs from a checkout (else None); the versions of
+    Python and of the libraries that compute the numbers."""
+    commit = dirty = None
+    root = Path(__file__).resolve().parents[2]  # src/lmuscale/workdir.py -> the checkout
+    if (root / ".git").exists() and (root / "pyproject.toml").exists():
+        git = ["git", "-C", str(root)]
+        try:
+            head = subprocess.run([*git, "rev-parse", "HEAD"], capture_output=True, timeout=30)
+            changes = subprocess.run(
+                [*git, "status", "--porcelain", "--untracked-files=no"],
+                capture_output=True,
+                timeout=30,
+            )
+        except (OSError, subprocess.TimeoutExpired):
+            head = changes = None
+        if head and head.returncode == 0 and changes.returncode == 0:
+            commit, dirty = head.stdout.decode().strip(), bool(changes.stdout.strip())
+    versions = {"python": platform.python_version()}
+    for name in ("jax", "jaxlib", "flax", "optax", "orbax-checkpoint", "numpy"):
+        try:
+            versions[name] = importlib.metadata.version(name)
+        except importlib.metadata.PackageNotFoundError:
+            versions[name] = None
+    return {"lmuscale": __version__, "commit": commit, "dirty": dirty, "versions": versions}
 
 
 def read_json(path: Path) -> dict | None:

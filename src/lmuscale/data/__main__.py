@@ -103,7 +103,7 @@ def summary(meta: dict, folder) -> str:
     tok = meta["tokenizer"]
     lines = [
         f"{folder}: {meta['source']['spec']}, tokenizer {tok['name']} (vocab {tok['vocab_size']}, "
-        f"end-of-text {tok['eot']}), {meta['dtype']}",
+        f"end-of-text {tok['eot']}), {meta['dtype']}, fingerprint {meta['fingerprint']}",
         f"{'split':<6} {'documents':>10} {'tokens':>14} {'bytes':>14} {'bytes/token':>11}",
     ]
     for split, s in meta["splits"].items():

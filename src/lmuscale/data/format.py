@@ -5,6 +5,7 @@ document."""
 from __future__ import annotations
 
 import hashlib
+import json
 from pathlib import Path
 
 import numpy as np
@@ -61,6 +62,18 @@ _REQUIRED = {
 }
 
 
+def fingerprint(meta: dict) -> str:
+    """The dataset's identity, ``sha256:`` and 16 hex digits: a hash of what fixes its token
+    files (each split's sha256 and token count), its tokenizer (name, vocabulary, end-of-text id)
+    and its source's kind; not where it lies or when it was prepared. The same corpus prepared
+    anywhere gets the same fingerprint; another corpus under the same path gets another."""
+    tokenizer = {key: meta["tokenizer"][key] for key in ("name", "vocab_size", "eot")}
+    splits = {s: [meta["splits"][s]["sha256"], meta["splits"][s]["tokens"]] for s in SPLITS}
+    identity = {"source": meta["source"].get("spec"), "tokenizer": tokenizer, "splits": splits}
+    text = json.dumps(identity, sort_keys=True, separators=(",", ":"))
+    return "sha256:" + hashlib.sha256(text.encode()).hexdigest()[:16]
+
+
 def read_meta(folder: Path) -> dict:
     """meta.json of a prepared folder, checked for every key the loader relies on."""
     path = folder / META
@@ -94,4 +107,5 @@ def read_meta(folder: Path) -> dict:
         raise DataError(f"{path}: dtype {meta['dtype']!r} is not uint16 or uint32")
     if vocab < 1 or vocab - 1 > np.iinfo(meta["dtype"]).max:
         raise DataError(f"{path}: a vocab of {vocab} does not fit in {meta['dtype']} token ids")
+    meta.setdefault("fingerprint", fingerprint(meta))  # prepared before fingerprints: made here
     return meta

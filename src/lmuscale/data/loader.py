@@ -20,7 +20,7 @@ from pathlib import Path
 
 import numpy as np
 
-from lmuscale.data.format import SPLITS, read_meta, scan_tokens
+from lmuscale.data.format import SPLITS, fingerprint, read_meta, scan_tokens
 from lmuscale.data.sources import DataError
 
 FEISTEL_ROUNDS = 6
@@ -41,6 +41,15 @@ class TokenDataset:
     @property
     def tokenizer(self) -> str:
         return self.meta["tokenizer"]["name"]
+
+    @property
+    def fingerprint(self) -> str:
+        return self.meta["fingerprint"]  # read_meta fills it in for a folder prepared before
+
+    @property
+    def source(self) -> str | None:
+        """The kind of source it was prepared from ("owt2", "text", "shakespeare", ...)."""
+        return self.meta["source"].get("spec")
 
     def path(self, split: str) -> Path:
         if split not in SPLITS:
@@ -110,6 +119,11 @@ def open_dataset(folder: str | Path, *, verify: bool = True) -> TokenDataset:
                     f"{path}: token {position} is {value}, out of range for the vocab of "
                     f"{meta['vocab_size']}"
                 )
+    if meta["fingerprint"] != fingerprint(meta):
+        raise DataError(
+            f"{folder / 'meta.json'}: fingerprint {meta['fingerprint']} is not that of the files "
+            f"it lists ({fingerprint(meta)}); it was edited, prepare the dataset again"
+        )
     return TokenDataset(folder, meta)
 
 

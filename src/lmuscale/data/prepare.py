@@ -33,6 +33,7 @@ from lmuscale.data.format import (
     FORMAT,
     META,
     SPLITS,
+    fingerprint,
     read_meta,
     scan_tokens,
     token_dtype,
@@ -489,6 +490,7 @@ def _finish(work: Path, plan: dict, tok: Tokenizer, state: dict, workers: int, m
             "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
         },
     }
+    meta["fingerprint"] = fingerprint(meta)
     atomic_write_json(work / META, meta)
 
 
@@ -514,4 +516,5 @@ def prepare_embedded(out: Path, source: str, tokenizer: str, progress: bool) -> 
     with open(out.parent / f".{out.name}.lock", "w") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)
         if not (out / META).exists():
+            print(f"data: preparing the embedded {source} corpus in {out}", file=sys.stderr)
             prepare(source, [], out=out, tokenizer=tokenizer, progress=progress)

@@ -139,14 +139,15 @@ def table(rows: list[dict]) -> str:
 
 def missing_data(trials) -> list[str]:
     """A warning line per data folder that trials read and that is not a prepared dataset
-    (embedded sources are prepared as the sweep starts, so they are never missing)."""
+    (embedded sources with ``data.prepare`` are prepared as the sweep starts)."""
     from lmuscale.data import EMBEDDED_SOURCES, DataError
     from lmuscale.data.loader import open_dataset
 
     readers: dict[str, list[str]] = {}
     data = {}
     for trial in trials:
-        if trial.config.data.source not in EMBEDDED_SOURCES:
+        c = trial.config.data
+        if not (c.prepare and c.source in EMBEDDED_SOURCES):
             readers.setdefault(trial.config.data.path, []).append(trial.name)
             data[trial.config.data.path] = trial.config.data
     warnings = []

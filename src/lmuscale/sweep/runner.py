@@ -54,12 +54,39 @@ def folders(sweep: Sweep, workdir: Path, trials: list[ResolvedTrial]) -> dict[st
 
 
 def prepare_data(trials: list[ResolvedTrial], progress: bool) -> None:
-    """Prepare each missing embedded dataset once, before workers start."""
+    """Prepare each missing embedded dataset that a trial's ``data.prepare`` asks for once,
+    before workers start."""
     from lmuscale.data import EMBEDDED_SOURCES, prepare_embedded
 
     for path, data in {Path(t.config.data.path): t.config.data for t in trials}.items():
-        if data.source in EMBEDDED_SOURCES:
+        if data.prepare and data.source in EMBEDDED_SOURCES:
             prepare_embedded(path, data.source, data.tokenizer, progress)
+
+
+def check_data(trials: list[ResolvedTrial], rows: dict[str, dict]) -> None:
+    """Refuse to count a trial as done on data other than what it finished on: each ended
+    trial's recorded fingerprint against that of the dataset now at its ``data.path``."""
+    from lmuscale.data import DataError
+    from lmuscale.data.format import read_meta
+
+    changed: dict[tuple, list[str]] = {}
+    for trial in trials:
+        was, path = rows[trial.name]["data_fingerprint"], trial.config.data.path
+        if rows[trial.name]["status"] not in DONE or not was or trial.config.data.fingerprint:
+            continue  # not ended, ended before fingerprints, or pinned (its folder is its own)
+        try:
+            now = read_meta(Path(path))["fingerprint"]
+        except DataError:
+            continue  # nothing there to compare: nothing will be trained on it either
+        if now != was:
+            changed.setdefault((path, was, now), []).append(trial.name)
+    for (path, was, now), names in changed.items():
+        shown = ", ".join(names[:3]) + (f" and {len(names) - 3} more" if len(names) > 3 else "")
+        raise ConfigError(
+            f"{path} holds the dataset {now}, but {shown} ended on {was}: their results are of "
+            "other data. Give the data they trained on, or train them again on this data, in "
+            f"new trial folders, with --config.data.fingerprint={now}"
+        )
 
 
 class Progress:
@@ -199,6 +226,7 @@ def _run_stage(sweep, workdir, only, executor, parallel, detach, slurm, show) ->
     trials = [t for t in chosen if not t.waits]
     paths = folders(sweep, workdir, trials)
     rows = {r["trial"]: r for r in sweep.table.write(sweep.trials)}
+    check_data(trials, rows)
     todo = [t for t in trials if rows[t.name]["status"] not in DONE]
     waiting = (
         f", {len(chosen) - len(trials)} waiting for others" if len(trials) < len(chosen) else ""

@@ -26,7 +26,7 @@ from ml_collections import ConfigDict
 from lmuscale import sweepdir
 from lmuscale.models import count_params, flops_per_token
 from lmuscale.outcomes import ConfigError
-from lmuscale.resume import RESUMABLE_CHANGES, flatten
+from lmuscale.resume import FINGERPRINT, RESUMABLE_CHANGES, flatten
 from lmuscale.sweep.throughput import Throughput, short_path
 from lmuscale.train.config import errors_named, load, load_module, model_config, override
 from lmuscale.workdir import DONE
@@ -102,8 +102,11 @@ class Sweep:
 
 
 def config_hash(config: ConfigDict | dict) -> str:
-    """12 hex digits of a sha256 over the keys that change the trained numbers."""
+    """12 hex digits of a sha256 over the keys that change the trained numbers (the data's
+    fingerprint only where it is pinned)."""
     flat = {k: v for k, v in flatten(config).items() if not k.startswith(RESUMABLE_CHANGES)}
+    if not flat.get(FINGERPRINT, True):
+        del flat[FINGERPRINT]
     text = json.dumps(flat, sort_keys=True, separators=(",", ":"))
     return hashlib.sha256(text.encode()).hexdigest()[:12]
 

@@ -203,4 +203,5 @@ def _train(config: ConfigDict, workdir: Path, checkpoints: Checkpoints, progress
         "train_seconds": sum(row["seconds"] for row in history),
         "data": splits.source,
         "paper": task.paper,
+        "provenance": workdir_lib.provenance(),
     }

@@ -80,9 +80,14 @@ def base_config(model: ModelConfig) -> ConfigDict:
     c.model = ConfigDict({"family": record.name, **fields})  # less what the family fixes
     c.data = ConfigDict(
         {
-            # Made by ``python -m lmuscale.data prepare``, or by training for an embedded source.
+            # Made by ``python -m lmuscale.data prepare``, or by training for an embedded source
+            # with ``prepare``. ``source``: what meta.json must say it was prepared from ("" any).
             "path": "",
             "source": "",
+            "prepare": False,  # prepare the embedded ``source`` in ``path`` when nothing is there
+            # The dataset's fingerprint (data.format): "" takes the one at ``path`` and records
+            # it in config.json; a pinned one refuses any other dataset and names the trial anew.
+            "fingerprint": "",
             "tokenizer": "gpt2",
             "seq_len": 1024,
             "verify": True,  # check the token files' sha256 against meta.json (process 0)

@@ -107,15 +107,22 @@ def initialize_distributed(section) -> None:
 
 
 def open_data(c: ConfigDict, model_config, primary: bool, progress: bool):
-    """The prepared dataset of ``data.path``, checked against the config; an embedded
-    ``data.source`` is prepared first."""
+    """The prepared dataset of ``data.path``, checked against the config (its source and
+    fingerprint; ``data.fingerprint`` is filled in when empty); with ``data.prepare``, the
+    embedded ``data.source`` is prepared there first."""
     if not c.data.path:
         raise ConfigError(
             "data.path is empty: set --config.data.path=DIR, a folder made by "
             "'python -m lmuscale.data prepare'"
         )
     path = Path(c.data.path)
-    if c.data.source in EMBEDDED_SOURCES:
+    if c.data.prepare:
+        if c.data.source not in EMBEDDED_SOURCES:
+            raise ConfigError(
+                f"data.prepare is for the embedded sources ({', '.join(EMBEDDED_SOURCES)}), "
+                f"not data.source = {c.data.source!r}; prepare it with 'python -m lmuscale.data "
+                f"prepare' instead"
+            )
         if primary:
             prepare_embedded(path, c.data.source, c.data.tokenizer, progress)
         if jax.process_count() > 1:
@@ -123,15 +130,33 @@ def open_data(c: ConfigDict, model_config, primary: bool, progress: bool):
 
             multihost_utils.sync_global_devices("lmuscale-prepare")
     elif not path.exists():
+        embedded = c.data.source in EMBEDDED_SOURCES
         raise ConfigError(
-            f"data.path: no dataset at {path}; prepare one with 'python -m lmuscale.data prepare "
-            f"{c.data.source or 'SOURCE'} INPUTS --tokenizer {c.data.tokenizer} --out {path}'"
+            f"data.path: no dataset at {path}; "
+            + (
+                f"set --config.data.prepare=true to prepare the embedded {c.data.source} there"
+                if embedded
+                else "prepare one with 'python -m lmuscale.data prepare "
+                f"{c.data.source or 'SOURCE'} INPUTS --tokenizer {c.data.tokenizer} --out {path}'"
+            )
         )
     try:
         dataset = open_dataset(path, verify=c.data.verify and primary)
     except DataError as error:
         raise ConfigError(f"data.path: {error}") from None
     where = dataset.folder / META
+    if c.data.source and dataset.source != c.data.source:
+        raise ConfigError(
+            f"{where}: the dataset was prepared from {dataset.source!r} but data.source is "
+            f"{c.data.source!r}; give data.path of a {c.data.source} dataset, or set "
+            f"data.source to {dataset.source!r}"
+        )
+    if c.data.fingerprint and dataset.fingerprint != c.data.fingerprint:
+        raise ConfigError(
+            f"{where}: the dataset's fingerprint is {dataset.fingerprint}, but data.fingerprint "
+            f"pins {c.data.fingerprint}: this is other data than the config names"
+        )
+    c.data.fingerprint = dataset.fingerprint  # recorded in config.json and the summary
     if dataset.tokenizer != c.data.tokenizer:
         raise ConfigError(
             f"{where}: the dataset was tokenised with {dataset.tokenizer!r} but "
@@ -181,7 +206,7 @@ def run(
     Process 0 shows a bar when ``progress`` (default ``log.progress``) and stderr is a terminal,
     else prints a line every ``log.every`` steps (``metrics.progress_line``).
     """
-    c = config
+    c = config.copy_and_resolve_references()  # open_data records the data's fingerprint in it
     config_lib.check(c)
     initialize_distributed(c.distributed)
     workdir = Path(workdir)
@@ -201,7 +226,7 @@ def run(
     with contextlib.ExitStack() as hold:
         if primary and not locked:
             hold.enter_context(workdir_lib.Lock(workdir_lib.usable(workdir)))
-            check_workdir(c, workdir)  # again, now that no other process can change it
+        check_workdir(c, workdir)  # again: locked, and with the data's fingerprint known
         return _train(c, workdir, model_config, impls, dataset, mesh, primary, show)
 
 
@@ -537,6 +562,8 @@ def sizes(c, program: Program) -> dict:
         "global_batch": c.train.global_batch,
         "microbatches": program.plan.microbatches,
         "memory": program.plan.record(),
+        "data": {"fingerprint": c.data.fingerprint, "path": str(Path(c.data.path).resolve())},
+        "provenance": workdir_lib.provenance(),
     }
 
 
