@@ -8,6 +8,7 @@ import os
 import re
 import shutil
 import subprocess
+import time
 from pathlib import Path
 
 import pytest
@@ -83,10 +84,10 @@ def test_a_trial_takes_its_model_then_its_family_then_the_default(tmp_path):
     assert throughput.lookup("lmu", 100) == (2e13, "benchmark")
     assert throughput.lookup("transformer", 100) == (5e13, "benchmark")
     # The failed row and the long-context part leave the family's median at (2e13 + 4e13) / 2.
-    assert throughput.lookup("lmu", 200) == (3e13, "benchmark family")
-    assert throughput.lookup("lmu", 500) == (3e13, "benchmark family")
-    assert throughput.lookup("transformer", 7) == (5e13, "benchmark family")
-    assert throughput.lookup("lstm", 100) == (1e14, "configured")
+    assert throughput.lookup("lmu", 200) == (3e13, "benchmark family (guess)")
+    assert throughput.lookup("lmu", 500) == (3e13, "benchmark family (guess)")
+    assert throughput.lookup("transformer", 7) == (5e13, "benchmark family (guess)")
+    assert throughput.lookup("lstm", 100) == (1e14, "guess")
     assert path.name == "gpu-nvidia-h100-80gb-hbm3.json"
     assert f"{path.name} ({H100}, written 2026-11-23T10:00:00+00:00)" in throughput.source
     assert from_benchmarks(tmp_path).lookup("lstm", 100) == (None, None)
@@ -144,7 +145,7 @@ def test_rows_of_the_lmu_memory_auto_would_not_take_are_left_out(tmp_path):
 
 def test_without_a_benchmark_the_default_is_a_guess(tmp_path):
     throughput = from_benchmarks(tmp_path / "results", default=1e14)
-    assert throughput.measured == {} and throughput.lookup("lmu", 100) == (1e14, "configured")
+    assert throughput.measured == {} and throughput.lookup("lmu", 100) == (1e14, "guess")
     assert "guess 1e+14" in throughput.source and str(tmp_path / "results") in throughput.source
     assert from_benchmarks(tmp_path).lookup("lmu", 100) == (None, None)
     with pytest.raises(BenchmarkError, match="positive"):
@@ -214,7 +215,7 @@ def test_a_malformed_benchmark_names_its_file(tmp_path, text, message):
     assert message in str(error.value)
     # The sweep itself still loads: the dry run guesses and says why.
     fallback = from_benchmarks(tmp_path, default=1e14)
-    assert fallback.measured == {} and fallback.lookup("lmu", 1) == (1e14, "configured")
+    assert fallback.measured == {} and fallback.lookup("lmu", 1) == (1e14, "guess")
     assert fallback.source == f"THROUGHPUT guess 1e+14 FLOP/s, as {error.value}"
 
 
@@ -278,12 +279,12 @@ def test_owt2_dry_run_estimates_from_the_benchmark(tmp_path):
     expected = {
         "lmu-1M": (3.25e13, "benchmark"),
         "lmu-55k": (1.25e13, "benchmark"),
-        "lmu-500k": (2.25e13, "benchmark family"),
-        "lmu-100k": (2.25e13, "benchmark family"),
+        "lmu-500k": (2.25e13, "benchmark family (guess)"),
+        "lmu-100k": (2.25e13, "benchmark family (guess)"),
         "transformer-1M": (5e13, "benchmark"),
         "transformer-1M-10x": (5e13, "benchmark"),
-        "transformer-55k-10x": (5e13, "benchmark family"),
-        "lmu_g-1M": (1e14, "configured"),  # no lmu_g in the benchmark: the guess
+        "transformer-55k-10x": (5e13, "benchmark family (guess)"),
+        "lmu_g-1M": (1e14, "guess"),  # no lmu_g in the benchmark: the guess
     }
     for trial, (speed, source) in expected.items():
         r = rows[trial]
@@ -335,7 +336,7 @@ def test_owt2_dry_run_without_a_benchmark_says_it_guesses(tmp_path):
     stdout = _dry_run(sweep_path, tmp_path / "w")
     trial_rows = [line for line in stdout.splitlines() if line.startswith("| ")][1:-1]
     assert len(trial_rows) == 24
-    assert all("| 100T | configured |" in line for line in trial_rows)
+    assert all("| 100T | guess |" in line for line in trial_rows)
     assert stdout.splitlines()[-1] == (
         "FLOP/s for trials not yet measured: THROUGHPUT guess 1e+14 FLOP/s, as there is no GPU "
         f"benchmark (gpu-*.json, train_throughput-*.json) in {tmp_path / 'benchmarks' / 'results'}"
@@ -390,8 +391,8 @@ def test_train_throughput_files_newest_per_device_and_model(tmp_path, monkeypatc
             result("transformer-1M", 1_004, 6e5, 7e7),
             {"model": "lmu-55k", "seq_len": 1024, "batch": 512, "error": "OOM"},
         ],
-    )  # no "written": its modification time, set here to before the other files
-    os.utime(old, (1.7e9, 1.7e9))
+    )  # no "written": older than every file that has it, whatever its modification time
+    os.utime(old, (time.time() + 1e6, time.time() + 1e6))
     new = write_train_throughput(
         tmp_path, "h100-new", H100, [result("lmu-1M", 1_000, 5e5, 8e7)], "2026-11-24T10:00:00"
     )
@@ -415,13 +416,13 @@ def test_train_throughput_files_newest_per_device_and_model(tmp_path, monkeypatc
     assert throughput.tokens_per_second == {("lmu", 1_000): 5e5, ("transformer", 1_004): 6e5}
     # A benchmarked model takes its tokens/s at today's FLOPs count; the others the FLOP/s.
     assert throughput.lookup("lmu", 1_000, 9e7) == (5e5 * 9e7, "benchmark")
-    assert throughput.lookup("lmu", 1_000, 9e7, "float32") == (1e14, "configured")
-    assert throughput.lookup("lmu", 2_000, 9e7) == (5e5 * 8e7, "benchmark family")
+    assert throughput.lookup("lmu", 1_000, 9e7, "float32") == (1e14, "guess")
+    assert throughput.lookup("lmu", 2_000, 9e7) == (5e5 * 8e7, "benchmark family (guess)")
     assert throughput.platform == "gpu" and throughput.dtype == "bfloat16"
     source = throughput.source
     assert source.startswith("GPU benchmark ") and source.count(H100) == 3
     assert f"{new.name} ({H100}, written 2026-11-24T10:00:00)" in source
-    assert f"{old.name} ({H100})" in source and other.name not in source
+    assert f"{old.name} ({H100}, no written time)" in source and other.name not in source
     # $LMUSCALE_GPU_BENCHMARK picks another device, or the CPU file.
     monkeypatch.setenv("LMUSCALE_GPU_BENCHMARK", "a100")
     assert from_benchmarks(tmp_path).lookup("lmu", 1_000, 8e7) == (1e5 * 8e7, "benchmark")
@@ -500,7 +501,7 @@ def test_owt2_dry_run_with_the_committed_h100_benchmark(tmp_path, monkeypatch):
         assert shown.endswith(" h") and float(shown[:-2]) == pytest.approx(expected / 3600, 0.05)
     copy = tmp_path / "benchmarks" / "results" / committed.name
     device = data["machine"]["device_kind"]
-    assert f"GPU benchmark {copy} ({device})" in out.stdout.splitlines()[-1]
+    assert f"GPU benchmark {copy} ({device}, no written time)" in out.stdout.splitlines()[-1]
     # The new columns: the learning rate, tokens as the figures count them, tokens per parameter.
     for trial in sweep.trials:
         r, c = rows[trial.name], cells[trial.name]
@@ -511,6 +512,38 @@ def test_owt2_dry_run_with_the_committed_h100_benchmark(tmp_path, monkeypatch):
     (warning,) = out.stderr.strip().splitlines()
     assert str(missing) in warning and "24 trial(s)" in warning
     assert f"python -m lmuscale.data prepare owt2 INPUT --out {missing}" in warning
+
+
+def test_owt2_dry_run_is_the_same_whatever_the_files_modification_times(tmp_path, monkeypatch):
+    # The committed GPU benchmarks, touched in one order and then the other (as a checkout
+    # may leave them): the dry run picks the newest device by the time each file records, and
+    # its estimate does not move.
+    results = tmp_path / "benchmarks" / "results"
+    results.mkdir(parents=True)
+    files = [
+        Path(shutil.copy(path, results))
+        for pattern in ("gpu-*.json", "train_throughput-*.json")
+        for path in sorted((REPO / "benchmarks" / "results").glob(pattern))
+    ]
+    assert len({json.loads(f.read_text())["machine"]["device_kind"] for f in files}) >= 3
+    monkeypatch.setenv("LMUSCALE_OWT2", str(tmp_path / "no-owt2"))
+    monkeypatch.delenv("LMUSCALE_GPU_BENCHMARK", raising=False)
+    sweep_path = _owt2_copy(tmp_path)
+    estimates = []
+    for order in (files, files[::-1]):
+        for i, path in enumerate(order):
+            os.utime(path, (1.8e9 + i, 1.8e9 + i))
+        sweep = load_sweep(sweep_path)
+        rows = plan(sweep.trials, tmp_path / "w", sweep.throughput)
+        estimates.append(([(r["flops_per_second"], r["source"]) for r in rows], sweep.throughput))
+    (speeds, throughput), (speeds_again, throughput_again) = estimates
+    assert speeds == speeds_again and throughput.source == throughput_again.source
+    newest = max(
+        (f for f in files if "written" in json.loads(f.read_text())),
+        key=lambda f: json.loads(f.read_text())["written"],
+    )
+    device = json.loads(newest.read_text())["machine"]["device_kind"]
+    assert throughput.source.startswith(f"GPU benchmark {results / newest.name} ({device}, ")
 
 
 def test_the_data_warning_names_each_missing_folder_once(tmp_path, byte_corpus, monkeypatch):

@@ -7,7 +7,9 @@ per-trial overhead), or ``from_benchmarks(folder, default)``: the training speed
 ``$LMUSCALE_GPU_BENCHMARK`` picks the device (a file, or part of the device name such as
 ``h100``; naming none is an error, not a silent guess); otherwise that of the most recently
 written file not measured on a CPU. Of that device's files, each model's figure is the newest
-file's ("written", else the file's modification time).
+file's. "Newest" is by the time each file records ("written"); a file that records none (an
+old ``train_throughput`` one) ranks below every one that does, whatever its modification time,
+which a checkout sets at random.
 """
 
 from __future__ import annotations
@@ -50,14 +52,15 @@ class Throughput:
     dtype: str = ""
     platform: str = ""
     overhead: float | None = None
+    guessed: bool = False  # ``default`` is ``from_benchmarks``' guess, not a figure given
 
     def lookup(
         self, family: str, n: int, flops_per_token: float | None = None, dtype: str | None = None
     ) -> tuple[float | None, str | None]:
         """(FLOP/s, label) for a model: ``"benchmark"`` (this model was benchmarked: its
         tokens/s times ``flops_per_token`` where both are known), ``"benchmark family"`` (the
-        median of its family's), ``"configured"`` (``families``, then the default), or
-        (None, None) when there is no figure at all."""
+        median of its family's, a guess), ``"configured"`` (``families``, then the default;
+        ``"guess"`` where ``guessed``), or (None, None) when there is no figure at all."""
         benchmark = {} if dtype and self.dtype and dtype != self.dtype else self.measured
         if (family, n) in benchmark:
             speed = self.tokens_per_second.get((family, n))
@@ -66,9 +69,11 @@ class Throughput:
             return benchmark[(family, n)], "benchmark"
         same_family = [speed for (f, _), speed in benchmark.items() if f == family]
         if same_family:
-            return statistics.median(same_family), "benchmark family"
-        figure = self.families.get(family) or self.default
-        return (figure, "configured") if figure else (None, None)
+            return statistics.median(same_family), "benchmark family (guess)"
+        if self.families.get(family):
+            return self.families[family], "configured"
+        label = "guess" if self.guessed else "configured"
+        return (self.default, label) if self.default else (None, None)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -78,7 +83,7 @@ class _Benchmark:
     device: str  # the device kind, e.g. "NVIDIA H100 80GB HBM3"
     devices: int
     written: str | None  # as the file gives it
-    when: datetime  # written, parsed (UTC where it names no zone), else the file's mtime
+    when: datetime  # written, parsed (UTC where it names no zone); the earliest time without
     speeds: dict[tuple[str, int], tuple[float, float | None]]  # FLOP/s, tokens/s
 
     @property
@@ -103,7 +108,7 @@ def from_benchmarks(
         return load_benchmarks(folder, default, seq_len=seq_len, batch=batch, dtype=dtype)
     except BenchmarkError as error:
         guess = f"THROUGHPUT guess {default:g} FLOP/s" if default else "no FLOP/s"
-        return Throughput(default, source=f"{guess}, as {error}", platform="gpu")
+        return Throughput(default, source=f"{guess}, as {error}", platform="gpu", guessed=True)
 
 
 def load_benchmarks(
@@ -143,12 +148,12 @@ def load_benchmarks(
         new = {key: value for key, value in benchmark.speeds.items() if key not in speeds}
         speeds |= new
         if new:
-            written = f", written {benchmark.written}" if benchmark.written else ""
-            used.append(f"{short_path(benchmark.path)} ({benchmark.name}{written})")
+            written = f"written {benchmark.written}" if benchmark.written else "no written time"
+            used.append(f"{short_path(benchmark.path)} ({benchmark.name}, {written})")
     platform = chosen[0].platform if chosen else "gpu"
     source = f"{platform.upper()} benchmark {'; '.join(used) or 'with no rows'}"
     if default:
-        source += f"; models and families it lacks: {default:g} FLOP/s"
+        source += f"; models and families it lacks: {default:g} FLOP/s (a guess)"
     return Throughput(
         default,
         {key: flops for key, (flops, _) in speeds.items()},
@@ -156,6 +161,7 @@ def load_benchmarks(
         {key: tokens for key, (_, tokens) in speeds.items() if tokens},
         dtype=dtype,
         platform=platform,
+        guessed=True,
     )
 
 
@@ -180,7 +186,7 @@ def _read(path: Path, shape: tuple[int, int, str]) -> _Benchmark:
         raise BenchmarkError(f"{path}: {problem}")
     written = data.get("written")
     if written is None and kind == "train_throughput":  # it wrote no time before issue 35
-        when = datetime.fromtimestamp(path.stat().st_mtime, UTC)
+        when = datetime.min
     else:
         try:
             when = datetime.fromisoformat(written)
