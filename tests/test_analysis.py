@@ -432,3 +432,23 @@ def test_fig4_smoothing_is_a_log_window_mean():
         window = [v for p, v in enumerate(values, 1) if t / 1.2 <= p <= t * 1.2]
         assert smooth[t - 1] == pytest.approx(np.mean(window))
     np.testing.assert_allclose(figures.smooth_log(np.full(50, 3.0)), 3.0)
+
+
+def test_the_summary_flags_a_fit_that_fails_its_hold_out_tests(tmp_path):
+    # The paper's curves with small noise, but the largest LMU 15% above its curve: every fit
+    # of the LMU that predicts it from the smaller sizes misses it. Its Summary rows (and the
+    # console's lines) say so; the transformer's fits pass theirs and are not flagged.
+    rows = paper_rows(noise=0.002, tenx=False)
+    largest = max((r for r in rows if r["family"] == "lmu"), key=lambda r: r["N"])
+    largest["test_loss"] *= 1.15
+    report = analyse(write_jsonl(tmp_path / "r.jsonl", rows), tmp_path / "out", n_boot=40)
+    text = (tmp_path / "out" / "fits.md").read_text()
+    summary = text[text.index("## Summary") : text.index("\n## ", text.index("## Summary") + 3)]
+    table = [line for line in summary.splitlines() if line.startswith("| LMU, ")]
+    others = [line for line in summary.splitlines() if line.startswith("| Transformer, ")]
+    assert table and others
+    assert all(f"{tables.FLAG} failed " in line for line in table), table
+    assert all("passed " in line and tables.FLAG not in line for line in others), others
+    assert f"{tables.FLAG}: an estimate the runs do not support" in summary
+    console = [line for line in report.lines() if line.startswith(("  LMU, ", "  Transformer"))]
+    assert [f"{tables.FLAG} failed" in line for line in console] == [True, True, False, False]

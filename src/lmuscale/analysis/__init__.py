@@ -18,7 +18,7 @@ from lmuscale.analysis.results import (
 )
 from lmuscale.files import atomic_write_bytes
 from lmuscale.outcomes import DataError, StorageError
-from lmuscale.scaling.extrapolate import FORM_NAMES
+from lmuscale.scaling.extrapolate import FORM_NAMES, Extrapolation
 
 
 @dataclass
@@ -28,14 +28,17 @@ class Report:
     files: list[Path]
     optimal: OptimalReport | None = None
     refusals: list[str] = field(default_factory=list)  # one line per analysis not made
+    tested: Extrapolation | None = None  # the hold-out tests
 
     def lines(self) -> list[str]:
         """What the console shows: the runs, each exponent, each analysis not made, the files."""
         results = self.results
         out = [f"{len(results.runs)} runs ({results.role_counts()}) from {results.path}"]
         out += [f"  left out: {note}" for note in results.skipped]
-        for fit, form, runs, name, estimate, ci in tables.summary_rows(self.fits, self.optimal):
-            out.append(f"  {fit}, {form}: {name} = {estimate} {ci} ({runs})")
+        rows = tables.summary_rows(self.fits, self.optimal, self.tested)
+        for fit, form, runs, name, estimate, ci, test in rows:
+            flag = f"; {test}" if tables.FLAG in test else ""
+            out.append(f"  {fit}, {form}: {name} = {estimate} {ci} ({runs}){flag}")
         out += [f"  not made: {line}" for line in self.refusals]
         return [*out, "wrote " + ", ".join(str(p) for p in self.files)]
 
@@ -87,13 +90,13 @@ def analyse(
         files += optimal.write(best, loaded, out)
         tables.write_csv(out / "fits.csv", fits, extra=best.csv_rows(ci) + tested.csv_rows())
         extrapolation.write_fits_json(out / "fits.json", fits, best.frontiers, loaded.runs)
-        text = tables.markdown(loaded, fits, best, refusals, sections=[tested.markdown()])
+        text = tables.markdown(loaded, fits, best, refusals, [tested.markdown()], tested)
         atomic_write_bytes(out / "fits.md", text.encode())
         files += [out / "fits.csv", out / "fits.json", out / "fits.md"]
     except OSError as e:
         path = e.filename2 or e.filename or out  # a rename names its target second
         raise StorageError(f"{path}: cannot be written ({e.strerror or e})") from None
-    return Report(loaded, fits, files, best, refusals)
+    return Report(loaded, fits, files, best, refusals, tested)
 
 
 def not_made(fits, best: OptimalReport, tested) -> list[str]:

@@ -15,6 +15,7 @@ from lmuscale.analysis.isoflop import Interval
 from lmuscale.analysis.results import LMU_FAMILIES, ROLE_NAMES, Results, family_key, label
 from lmuscale.files import atomic_write_bytes
 from lmuscale.scaling import FORMULAS, reference, steps_to_match
+from lmuscale.scaling.extrapolate import Extrapolation
 from lmuscale.scaling.fits import interval_text
 
 CSV_FIELDS = (
@@ -85,7 +86,7 @@ def write_csv(path: Path, fits, extra: list[dict] = ()) -> None:
 EXPONENTS = ("alpha", "beta")  # the parameters of a fit that the summary shows
 
 
-def markdown(results: Results, fits, best, refusals: list[str], sections=()) -> str:
+def markdown(results: Results, fits, best, refusals: list[str], sections=(), tested=None) -> str:
     """fits.md: a summary of every exponent with its CI and runs, then ``sections`` (lists of
     lines), the fitted parameters, residuals, compute-optimal analyses, reference curves and
     data efficiency, the runs behind each fit, and last one line per analysis not made."""
@@ -107,7 +108,7 @@ def markdown(results: Results, fits, best, refusals: list[str], sections=()) -> 
     )
     if results.skipped:
         out.append(f"- Left out ({len(results.skipped)}): " + "; ".join(results.skipped))
-    out += ["", *summary_markdown(fits, best), ""]
+    out += ["", *summary_markdown(fits, best, tested), ""]
     for section in sections:
         out += [*section, ""]
     out += ["## Fitted parameters", ""]
@@ -147,53 +148,80 @@ def markdown(results: Results, fits, best, refusals: list[str], sections=()) -> 
     return "\n".join(out) + "\n"
 
 
-def summary_rows(fits, best) -> list[list[str]]:
-    """Each family's exponents with their CIs and the runs behind them: rows of (fit, form,
-    runs, exponent, estimate, CI), each family's together."""
+FLAG = "⚠"  # begins the check of an estimate that a reader should not take at face value
+
+
+def check(tested: Extrapolation | None, name: str, form: str) -> str:
+    """What the hold-out tests of fit ``name`` in ``form`` found: flagged where any failed."""
+    if tested is None:
+        return "no hold-out test"
+    made = [r for r in tested.records if (r.name, r.form) == (name, form) and np.isfinite(r.lo)]
+    if not made:
+        return "not tested by extrapolation (too few sizes)"
+    failed = sum(not r.covered for r in made)
+    if failed:
+        return f"{FLAG} failed {failed} of {len(made)} hold-out tests"
+    return f"passed {len(made)} hold-out test{'s' if len(made) > 1 else ''}"
+
+
+def summary_rows(fits, best, tested: Extrapolation | None = None) -> list[list[str]]:
+    """Each family's exponents with their CIs, the runs behind them and what checks them: rows
+    of (fit, form, runs, exponent, estimate, CI, check), each family's together. The check
+    flags (``FLAG``) an estimate whose CI the points cannot pin down and a fit that failed any
+    of its hold-out tests (``tested``)."""
     rows = []  # (family, cells)
 
-    def add(family, fit, form, runs, name, value: Interval):
+    def add(family, fit, form, runs, name, value: Interval, test: str, sampled: bool = True):
         spec = ".3g" if name == "ratio" else ".3f"
         ci = interval_text(value.lo, value.hi, value.why, ".3f")
-        rows.append((family, [fit, form, runs, name, f"{value.estimate:{spec}}", ci]))
+        if sampled and value.why and not math.isfinite(value.lo):
+            test = f"{FLAG} not identified by the points ({value.why}); {test}"
+        rows.append((family, [fit, form, runs, name, f"{value.estimate:{spec}}", ci, test]))
 
     for g in fits:
         if g.fit is not None:
             f, why = g.fit, g.fit.unresolved
             runs = f"{len(g.trials)} {ROLE_NAMES[g.role]} runs"
+            test = check(tested, g.name, g.form)
             for i, name in enumerate(f.names):
                 if name in EXPONENTS:
                     value = Interval(f.estimate[i], f.ci_low[i], f.ci_high[i], why[i])
-                    add(g.family, g.name, FORMULAS[g.form], runs, name, value)
+                    add(g.family, g.name, FORMULAS[g.form], runs, name, value, test)
     for frontier in best.frontiers:
         if frontier.a is not None:
             used = [f for f in frontier.fits if f.n_opt is not None]
             runs = f"{sum(len(f.runs) for f in used)} IsoFLOP runs, {len(used)} budgets"
             fit = f"{label(frontier.family)}, IsoFLOP minima"
-            add(frontier.family, fit, "N_opt ∝ C^a", runs, "a", frontier.a)
-            add(frontier.family, fit, "D_opt ∝ C^b", runs, "b", frontier.b)
+            tested_as = f"{label(frontier.family)}, IsoFLOP frontier"
+            a, b = (check(tested, tested_as, form) for form in ("n_opt", "d_opt"))
+            add(frontier.family, fit, "N_opt ∝ C^a", runs, "a", frontier.a, a)
+            add(frontier.family, fit, "D_opt ∝ C^b", runs, "b", frontier.b, b)
     for env in best.envelopes:
         if env.a is not None:
             fit, runs = f"{label(env.family)}, lower envelope", f"{len(env.trials)} curves"
-            add(env.family, fit, "N ∝ C^a along it", runs, "a", env.a)
+            add(env.family, fit, "N ∝ C^a along it", runs, "a", env.a, "no hold-out test")
     for eff in best.efficiency:
         if eff.ratio_geomean is not None:
             a, b = eff.families
             ratio = Interval(eff.ratio_geomean, math.nan, math.nan, "not bootstrapped")
             what = f"tokens to reach loss {eff.target:.4f}"
-            add(a, f"{label(b)} / {label(a)}", what, f"{len(eff.n)} sizes", "ratio", ratio)
+            fit, runs = f"{label(b)} / {label(a)}", f"{len(eff.n)} sizes"
+            add(a, fit, what, runs, "ratio", ratio, "no hold-out test", sampled=False)
     rows.sort(key=lambda item: family_key(item[0]))  # stable: each family's rows together
     return [cells for _, cells in rows]
 
 
-def summary_markdown(fits, best) -> list[str]:
+def summary_markdown(fits, best, tested: Extrapolation | None = None) -> list[str]:
     out = ["## Summary", ""]
-    rows = summary_rows(fits, best)
+    rows = summary_rows(fits, best, tested)
     if not rows:
         return [*out, "No analysis could be made: see the last section."]
-    out += [f"| fit | form | runs | exponent | estimate | {best.ci:.0%} CI |"]
-    out += ["|---|---|---|---|---:|---|"]
-    return out + ["| " + " | ".join(cells) + " |" for cells in rows]
+    out += [f"| fit | form | runs | exponent | estimate | {best.ci:.0%} CI | check |"]
+    out += ["|---|---|---|---|---:|---|---|"]
+    out += ["| " + " | ".join(cells) + " |" for cells in rows]
+    if any(cells[-1].startswith(FLAG) or f"; {FLAG}" in cells[-1] for cells in rows):
+        out += ["", f"{FLAG}: an estimate the runs do not support as it stands; see below."]
+    return out
 
 
 def seed_markdown(results: Results) -> list[str]:
