@@ -20,6 +20,9 @@ from pathlib import Path
 # here; tests that compare two runs bit for bit compile both at the same level.
 SUITE_XLA_FLAGS = "--xla_backend_optimization_level=0"
 os.environ["XLA_FLAGS"] = f"{os.environ.get('XLA_FLAGS', '')} {SUITE_XLA_FLAGS}".strip()
+# No user-wide compilation cache (lmuscale.train.step.compilation_cache): each test compiles,
+# or reads a cache of its own module's (compile_cache.py), whatever earlier runs left behind.
+os.environ["LMUSCALE_XLA_CACHE"] = "off"
 
 import jax  # noqa: E402
 import pytest  # noqa: E402

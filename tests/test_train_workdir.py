@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import subprocess
@@ -141,3 +142,34 @@ def test_a_corrupt_summary_is_named(byte_corpus, tmp_path, content, message):
     (tmp_path / "summary.json").write_bytes(content)
     with pytest.raises(DamagedFile, match=f"{tmp_path / 'summary.json'}: {message}"):
         run(small(str(byte_corpus)), tmp_path)
+
+
+def test_runs_share_the_compilation_cache_safely_and_compute_the_same_numbers(
+    tmp_path, byte_corpus
+):
+    # Two runs start together on an empty cache (both compile, both write the same entries);
+    # then every other entry is cut in half, as a process killed while writing it leaves it,
+    # and a third run reads the intact ones and compiles the torn ones afresh. All three
+    # finish with the same losses: a cached executable is the compiler's own output.
+    cache = tmp_path / "cache"
+    env = _env(byte_corpus) | {"LMUSCALE_XLA_CACHE": str(cache)}
+    env.pop("JAX_COMPILATION_CACHE_DIR", None)
+    first = [
+        subprocess.Popen(
+            _command(tmp_path / name), env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT
+        )
+        for name in ("a", "b")
+    ]
+    for process in first:
+        out, _ = process.communicate(timeout=600)
+        assert process.returncode == 0, out.decode()[-3000:]
+    entries = sorted(p for p in cache.rglob("*") if p.is_file() and p.stat().st_size > 0)
+    assert len(entries) >= 2
+    for entry in entries[::2]:
+        entry.write_bytes(entry.read_bytes()[: entry.stat().st_size // 2])
+    third = subprocess.run(_command(tmp_path / "c"), env=env, capture_output=True, text=True)
+    assert third.returncode == 0, third.stderr[-3000:]
+    losses = [
+        json.loads((tmp_path / name / "summary.json").read_text()) for name in ("a", "b", "c")
+    ]
+    assert len({(s["val_loss"], s["test_loss"]) for s in losses}) == 1

@@ -27,6 +27,7 @@ from lmuscale.tasks.base import Split, Task
 from lmuscale.tasks.config import model_config, task_of
 from lmuscale.tasks.models import TaskModel, tree_params
 from lmuscale.train.checkpoint import CheckpointError, Checkpoints, restore_target
+from lmuscale.train.step import compilation_cache
 
 # Task.loss -> the mean loss of a batch: predictions ``y_Bx...xO`` against targets.
 LOSSES = {
@@ -112,6 +113,7 @@ def run_task(config: ConfigDict, workdir, progress: bool | None = None) -> dict:
     """Train (or resume, or just read back) one task run; returns its summary. The workdir
     is locked for the run, as a training run's is."""
     workdir = Path(workdir)
+    compilation_cache()
     resume.check(config, workdir, workdir_lib.has_checkpoint(workdir))
     summary = workdir_lib.finished(workdir)
     if summary is not None:

@@ -208,6 +208,7 @@ def run(
     """
     c = config.copy_and_resolve_references()  # open_data records the data's fingerprint in it
     config_lib.check(c)
+    step_lib.compilation_cache()
     initialize_distributed(c.distributed)
     workdir = Path(workdir)
     primary = jax.process_index() == 0

@@ -8,6 +8,9 @@ mesh's "data" axis, state arrays over "model" (ZeRO-3 style: XLA gathers what ea
 from __future__ import annotations
 
 import dataclasses
+import os
+import sys
+from pathlib import Path
 
 import jax
 import jax.numpy as jnp
@@ -19,6 +22,31 @@ from jax.sharding import PartitionSpec as P
 from lmuscale.models import LanguageModel
 
 AXES = ("data", "model")
+CACHE_ENV = "LMUSCALE_XLA_CACHE"  # the compilation cache's folder, or "off"
+
+
+def compilation_cache() -> Path | None:
+    """Turn on JAX's persistent compilation cache for this process; returns its folder. The
+    folder is ``$LMUSCALE_XLA_CACHE`` ("off": no cache), else ``$XDG_CACHE_HOME/lmuscale/xla``
+    (``~/.cache/lmuscale/xla``); a cache JAX was given already (``JAX_COMPILATION_CACHE_DIR``)
+    is kept. A cached executable is the compiler's own output, so the numbers do not change.
+    Concurrent processes may share the folder: an entry that another is still writing, or that
+    a killed process left torn, fails JAX's decompression, and JAX compiles afresh."""
+    if jax.config.jax_compilation_cache_dir:
+        return Path(jax.config.jax_compilation_cache_dir)
+    choice = os.environ.get(CACHE_ENV, "")
+    if choice == "off":
+        return None
+    home = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache")
+    folder = Path(choice) if choice else home / "lmuscale" / "xla"
+    try:
+        folder.mkdir(parents=True, exist_ok=True)
+    except OSError as error:
+        print(f"note: no compilation cache: {folder}: {error.strerror}", file=sys.stderr)
+        return None
+    jax.config.update("jax_compilation_cache_dir", str(folder))
+    jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.5)
+    return folder
 
 
 def make_mesh(model_axis: int = 1, devices=None) -> Mesh:
