@@ -192,10 +192,22 @@ def test_predict_prints_the_librarys_numbers(fitted, capsys):
     assert row[3] == f"{loss:.4f} [{lo:.4f}, {hi:.4f}]"
 
     assert main(["predict", str(path), "--target-loss", "2.05"]) == Exit.FINISHED
-    (row,) = _table(capsys.readouterr().out)
+    out = capsys.readouterr().out
+    (row,) = _table(out)
     n, lo, hi = stored.laws[1].n_for_loss(2.05, ci=0.9)
-    assert row[0] == groups[1].name
+    assert row[0] == f"{groups[1].name}, saturating" and "L = E + A / N^alpha solved" in out
     assert row[3] == f"{6 * n * 1e8:.3g} [{6 * lo * 1e8:.3g}, {6 * hi * 1e8:.3g}]"
+    assert "unbounded" not in row[1] and 1 < lo < hi < math.inf
+    # A target just above the fit's floor: no size is too large for the interval to hold it,
+    # and the row says why the interval has no upper end.
+    target = stored.laws[1].params["E"] * 1.0001
+    assert main(["predict", str(path), "--target-loss", f"{target!r}"]) == Exit.FINISHED
+    (row,) = _table(capsys.readouterr().out)
+    assert row[1].endswith(
+        ", inf] (unbounded above: the interval still holds the target at "
+        "N = 1e18, as the floor E may be at or above it within the fit's "
+        "uncertainty)"
+    ), row[1]
 
 
 def test_predict_errors_name_the_problem(fitted, tmp_path, capsys):

@@ -400,3 +400,29 @@ def test_isoflop_fits_on_degenerate_data_emit_no_numpy_warnings():
         zero = [Curve(c.run, np.r_[0.0, c.tokens], np.r_[10.8, c.loss]) for c in curves]
         with pytest.raises(ValueError, match=r"^N1e\+07: .* at positive tokens in increasing"):
             envelope("lmu", zero, n_boot=20)
+
+
+def test_an_envelope_fit_through_two_sizes_is_marked_in_the_figure_and_the_summary():
+    # Four sizes: the envelope's exponent leaves out the stretches of the smallest and the
+    # largest, so it rests on two distinct N, a line between them. The figure's legend and
+    # notes and fits.md's Summary say so; with many sizes they do not.
+    from matplotlib.text import Text
+
+    from lmuscale.analysis import tables
+    from lmuscale.analysis.optimal import OptimalReport
+    from lmuscale.analysis.optimal_figures import optimal_figure
+
+    def marks(env):
+        fig = optimal_figure([], [env])
+        legend = " ".join(t.get_text() for t in fig.legends[0].get_texts())
+        texts = fig.findobj(lambda artist: isinstance(artist, Text))
+        notes = " ".join(" ".join(t.get_text().split()) for t in texts)  # wrapped lines
+        (row,) = tables.summary_rows([], OptimalReport(envelopes=[env]))
+        return "through 2 sizes only" in legend, "2 distinct sizes, too few" in notes, row[-1]
+
+    few = envelope("lmu", training_curves(noise=0.002, seed=0, sizes=SIZES[3:7]), n_boot=20)
+    assert few.a is not None and len(np.unique(few.n[few.used])) == 2
+    legend, note, check = marks(few)
+    assert legend and note and f"{tables.FLAG} through 2 distinct sizes only" in check
+    many = envelope("lmu", training_curves(noise=0.002, seed=0), n_boot=20)
+    assert marks(many) == (False, False, "no hold-out test")

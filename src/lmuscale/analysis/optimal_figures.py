@@ -20,7 +20,7 @@ from lmuscale.analysis.figures import (
     sci,
     side_legend,
 )
-from lmuscale.analysis.results import label
+from lmuscale.analysis.results import MIN_SIZES, label
 
 STAR = {"ms": 9, "mec": "black", "mew": 0.5, "zorder": 5}  # a chosen optimum
 
@@ -135,14 +135,23 @@ def optimal_figure(frontiers, envelopes=()):
             )
             if envelope.a is not None and envelope.line is not None:
                 grid = _span(flops, 1.0)
+                text = f"{name} envelope fit: a = {_interval(envelope.a)}"
+                sizes = len(np.unique(envelope.n[used]))
+                if sizes < MIN_SIZES:
+                    text += f", through {sizes} sizes only"
+                    notes.append(
+                        f"{name} envelope fit: its points lie at {sizes} distinct sizes, too few "
+                        f"(under {MIN_SIZES}) for its exponent to be more than a line between them."
+                    )
                 axes[0].plot(
                     grid,
                     _power(envelope.line, grid),
                     color=c,
                     lw=1,
                     ls=":",
+                    alpha=0.5 if sizes < MIN_SIZES else 1.0,
                     zorder=2,
-                    label=f"{name} envelope fit: a = {_interval(envelope.a)}",
+                    label=text,
                 )
         for ax, what in zip(
             axes, ("N_opt (non-embedding parameters)", "D_opt (tokens)"), strict=False

@@ -32,6 +32,9 @@ LABELS = {
     "lstm": "LSTM",
 }
 FAMILY_ORDER = tuple(LABELS)  # in legends, tables
+# Fewer distinct sizes than this, and an exponent in N is a line through its points, not a law
+# the points test: figures and fits.md mark it.
+MIN_SIZES = 3
 LMU_FAMILIES = ("lmu", "lmu_g")
 # What a run is for (lmuscale.sweep.spec.ROLES): the analyses each role feeds are in
 # lmuscale.analysis.analyse; ROLE_NAMES are their names in tables and messages.

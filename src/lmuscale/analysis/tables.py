@@ -12,7 +12,14 @@ from pathlib import Path
 import numpy as np
 
 from lmuscale.analysis.isoflop import Interval
-from lmuscale.analysis.results import LMU_FAMILIES, ROLE_NAMES, Results, family_key, label
+from lmuscale.analysis.results import (
+    LMU_FAMILIES,
+    MIN_SIZES,
+    ROLE_NAMES,
+    Results,
+    family_key,
+    label,
+)
 from lmuscale.files import atomic_write_bytes
 from lmuscale.scaling import FORMULAS, reference, steps_to_match
 from lmuscale.scaling.extrapolate import Extrapolation
@@ -199,7 +206,11 @@ def summary_rows(fits, best, tested: Extrapolation | None = None) -> list[list[s
     for env in best.envelopes:
         if env.a is not None:
             fit, runs = f"{label(env.family)}, lower envelope", f"{len(env.trials)} curves"
-            add(env.family, fit, "N ∝ C^a along it", runs, "a", env.a, "no hold-out test")
+            sizes = len(np.unique(env.n[np.asarray(env.used, bool)]))
+            test = "no hold-out test"
+            if sizes < MIN_SIZES:
+                test = f"{FLAG} through {sizes} distinct sizes only; {test}"
+            add(env.family, fit, "N ∝ C^a along it", runs, "a", env.a, test)
     for eff in best.efficiency:
         if eff.ratio_geomean is not None:
             a, b = eff.families

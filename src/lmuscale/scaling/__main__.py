@@ -18,7 +18,7 @@ import numpy as np
 
 from lmuscale.outcomes import DataError, Exit, run_main
 from lmuscale.scaling.extrapolate import FORM_NAMES, load_fits
-from lmuscale.scaling.fits import FitError, human, interval_text
+from lmuscale.scaling.fits import FORMULAS, FitError, human, interval_text
 from lmuscale.scaling.reference import (
     BATCH_TOKENS,
     LMU_G_PAPER,
@@ -137,8 +137,17 @@ def _predict(args) -> int:
                 "paper-grid runs of 4 or more sizes; for IsoFLOP runs give --flops)"
             )
         target = args.target_loss
-        print(f"To reach a loss of {target:g} nats ({level} intervals, the fit's token budget):")
+        print(
+            f"To reach a loss of {target:g} nats: each fit's {FORMULAS['saturating']} solved "
+            f"for N ({level} intervals: the sizes whose prediction interval holds the target), "
+            "at the token budget of the runs it was fitted to:"
+        )
         print("| fit | N | tokens D | training FLOPs |", "|---|---|---:|---|", sep="\n")
+        why_open = {
+            "low": "from N = 1: the interval holds the target at every smaller size",
+            "high": "unbounded above: the interval still holds the target at N = 1e18, as the "
+            "floor E may be at or above it within the fit's uncertainty",
+        }
         reached = 0
         for w in rows:
             try:
@@ -157,8 +166,12 @@ def _predict(args) -> int:
             shown = f"[{human(lo)}, {human(hi)}]"
             if math.isnan(lo):
                 shown = f"no interval ({w.why})"
+            open_ends = [why_open["low"]] if lo <= 1 else []
+            open_ends += [why_open["high"]] if math.isinf(hi) else []
+            if open_ends:
+                shown += f" ({'; '.join(open_ends)})"
             tokens = "—" if d is None else human(d)
-            print(f"| {w.name} | {human(n)} {shown} | {tokens} | {flops} |")
+            print(f"| {w.name}, {FORM_NAMES[w.form]} | {human(n)} {shown} | {tokens} | {flops} |")
         if not reached:
             raise DataError(f"no fit reaches a loss of {target:g}: it is at or below every E")
     return Exit.FINISHED
