@@ -5,6 +5,8 @@
 #     text_representation:
 #       extension: .py
 #       format_name: percent
+#       format_version: '1.3'
+#       jupytext_version: 1.19.6
 #   kernelspec:
 #     display_name: Python 3
 #     language: python
@@ -25,7 +27,7 @@ from pathlib import Path
 
 from IPython.display import Image, display
 
-from lmuscale.analysis import figures, fit_all, load_results
+from lmuscale.analysis import figures, fit_all, load_results, paper_figures
 
 # this folder: the script's under python, the notebook's under Jupyter (its working folder)
 HERE = Path(__file__).resolve().parent if "__file__" in globals() else Path.cwd()
@@ -35,13 +37,17 @@ results = load_results(RESULTS)
 fits = fit_all(results, n_boot=N_BOOT, ci=0.95, seed=0)
 
 # %% [markdown]
-# Saved as PNG and PDF in a `notebooks` folder beside the results (never in the sweep's own
-# `analysis` folder, which `python -m lmuscale.analysis` writes), then shown:
+# Drawn as `python -m lmuscale.analysis` draws it (from the paper-grid runs), or refused with
+# the same reason. Saved as PNG and PDF in a `notebooks` folder beside the results (never in the
+# sweep's own `analysis` folder, which the command writes), then shown:
 
 # %%
-fig = figures.figure3(results, fits)
-OUT = RESULTS.parent / "notebooks"
-OUT.mkdir(exist_ok=True)
-saved = figures.save(fig, OUT / "fig3")
-print(*saved, sep="\n")
-display(Image(filename=str(saved[0])))
+drawn, refusals = paper_figures(results.grid(), fits)
+if "fig3" in drawn:
+    OUT = RESULTS.parent / "notebooks"
+    OUT.mkdir(exist_ok=True)
+    saved = figures.save(drawn["fig3"], OUT / "fig3")
+    print(*saved, sep="\n")
+    display(Image(filename=str(saved[0])))
+else:
+    print(*[line for line in refusals if line.startswith("Figure 3")], sep="\n")

@@ -5,6 +5,8 @@
 #     text_representation:
 #       extension: .py
 #       format_name: percent
+#       format_version: '1.3'
+#       jupytext_version: 1.19.6
 #   kernelspec:
 #     display_name: Python 3
 #     language: python
@@ -29,7 +31,7 @@ from pathlib import Path
 from IPython.display import Image, display
 
 from lmuscale import scaling
-from lmuscale.analysis import figures, fit_all, load_results
+from lmuscale.analysis import figures, fit_all, load_results, paper_figures
 
 # this folder: the script's under python, the notebook's under Jupyter (its working folder)
 HERE = Path(__file__).resolve().parent if "__file__" in globals() else Path.cwd()
@@ -39,16 +41,20 @@ results = load_results(RESULTS)
 fits = fit_all(results, n_boot=N_BOOT, ci=0.95, seed=0)
 
 # %% [markdown]
-# Saved as PNG and PDF in a `notebooks` folder beside the results (never in the sweep's own
-# `analysis` folder, which `python -m lmuscale.analysis` writes), then shown:
+# Drawn as `python -m lmuscale.analysis` draws it (from the paper-grid runs), or refused with
+# the same reason. Saved as PNG and PDF in a `notebooks` folder beside the results (never in the
+# sweep's own `analysis` folder, which the command writes), then shown:
 
 # %%
-fig = figures.figure5(results, fits)
-OUT = RESULTS.parent / "notebooks"
-OUT.mkdir(exist_ok=True)
-saved = figures.save(fig, OUT / "fig5")
-print(*saved, sep="\n")
-display(Image(filename=str(saved[0])))
+drawn, refusals = paper_figures(results.grid(), fits)
+if "fig5" in drawn:
+    OUT = RESULTS.parent / "notebooks"
+    OUT.mkdir(exist_ok=True)
+    saved = figures.save(drawn["fig5"], OUT / "fig5")
+    print(*saved, sep="\n")
+    display(Image(filename=str(saved[0])))
+else:
+    print(*[line for line in refusals if line.startswith("Figure 5")], sep="\n")
 
 # %% [markdown]
 # Transformer steps to reach each LMU run's loss at the same N (Kaplan eq. 1.6, at the run's

@@ -452,3 +452,31 @@ def test_the_summary_flags_a_fit_that_fails_its_hold_out_tests(tmp_path):
     assert f"{tables.FLAG}: an estimate the runs do not support" in summary
     console = [line for line in report.lines() if line.startswith(("  LMU, ", "  Transformer"))]
     assert [f"{tables.FLAG} failed" in line for line in console] == [True, True, False, False]
+
+
+def test_the_papers_three_claims_are_read_from_the_runs_and_end_the_outputs(tmp_path):
+    # The paper's curves: the LMU below the transformer at every N, and per-position losses
+    # that flatten after position 100 for the LMU but not for LMU_G. Both claims are read as
+    # supported, with intervals; the third needs learning curves, which this table has not.
+    # With the LMU's and the transformer's losses swapped, the first is contradicted.
+    rows = paper_rows(noise=0.002, tenx=False)
+    report = analyse(write_jsonl(tmp_path / "r.jsonl", rows), tmp_path / "out", n_boot=40)
+    gap, context, tokens = report.claims
+    assert (gap.verdict, context.verdict, tokens.verdict) == ("supported",) * 2 + ("not read",)
+    assert "the transformer's loss is +" in gap.text and "bootstrap interval" in gap.text
+    assert "beyond position 100, LMU_G's per-position loss is +" in context.text
+    assert report.lines()[-4] == "the paper's claims, read from these runs:"
+    assert report.lines()[-3:] == [f"  {r.line()}" for r in report.claims]
+    text = (tmp_path / "out" / "fits.md").read_text()
+    assert text.rstrip().endswith(f"- {tokens.line()}")
+    assert "\n## The paper's claims, read from these runs\n" in text
+
+    loss = {r["trial"]: r["test_loss"] for r in rows}
+    for r in rows:  # lmu-55k <-> transformer-55k, ...
+        other = r["trial"].replace("lmu", "transformer") if r["family"] == "lmu" else None
+        if other is None and r["family"] == "transformer":
+            other = r["trial"].replace("transformer", "lmu")
+        if other in loss:
+            r["test_loss"] = loss[other]
+    swapped = analyse(write_jsonl(tmp_path / "s.jsonl", rows), tmp_path / "s", n_boot=40)
+    assert swapped.claims[0].verdict == "contradicted"

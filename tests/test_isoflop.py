@@ -418,7 +418,7 @@ def test_an_envelope_fit_through_two_sizes_is_marked_in_the_figure_and_the_summa
         texts = fig.findobj(lambda artist: isinstance(artist, Text))
         notes = " ".join(" ".join(t.get_text().split()) for t in texts)  # wrapped lines
         (row,) = tables.summary_rows([], OptimalReport(envelopes=[env]))
-        return "through 2 sizes only" in legend, "2 distinct sizes, too few" in notes, row[-1]
+        return ", 2 sizes" in legend, "2 distinct sizes, too few" in notes, row[-1]
 
     few = envelope("lmu", training_curves(noise=0.002, seed=0, sizes=SIZES[3:7]), n_boot=20)
     assert few.a is not None and len(np.unique(few.n[few.used])) == 2

@@ -112,3 +112,19 @@ def test_missing_results_say_what_to_run_first(tmp_path):
     assert done.returncode == 1
     assert f"{missing}: no such results file. Run `make demo` first" in done.stderr
     assert not (tmp_path / "runs").exists()
+
+
+def test_figure5_refuses_what_the_command_refuses(tmp_path):
+    # Byte-level runs with no transformer beyond the LMU's budget: `python -m lmuscale.analysis`
+    # does not draw Figure 5, and says why; the notebook prints the same line and saves none.
+    from lmuscale.analysis import analyse
+
+    rows = [{**r, "tokenizer": "bytes"} for r in paper_rows(tenx=False)]
+    (tmp_path / "runs").mkdir()
+    table = write_jsonl(tmp_path / "runs" / "results.jsonl", rows)
+    report = analyse(table, tmp_path / "analysis", n_boot=20)
+    (refusal,) = [line for line in report.refusals if line.startswith("Figure 5: not drawn")]
+    done = run([str(NOTEBOOKS / "figure5.py")], tmp_path, LMUSCALE_RESULTS=str(table))
+    assert done.returncode == 0, done.stderr
+    assert refusal in done.stdout.splitlines()
+    assert not (tmp_path / "runs" / "notebooks" / "fig5.png").exists()

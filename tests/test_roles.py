@@ -152,12 +152,15 @@ def test_data_efficiency_takes_the_grid_and_seed_replicates_are_reported(analyse
     assert "| LMU | 12,000 | 2,048,000 | 3 |" in text  # the grid run and its two replicas
 
 
-def test_fits_md_leads_with_the_summary_and_ends_with_refusals(analysed):
+def test_fits_md_leads_with_the_summary_and_ends_with_refusals_and_claims(analysed):
     report, _ = analysed
     text = report.files[-1].read_text()
     headings = [line for line in text.splitlines() if line.startswith("## ")]
     assert headings[0] == "## Summary"
-    assert headings[-1] == "## Not fitted or not drawn"
+    assert headings[-2:] == [
+        "## Not fitted or not drawn",
+        "## The paper's claims, read from these runs",
+    ]
     assert "## Runs behind each fit" in headings
     # the grid's fits list their five runs
     assert "- LMU, 2,000 steps x 1,024 tokens, power law: lmu-2000, lmu-5000" in text

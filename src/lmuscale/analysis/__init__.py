@@ -6,7 +6,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from lmuscale.analysis import extrapolation, figures, optimal, tables
+from lmuscale.analysis import claims, extrapolation, figures, optimal, tables
+from lmuscale.analysis.claims import Reading
 from lmuscale.analysis.fitting import GroupFit, fit_all
 from lmuscale.analysis.optimal import OptimalReport
 from lmuscale.analysis.results import (
@@ -29,6 +30,7 @@ class Report:
     optimal: OptimalReport | None = None
     refusals: list[str] = field(default_factory=list)  # one line per analysis not made
     tested: Extrapolation | None = None  # the hold-out tests
+    claims: list[Reading] = field(default_factory=list)  # the paper's three, read from the runs
 
     def lines(self) -> list[str]:
         """What the console shows: the runs, each exponent, each analysis not made, the files."""
@@ -40,7 +42,11 @@ class Report:
             flag = f"; {test}" if tables.FLAG in test else ""
             out.append(f"  {fit}, {form}: {name} = {estimate} {ci} ({runs}){flag}")
         out += [f"  not made: {line}" for line in self.refusals]
-        return [*out, "wrote " + ", ".join(str(p) for p in self.files)]
+        out.append("wrote " + ", ".join(str(p) for p in self.files))
+        if self.claims:
+            out.append("the paper's claims, read from these runs:")
+            out += [f"  {reading.line()}" for reading in self.claims]
+        return out
 
 
 def analyse(
@@ -83,6 +89,7 @@ def analyse(
     if tested.records:
         drawn["extrapolation"] = extrapolation.figure(tested, loaded.unit)
     refusals += not_made(fits, best, tested)
+    readings = claims.read_claims(loaded.grid(), fits, best.efficiency, ci)
     files = []
     try:
         for name, fig in drawn.items():
@@ -91,12 +98,14 @@ def analyse(
         tables.write_csv(out / "fits.csv", fits, extra=best.csv_rows(ci) + tested.csv_rows())
         extrapolation.write_fits_json(out / "fits.json", fits, best.frontiers, loaded.runs)
         text = tables.markdown(loaded, fits, best, refusals, [tested.markdown()], tested)
+        text += "\n## The paper's claims, read from these runs\n\n"
+        text += "".join(f"- {reading.line()}\n" for reading in readings)
         atomic_write_bytes(out / "fits.md", text.encode())
         files += [out / "fits.csv", out / "fits.json", out / "fits.md"]
     except OSError as e:
         path = e.filename2 or e.filename or out  # a rename names its target second
         raise StorageError(f"{path}: cannot be written ({e.strerror or e})") from None
-    return Report(loaded, fits, files, best, refusals, tested)
+    return Report(loaded, fits, files, best, refusals, tested, readings)
 
 
 def not_made(fits, best: OptimalReport, tested) -> list[str]:

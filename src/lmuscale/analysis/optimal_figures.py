@@ -138,7 +138,7 @@ def optimal_figure(frontiers, envelopes=()):
                 text = f"{name} envelope fit: a = {_interval(envelope.a)}"
                 sizes = len(np.unique(envelope.n[used]))
                 if sizes < MIN_SIZES:
-                    text += f", through {sizes} sizes only"
+                    text += f", {sizes} sizes"
                     notes.append(
                         f"{name} envelope fit: its points lie at {sizes} distinct sizes, too few "
                         f"(under {MIN_SIZES}) for its exponent to be more than a line between them."
