@@ -1,12 +1,15 @@
-"""The embedded default sweep: LMUs and transformers at four sizes each on Shakespeare.
+"""The embedded default sweep: the paper's three figures from LMUs, LMU_Gs and transformers on
+the embedded Shakespeare.
 
     python -m lmuscale.sweep sweeps/demo.py       (what `make demo` runs)
 
 Byte-level models (vocabulary 256, so the embedding is small next to N) on the 38 plays of the
-embedded corpus, prepared into data/shakespeare-bytes on first use with no network. Every
-trial sees the same 200 steps of 16 x 128 bytes (410k tokens), so at these sizes the loss
-should fall as N grows. The whole sweep takes about three and a half minutes on two CPU cores;
-then ``after`` fits and draws Figures 3-5 into WORKDIR/analysis.
+embedded corpus, prepared into data/shakespeare-bytes on first use with no network. An LMU and
+a transformer at each of four widths see the same 200 steps of 16 x 128 bytes (410k tokens):
+Figure 3. LMU_G at two widths, on the same tokens: Figure 4's second panel. Transformers at two
+widths on 5x the tokens: Figure 5 from measured runs. The sweep takes about five minutes on
+two CPU cores; then ``after`` fits, draws Figures 3-5 into WORKDIR/analysis, and reads the
+paper's three claims off these runs.
 """
 
 from lmuscale.models import LMUConfig, TransformerConfig
@@ -15,14 +18,20 @@ from lmuscale.train import base_config
 
 STEPS = 200
 WIDTHS = (16, 24, 32, 48)
+# Figure 4's second panel: LMU_G at two of the widths. Figure 5: transformers on TIMES x the
+# LMU's tokens, the largest multiple that keeps `make demo` within 6 minutes on two cores (the
+# paper's is 10x; at 10x, transformer-d16 alone takes 50 s here).
+G_WIDTHS = (16, 32)
+TIMES, LONGER_WIDTHS = 5, (16, 24)
 
 # Model FLOP/s per trial for --dry-run's estimate before any trial has run: the median, over
 # three fresh-clone runs of `make demo` on a 2-core CPU (2026-11-25), of each family's median
-# step speed: LMUs 13.8 GFLOP/s (13.3-18.6), transformers 16.8 (16.5-19.6). The dry run adds
-# the CPU's per-trial start-up, compilation and evaluation time (plan.OVERHEAD_SECONDS).
+# step speed: LMUs 13.8 GFLOP/s (13.3-18.6), transformers 16.8 (16.5-19.6); LMU_G 10 GFLOP/s
+# (lmu_g-d16 and -d48, one run each, 2026-11-28). The dry run adds the CPU's per-trial
+# start-up, compilation and evaluation time (plan.OVERHEAD_SECONDS).
 THROUGHPUT = Throughput(
     None,
-    families={"lmu": 1.38e10, "transformer": 1.68e10},
+    families={"lmu": 1.38e10, "lmu_g": 1.0e10, "transformer": 1.68e10},
     source="THROUGHPUT in sweeps/demo.py, measured on a 2-core CPU",
     platform="cpu",
 )
@@ -36,6 +45,22 @@ def lmu(d: int) -> LMUConfig:
         theta=64.0,
         n_layers=2,
         pre_ffn_dim=d,
+        post_ffn_dim=2 * d,
+        vocab_size=256,
+        batch_chunk=0,
+    )
+
+
+def lmu_g(d: int) -> LMUConfig:
+    """The LMU with causal attention in place of each block's pre-FFN (the paper's LMU_G)."""
+    return LMUConfig(
+        d=d,
+        q=16,
+        q_prime=4,
+        theta=64.0,
+        n_layers=2,
+        global_attention=True,
+        n_heads=max(1, d // 16),
         post_ffn_dim=2 * d,
         vocab_size=256,
         batch_chunk=0,
@@ -61,11 +86,23 @@ def config(model):
     return c
 
 
+def longer(c, times: int):
+    """``c`` trained on ``times`` x the tokens, evaluated and saved less often."""
+    c.train.steps *= times
+    c.eval.every *= 2
+    c.checkpoint.every *= times
+    return c
+
+
 def get_trials():
     for d in WIDTHS:
         yield Trial(f"lmu-d{d}", config(lmu(d)))
     for d in WIDTHS:
         yield Trial(f"transformer-d{d}", config(transformer(d)))
+    for d in G_WIDTHS:
+        yield Trial(f"lmu_g-d{d}", config(lmu_g(d)))
+    for d in LONGER_WIDTHS:
+        yield Trial(f"transformer-d{d}-{TIMES}x", longer(config(transformer(d)), TIMES))
 
 
 def after(workdir):
