@@ -8,7 +8,7 @@ BIN := $(VENV)/bin
 .PHONY: demo test notebooks offline-wheels
 
 demo: $(VENV)/.installed-demo
-	$(BIN)/python -m lmuscale.sweep sweeps/demo.py
+	$(BIN)/python -m lmuscale.sweep sweeps/demo.py --parallel 2
 
 # Two pytest workers, each taking whole test files (module fixtures are built once): many
 # tests wait on subprocesses or compile on one core, so two workers overlap them. The files
