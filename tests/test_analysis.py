@@ -463,8 +463,10 @@ def test_the_papers_three_claims_are_read_from_the_runs_and_end_the_outputs(tmp_
     report = analyse(write_jsonl(tmp_path / "r.jsonl", rows), tmp_path / "out", n_boot=40)
     gap, context, tokens = report.claims
     assert (gap.verdict, context.verdict, tokens.verdict) == ("supported",) * 2 + ("not read",)
-    assert "the transformer's loss is +" in gap.text and "bootstrap interval" in gap.text
-    assert "beyond position 100, LMU_G's per-position loss is +" in context.text
+    assert "the transformer's loss minus the LMU's is +" in gap.text and "bootstrap" in gap.text
+    assert "beyond position 100, the LMU's mean per-position loss minus LMU_G's is +" in (
+        context.text
+    )
     assert report.lines()[-4] == "the paper's claims, read from these runs:"
     assert report.lines()[-3:] == [f"  {r.line()}" for r in report.claims]
     text = (tmp_path / "out" / "fits.md").read_text()

@@ -78,7 +78,7 @@ def _gap(grid: Results, fits, ci: float) -> Reading:
     gap = float(transformer.predict(n) - lmu.predict(n))
     k = min(len(lmu.samples), len(transformer.samples))
     if k < 10:
-        text = f"the transformer's loss is {gap:+.3f} {grid.unit} from the LMU's at N = {human(n)}"
+        text = f"the transformer's loss minus the LMU's is {gap:+.3f} {grid.unit} at N = {human(n)}"
         return Reading(CLAIMS[0], f"{text} (too few resamples for an interval)", "inconclusive")
     gaps = [
         float(transformer.predict(n, params=b) - lmu.predict(n, params=a))
@@ -86,9 +86,9 @@ def _gap(grid: Results, fits, ci: float) -> Reading:
     ]
     lo, hi = np.quantile(gaps, [(1 - ci) / 2, (1 + ci) / 2])
     text = (
-        f"at N = {human(n)} (the middle of the sizes both have), the transformer's loss is "
-        f"{gap:+.3f} [{lo:+.3f}, {hi:+.3f}] {grid.unit} above the LMU's ({ci:.0%} bootstrap "
-        f"interval of the two power-law fits at {human(base)} tokens)"
+        f"at N = {human(n)} (the middle of the sizes both have), the transformer's loss minus "
+        f"the LMU's is {gap:+.3f} [{lo:+.3f}, {hi:+.3f}] {grid.unit} ({ci:.0%} bootstrap "
+        f"interval of the two power-law fits at {human(base)} tokens; positive: the LMU lower)"
     )
     return Reading(CLAIMS[0], text, _verdict(lo, hi, 0.0))
 
@@ -111,8 +111,8 @@ def _context(grid: Results, ci: float) -> Reading:
     d = float(np.mean(differences))
     pairs = f"{len(differences)} LMU_G run{'s' if len(differences) > 1 else ''}"
     text = (
-        f"beyond position {POSITION}, LMU_G's per-position loss is {d:+.3f} {grid.unit} below "
-        f"the LMU's at the nearest N (mean over {pairs}"
+        f"beyond position {POSITION}, the LMU's mean per-position loss minus LMU_G's is "
+        f"{d:+.3f} {grid.unit} at the nearest N (positive: LMU_G lower; mean over {pairs}"
     )
     if len(differences) < 2:
         return Reading(CLAIMS[1], text + "; one pair gives no interval)", "inconclusive")
