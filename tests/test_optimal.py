@@ -232,8 +232,9 @@ def test_degenerate_intervals_are_not_printed_as_intervals():
     fine = Envelope("transformer", flops, np.ones(8), n, Interval(0.5, 0.4, 0.6), None,
                     np.ones(8, bool), (0.5, -1.0))  # fmt: skip
     labels = legend_labels(figures.optimal_figure([], [flat, fine]))
-    assert "LMU envelope fit: a = 0.65 (no interval)" in labels
-    assert "Transformer envelope fit: a = 0.50 [0.40, 0.60]" in labels
+    # (each envelope here lies at 2 sizes, which the label marks)
+    assert "LMU envelope fit: a = 0.65 (no interval), 2 sizes" in labels
+    assert "Transformer envelope fit: a = 0.50 [0.40, 0.60], 2 sizes" in labels
 
 
 def test_tokens_figure_names_every_size_in_one_tint(tmp_path):
