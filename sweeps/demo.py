@@ -12,6 +12,8 @@ two CPU cores; then ``after`` fits, draws Figures 3-5 into WORKDIR/analysis, and
 paper's three claims off these runs.
 """
 
+import dataclasses
+
 from lmuscale.models import LMUConfig, TransformerConfig
 from lmuscale.sweep import Throughput, Trial
 from lmuscale.train import base_config
@@ -53,17 +55,8 @@ def lmu(d: int) -> LMUConfig:
 
 def lmu_g(d: int) -> LMUConfig:
     """The LMU with causal attention in place of each block's pre-FFN (the paper's LMU_G)."""
-    return LMUConfig(
-        d=d,
-        q=16,
-        q_prime=4,
-        theta=64.0,
-        n_layers=2,
-        global_attention=True,
-        n_heads=max(1, d // 16),
-        post_ffn_dim=2 * d,
-        vocab_size=256,
-        batch_chunk=0,
+    return dataclasses.replace(
+        lmu(d), global_attention=True, n_heads=max(1, d // 16), pre_ffn_dim=0
     )
 
 

@@ -119,10 +119,10 @@ def open_dataset(folder: str | Path, *, verify: bool = True) -> TokenDataset:
                     f"{path}: token {position} is {value}, out of range for the vocab of "
                     f"{meta['vocab_size']}"
                 )
-    if meta["fingerprint"] != fingerprint(meta):
+    if meta["fingerprint"] != (made := fingerprint(meta)):
         raise DataError(
             f"{folder / 'meta.json'}: fingerprint {meta['fingerprint']} is not that of the files "
-            f"it lists ({fingerprint(meta)}); it was edited, prepare the dataset again"
+            f"it lists ({made}); it was edited, prepare the dataset again"
         )
     return TokenDataset(folder, meta)
 

@@ -69,16 +69,22 @@ def check_data(trials: list[ResolvedTrial], rows: dict[str, dict]) -> None:
     from lmuscale.data import DataError
     from lmuscale.data.format import read_meta
 
+    def current(path: str) -> str | None:
+        try:
+            return read_meta(Path(path))["fingerprint"]
+        except DataError:
+            return None  # nothing there to compare: nothing will be trained on it either
+
     changed: dict[tuple, list[str]] = {}
+    now_at: dict[str, str | None] = {}  # each folder's meta.json read once
     for trial in trials:
         was, path = rows[trial.name]["data_fingerprint"], trial.config.data.path
         if rows[trial.name]["status"] not in DONE or not was or trial.config.data.fingerprint:
             continue  # not ended, ended before fingerprints, or pinned (its folder is its own)
-        try:
-            now = read_meta(Path(path))["fingerprint"]
-        except DataError:
-            continue  # nothing there to compare: nothing will be trained on it either
-        if now != was:
+        if path not in now_at:
+            now_at[path] = current(path)
+        now = now_at[path]
+        if now is not None and now != was:
             changed.setdefault((path, was, now), []).append(trial.name)
     for (path, was, now), names in changed.items():
         shown = ", ".join(names[:3]) + (f" and {len(names) - 3} more" if len(names) > 3 else "")
