@@ -988,7 +988,10 @@ def main(argv=None) -> None:
     parser.add_argument("--loss-data", type=Path, default=ROOT / "data" / "shakespeare-gpt2")
     parser.add_argument("--profile-batch", type=int, default=64, help="sequences, one micro-batch")
     parser.add_argument(
-        "--loss-impl", choices=ops.IMPLS, default="auto", help="model.loss_impl of train/, long"
+        "--loss-impl",
+        choices=ops.LOSS.choices,
+        default="auto",
+        help="model.loss_impl of train/, long",
     )
     parser.add_argument(
         "--memory-impl",

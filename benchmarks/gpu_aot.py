@@ -324,7 +324,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--models", nargs="+", default=["lmu-1M", "transformer-1M"])
     parser.add_argument("--batch", type=int, default=64)
     parser.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float32"))
-    parser.add_argument("--impl", default="auto", choices=ops.IMPLS, help="model.loss_impl")
+    parser.add_argument("--impl", default="auto", choices=ops.LOSS.choices, help="model.loss_impl")
     parser.add_argument(
         "--layout",
         default="channels-last",

@@ -53,7 +53,8 @@ def test_auto_takes_the_kernels_only_on_a_gpu_measured_faster():
     # they were 14-15x slower, and not on a GPU where they have not been timed.
     h100, h200, a100 = gpu(), gpu("NVIDIA H200"), gpu("NVIDIA A100-SXM4-80GB", capability="8.0")
     bf16, f32 = jnp.bfloat16, jnp.float32
-    assert {(H100, "bfloat16"), ("NVIDIA H200", "bfloat16")} == ops.LOSS.faster
+    fused = ops.LOSS.kernels["pallas"]
+    assert {(H100, "bfloat16"), ("NVIDIA H200", "bfloat16")} == fused.faster
     for measured in (h100, h200):
         assert ops.LOSS.choose("auto", "bfloat16", [measured]) == "pallas"
         assert ops.LOSS.choose("auto", jnp.dtype(bf16), [measured]) == "pallas"
@@ -62,7 +63,8 @@ def test_auto_takes_the_kernels_only_on_a_gpu_measured_faster():
     assert ops.LOSS.choose("pallas", f32, [h100]) == "pallas"
     assert ops.LOSS.choose("auto", bf16, [a100]) == "xla"
     # Another table (a switch whose kernels were measured in float32 on the H100 alone).
-    other = dataclasses.replace(ops.LOSS, faster=frozenset({(H100, "float32")}))
+    table = dataclasses.replace(fused, faster=frozenset({(H100, "float32")}))
+    other = dataclasses.replace(ops.LOSS, kernels={"pallas": table})
     assert other.choose("auto", f32, [h100]) == "pallas"
     assert other.choose("auto", bf16, [h100]) == other.choose("auto", bf16, [h200]) == "xla"
     # Where the kernels cannot run, "auto" stays on XLA whatever the table says.
@@ -75,6 +77,40 @@ def test_auto_takes_the_kernels_only_on_a_gpu_measured_faster():
         assert other.choose("auto", f32, devices) == "xla"
         with pytest.raises(ConfigError, match=reason):
             other.choose("pallas", f32, devices)
+
+
+def test_the_flash_loss_runs_on_hopper_gpus_in_half_precision_and_on_several_of_them():
+    # No GPU has timed the flash kernels: "auto" takes them nowhere. Asked for, they run on
+    # compute capability 9.0 in bfloat16 or float16, on one GPU or several (each device its
+    # share of the batch), and are refused by name elsewhere.
+    h100, a100 = gpu(), gpu("NVIDIA A100-SXM4-80GB", capability="8.0")
+    assert ops.LOSS.kernels["flash"].faster == frozenset()
+    for devices in ([h100], [h100] * 8):
+        assert ops.LOSS.choose("auto", jnp.bfloat16, devices) != "flash"
+        assert ops.LOSS.choose("flash", jnp.bfloat16, devices) == "flash"
+        assert ops.LOSS.choose("flash", jnp.float16, devices) == "flash"
+    for impl, dtype, devices, reason in (
+        (
+            "flash",
+            jnp.float32,
+            [h100],
+            "take bfloat16 or float16, and the model's dtype is float32",
+        ),
+        ("flash", jnp.bfloat16, [a100], "compute capability 8.0, below 9.0"),
+        ("flash", jnp.bfloat16, jax.devices(), "flash cross-entropy kernels need NVIDIA GPUs"),
+        ("pallas", jnp.bfloat16, [h100] * 8, "8 devices, and the kernels are not partitioned"),
+    ):
+        with pytest.raises(ConfigError, match=reason):
+            ops.LOSS.choose(impl, dtype, devices)
+    # Measured faster somewhere, "auto" would take them there, on several GPUs too.
+    measured = dataclasses.replace(
+        ops.LOSS.kernels["flash"], faster=frozenset({(H100, "bfloat16")})
+    )
+    table = dataclasses.replace(ops.LOSS, kernels={"flash": measured})
+    assert table.choose("auto", jnp.bfloat16, [h100] * 8) == "flash"
+    assert table.choose("auto", jnp.float32, [h100]) == "xla"
+    with pytest.raises(ValueError, match=r"loss_impl must be one of .*'flash'.* got 'mosaic'"):
+        ops.LOSS.choose("mosaic", jnp.bfloat16, [h100])
 
 
 def test_flash_attention_is_chosen_only_on_recent_nvidia_gpus_in_half_precision():
@@ -166,7 +202,7 @@ def test_the_model_configs_take_the_switches_and_keep_their_folder():
     assert (upgraded["model"]["loss_impl"], upgraded["model"]["memory_impl"]) == ("xla", "xla")
     assert "memory_impl" not in resume.upgrade({"model": {"family": "sru", "d": 8}})["model"]
     config = base_config(named_config("lmu-55k"))
-    for key, value in (("loss_impl", "pallas"), ("memory_impl", "xla")):
+    for key, value in (("loss_impl", "pallas"), ("loss_impl", "flash"), ("memory_impl", "xla")):
         other = base_config(named_config("lmu-55k", **{key: value}))
         assert config_hash(config) == config_hash(other)
         assert resume.differences(config.to_dict(), other) == {}
@@ -181,16 +217,17 @@ def test_training_refuses_pallas_here_before_it_writes_anything(key, byte_corpus
     assert not (tmp_path / "run").exists()
 
 
-def test_a_model_given_the_pallas_loss_runs_the_kernels_and_equals_xla():
+@pytest.mark.parametrize("kernels", ["pallas", "flash"])
+def test_a_model_given_a_kernel_loss_runs_the_kernels_and_equals_xla(kernels):
     # Impls given to the model, not chosen by it: its loss runs the kernels (here in
     # interpret mode, which any backend runs) and equals the XLA path's.
     config = config_lib.model_config(small().model)  # a one-layer LMU, d = 16
     tokens = jax.random.randint(jax.random.key(0), (2, 9), 0, config.vocab_size)
     given, targets = tokens[:, :-1], tokens[:, 1:]
-    kernels = LossKernels(tiling=Tiling.shared(8, 16), interpret=True)
     results, programs = {}, {}
-    for impl in ("pallas", "xla"):
-        model = build(config, Impls(loss=impl, loss_kernels=kernels))
+    options = LossKernels(tiling=Tiling.shared(8, 16), interpret=True)
+    for impl in (kernels, "xla"):
+        model = build(config, Impls(loss=impl, loss_kernels=options))
         params = model.init(jax.random.key(1), given)
 
         def loss(p, model=model):
@@ -198,11 +235,12 @@ def test_a_model_given_the_pallas_loss_runs_the_kernels_and_equals_xla():
 
         programs[impl] = str(jax.make_jaxpr(jax.value_and_grad(loss))(params))
         results[impl] = jax.value_and_grad(loss)(params)
-    assert "pallas_call" in programs["pallas"] and "pallas_call" not in programs["xla"]
-    np.testing.assert_allclose(results["pallas"][0], results["xla"][0], rtol=1e-6)
+    marker = {"pallas": "pallas_call", "flash": "copy_gmem_to_smem"}[kernels]  # a TMA copy
+    assert marker in programs[kernels] and marker not in programs["xla"]
+    np.testing.assert_allclose(results[kernels][0], results["xla"][0], rtol=1e-6)
     got, want = (
         np.concatenate([np.ravel(leaf) for leaf in jax.tree.leaves(results[impl][1])])
-        for impl in ("pallas", "xla")
+        for impl in (kernels, "xla")
     )
     # Float32 rounding of the two paths' sums, against the largest gradient of any parameter.
     assert np.abs(got - want).max() <= 1e-5 * np.abs(want).max()

@@ -45,7 +45,7 @@ def check_config(config, positive: tuple[str, ...]) -> None:
     compute_dtype(config.dtype)
     for switch in (ops.LOSS, ops.MEMORY):
         if hasattr(config, switch.key):
-            ops.check(f"{type(config).__name__}.{switch.key}", getattr(config, switch.key))
+            switch.check(f"{type(config).__name__}.{switch.key}", getattr(config, switch.key))
 
 
 def check_positive(config, name: str) -> None:
@@ -163,7 +163,7 @@ class LanguageModel(nn.Module):
         h_BxTxD = self.hidden(inputs_BxT)
         w_VxD, impls = self.embed.embedding, self.impls
         per_position = cross_entropy(
-            h_BxTxD, w_VxD, targets_BxT, chunk, impls.loss, impls.loss_kernels
+            h_BxTxD, w_VxD, targets_BxT, chunk, impls.loss, impls.loss_kernels, impls.mesh
         )
         return per_position.mean(), per_position
 

@@ -39,44 +39,90 @@ CUDA_TARGET = "NVIDIA H100 80GB HBM3"
 
 
 @dataclasses.dataclass(frozen=True)
-class Switch:
-    """A model config's kernel switch: its ``key``, what its "pallas" runs (``kernels``; None
-    while this version has none), and ``faster``, the (device kind, compute dtype) pairs where a
-    committed benchmark measured the kernels faster than XLA: what "auto" takes."""
+class Kernels:
+    """A family of fused kernels a switch can run: ``name`` (for messages); ``capability``, the
+    least NVIDIA compute capability they need; ``sharded``: several devices run them, each on its
+    share of the batch (else one device only); ``half``: they take bfloat16 or float16 alone;
+    ``faster``: the (device kind, compute dtype) pairs where a committed benchmark measured them
+    faster than XLA, what "auto" takes."""
 
-    key: str
-    kernels: str | None
+    name: str
+    capability: tuple[int, int] = MIN_CAPABILITY
+    sharded: bool = False
+    half: bool = False
     faster: frozenset[tuple[str, str]] = frozenset()
 
+    def unsupported(self, dtype, devices) -> str | None:
+        """Why they cannot run in ``dtype`` on ``devices``, or None."""
+        reason = unsupported_reason(devices, self.capability, self.sharded)
+        if reason is not None:
+            need = "NVIDIA GPUs" if self.sharded else "one NVIDIA GPU"
+            return f"{self.name} need {need} of compute capability >= " + (
+                f"{'.'.join(map(str, self.capability))}, but {reason}"
+            )
+        name = jnp.dtype(dtype).name
+        if self.half and name not in ("bfloat16", "float16"):
+            return f"{self.name} take bfloat16 or float16, and the model's dtype is {name}"
+        return None
+
+
+@dataclasses.dataclass(frozen=True)
+class Switch:
+    """A model config's kernel switch: its ``key``, the values it takes (``choices``), and the
+    kernel families its values other than "auto" and "xla" run (``kernels``; a value with none
+    in this version is refused when a run starts)."""
+
+    key: str
+    kernels: dict[str, Kernels]
+    choices: tuple[str, ...] = IMPLS
+
+    def __hash__(self):
+        return hash(self.key)
+
+    def check(self, name: str, impl) -> None:
+        """A ``ValueError`` naming ``name`` unless ``impl`` is one of ``choices``."""
+        if impl not in self.choices:
+            raise ValueError(f"{name} must be one of {self.choices}, got {impl!r}")
+
     def choose(self, impl: str, dtype, devices) -> str:
-        """What ``impl`` runs in ``dtype`` on ``devices``: "xla" or "pallas"; a ``ConfigError``
-        where "pallas" cannot run."""
-        check(self.key, impl)
-        reason = unsupported_reason(devices)
-        if impl == "pallas":
-            if self.kernels is None:
-                reason = "this version has no Pallas kernels for it"
-            elif reason is not None:
-                reason = (
-                    f"{self.kernels} need one NVIDIA GPU of compute capability >= 8.0, but {reason}"
-                )
-            if reason is not None:
-                raise ConfigError(f'model.{self.key}="pallas": {reason}; use "auto" or "xla"')
-            return "pallas"
-        measured = (devices[0].device_kind, jnp.dtype(dtype).name)
-        auto = impl == "auto" and self.kernels is not None and reason is None
-        return "pallas" if auto and measured in self.faster else "xla"
+        """What ``impl`` runs in ``dtype`` on ``devices``: "xla" or a kernel family's value; a
+        ``ConfigError`` where that family cannot run. "auto" takes the first family measured
+        faster here that can run here."""
+        self.check(self.key, impl)
+        devices = list(devices)
+        if impl == "auto":
+            measured = (devices[0].device_kind, jnp.dtype(dtype).name)
+            for name, kernels in self.kernels.items():
+                if measured in kernels.faster and kernels.unsupported(dtype, devices) is None:
+                    return name
+        if impl in ("auto", "xla"):
+            return "xla"
+        kernels = self.kernels.get(impl)
+        if kernels is None:
+            reason = "this version has no Pallas kernels for it"
+        else:
+            reason = kernels.unsupported(dtype, devices)
+        if reason is not None:
+            raise ConfigError(f'model.{self.key}="{impl}": {reason}; use "auto" or "xla"')
+        return impl
 
 
-# The kernels' measurements are in the README's "Benchmarks" and benchmarks/results/.
+# The kernels' measurements are in the README's "Benchmarks" and benchmarks/results/. The
+# flash kernels have not run on a GPU yet: "auto" takes them nowhere until one measures them.
 LOSS = Switch(
     "loss_impl",
-    "the fused cross-entropy kernels",
-    frozenset({("NVIDIA H200", "bfloat16"), ("NVIDIA H100 80GB HBM3", "bfloat16")}),
+    {
+        "pallas": Kernels(
+            "the fused cross-entropy kernels",
+            faster=frozenset({("NVIDIA H200", "bfloat16"), ("NVIDIA H100 80GB HBM3", "bfloat16")}),
+        ),
+        "flash": Kernels("the flash cross-entropy kernels", (9, 0), sharded=True, half=True),
+    },
+    (*IMPLS, "flash"),
 )
 # The fused memory kernels were retired (slower than XLA on every GPU measured); the next
 # ones plug in here.
-MEMORY = Switch("memory_impl", None)
+MEMORY = Switch("memory_impl", {})
 
 
 @dataclasses.dataclass(frozen=True)
@@ -105,8 +151,9 @@ OPTIONAL = ("loss", "memory", "memory_layout")  # None: not run, or not resolved
 class Impls:
     """What each op runs, decided by ``resolve``; the defaults are XLA's forms for a CPU.
 
-    - ``loss``: the cross-entropy, "xla" or "pallas" (``loss_kernels``: the kernels' options;
-      None: not resolved, for decoding);
+    - ``loss``: the cross-entropy, "xla", "pallas" (the fused Triton kernels) or "flash" (the
+      flash kernels, ``cross_entropy_flash``); ``loss_kernels``: the kernels' options; None: not
+      resolved, for decoding;
     - ``memory``: the LMU memory and its attention, "xla" (None for a family without one, or
       for decoding);
     - ``memory_layout``: how XLA's chunked memory writes Q, K and V for the attention:
@@ -122,7 +169,9 @@ class Impls:
       1.1e-5 of max|m| at the paper's largest layer);
     - ``q_prime_precision``: what the channels-last attention's products over the positions
       ask XLA for on bf16 operands, "highest" or "default" (the same sums: a product of two
-      bf16 numbers is exact in float32). An experiment no GPU has timed, as ``loss_kernels``.
+      bf16 numbers is exact in float32). An experiment no GPU has timed, as ``loss_kernels``;
+    - ``mesh``: the run's device mesh, whose axes split the batch, for kernels that run on each
+      device's share of it (the flash loss); None: one device. Not a choice: not recorded.
     """
 
     loss: str | None = "xla"
@@ -133,9 +182,11 @@ class Impls:
     exact_algorithm: str = "highest"
     loss_kernels: LossKernels = LossKernels()
     q_prime_precision: str = "highest"
+    mesh: object = dataclasses.field(default=None, compare=False, repr=False)
 
     def __post_init__(self):
-        for name, allowed in {**FORMS, "loss": ("xla", "pallas"), "memory": ("xla",)}.items():
+        loss = ("xla", *LOSS.kernels)
+        for name, allowed in {**FORMS, "loss": loss, "memory": ("xla",)}.items():
             value = getattr(self, name)
             if value not in allowed and not (value is None and name in OPTIONAL):
                 raise ValueError(f"Impls.{name} must be one of {allowed}, got {value!r}")
@@ -207,30 +258,27 @@ def _capability(device) -> tuple[int, ...]:
     return tuple(int(part) for part in capability.split("."))
 
 
-def check(key: str, impl: str) -> None:
-    """A ``ValueError`` naming ``key`` unless ``impl`` is one of ``IMPLS``."""
-    if impl not in IMPLS:
-        raise ValueError(f"{key} must be one of {IMPLS}, got {impl!r}")
-
-
-def unsupported_reason(devices=None) -> str | None:
-    """Why the kernels cannot run on ``devices`` (default: this run's), or None: they need one
-    NVIDIA GPU of compute capability >= 8.0. They are not partitioned, so under a sharded
-    ``jit`` XLA would gather every device's inputs onto each device."""
+def unsupported_reason(
+    devices=None, capability: tuple[int, int] = MIN_CAPABILITY, sharded: bool = False
+) -> str | None:
+    """Why kernels that need NVIDIA GPUs of ``capability`` cannot run on ``devices`` (default:
+    this run's), or None. Unless ``sharded`` (each device runs them on its share of the batch),
+    one device only: under a sharded ``jit`` XLA would gather every device's inputs onto each."""
     devices = jax.devices() if devices is None else list(devices)
     device = devices[0]
     if device.platform != "gpu":
         return f"this run's devices are {device.platform} ({device.device_kind})"
     if _capability(device) == (0,):
-        capability = getattr(device, "compute_capability", "") or "no"
-        return f"the GPU is not an NVIDIA one ({device.device_kind}, {capability} capability)"
-    if _capability(device) < MIN_CAPABILITY:
+        found = getattr(device, "compute_capability", "") or "no"
+        return f"the GPU is not an NVIDIA one ({device.device_kind}, {found} capability)"
+    if _capability(device) < capability:
+        least = ".".join(map(str, capability))
         return (
             f"the GPU {device.device_kind} has compute capability {device.compute_capability}, "
-            "below 8.0"
+            f"below {least}"
         )
-    if len(devices) > 1:
-        return f"this run has {len(devices)} devices, and the kernels are not partitioned yet"
+    if len(devices) > 1 and not sharded:
+        return f"this run has {len(devices)} devices, and the kernels are not partitioned"
     return None
 
 

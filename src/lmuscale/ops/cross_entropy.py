@@ -10,7 +10,7 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from lmuscale.ops import LossKernels, cross_entropy_pallas
+from lmuscale.ops import LossKernels, cross_entropy_flash, cross_entropy_pallas
 
 # Tokens per chunk: 1024 x 50257 float32 logits are 206 MB, alive one at a time.
 LOSS_CHUNK = 1024
@@ -23,22 +23,32 @@ def cross_entropy(
     chunk: int = LOSS_CHUNK,
     impl: str = "xla",
     kernels: LossKernels | None = None,
+    mesh=None,
 ):
     """Next-token cross-entropy in nats at every position, without the full logits: float32
     ``loss_BxT = logsumexp(logits) - logits[target]``, the logits ``h wᵀ`` (w tied).
 
     ``impl`` (``Impls.loss``): "pallas", the fused kernels run as ``kernels`` (a
-    ``LossKernels``; None: the defaults) says, or "xla", where one pass over chunks of
+    ``LossKernels``; None: the defaults) says; "flash", the flash kernels, on each device's
+    share of the batch where ``mesh`` has several devices; or "xla", where one pass over chunks of
     ``chunk`` tokens computes each chunk's logits (in h's dtype, accumulated in float32), the
     loss and already the gradients in h and w: the backward pass only scales them, and stores
     or recomputes no logits. That needs the same cotangent at every position, as for the mean
     or sum; for any other, the gradient in w is NaN, never silently wrong (the one in h stays
     exact)."""
+    kernels = kernels or LossKernels()
     if impl == "pallas":
-        options = vars(kernels or LossKernels())  # tiling, dh_from_forward, interpret
+        options = vars(kernels)  # tiling, dh_from_forward, interpret
         return cross_entropy_pallas.cross_entropy(h_BxTxD, w_VxD, targets_BxT, **options)
+    if impl == "flash":
+        axes = mesh.axis_names if mesh is not None and mesh.size > 1 else ()
+        mode = "interpret" if kernels.interpret else "gpu"
+        return cross_entropy_flash.cross_entropy(
+            h_BxTxD, w_VxD, targets_BxT, mode=mode, mesh=mesh, batch_axes=axes
+        )
     if impl != "xla":
-        raise ValueError(f'the cross-entropy\'s impl must be "xla" or "pallas", got {impl!r}')
+        allowed = '"xla", "pallas" or "flash"'
+        raise ValueError(f"the cross-entropy's impl must be {allowed}, got {impl!r}")
     return _cross_entropy(h_BxTxD, w_VxD, targets_BxT, chunk)
 
 

@@ -372,7 +372,7 @@ class Program:
 def compile_program(c, workdir: Path, model_config, impls, mesh, primary: bool) -> Program:
     """Plans the micro-batches (``train.memory``), writes plan.json (with ``impls``, what each
     op runs) and compiles the steps."""
-    model = build(model_config, impls)
+    model = build(model_config, dataclasses.replace(impls, mesh=mesh))
     tx, lr = optim.optimizer(c.optim, c.train.steps)
     plateau = optim.plateau(c.optim)
     init = step_lib.init_fn(model, tx, plateau, c.train.seed, c.data.seq_len)
