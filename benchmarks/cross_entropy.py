@@ -81,6 +81,7 @@ from lmuscale import ops
 from lmuscale.data.tokenizer import GPT2_VOCAB
 from lmuscale.models import build, named_config
 from lmuscale.models.base import logits_from_hidden
+from lmuscale.ops import cross_entropy_flash as flash
 from lmuscale.ops import cross_entropy_pallas as fused_loss
 from lmuscale.ops.cross_entropy import LOSS_CHUNK, cross_entropy
 from lmuscale.train import step as step_lib
@@ -151,10 +152,11 @@ def measure(name: str, batch: int, seq_len: int, repeats: int, chunk: int) -> li
     return list(rows.values())
 
 
-# "pallas": the fused kernels with the dh kernel; the last, dh from the forward's expected
-# embeddings (``ops.LossKernels.dh_from_forward``; the models run the first).
+# "pallas": the fused kernels with the dh kernel; then dh from the forward's expected
+# embeddings (``ops.LossKernels.dh_from_forward``; the models run the first); "flash": the
+# flash kernels (``ops.cross_entropy_flash``, bfloat16 and float16 only).
 DH_FROM_FORWARD = "pallas, dh from the forward"
-LOSS_IMPLS = ("xla", "pallas", DH_FROM_FORWARD)
+LOSS_IMPLS = ("xla", "pallas", DH_FROM_FORWARD, "flash")
 
 
 def loss_inputs(batch: int, seq_len: int, width: int, dtype: str, vocab: int = GPT2_VOCAB):
@@ -170,8 +172,8 @@ def loss_program(impl: str):
     """``(h, w, targets) -> (losses, dh, dw)``: the gradients of the mean loss, jitted."""
 
     def loss(h, w, targets):
-        if impl == "xla":
-            return cross_entropy(h, w, targets, impl="xla")
+        if impl in ("xla", "flash"):
+            return cross_entropy(h, w, targets, impl=impl)
         return fused_loss.cross_entropy(h, w, targets, dh_from_forward=impl == DH_FROM_FORWARD)
 
     def run(h, w, targets):
@@ -249,7 +251,8 @@ def measure_loss(impl, width, dtype, batch, seq_len, repeats, reference=None):
     """One implementation at one shape: ``(row, outputs)``; outputs None where not run."""
     tokens, vocab = batch * seq_len, GPT2_VOCAB
     row = {"impl": impl, "d": width, "dtype": dtype, "batch": batch, "seq_len": seq_len}
-    reason = ops.unsupported_reason() if impl != "xla" else None
+    kernels = ops.LOSS.kernels["flash" if impl == "flash" else "pallas"]
+    reason = kernels.unsupported(dtype, jax.devices()) if impl != "xla" else None
     if reason is not None:
         return {**row, "skipped": reason}, None
     h, w, targets = loss_inputs(batch, seq_len, width, dtype, vocab)
@@ -260,6 +263,12 @@ def measure_loss(impl, width, dtype, batch, seq_len, repeats, reference=None):
     if impl == "xla":
         executed, moved = useful, xla_bytes(tokens, width, dtype, vocab)
         row["bytes_counted_by"] = "XLA's cost analysis of one chunk, times the chunks"
+    elif impl == "flash":
+        blocks = flash.Blocks()
+        padded = -(-vocab // blocks.vocab_multiple) * blocks.vocab_multiple
+        # FLOPs per N V d: the forward's logits and E_p[w] 4, dw's two products 4.
+        executed, moved = 8 * tokens * padded * flash.padded_width(width), None
+        row.update(blocks=dataclasses.asdict(blocks))
     else:
         tiling, by_forward = fused_loss.default_tiling(width, dtype), impl == DH_FROM_FORWARD
         padded = -(-vocab // tiling.vocab_multiple) * tiling.vocab_multiple

@@ -37,7 +37,11 @@ Parts (``--only`` takes shell patterns of these names):
 - ``loss``: the cross-entropy's forward+backward alone at d = 48 and 204, --xent-batch x
   --seq-len tokens (64 x 1024), bfloat16 and float32, by the XLA path and by the fused Pallas
   kernels (skipped where they cannot run), with the kernels' largest differences from the
-  XLA path (``cross_entropy.py --part loss``).
+  XLA path (``cross_entropy.py --part loss``), and by the flash kernels in bfloat16.
+- ``flash``: the flash loss's kernels (``ops.cross_entropy_flash``) at the paper's shapes:
+  d = 48 and 204 in bfloat16, --xent-batch x --seq-len tokens, with XLA's path and the fused
+  Triton kernels: their times and their largest differences from XLA's. Not a default part
+  (``loss`` has it); ``gpu_session.sh`` runs it first.
 - ``loss_tiles``: each fused loss kernel alone under a grid of tiles, warps and stages at
   d = 204 in bfloat16, --xent-batch x --seq-len tokens, no launch started after
   --tiles-seconds (``cross_entropy.py --part loss-tiles``, leaving out the launches that
@@ -508,6 +512,20 @@ def part_loss(args) -> dict:
     return {"rows": rows}
 
 
+def part_flash(args) -> dict:
+    """The flash loss's kernels at the paper's shapes (--xent-batch x --seq-len tokens, d = 48
+    and 204, bfloat16): values and gradients against XLA's path, and their times beside XLA's
+    and the fused Triton kernels'."""
+    from cross_entropy import measure_losses, print_loss_rows
+
+    impls = ("xla", "pallas", "flash")
+    rows = measure_losses(
+        (48, 204), ("bfloat16",), args.xent_batch, args.seq_len, args.xent_repeats, impls
+    )
+    print_loss_rows(rows, f"flash loss, {args.xent_batch} x {args.seq_len} tokens")
+    return {"rows": rows}
+
+
 # kernel_resources.py --loss-launches's compile for an H100: the loss_tiles part leaves out the
 # launches it found spilling or over shared memory.
 LOSS_LAUNCH_RESOURCES = (
@@ -814,6 +832,7 @@ def parts(args, keep=None) -> dict:
     table["long"] = lambda: part_long(args, keeper("long"))
     table["block"] = lambda: part_block(args)
     table["loss"] = lambda: part_loss(args)
+    table["flash"] = lambda: part_flash(args)
     table["loss_tiles"] = lambda: part_loss_tiles(args)
     table["attention"] = lambda: part_attention(args)
     table["precision"] = lambda: part_precision(args)

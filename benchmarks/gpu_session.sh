@@ -9,6 +9,9 @@
 # (default 420; give the command about two minutes more, since a part that has started runs to
 # its end):
 #
+# 0. flash: the flash loss's kernels at the paper's shapes (64 x 1024 tokens, d = 48 and 204,
+#    bf16) against XLA's path, values and gradients, and their times; then train/lmu and
+#    train/transformer at 1M with them (--loss-impl flash): the kernels no GPU has run yet;
 # 1. train/lmu, train/transformer, train/lmu_g at 1M and 55k: the paper step, 512 x 1024
 #    tokens in bf16, in 8 micro-batches of 64 (--microbatches 8: no planning compiles), with
 #    MFU, as committed (the dry run's estimates of the paper grid read these rows);
@@ -102,6 +105,8 @@ traces() { # each profile's Perfetto trace and compiled program into $OUT, where
         -o -name compiled_hlo.txt.gz \) -newer "$scratch/started" -size -15000000c 2>/dev/null)
 }
 
+run flash
+run --sizes 1M --loss-impl flash -- train/lmu train/transformer
 run -- train/lmu train/transformer train/lmu_g
 run --tiles-seconds 180 -- loss_tiles
 run --sizes 1M --loss-impl pallas --tuned-loss -- train/lmu

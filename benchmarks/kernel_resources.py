@@ -1,4 +1,4 @@
-"""What each Pallas kernel asks of an H100, found without one: registers, spills, shared memory.
+"""What each Pallas kernel asks of an H100, found without one, and how long it should take.
 
     pip install "jax-cuda12-plugin==$(python -c 'import jaxlib; print(jaxlib.__version__)')"
     JAX_PLATFORMS=cpu python benchmarks/kernel_resources.py [--widths 48 204] [--out FILE]
@@ -13,12 +13,27 @@ plugin of this jaxlib carries (the compiler XLA runs on a GPU), and the PTX asse
 ``ptxas -v`` (CUDA's, on PATH). Nothing runs: no GPU is needed, only the plugin's wheel, which
 imports on a machine without CUDA when ``JAX_PLATFORMS=cpu``.
 
-Each row: the shared memory the program needs (Triton's count), and from ptxas the registers
-per thread, the spill stores and loads (bytes of local-memory traffic the code has, not
-counts of execution) and the stack frame. An H100 gives a program at most 227 KB of shared
-memory (``SHARED_LIMIT``): a kernel asking more is refused when XLA compiles it, and so can
-never run there. Spills and stack are slow local memory. Times are not measured here:
-``benchmarks/gpu.py``'s ``loss`` and ``loss_tiles`` parts measure them on a GPU.
+The flash loss's two Mosaic GPU kernels (``ops.cross_entropy_flash``) are compiled for an H100
+by XLA's Mosaic GPU pipeline here (``--flash``; the CUDA plugin's topology of an H100 stands in
+for the device) and their PTX taken from ``MOSAIC_GPU_DUMP_TO``.
+
+Each row: the shared memory the program needs (Triton's count; the Mosaic kernels' buffers,
+summed from their blocks), and from ptxas the registers per thread, the spill stores and loads
+(bytes of local-memory traffic the code has, not counts of execution), the stack frame and the
+``wgmma`` waits ptxas had to inject (warning C7517: each serialises the tensor cores); from the
+PTX the MMA shapes (Hopper's ``wgmma`` m64nNk16, N >= 64 wanted; ``mma.sync`` is the Ampere
+fallback); from the machine code (``nvdisasm``) the main loop's instruction count. An H100
+gives a program at most 227 KB of shared memory (``SHARED_LIMIT``): a kernel asking more is
+refused when XLA compiles it, and so can never run there. Spills and stack are slow local
+memory.
+
+The time estimate (``estimate_ms``) is a model of issue and tensor-core clocks, per SM:
+``steps / 132 x (loop instructions x warps / 4 + step FLOPs / peak per SM clock) x CAL /
+1.83 GHz``, at 64 x 1024 tokens of GPT-2's vocabulary. ``CAL`` is fitted here to the H200
+profile's times of the three Triton kernels (``MEASURED``) and each kernel's error after the
+fit is printed. It adds issue and MMA time: right for the Triton kernels, whose MMAs wait on
+each other; pessimistic for a warp-specialised kernel that overlaps them. Times are measured
+only on a GPU: ``benchmarks/gpu.py``'s ``loss`` and ``loss_tiles`` parts.
 """
 
 from __future__ import annotations
@@ -40,15 +55,69 @@ os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from common import machine, print_table, versions, write_json
 from cross_entropy import launch_candidates
 
 from lmuscale import ops
+from lmuscale.ops import cross_entropy_flash as flash
 from lmuscale.ops import cross_entropy_pallas as fused_loss
 
 SHARED_LIMIT = 227 * 1024  # bytes of shared memory an H100 gives one program (block)
+# The time model (``estimate_ms``): an H100/H200 at its boost clock, dense bf16 peak per SM.
+SMS, CLOCK = 132, 1.83e9
+PEAK_PER_SM_CLOCK = 989e12 / SMS / CLOCK
+TOKENS, VOCAB = 64 * 1024, 50257  # one micro-batch of the paper's runs, GPT-2's vocabulary
+# The Triton kernels' times on the H200 (one lmu-1M micro-batch, 64 x 1024 x 204, bf16): what
+# the model is fitted to.
+PROFILE = Path(__file__).parent / "results" / "profile-lmu-1M-nvidia-h200-2026-11-28.json.gz"
 ARCH = "9.0"  # the H100's compute capability; ptxas takes sm_90a, the features Triton uses
 PTXAS_SECONDS = 900
+
+
+def measured_ms() -> dict[str, float]:
+    """The Triton loss kernels' mean times in ``PROFILE``, ms, by kernel name."""
+    import gzip
+    import json
+
+    events = json.loads(gzip.decompress(PROFILE.read_bytes()))["traceEvents"]
+    times = {}
+    for kernel in ("forward_kernel", "dh_kernel", "dw_kernel"):
+        found = [e["dur"] for e in events if e.get("ph") == "X" and e["name"] == f"_{kernel}"]
+        times[kernel] = sum(found) / len(found) / 1e3
+    return times
+
+
+def model_ms(row: dict) -> float | None:
+    """The model's uncalibrated time for a row with ``steps`` (program steps in all),
+    ``step_flops`` and ``warps`` (those that issue the loop) and ``loop_instructions``."""
+    if row.get("loop_instructions") is None or "steps" not in row:
+        return None
+    clocks = row["loop_instructions"] * row["warps"] / 4 + row["step_flops"] / PEAK_PER_SM_CLOCK
+    return row["steps"] / SMS * clocks / CLOCK * 1e3
+
+
+def calibrate(rows: list[dict]) -> dict:
+    """Fits CAL to the Triton kernels of the case "loss d=204 bfloat16" against the profile,
+    and gives every row its ``estimate_ms``; the fit and each kernel's error after it."""
+    measured = measured_ms()
+    fitted = [
+        (row, measured[row["kernel"]])
+        for row in rows
+        if row["case"] == "loss d=204 bfloat16" and row["kernel"] in measured
+    ]
+    ratios = [want / model_ms(row) for row, want in fitted if model_ms(row)]
+    if not ratios:
+        return {"cal": None}
+    cal = float(np.exp(np.mean(np.log(ratios))))
+    for row in rows:
+        raw = model_ms(row)
+        row["estimate_ms"] = None if raw is None else round(raw * cal, 2)
+    errors = {
+        row["kernel"]: {"measured_ms": want, "estimate_ms": row["estimate_ms"]}
+        for row, want in fitted
+    }
+    return {"cal": round(cal, 3), "kernels": errors}
 
 
 def _lowering_hooks():
@@ -101,9 +170,12 @@ def _plugin_versions() -> dict:
 
 
 def _ptxas(ptx: str, folder: Path, name: str) -> dict:
+    """ptxas's counts for one kernel's PTX, its MMA shapes, and from the machine code (where
+    ``nvdisasm`` is on PATH) the main loop's length."""
     path = folder / f"{name}.ptx"
     path.write_text(ptx)
-    command = ["ptxas", "-v", f"-arch=sm_{ARCH.replace('.', '')}a", str(path), "-o", os.devnull]
+    cubin = folder / f"{name}.cubin"
+    command = ["ptxas", "-v", f"-arch=sm_{ARCH.replace('.', '')}a", str(path), "-o", str(cubin)]
     try:
         done = subprocess.run(command, capture_output=True, text=True, timeout=PTXAS_SECONDS)
     except subprocess.TimeoutExpired:
@@ -115,12 +187,49 @@ def _ptxas(ptx: str, folder: Path, name: str) -> dict:
         found = re.search(pattern, done.stderr)
         return int(found.group(1)) if found else None
 
-    return {
+    shapes = re.findall(r"(?:wgmma\.mma_async|mma)\.sync\.aligned\.(m\d+n\d+k\d+)", ptx)
+    row = {
         "registers": number(r"Used (\d+) registers"),
         "spill_store_bytes": number(r"(\d+) bytes spill stores"),
         "spill_load_bytes": number(r"(\d+) bytes spill loads"),
         "stack_frame_bytes": number(r"(\d+) bytes stack frame"),
+        "injected_waits": done.stderr.count("C7517"),
+        "mma_shapes": sorted(
+            set(shapes), key=lambda shape: [int(n) for n in re.findall(r"\d+", shape)]
+        ),
+        "wgmma": any("wgmma" in line for line in ptx.splitlines() if "mma_async" in line),
     }
+    if shutil.which("nvdisasm"):
+        sass = subprocess.run(["nvdisasm", "-c", str(cubin)], capture_output=True, text=True)
+        row["loop_instructions"] = main_loop_length(sass.stdout)
+    return row
+
+
+def main_loop_length(sass: str) -> int | None:
+    """The instructions of the longest loop in ``nvdisasm -c`` output: the span from a label
+    back to which a branch jumps, to that branch (the kernel's main loop)."""
+    addresses, labels, pending, longest = [], {}, None, None
+    for line in sass.splitlines():
+        text = line.strip()
+        label = re.match(r"\.L_x_(\d+):", text)
+        if label:
+            pending = label.group(1)
+            continue
+        found = re.match(r"/\*([0-9a-f]{4,})\*/\s+(.*?);", text)
+        if not found:
+            continue
+        address = int(found.group(1), 16)
+        addresses.append(address)
+        if pending is not None:
+            labels[pending], pending = address, None
+        branch = re.search(r"BRA.*\.L_x_(\d+)", found.group(2))
+        if branch and labels.get(branch.group(1), address) < address:
+            span = (labels[branch.group(1)], address)
+            if longest is None or span[1] - span[0] > longest[1] - longest[0]:
+                longest = span
+    if longest is None:
+        return None
+    return sum(longest[0] <= address <= longest[1] for address in addresses)
 
 
 def compile_rows(label: str, function, args, launch) -> list[dict]:
@@ -187,23 +296,115 @@ def loss_rows(width: int) -> list[dict]:
     for dtype in (jnp.bfloat16, jnp.float32):
         tiling = fused_loss.default_tiling(width, dtype)
         label = f"loss d={width} {jnp.dtype(dtype).name}"
-        rows += compile_rows(label, *_loss_step(width, dtype, tiling), _launch_of(tiling))
+        found = compile_rows(label, *_loss_step(width, dtype, tiling), _launch_of(tiling))
+        rows += _work(found, width, tiling)
     tiling = fused_loss.default_tiling(width, jnp.bfloat16)
-    rows += _expected_forward(
-        compile_rows(
-            f"loss d={width} bfloat16 dh from the forward",
-            *_loss_step(width, jnp.bfloat16, tiling, dh_from_forward=True),
-            _launch_of(tiling),
-        )
+    found = compile_rows(
+        f"loss d={width} bfloat16 dh from the forward",
+        *_loss_step(width, jnp.bfloat16, tiling, dh_from_forward=True),
+        _launch_of(tiling),
     )
+    rows += _work(_expected_forward(found), width, tiling)
     if fused_loss.padded_width(width, True) < fused_loss.padded_width(width):
         split = dataclasses.replace(tiling, split_width=True)
         label = f"loss d={width} bfloat16 split width"
-        rows += compile_rows(label, *_loss_step(width, jnp.bfloat16, split), _launch_of(split))
+        found = compile_rows(label, *_loss_step(width, jnp.bfloat16, split), _launch_of(split))
         step = _loss_step(width, jnp.bfloat16, split, dh_from_forward=True)
-        rows += _expected_forward(compile_rows(label, *step, _launch_of(split)))
+        found += _expected_forward(compile_rows(label, *step, _launch_of(split)))
+        rows += _work(found, width, split)
     for row in rows:
         row.update(d=width)
+    return rows
+
+
+def _work(rows: list[dict], width: int, tiling) -> list[dict]:
+    """``rows`` (one tiling's kernels) with what the time model needs at TOKENS x VOCAB: the
+    program steps in all, each step's FLOPs (the width as padded) and the warps."""
+    wide = fused_loss.padded_width(width, tiling.split_width)
+    tokens = -(-TOKENS // tiling.token_multiple) * tiling.token_multiple
+    vocab = -(-VOCAB // tiling.vocab_multiple) * tiling.vocab_multiple
+    for row in rows:
+        kernel = row["kernel"].removesuffix("_kernel").removesuffix("_expected")
+        launch = getattr(tiling, kernel)
+        products = 1 if row["kernel"] == "forward_kernel" else 2
+        outer, inner = (vocab, tokens) if kernel == "dw" else (tokens, vocab)
+        row.update(
+            steps=outer // launch.rows * (inner // launch.step),
+            step_flops=2 * launch.rows * launch.step * wide * products,
+            warps=launch.warps,
+        )
+    return rows
+
+
+def flash_rows(width: int, blocks: flash.Blocks | None = None) -> list[dict]:
+    """The flash loss's two Mosaic GPU kernels at d = ``width`` in bfloat16, on TOKENS tokens of
+    VOCAB, compiled for an H100 by XLA's Mosaic GPU pipeline, their PTX dumped and read."""
+    from gpu_aot import h100
+    from jax.sharding import Mesh, NamedSharding, PartitionSpec
+
+    blocks = blocks or flash.Blocks()
+    sharding = NamedSharding(Mesh(h100().devices, ("x",)), PartitionSpec())
+    wide, bf16 = flash.padded_width(width), jnp.bfloat16
+    tokens = -(-TOKENS // blocks.token_multiple) * blocks.token_multiple
+    vocab = -(-VOCAB // blocks.vocab_multiple) * blocks.vocab_multiple
+
+    def struct(*shape, dtype=bf16):
+        return jax.ShapeDtypeStruct(shape, dtype, sharding=sharding)
+
+    h, w, per_token = struct(tokens, wide), struct(vocab, wide), struct(tokens, dtype=jnp.float32)
+    wgs, bq, bkv, bv, bt = (
+        flash.COMPUTE_WGS,
+        blocks.block_q,
+        blocks.block_kv,
+        blocks.block_v,
+        blocks.block_t,
+    )
+    kernels = {
+        "flash_forward": (
+            lambda h, w, w_target: flash.forward_call(h, w, w_target, blocks),
+            (h, w, h),
+            {
+                "steps": tokens // (wgs * bq) * (vocab // bkv),
+                "step_flops": wgs * 2 * 2 * bq * bkv * wide,
+                # h per warpgroup, the vocabulary's tiles in flight, the log-sum-exps.
+                "shared_bytes": wgs * bq * wide * 2 + blocks.stages * bkv * wide * 2 + wgs * bq * 4,
+            },
+        ),
+        "flash_dw": (
+            lambda w, h, lse2, g: flash.dw_call(w, h, lse2, g, blocks),
+            (w, h, per_token, per_token),
+            {
+                "steps": vocab // (wgs * bv) * (tokens // bt),
+                "step_flops": wgs * 2 * 2 * bv * bt * wide,
+                # w per warpgroup, h's tiles (and lse, g) in flight, the float32 out buffer.
+                "shared_bytes": wgs * bv * wide * 2
+                + blocks.stages * (bt * wide * 2 + 2 * bt * 4)
+                + wgs * bv * flash.ROW * 4,
+            },
+        ),
+    }
+    rows = []
+    with tempfile.TemporaryDirectory() as scratch:
+        for name, (function, args, work) in kernels.items():
+            row = {"case": f"flash loss d={width} bfloat16", "kernel": name, **work}
+            row.update(num_warps=4 * (wgs + 1), num_stages=blocks.stages, warps=4 * wgs, d=width)
+            row["fits_h100"] = row["shared_bytes"] <= SHARED_LIMIT
+            folder = Path(scratch) / name
+            folder.mkdir()
+            dumps = {"MOSAIC_GPU_DUMP_TO": str(folder), "MOSAIC_GPU_DUMP_PTX": "1"}
+            os.environ.update(dumps)
+            try:
+                jax.jit(function).lower(*args).compile()
+            except Exception as error:  # a Mosaic GPU compile error: it cannot run as written
+                rows.append({**row, "triton_error": f"{type(error).__name__}: {error}"[:500]})
+                continue
+            finally:
+                for key in dumps:
+                    os.environ.pop(key)
+            (ptx,) = folder.glob("*.ptx")
+            row.update(_ptxas(ptx.read_text(), folder, name))
+            _print_row(row)
+            rows.append(row)
     return rows
 
 
@@ -261,20 +462,54 @@ def print_rows(rows: list[dict]) -> None:
             "yes" if row.get("fits_h100") else "no",
             cell(row, "registers"),
             cell(row, "spill_store_bytes"),
-            cell(row, "spill_load_bytes"),
             cell(row, "stack_frame_bytes"),
+            cell(row, "injected_waits"),
+            " ".join(row.get("mma_shapes", [])) or "-",
+            cell(row, "loop_instructions"),
+            "-" if row.get("estimate_ms") is None else f"{row['estimate_ms']:.2f}",
             (row.get("triton_error") or row.get("ptxas_error") or "")[:60],
         )
         for row in rows
     ]
-    header = ("case", "kernel", "shared KB", "fits", "regs", "spill st B", "spill ld B", "stack B")
+    header = ("case", "kernel", "shared KB", "fits", "regs", "spill st B", "stack B", "waits")
     print_table(
         f"Pallas kernels compiled for sm_90a (an H100 gives a program {SHARED_LIMIT // 1024} KB "
-        "of shared memory)",
-        (*header, "error"),
+        f"of shared memory); estimates at {TOKENS:,} tokens",
+        (*header, "MMA shapes", "loop", "est. ms", "error"),
         table,
         left=2,
     )
+
+
+def gate(rows: list[dict]) -> list[dict]:
+    """Per width, the whole loss's estimate by the Triton kernels that run now (bf16, default
+    tiling) and by the flash kernels, and whether the flash kernels pass the gate for "auto":
+    no spills, no injected waits, every MMA's N >= 64, fits, and a better estimate."""
+    verdicts = []
+    for width in sorted({row["d"] for row in rows if row["case"].startswith("flash")}):
+        now = [r for r in rows if r["case"] == f"loss d={width} bfloat16"]
+        new = [r for r in rows if r["case"] == f"flash loss d={width} bfloat16"]
+        total = lambda group: sum(r.get("estimate_ms") or float("nan") for r in group)  # noqa: E731
+        smallest_n = min(
+            int(re.search(r"n(\d+)", shape).group(1)) for r in new for shape in r["mma_shapes"]
+        )
+        checks = {
+            "no_spills": all(r["spill_store_bytes"] == 0 == r["spill_load_bytes"] for r in new),
+            "no_injected_waits": all(r["injected_waits"] == 0 for r in new),
+            "mma_n_at_least_64": smallest_n >= 64 and all(r["wgmma"] for r in new),
+            "fits": all(r["fits_h100"] for r in new),
+            "faster": total(new) < total(now),
+        }
+        verdict = {"d": width, "now_ms": round(total(now), 2), "flash_ms": round(total(new), 2)}
+        verdicts.append({**verdict, **checks, "passes": all(checks.values())})
+        failed = [name for name, ok in checks.items() if not ok]
+        print(
+            f"d = {width}: the loss now {total(now):.1f} ms (3 Triton kernels), flash "
+            f"{total(new):.1f} ms (2 kernels; dh and the one-hot part are elementwise): "
+            + ("passes the gate" if not failed else f"fails the gate: {', '.join(failed)}"),
+            flush=True,
+        )
+    return verdicts
 
 
 def main(argv=None) -> None:
@@ -298,8 +533,16 @@ def main(argv=None) -> None:
         rows += loss_launch_rows(args.widths[0], jnp.bfloat16, launch_candidates())
     else:
         for width in args.widths:
-            rows += loss_rows(width)
+            rows += loss_rows(width) + flash_rows(width)
+    fit = calibrate(rows)
     print_rows(rows)
+    if fit["cal"] is not None:
+        errors = ", ".join(
+            f"{name} {e['estimate_ms']:.2f} vs {e['measured_ms']:.2f}"
+            for name, e in fit["kernels"].items()
+        )
+        print(f"time model: CAL = {fit['cal']}, fitted to the H200's Triton kernels: {errors}")
+    verdicts = gate(rows) if not args.loss_launches else []
     ptxas = subprocess.run(["ptxas", "--version"], capture_output=True, text=True).stdout
     record = {
         "benchmark": "kernel_resources",
@@ -311,6 +554,8 @@ def main(argv=None) -> None:
         },
         "target": f"sm_{ARCH.replace('.', '')}a",
         "shared_limit_bytes": SHARED_LIMIT,
+        "time_model": {**fit, "tokens": TOKENS, "vocab": VOCAB, "profile": PROFILE.name},
+        "gate": verdicts,
         "rows": rows,
     }
     write_json(args.out, record)

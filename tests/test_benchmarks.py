@@ -85,20 +85,21 @@ def test_gpu_benchmark_parts_write_one_json(tmp_path):
     assert [r["model"] for r in rows] == ["transformer-55k", "transformer-100k"]
     assert rows[0] == planned
     assert second["parts"]["attention"]["skipped"].startswith("cuDNN attention is not used")
-    # The cross-entropy alone: XLA's path timed at both widths and dtypes, the kernels (in
-    # both forms) not run here and saying why.
+    # The cross-entropy alone: XLA's path timed at both widths and dtypes, the kernels (the
+    # Triton ones in both forms, the flash ones) not run here and saying why.
     loss_rows = second["parts"]["loss"]["rows"]
     assert [(r["impl"], r["d"], r["dtype"]) for r in loss_rows] == [
         (impl, d, dtype)
         for d in (48, 204)
         for dtype in ("bfloat16", "float32")
-        for impl in ("xla", "pallas", "pallas, dh from the forward")
+        for impl in ("xla", "pallas", "pallas, dh from the forward", "flash")
     ]
     for r in loss_rows:
         if r["impl"] == "xla":
             assert r["median_ms"] > 0 and r["useful_tflop"] == 6 * 16 * 50257 * r["d"] / 1e12
         else:
-            assert r["skipped"].startswith("this run's devices are cpu")
+            assert "need one NVIDIA GPU" in r["skipped"] or "need NVIDIA GPUs" in r["skipped"]
+            assert r["skipped"].endswith("but this run's devices are cpu (cpu)")
     precision = second["parts"]["precision"]
     assert (precision["model"], precision["steps"]) == ("transformer-55k", 3)
     f32, bf16 = precision["loss_float32"], precision["loss_bfloat16"]
@@ -251,6 +252,7 @@ def test_the_gpu_session_script_runs_its_groups_in_the_budget_and_writes_into_ou
     assert "jax " in (out / "device.txt").read_text()
     log = (out / "gpu.log").read_text()
     groups_named = (
+        "flash",
         "block",
         "loss_tiles",
         "profile",
@@ -261,6 +263,8 @@ def test_the_gpu_session_script_runs_its_groups_in_the_budget_and_writes_into_ou
         assert f"not started, the time budget of 0.001 s being spent: {group}" in log
     record = json.loads((out / "gpu-cpu.json").read_text())
     groups = [
+        ["flash"],  # the flash loss's kernels against XLA's path
+        ["train/lmu", "train/transformer"],  # at 1M with them
         ["train/lmu", "train/transformer", "train/lmu_g"],  # at 1M and 55k
         ["loss_tiles"],
         ["train/lmu"],  # at 1M with the loss as loss_tiles tuned it
