@@ -88,12 +88,15 @@ def measured_ms() -> dict[str, float]:
     return times
 
 
-def model_ms(row: dict) -> float | None:
+def model_ms(row: dict, overlapped: bool = False) -> float | None:
     """The model's uncalibrated time for a row with ``steps`` (program steps in all),
-    ``step_flops`` and ``warps`` (those that issue the loop) and ``loop_instructions``."""
+    ``step_flops`` and ``warps`` (those that issue the loop) and ``loop_instructions``: issue
+    plus MMA clocks, or with ``overlapped`` the longer of the two."""
     if row.get("loop_instructions") is None or "steps" not in row:
         return None
-    clocks = row["loop_instructions"] * row["warps"] / 4 + row["step_flops"] / PEAK_PER_SM_CLOCK
+    issue = row["loop_instructions"] * row["warps"] / 4
+    mma = row["step_flops"] / PEAK_PER_SM_CLOCK
+    clocks = max(issue, mma) if overlapped else issue + mma
     return row["steps"] / SMS * clocks / CLOCK * 1e3
 
 
@@ -113,6 +116,10 @@ def calibrate(rows: list[dict]) -> dict:
     for row in rows:
         raw = model_ms(row)
         row["estimate_ms"] = None if raw is None else round(raw * cal, 2)
+        if raw is not None and row["case"].startswith("flash"):
+            # Warp-specialised: its MMAs run while the other warpgroup issues, so the longer
+            # of the two bounds it from below (the sum, above, from above).
+            row["overlapped_ms"] = round(model_ms(row, overlapped=True) * cal, 2)
     errors = {
         row["kernel"]: {"measured_ms": want, "estimate_ms": row["estimate_ms"]}
         for row, want in fitted
@@ -206,30 +213,30 @@ def _ptxas(ptx: str, folder: Path, name: str) -> dict:
 
 
 def main_loop_length(sass: str) -> int | None:
-    """The instructions of the longest loop in ``nvdisasm -c`` output: the span from a label
-    back to which a branch jumps, to that branch (the kernel's main loop)."""
-    addresses, labels, pending, longest = [], {}, None, None
+    """The instructions of the main loop in ``nvdisasm -c`` output: the shortest span from a
+    label back to which a branch jumps, to that branch, that holds a tensor-core product
+    (HGMMA, or HMMA on the Ampere path). The shortest, since a barrier's retry code placed
+    after the loop branches back across all of it."""
+    found, labels, pending, spans = [], {}, None, []
     for line in sass.splitlines():
         text = line.strip()
         label = re.match(r"\.L_x_(\d+):", text)
         if label:
             pending = label.group(1)
             continue
-        found = re.match(r"/\*([0-9a-f]{4,})\*/\s+(.*?);", text)
-        if not found:
+        instruction = re.match(r"/\*([0-9a-f]{4,})\*/\s+(.*?);", text)
+        if not instruction:
             continue
-        address = int(found.group(1), 16)
-        addresses.append(address)
+        address = int(instruction.group(1), 16)
+        found.append((address, instruction.group(2)))
         if pending is not None:
             labels[pending], pending = address, None
-        branch = re.search(r"BRA.*\.L_x_(\d+)", found.group(2))
+        branch = re.search(r"BRA.*\.L_x_(\d+)", instruction.group(2))
         if branch and labels.get(branch.group(1), address) < address:
-            span = (labels[branch.group(1)], address)
-            if longest is None or span[1] - span[0] > longest[1] - longest[0]:
-                longest = span
-    if longest is None:
-        return None
-    return sum(longest[0] <= address <= longest[1] for address in addresses)
+            spans.append((labels[branch.group(1)], address))
+    loops = [[text for address, text in found if start <= address <= end] for start, end in spans]
+    loops = [body for body in loops if any(re.search(r"\bH[G]?MMA", text) for text in body)]
+    return min(map(len, loops)) if loops else None
 
 
 def compile_rows(label: str, function, args, launch) -> list[dict]:
@@ -500,12 +507,15 @@ def gate(rows: list[dict]) -> list[dict]:
             "fits": all(r["fits_h100"] for r in new),
             "faster": total(new) < total(now),
         }
+        overlapped = round(sum(r.get("overlapped_ms") or float("nan") for r in new), 2)
         verdict = {"d": width, "now_ms": round(total(now), 2), "flash_ms": round(total(new), 2)}
+        verdict["flash_overlapped_ms"] = overlapped
         verdicts.append({**verdict, **checks, "passes": all(checks.values())})
         failed = [name for name, ok in checks.items() if not ok]
         print(
             f"d = {width}: the loss now {total(now):.1f} ms (3 Triton kernels), flash "
-            f"{total(new):.1f} ms (2 kernels; dh and the one-hot part are elementwise): "
+            f"{total(new):.1f} ms (2 kernels, {overlapped:.1f} overlapped; dh and the one-hot "
+            "part are elementwise): "
             + ("passes the gate" if not failed else f"fails the gate: {', '.join(failed)}"),
             flush=True,
         )

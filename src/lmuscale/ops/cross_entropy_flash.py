@@ -13,7 +13,8 @@ kernels, four logits-sized products, no atomics:
   attention's dK kernel): ``Sᵀ = w hᵀ``, ``dSᵀ = g exp(Sᵀ - lse)``, ``dw += dSᵀ h``; the one-hot
   part, ``-g h`` on each target's row, is a scatter-add outside.
 
-The width is padded to a multiple of 64 (the swizzled tiles' row) with one extra column that
+The width is padded to a multiple of 16 (a product's K step; 204 as 208, whose rows take a
+32-byte swizzle, not 256 with a 128-byte one) with one extra column that
 replaces a mask on every logit: h's is 1, w's is 0 on real rows and ``PAD_LOGIT`` on the rows
 that pad the vocabulary to whole tiles. Tokens are padded with h = 0 and a zero cotangent.
 
@@ -45,7 +46,7 @@ from jax.sharding import PartitionSpec as P
 LOG2E = math.log2(math.e)
 PAD_LOGIT = -1e30  # a padded row's logit: its exp is 0, and 0 times it is 0 (not inf's NaN)
 COMPUTE_WGS = 2  # compute warpgroups a program; one more loads
-ROW = 64  # the width is padded to a multiple of this: 128-byte swizzled rows of bf16
+ROW = 16  # the width is padded to a multiple of this: a product's K step, 32 bytes of bf16
 MEMORY_REGISTERS = 40  # the loading warpgroup's registers, as JAX's own Hopper kernels give it
 MODES = ("gpu", "interpret", "blocked")
 
@@ -81,14 +82,18 @@ class Blocks:
 
 
 def padded_width(width: int) -> int:
-    """d and the padding column, rounded up to a multiple of ROW: 204 -> 256, 48 -> 64."""
+    """d and the padding column, rounded up to a multiple of ROW: 204 -> 208, 48 -> 64."""
     return -(-(width + 1) // ROW) * ROW
 
 
-def _tiles(dtype):
-    """Shared-memory tiles of 128-byte swizzled rows, as the tensor cores read them."""
-    row = plgpu.TilingTransform((8, 128 // jnp.dtype(dtype).itemsize))
-    return row, plgpu.SwizzleTransform(128)
+def _tiles(dtype, wide: int):
+    """Shared-memory tiles of rows of ``wide`` elements, as the tensor cores read them: swizzled
+    by the largest of 128, 64 or 32 bytes that divides a row."""
+    row = wide * jnp.dtype(dtype).itemsize
+    swizzle = next(size for size in (128, 64, 32) if row % size == 0)
+    return plgpu.TilingTransform((8, swizzle // jnp.dtype(dtype).itemsize)), plgpu.SwizzleTransform(
+        swizzle
+    )
 
 
 def _product(a, b_ref, *, transpose_b: bool, interpret, acc=None):
@@ -123,7 +128,7 @@ def forward_call(h_NxD, w_VxD, w_target_NxD, blocks: Blocks, interpret=None):
     """The forward kernel on padded operands: ``(E_p[w] - w_target`` (N', D') in h's dtype,
     ``lse`` (N',) float32, natural log)."""
     (n, wide), vocab, dtype = h_NxD.shape, w_VxD.shape[0], h_NxD.dtype
-    block_q, block_kv, tiles = blocks.block_q, blocks.block_kv, _tiles(dtype)
+    block_q, block_kv, tiles = blocks.block_q, blocks.block_kv, _tiles(dtype, wide)
 
     def kernel(h_ref, w_ref, w_target_ref, out_ref, lse_ref, h_smem2, lse_smem2, loaded):
         wg = lax.axis_index("wg")
@@ -199,8 +204,9 @@ def dw_call(w_VxD, h_NxD, lse2_N, g_N, blocks: Blocks, interpret=None):
     """The dw kernel on padded operands: ``sum_t g_t softmax_t[v] h_t``, (V', D') float32
     (``lse2_N``: the log-sum-exp in base 2)."""
     (vocab, wide), n, dtype = w_VxD.shape, h_NxD.shape[0], h_NxD.dtype
-    block_v, block_t, columns = blocks.block_v, blocks.block_t, ROW
-    out_tiles = _tiles(jnp.float32)
+    block_v, block_t, tiles = blocks.block_v, blocks.block_t, _tiles(dtype, wide)
+    columns = next(size for size in (64, 32, 16) if wide % size == 0)
+    out_tiles = _tiles(jnp.float32, columns)
 
     def kernel(w_ref, h_ref, lse2_ref, g_ref, dw_ref, w_smem2, out_smem2, loaded):
         wg = lax.axis_index("wg")
@@ -211,7 +217,7 @@ def dw_call(w_VxD, h_NxD, lse2_N, g_N, blocks: Blocks, interpret=None):
             plgpu.copy_gmem_to_smem(w_ref.at[pl.ds(first, block_v)], w_smem, barrier)
             plgpu.barrier_wait(barrier)
             dw = pipeline(_laid_out(jnp.zeros((block_v, wide), jnp.float32), plgpu.Layout.WGMMA))
-            # Written a ROW of columns at a time, through one small float32 buffer.
+            # Written ``columns`` at a time, through one small float32 buffer.
             for start in range(0, wide, columns):
                 out_smem[...] = dw[:, start : start + columns]
                 plgpu.commit_smem()
@@ -238,7 +244,7 @@ def dw_call(w_VxD, h_NxD, lse2_N, g_N, blocks: Blocks, interpret=None):
             wg_axis="wg",
             compute_context=compute,
             in_specs=[
-                plgpu.BlockSpec((block_t, wide), lambda i: (i, 0), transforms=_tiles(dtype)),
+                plgpu.BlockSpec((block_t, wide), lambda i: (i, 0), transforms=tiles),
                 per_token,
                 per_token,
             ],
@@ -248,7 +254,7 @@ def dw_call(w_VxD, h_NxD, lse2_N, g_N, blocks: Blocks, interpret=None):
         kernel,
         out_type=jax.ShapeDtypeStruct((vocab, wide), jnp.float32),
         scratch_types=[
-            plgpu.SMEM((COMPUTE_WGS, block_v, wide), dtype, transforms=_tiles(dtype)),
+            plgpu.SMEM((COMPUTE_WGS, block_v, wide), dtype, transforms=tiles),
             plgpu.SMEM((COMPUTE_WGS, block_v, columns), jnp.float32, transforms=out_tiles),
             plgpu.Barrier(num_barriers=COMPUTE_WGS),
         ],
