@@ -2,20 +2,22 @@
 
 Each op's reference is plain JAX with its custom VJP; a fused GPU kernel (Pallas) stands beside
 it where one has been written:
-- ``cross_entropy``: XLA's chunked loss; ``cross_entropy_pallas``: the fused kernels, whose
-  logits never leave the chip (``model.loss_impl``);
+- ``cross_entropy``: XLA's chunked loss; ``cross_entropy_pallas``: the fused Triton kernels,
+  whose logits never leave the chip; ``cross_entropy_flash``: the loss as flash attention over
+  the vocabulary, two Mosaic GPU kernels for Hopper (``model.loss_impl``);
 - ``implicit_attention``: the LMU's implicit self-attention and ``gelu`` in XLA, in the layout
   the chunk products write Q, K and V on a CPU ("steps-last") or on a GPU ("channels-last");
   no kernels in this version (``model.memory_impl``);
 - ``attention``: causal attention, XLA's or cuDNN's flash attention.
 
-A config's switch is "auto", "xla" or "pallas": "pallas" runs the kernels or is refused by
-name; "auto" takes them only on a device kind, in a compute dtype, where a committed benchmark
-measured them faster than XLA (``Switch.faster``). ``resolve`` decides every op once per run
-from the model config and the devices, into an ``Impls`` that the run logs, writes to
-plan.json and summary.json, and passes to the model (``models.build``): no op, layer or model
-chooses for itself. The kernels are written for Pallas's Triton lowering: one NVIDIA GPU of
-compute capability >= 8.0.
+A config's switch is "auto", "xla", or a kernel family's name ("pallas"; the loss's "flash"
+too): a family runs or is refused by name; "auto" takes one only on a device kind, in a compute
+dtype, where a committed benchmark measured it faster than XLA (``Kernels.faster``).
+``resolve`` decides every op once per run from the model config and the devices, into an
+``Impls`` that the run logs, writes to plan.json and summary.json, and passes to the model
+(``models.build``): no op, layer or model chooses for itself. The Triton kernels need one
+NVIDIA GPU of compute capability >= 8.0; the flash kernels compute capability 9.0, one GPU or
+several (each on its share of the batch).
 """
 
 from __future__ import annotations
@@ -280,6 +282,18 @@ def unsupported_reason(
     if len(devices) > 1 and not sharded:
         return f"this run has {len(devices)} devices, and the kernels are not partitioned"
     return None
+
+
+def check_operands(h_BxTxD, w_VxD, targets_BxT) -> None:
+    """A ValueError unless h is (B, T, D), w (V, D) with V > 0, and targets (B, T): the
+    cross-entropy kernels' operands."""
+    if h_BxTxD.shape[:-1] != targets_BxT.shape or h_BxTxD.shape[-1] != w_VxD.shape[-1]:
+        raise ValueError(
+            f"h {h_BxTxD.shape}, w {w_VxD.shape} and targets {targets_BxT.shape} do not fit: "
+            "h is (B, T, D), w (V, D), targets (B, T)"
+        )
+    if w_VxD.shape[0] == 0:
+        raise ValueError(f"w {w_VxD.shape} has no rows: the vocabulary is empty")
 
 
 def lowered_for_cuda(function, *args, device_kind: str = CUDA_TARGET):

@@ -43,6 +43,8 @@ from jax.experimental.pallas import mosaic_gpu as plgpu
 from jax.sharding import Mesh
 from jax.sharding import PartitionSpec as P
 
+from lmuscale.ops import check_operands
+
 LOG2E = math.log2(math.e)
 PAD_LOGIT = -1e30  # a padded row's logit: its exp is 0, and 0 times it is 0 (not inf's NaN)
 COMPUTE_WGS = 2  # compute warpgroups a program; one more loads
@@ -125,8 +127,8 @@ def _laid_out(value, layout):
 
 
 def forward_call(h_NxD, w_VxD, w_target_NxD, blocks: Blocks, interpret=None):
-    """The forward kernel on padded operands: ``(E_p[w] - w_target`` (N', D') in h's dtype,
-    ``lse`` (N',) float32, natural log)."""
+    """The forward kernel on padded operands: (``E_p[w] - w_target``, (N', D') in h's dtype;
+    ``lse``, (N',) float32, natural log)."""
     (n, wide), vocab, dtype = h_NxD.shape, w_VxD.shape[0], h_NxD.dtype
     block_q, block_kv, tiles = blocks.block_q, blocks.block_kv, _tiles(dtype, wide)
 
@@ -362,13 +364,7 @@ def cross_entropy(
     would take float32 as TF32); the other ``mode``s run any float dtype. With a ``mesh``, the
     kernels run on each device's share of the batch (``batch_axes`` of the mesh split h and the
     targets' first axis), w replicated; w's gradient is summed over those axes."""
-    if h_BxTxD.shape[:-1] != targets_BxT.shape or h_BxTxD.shape[-1] != w_VxD.shape[-1]:
-        raise ValueError(
-            f"h {h_BxTxD.shape}, w {w_VxD.shape} and targets {targets_BxT.shape} do not fit: "
-            "h is (B, T, D), w (V, D), targets (B, T)"
-        )
-    if w_VxD.shape[0] == 0:
-        raise ValueError(f"w {w_VxD.shape} has no rows: the vocabulary is empty")
+    check_operands(h_BxTxD, w_VxD, targets_BxT)
     if mode not in MODES:
         raise ValueError(f"the flash kernels' mode must be one of {MODES}, got {mode!r}")
     half = jnp.dtype(h_BxTxD.dtype) in (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))

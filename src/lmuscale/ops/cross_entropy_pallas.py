@@ -28,6 +28,8 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pl_triton
 
+from lmuscale.ops import check_operands
+
 # Tiles on a GPU (``default_tiling``), not yet tuned on a device: one tile of an operand is at
 # most TILE_BYTES. At d = 204 (padded to 256) in bf16 that is 64 x 256, whose float32
 # accumulators are 64 registers a thread over 8 warps, as flash attention takes at head width
@@ -337,13 +339,7 @@ def cross_entropy(
     ``tiling``: the kernels' tiles and launches (None: ``default_tiling``); ``dh_from_forward``:
     dh from the forward's expected embeddings, without the dh kernel (``tiling.dh`` then
     launches nothing, though it is checked and counts in the padding)."""
-    if h_BxTxD.shape[:-1] != targets_BxT.shape or h_BxTxD.shape[-1] != w_VxD.shape[-1]:
-        raise ValueError(
-            f"h {h_BxTxD.shape}, w {w_VxD.shape} and targets {targets_BxT.shape} do not fit: "
-            "h is (B, T, D), w (V, D), targets (B, T)"
-        )
-    if w_VxD.shape[0] == 0:
-        raise ValueError(f"w {w_VxD.shape} has no rows: the vocabulary is empty")
+    check_operands(h_BxTxD, w_VxD, targets_BxT)
     if tiling is None:
         tiling = default_tiling(h_BxTxD.shape[-1], h_BxTxD.dtype)
     tiling.check(interpret)
