@@ -55,6 +55,7 @@ HEAVIEST_FIRST = (
     "test_train_multiprocess",
     "test_tasks",
     "test_cross_entropy",
+    "test_cross_entropy_flash",
     "test_ops",
     "test_roles",
     "test_train_sharding",

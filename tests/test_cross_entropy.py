@@ -79,11 +79,15 @@ def test_losses_and_weighted_gradients_equal_a_float64_softmax(shape, tiles):
     batch, length = shape[:2]
     h, w, targets = inputs(*shape)
     weights = np.random.default_rng(9).uniform(-1.0, 2.0, (batch, length)).astype(np.float32)
-    losses, pullback = jax.vjp(lambda h, w: pallas.cross_entropy(h, w, targets, **tiles), h, w)
+
+    def losses_and_pullback(h, w, weights):  # one compiled program
+        losses, pullback = jax.vjp(lambda h, w: pallas.cross_entropy(h, w, targets, **tiles), h, w)
+        return losses, *pullback(weights)
+
+    losses, dh, dw = jax.jit(losses_and_pullback)(h, w, jnp.asarray(weights))
     assert losses.shape == (batch, length) and losses.dtype == jnp.float32
     np.testing.assert_allclose(losses, reference_cross_entropy(h, w, targets), rtol=2e-6)
     # Per-position weights of either sign: exact for dw too (the XLA path's dw is NaN here).
-    dh, dw = pullback(jnp.asarray(weights))
     want_dh, want_dw = reference_gradients(h, w, targets, weights)
     for got, want in ((dh, want_dh), (dw, want_dw)):
         assert got.dtype == jnp.float32 and got.shape == want.shape
@@ -94,7 +98,7 @@ def test_the_kernels_equal_the_xla_path_for_a_mean_loss():
     h, w, targets = inputs(2, 13, 24, 70, seed=3)
 
     def mean(loss_fn):
-        return jax.value_and_grad(lambda h, w: loss_fn(h, w, targets).mean(), (0, 1))(h, w)
+        return jax.jit(jax.value_and_grad(lambda h, w: loss_fn(h, w, targets).mean(), (0, 1)))(h, w)
 
     got = mean(lambda h, w, t: fused(h, w, t, tiling=Tiling.shared(8, 32)))
     want = mean(lambda h, w, t: xla_or_fused(h, w, t, chunk=5, impl="xla"))
@@ -111,7 +115,7 @@ def test_bfloat16_activations_match_the_xla_path_to_bfloat16_rounding(dh_from_fo
     h, w, targets = inputs(2, 9, 40, 2000, seed=4, dtype=jnp.bfloat16)
 
     def mean(loss_fn):
-        return jax.value_and_grad(lambda h, w: loss_fn(h, w, targets).mean(), (0, 1))(h, w)
+        return jax.jit(jax.value_and_grad(lambda h, w: loss_fn(h, w, targets).mean(), (0, 1)))(h, w)
 
     (loss, (dh, dw)) = mean(functools.partial(fused, dh_from_forward=dh_from_forward))
     (xla_loss, (xla_dh, xla_dw)) = mean(lambda h, w, t: xla_or_fused(h, w, t, impl="xla"))

@@ -234,7 +234,7 @@ def test_a_model_given_a_kernel_loss_runs_the_kernels_and_equals_xla(kernels):
             return model.apply(p, given, targets, method=model.loss)[0]
 
         programs[impl] = str(jax.make_jaxpr(jax.value_and_grad(loss))(params))
-        results[impl] = jax.value_and_grad(loss)(params)
+        results[impl] = jax.jit(jax.value_and_grad(loss))(params)
     marker = {"pallas": "pallas_call", "flash": "copy_gmem_to_smem"}[kernels]  # a TMA copy
     assert marker in programs[kernels] and marker not in programs["xla"]
     np.testing.assert_allclose(results[kernels][0], results["xla"][0], rtol=1e-6)
