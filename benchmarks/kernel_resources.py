@@ -497,14 +497,16 @@ def gate(rows: list[dict]) -> list[dict]:
         now = [r for r in rows if r["case"] == f"loss d={width} bfloat16"]
         new = [r for r in rows if r["case"] == f"flash loss d={width} bfloat16"]
         total = lambda group: sum(r.get("estimate_ms") or float("nan") for r in group)  # noqa: E731
-        smallest_n = min(
-            int(re.search(r"n(\d+)", shape).group(1)) for r in new for shape in r["mma_shapes"]
-        )
-        checks = {
-            "no_spills": all(r["spill_store_bytes"] == 0 == r["spill_load_bytes"] for r in new),
-            "no_injected_waits": all(r["injected_waits"] == 0 for r in new),
-            "mma_n_at_least_64": smallest_n >= 64 and all(r["wgmma"] for r in new),
-            "fits": all(r["fits_h100"] for r in new),
+        shapes = [shape for r in new for shape in r.get("mma_shapes", [])]
+        smallest_n = min((int(re.search(r"n(\d+)", s).group(1)) for s in shapes), default=0)
+        checks = {  # a kernel that failed to compile has none of these counts: it fails
+            "compiled": len(new) == 2 and all("registers" in r for r in new),
+            "no_spills": all(
+                r.get("spill_store_bytes") == 0 == r.get("spill_load_bytes") for r in new
+            ),
+            "no_injected_waits": all(r.get("injected_waits") == 0 for r in new),
+            "mma_n_at_least_64": smallest_n >= 64 and all(r.get("wgmma") for r in new),
+            "fits": all(r.get("fits_h100") for r in new),
             "faster": total(new) < total(now),
         }
         overlapped = round(sum(r.get("overlapped_ms") or float("nan") for r in new), 2)
