@@ -15,8 +15,9 @@ kernels, four logits-sized products, no atomics:
 
 The width is padded to a multiple of 16 (a product's K step; 204 as 208, whose rows take a
 32-byte swizzle, not 256 with a 128-byte one) with one extra column that
-replaces a mask on every logit: h's is 1, w's is 0 on real rows and ``PAD_LOGIT`` on the rows
-that pad the vocabulary to whole tiles. Tokens are padded with h = 0 and a zero cotangent.
+replaces a mask on every logit: h's is 1, w's is 0 on real rows and half the dtype's most
+negative number (``PAD_LOGIT``) on the rows that pad the vocabulary to whole tiles. Tokens
+are padded with h = 0 and a zero cotangent.
 
 ``mode``: "gpu" compiles the kernels for an NVIDIA GPU (Hopper: they use its ``wgmma``
 products and TMA copies); "interpret" runs them on a CPU in Pallas's Mosaic GPU interpreter
@@ -46,7 +47,9 @@ from jax.sharding import PartitionSpec as P
 from lmuscale.ops import check_operands
 
 LOG2E = math.log2(math.e)
-PAD_LOGIT = -1e30  # a padded row's logit: its exp is 0, and 0 times it is 0 (not inf's NaN)
+# A padded row's logit, as a fraction of the dtype's largest number: finite (0 times it is 0,
+# not inf's NaN), and times log2 e still finite in float32; its exp is 0.
+PAD_LOGIT = -0.5
 COMPUTE_WGS = 2  # compute warpgroups a program; one more loads
 ROW = 16  # the width is padded to a multiple of this: a product's K step, 32 bytes of bf16
 MEMORY_REGISTERS = 40  # the loading warpgroup's registers, as JAX's own Hopper kernels give it
@@ -339,7 +342,8 @@ def operands(h_BxTxD, w_VxD, targets_BxT, blocks: Blocks):
     h_NxD = jnp.concatenate([h_BxTxD.reshape(count, width), ones_N], axis=1)
     h_NxD = jnp.pad(h_NxD, ((0, -count % blocks.token_multiple), (0, wide - width - 1)))
     rows = vocab + -vocab % blocks.vocab_multiple
-    pad_V = jnp.where(jnp.arange(rows) < vocab, 0.0, PAD_LOGIT).astype(dtype)[:, None]
+    pad_logit = PAD_LOGIT * float(jnp.finfo(dtype).max)
+    pad_V = jnp.where(jnp.arange(rows) < vocab, 0.0, pad_logit).astype(dtype)[:, None]
     w_VxD = jnp.pad(w_VxD.astype(dtype), ((0, rows - vocab), (0, 0)))
     w_VxD = jnp.pad(jnp.concatenate([w_VxD, pad_V], axis=1), ((0, 0), (0, wide - width - 1)))
     targets_N = targets_BxT.reshape(count).astype(jnp.int32)
