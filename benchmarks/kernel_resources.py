@@ -408,8 +408,13 @@ def flash_rows(width: int, blocks: flash.Blocks | None = None) -> list[dict]:
             finally:
                 for key in dumps:
                     os.environ.pop(key)
-            (ptx,) = folder.glob("*.ptx")
-            row.update(_ptxas(ptx.read_text(), folder, name))
+            dumped = sorted(folder.glob("*.ptx"))
+            if not dumped:  # XLA reused a kernel this process compiled before: no new dump
+                rows.append(
+                    {**row, "ptxas_error": "no PTX dumped: compiled earlier in this process"}
+                )
+                continue
+            row.update(_ptxas(dumped[0].read_text(), folder, name))
             _print_row(row)
             rows.append(row)
     return rows
