@@ -94,11 +94,9 @@ def padded_width(width: int) -> int:
 def _tiles(dtype, wide: int):
     """Shared-memory tiles of rows of ``wide`` elements, as the tensor cores read them: swizzled
     by the largest of 128, 64 or 32 bytes that divides a row."""
-    row = wide * jnp.dtype(dtype).itemsize
-    swizzle = next(size for size in (128, 64, 32) if row % size == 0)
-    return plgpu.TilingTransform((8, swizzle // jnp.dtype(dtype).itemsize)), plgpu.SwizzleTransform(
-        swizzle
-    )
+    itemsize = jnp.dtype(dtype).itemsize
+    swizzle = next(size for size in (128, 64, 32) if wide * itemsize % size == 0)
+    return plgpu.TilingTransform((8, swizzle // itemsize)), plgpu.SwizzleTransform(swizzle)
 
 
 def _product(a, b_ref, *, transpose_b: bool, interpret, acc=None):
@@ -125,10 +123,6 @@ def _row_vector(ref, interpret):
     return ref[...] if interpret else plgpu.load(ref, (), layout=plgpu.Layout.WGMMA.reduce(0))
 
 
-def _laid_out(value, layout):
-    return plgpu.layout_cast(value, layout)
-
-
 def forward_call(h_NxD, w_VxD, w_target_NxD, blocks: Blocks, interpret=None):
     """The forward kernel on padded operands: (``E_p[w] - w_target``, (N', D') in h's dtype;
     ``lse``, (N',) float32, natural log)."""
@@ -145,9 +139,9 @@ def forward_call(h_NxD, w_VxD, w_target_NxD, blocks: Blocks, interpret=None):
             plgpu.barrier_wait(barrier)
             per_token = plgpu.Layout.WGMMA.reduce(1)
             start = (
-                _laid_out(jnp.zeros((block_q, wide), jnp.float32), plgpu.Layout.WGMMA),
-                _laid_out(jnp.full((block_q,), -jnp.inf, jnp.float32), per_token),
-                _laid_out(jnp.zeros((block_q,), jnp.float32), per_token),
+                plgpu.layout_cast(jnp.zeros((block_q, wide), jnp.float32), plgpu.Layout.WGMMA),
+                plgpu.layout_cast(jnp.full((block_q,), -jnp.inf, jnp.float32), per_token),
+                plgpu.layout_cast(jnp.zeros((block_q,), jnp.float32), per_token),
             )
             expected, max2, total = pipeline(start)
             # h is read no more: its buffer takes the target rows, then the output.
@@ -221,7 +215,9 @@ def dw_call(w_VxD, h_NxD, lse2_N, g_N, blocks: Blocks, interpret=None):
             w_smem, out_smem, barrier = w_smem2.at[wg], out_smem2.at[wg], loaded.at[wg]
             plgpu.copy_gmem_to_smem(w_ref.at[pl.ds(first, block_v)], w_smem, barrier)
             plgpu.barrier_wait(barrier)
-            dw = pipeline(_laid_out(jnp.zeros((block_v, wide), jnp.float32), plgpu.Layout.WGMMA))
+            dw = pipeline(
+                plgpu.layout_cast(jnp.zeros((block_v, wide), jnp.float32), plgpu.Layout.WGMMA)
+            )
             # Written ``columns`` at a time, through one small float32 buffer.
             for start in range(0, wide, columns):
                 out_smem[...] = dw[:, start : start + columns]
