@@ -73,6 +73,10 @@ TOKENS, VOCAB = 64 * 1024, 50257  # one micro-batch of the paper's runs, GPT-2's
 PROFILE = Path(__file__).parent / "results" / "profile-lmu-1M-nvidia-h200-2026-11-28.json.gz"
 ARCH = "9.0"  # the H100's compute capability; ptxas takes sm_90a, the features Triton uses
 PTXAS_SECONDS = 900
+# The fewest instructions a logit can take, per thread, in the two flash kernels: the forward's
+# scale-and-subtract FMA, exp2, add to the sum, max, and half a bf16 pack; dw's FMA, exp2, and
+# half a pack (its cotangent folded into h). What ``floor_ms`` charges.
+FLOOR_INSTRUCTIONS = 4.5 + 2.5
 
 
 def measured_ms() -> dict[str, float]:
@@ -98,6 +102,18 @@ def model_ms(row: dict, overlapped: bool = False) -> float | None:
     mma = row["step_flops"] / PEAK_PER_SM_CLOCK
     clocks = max(issue, mma) if overlapped else issue + mma
     return row["steps"] / SMS * clocks / CLOCK * 1e3
+
+
+def floor_ms(width: int, cal: float, overlapped: bool = False) -> float:
+    """The model's time for the flash loss at ``width`` if its kernels issued nothing but
+    ``FLOOR_INSTRUCTIONS`` per logit and ran the four products at the width rounded up only to
+    the MMA's K step (16, no padding column): a bound below anything the kernels can reach,
+    however written. The sum of issue and MMA clocks, or with ``overlapped`` the longer."""
+    logits = TOKENS * VOCAB
+    issue = logits * FLOOR_INSTRUCTIONS / (4 * 32)  # 4 schedulers of 32 lanes an SM clock
+    mma = 4 * 2 * logits * -(-width // 16) * 16 / PEAK_PER_SM_CLOCK
+    clocks = max(issue, mma) if overlapped else issue + mma
+    return clocks / SMS / CLOCK * cal * 1e3
 
 
 def calibrate(rows: list[dict]) -> dict:
@@ -493,10 +509,11 @@ def print_rows(rows: list[dict]) -> None:
     )
 
 
-def gate(rows: list[dict]) -> list[dict]:
+def gate(rows: list[dict], cal: float) -> list[dict]:
     """Per width, the whole loss's estimate by the Triton kernels that run now (bf16, default
     tiling) and by the flash kernels, and whether the flash kernels pass the gate for "auto":
-    no spills, no injected waits, every MMA's N >= 64, fits, and a better estimate."""
+    no spills, no injected waits, every MMA's N >= 64, fits, and a better estimate; and the
+    floor no flash kernel can beat (``floor_ms``, at calibration ``cal``)."""
     verdicts = []
     for width in sorted({row["d"] for row in rows if row["case"].startswith("flash")}):
         now = [r for r in rows if r["case"] == f"loss d={width} bfloat16"]
@@ -517,13 +534,16 @@ def gate(rows: list[dict]) -> list[dict]:
         overlapped = round(sum(r.get("overlapped_ms") or float("nan") for r in new), 2)
         verdict = {"d": width, "now_ms": round(total(now), 2), "flash_ms": round(total(new), 2)}
         verdict["flash_overlapped_ms"] = overlapped
+        floor = (round(floor_ms(width, cal), 2), round(floor_ms(width, cal, overlapped=True), 2))
+        verdict["floor_ms"], verdict["floor_overlapped_ms"] = floor
         verdicts.append({**verdict, **checks, "passes": all(checks.values())})
         failed = [name for name, ok in checks.items() if not ok]
         print(
             f"d = {width}: the loss now {total(now):.1f} ms (3 Triton kernels), flash "
             f"{total(new):.1f} ms (2 kernels, {overlapped:.1f} overlapped; dh and the one-hot "
             "part are elementwise): "
-            + ("passes the gate" if not failed else f"fails the gate: {', '.join(failed)}"),
+            + ("passes the gate" if not failed else f"fails the gate: {', '.join(failed)}")
+            + f"; no flash kernel can beat {floor[0]:.2f} ms ({floor[1]:.2f} overlapped)",
             flush=True,
         )
     return verdicts
@@ -559,7 +579,7 @@ def main(argv=None) -> None:
             for name, e in fit["kernels"].items()
         )
         print(f"time model: CAL = {fit['cal']}, fitted to the H200's Triton kernels: {errors}")
-    verdicts = gate(rows) if not args.loss_launches else []
+    verdicts = gate(rows, fit["cal"]) if not args.loss_launches and fit["cal"] else []
     ptxas = subprocess.run(["ptxas", "--version"], capture_output=True, text=True).stdout
     record = {
         "benchmark": "kernel_resources",
