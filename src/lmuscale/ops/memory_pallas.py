@@ -1,0 +1,185 @@
+"""The LMU layer's fused Pallas kernels (Triton lowering): what lies between its chunk products.
+
+The chunk products stay matrix products in XLA (``lmu.chunk_product``); these kernels replace
+the small operations around them (``../shared/PERF.md`` §4, "M1"). So far, the state kernel
+(``linear_recurrence``): the state passing ``m_{j+1} = Abar^c m_j + e_j`` from ``m_0 = 0``
+over the J chunks, with the state on chip in float32, one program per (sequence, block of
+``CHANNEL_BLOCK`` channels), writing every carried state ``m_j``, the rows of the chunk
+product's operand that read the past (``chunk_operand``). The chunk ends ``e_j = sum_s
+H[c-1-s] u_{j,s}`` are one matrix product in XLA before it. Its gradient is the same kernel
+run backwards with ``Abar^cᵀ``: ``g_j = dm_j + Abar^cᵀ g_{j+1}``, and ``de_j = g_{j+1}``.
+
+The order is padded to a multiple of 16 and held in parts of at most ``PART`` (220 as 64 + 64 +
+64 + 32; Triton's arrays are powers of two); channels are padded to whole blocks, with zeros,
+which change no state. A bf16 model's exact products ("bf16x3") run as three bfloat16 passes;
+float32 products ("highest") as one. ``interpret=True`` runs the kernel on any backend (the
+tests, on CPU).
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax import lax
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import triton as pl_triton
+
+from lmuscale import lmu
+from lmuscale.ops.cross_entropy_pallas import padded_width, width_parts
+
+CHANNEL_BLOCK = 16  # channels a program holds: its state is 16 x q float32
+PART = 64  # the most of the order one product takes: a 128-wide tile of power spills
+WARPS = 8
+STAGES = 1
+
+
+def _split(x_f32):
+    """``(high, low)`` in bfloat16 with ``high + low`` = x to about 17 bits: high is x rounded
+    to its top 16 bits (a bfloat16 exactly), low the rest. By bit masks, which no compiler removes,
+    where a round trip through bfloat16 is removed as excess precision (XLA's CPU backend did,
+    in interpret mode)."""
+    bits = lax.bitcast_convert_type(x_f32, jnp.uint32) + jnp.uint32(0x8000)
+    bits = bits & jnp.uint32(0xFFFF0000)
+    high = lax.bitcast_convert_type(bits, jnp.float32)
+    return high.astype(jnp.bfloat16), (x_f32 - high).astype(jnp.bfloat16)
+
+
+def _tile_product(state, power_ref, rows, columns, split: bool):
+    """``state @ power[rows, columns]`` in float32 or wider: with ``split``, power is stacked
+    (hi, lo) in bfloat16 and the product is three bfloat16 passes (hi hi + hi lo + lo hi, as
+    XLA's BF16_BF16_F32_X3), else one at the highest precision."""
+    product = functools.partial(
+        lax.dot_general,
+        dimension_numbers=(((1,), (0,)), ((), ())),
+        preferred_element_type=state.dtype,
+    )
+    if not split:
+        return product(state, power_ref[0, rows, columns], precision=lax.Precision.HIGHEST)
+    high, low = _split(state)
+    power_high, power_low = power_ref[0, rows, columns], power_ref[1, rows, columns]
+    return product(high, power_high) + product(high, power_low) + product(low, power_high)
+
+
+def _recurrence_kernel(x_ref, power_ref, zero_ref, out_ref, *, parts, split, reverse):
+    """One (sequence, channel block) of ``linear_recurrence``: the state, a row per channel in
+    ``parts``, goes ``out[j] = s; s <- s power + x[j]`` over the chunks j, in reverse with
+    ``reverse``. ``power``'s tiles are loaded where they are used, from row ``zero_ref[0] *
+    j``: 0, but not known to the compiler to be, so that it keeps none of ``power`` on chip
+    across the loop."""
+    chunks = x_ref.shape[0]
+
+    def chunk(i, state_parts):
+        j = chunks - 1 - i if reverse else i
+        row = zero_ref[0] * i
+        for value, (p0, p) in zip(state_parts, parts, strict=True):
+            out_ref[j, :, pl.ds(p0, p)] = value.astype(out_ref.dtype)
+        return [
+            functools.reduce(
+                jnp.add,
+                (
+                    _tile_product(state, power_ref, pl.ds(row + k0, k), pl.ds(p0, p), split)
+                    for state, (k0, k) in zip(state_parts, parts, strict=True)
+                ),
+                x_ref[j, :, pl.ds(p0, p)].astype(state_parts[0].dtype),
+            )
+            for p0, p in parts
+        ]
+
+    start = [jnp.zeros((x_ref.shape[1], p), out_ref.dtype) for _, p in parts]
+    lax.fori_loop(0, chunks, chunk, start)
+
+
+def _parts(wide: int) -> list[tuple[int, int]]:
+    """``wide`` (a multiple of 16) as (start, size) parts of PART, then powers of two: 224 as
+    64 + 64 + 64 + 32."""
+    whole = wide - wide % PART
+    rest = (
+        [(whole + start, size) for start, size in width_parts(wide % PART)] if wide % PART else []
+    )
+    return [(start, PART) for start in range(0, whole, PART)] + rest
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(2, 3, 4))
+def linear_recurrence(x_BxJxCxQ, power_QxQ, reverse: bool, split: bool, interpret: bool):
+    """``out_j = s_j`` with ``s_0 = 0``, ``s_{j+1} = s_j power + x_j`` (row vectors), for every
+    sequence and channel, over the J chunks (from the last with ``reverse``), by the state
+    kernel: one program per (sequence, CHANNEL_BLOCK channels), the state on chip. C a
+    multiple of CHANNEL_BLOCK, Q a multiple of 16. Its transpose is itself, reversed, with
+    ``powerᵀ``; ``power`` is a constant (no gradient). ``split``: each product in three
+    bfloat16 passes (float32 accuracy on the tensor cores), else one at the highest
+    precision."""
+    batch, chunks, channels, order = x_BxJxCxQ.shape
+    zero = jnp.zeros((1,), jnp.int32)
+    block = pl.BlockSpec((None, chunks, CHANNEL_BLOCK, order), lambda b, k: (b, 0, k, 0))
+    if split:
+        power = jnp.stack(_split(power_QxQ.astype(jnp.float32)))
+    else:
+        power = power_QxQ.astype(x_BxJxCxQ.dtype)[None]
+    whole = [pl.BlockSpec(x.shape, lambda b, k, n=x.ndim: (0,) * n) for x in (power, zero)]
+    kernel = functools.partial(
+        _recurrence_kernel, parts=_parts(order), split=split, reverse=reverse
+    )
+    return pl.pallas_call(
+        kernel,
+        name="states_reverse" if reverse else "states_forward",
+        compiler_params=pl_triton.CompilerParams(num_warps=WARPS, num_stages=STAGES),
+        grid=(batch, channels // CHANNEL_BLOCK),
+        in_specs=[block, *whole],
+        out_specs=block,
+        out_shape=jax.ShapeDtypeStruct(x_BxJxCxQ.shape, x_BxJxCxQ.dtype),
+        interpret=interpret,
+    )(x_BxJxCxQ, power, zero)
+
+
+def _recurrence_fwd(x_BxJxCxQ, power_QxQ, reverse, split, interpret):
+    return linear_recurrence(x_BxJxCxQ, power_QxQ, reverse, split, interpret), power_QxQ
+
+
+def _recurrence_bwd(reverse, split, interpret, power_QxQ, dout_BxJxCxQ):
+    transposed = linear_recurrence(dout_BxJxCxQ, power_QxQ.T, not reverse, split, interpret)
+    return transposed, None
+
+
+linear_recurrence.defvjp(_recurrence_fwd, _recurrence_bwd)
+
+
+def chunk_operand(
+    u_BxTxC,
+    order: int,
+    theta: float,
+    *,
+    chunk: int = lmu.DEFAULT_CHUNK,
+    dtype=None,
+    exact_algorithm: str = "highest",
+    interpret: bool = False,
+):
+    """``lmu.chunk_operands``'s operand ``x_BxJxCxZ`` (not the final state), its carried states
+    from the state kernel: the same numbers, to float32 rounding. ``dtype`` and
+    ``exact_algorithm`` as there (float64 states take one product at the highest precision);
+    ``interpret``: Pallas's interpret mode."""
+    lmu._check_input(u_BxTxC)
+    batch, n, channels = u_BxTxC.shape
+    c = min(chunk, n)
+    state_dtype = lmu._compute_dtype(u_BxTxC.dtype)
+    chunks = -(-n // c)
+    u_BxJxcxC = jnp.pad(u_BxTxC.astype(state_dtype), ((0, 0), (0, chunks * c - n), (0, 0)))
+    u_BxJxcxC = u_BxJxcxC.reshape(batch, chunks, c, channels)
+    # Each chunk's end, a product in XLA; the last chunk's feeds no carried state.
+    wide = padded_width(order, split=True)
+    hrev_cxQ = np.zeros((c, wide))
+    hrev_cxQ[:, :order] = lmu.impulse_response(order, theta, c)[::-1]
+    ends_BxJxCxQ = lmu._exact(
+        "bjsc,sq->bjcq", u_BxJxcxC, jnp.asarray(hrev_cxQ, state_dtype), exact_algorithm
+    )
+    ends_BxJxCxQ = jnp.pad(ends_BxJxCxQ, ((0, 0), (0, 0), (0, -channels % CHANNEL_BLOCK), (0, 0)))
+    power_QxQ = np.zeros((wide, wide))
+    power_QxQ[:order, :order] = lmu._abar_power(order, theta, c).T  # row states: s Abar^cᵀ
+    split = exact_algorithm == "bf16x3" and state_dtype != jnp.float64
+    power_QxQ = jnp.asarray(power_QxQ, state_dtype)
+    m_BxJxCxQ = linear_recurrence(ends_BxJxCxQ, power_QxQ, False, split, interpret)
+    parts = (jnp.swapaxes(u_BxJxcxC, 2, 3), m_BxJxCxQ[:, :, :channels, :order])
+    operand_dtype = state_dtype if dtype is None else jnp.dtype(dtype)
+    return jnp.concatenate([part.astype(operand_dtype) for part in parts], axis=-1)
