@@ -15,7 +15,10 @@ imports on a machine without CUDA when ``JAX_PLATFORMS=cpu``.
 
 The flash loss's two Mosaic GPU kernels (``ops.cross_entropy_flash``) are compiled for an H100
 by XLA's Mosaic GPU pipeline here (``--flash``; the CUDA plugin's topology of an H100 stands in
-for the device) and their PTX taken from ``MOSAIC_GPU_DUMP_TO``.
+for the device) and their PTX taken from ``MOSAIC_GPU_DUMP_TO``. The LMU layer's state kernel
+(``ops.memory_pallas``), forward and reverse, is compiled as the loss's Triton kernels are, for
+one memory layer of lmu-1M (64 x 1024 tokens, d = 204, q = 220); its products are ``mma.sync``
+(16 rows a program), counted in the estimate at the tensor cores' ``wgmma`` peak.
 
 Each row: the shared memory the program needs (Triton's count; the Mosaic kernels' buffers,
 summed from their blocks), and from ptxas the registers per thread, the spill stores and loads
@@ -62,6 +65,7 @@ from cross_entropy import launch_candidates
 from lmuscale import ops
 from lmuscale.ops import cross_entropy_flash as flash
 from lmuscale.ops import cross_entropy_pallas as fused_loss
+from lmuscale.ops import memory_pallas
 
 SHARED_LIMIT = 227 * 1024  # bytes of shared memory an H100 gives one program (block)
 # The time model (``estimate_ms``): an H100/H200 at its boost clock, dense bf16 peak per SM.
@@ -276,7 +280,7 @@ def compile_rows(label: str, function, args, launch) -> list[dict]:
         rows.append(row)
     with tempfile.TemporaryDirectory() as scratch, concurrent.futures.ThreadPoolExecutor() as pool:
         done = {
-            i: pool.submit(_ptxas, text, Path(scratch), f"{label}-{rows[i]['kernel']}")
+            i: pool.submit(_ptxas, text, Path(scratch), f"{label}-{i}-{rows[i]['kernel']}")
             for i, text in ptx.items()
         }
         for i, future in done.items():
@@ -355,6 +359,33 @@ def _work(rows: list[dict], width: int, tiling) -> list[dict]:
             steps=outer // launch.rows * (inner // launch.step),
             step_flops=2 * launch.rows * launch.step * wide * products,
             warps=launch.warps,
+        )
+    return rows
+
+
+def memory_rows(width: int = 204, order: int = 220, chunk: int = 64) -> list[dict]:
+    """The LMU layer's state kernel, forward and reverse (its gradient), for one memory layer of
+    TOKENS tokens (64 sequences of 1024) at d = ``width`` and order q, as a bf16 model on a GPU
+    runs it: float32 states, products in three bfloat16 passes."""
+    u = jax.ShapeDtypeStruct((64, TOKENS // 64, width), jnp.float32)
+
+    def states(u):
+        x = memory_pallas.chunk_operand(
+            u, order, 350.0, chunk=chunk, dtype=jnp.bfloat16, exact_algorithm="bf16x3"
+        )
+        return jnp.sum(jnp.square(x.astype(jnp.float32)))  # its gradient needs the forward's x
+
+    label = f"memory states d={width} q={order}"
+    launch = (memory_pallas.WARPS, memory_pallas.STAGES)
+    rows = compile_rows(label, jax.grad(states), (u,), lambda name: launch)
+    wide = fused_loss.padded_width(order, split=True)
+    blocks = -(-width // memory_pallas.CHANNEL_BLOCK)
+    for row in rows:
+        row.update(
+            steps=64 * blocks * (TOKENS // 64 // chunk),
+            step_flops=3 * 2 * memory_pallas.CHANNEL_BLOCK * wide * wide,
+            warps=memory_pallas.WARPS,
+            d=width,
         )
     return rows
 
@@ -571,6 +602,7 @@ def main(argv=None) -> None:
     else:
         for width in args.widths:
             rows += loss_rows(width) + flash_rows(width)
+        rows += memory_rows()
     fit = calibrate(rows)
     print_rows(rows)
     if fit["cal"] is not None:
