@@ -1,15 +1,22 @@
 """The LMU layer's Pallas kernels (ops.memory_pallas) in interpret mode, on CPU: the state
-kernel's carried states and their gradients against the float64 recurrence."""
+kernel's carried states and their gradients against the float64 recurrence; the layer and the
+models through it."""
 
 from __future__ import annotations
+
+import dataclasses
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from test_models import PARALLEL_VS_RECURRENT, init, jiggle, random_tokens
 
-from lmuscale import lmu
+from lmuscale import layers, lmu, ops
+from lmuscale.models import build, decode, named_config
 from lmuscale.ops import memory_pallas
+
+KERNELS = ops.Impls(memory="pallas", memory_kernels=ops.MemoryKernels(interpret=True))
 
 THETA = 250.0  # longer than a chunk: the carried states count
 
@@ -74,3 +81,52 @@ def test_three_bfloat16_passes_keep_the_states_at_float32_accuracy():
         assert x.dtype == jnp.float32
         error = np.abs(np.asarray(x[..., 64:], np.float64) - want).max() / np.abs(want).max()
         assert error <= bound, (algorithm, error)
+
+
+@pytest.mark.parametrize("layout", ["steps-last", "channels-last"])
+def test_the_layer_through_the_kernels_has_the_xla_layer_s_values_and_gradients(layout):
+    # At an odd shape (150 steps in chunks of 64, 37 channels, q = 70, q' = 5), the output and
+    # the gradients of u, L, the biases and p, in float32 (the layer's memory is float32 at
+    # least; the float64 tests above check the kernel): the two paths' rounding apart.
+    u = jnp.asarray(np.random.default_rng(1).standard_normal((2, 150, 37)), jnp.float32)
+    weights = jnp.asarray(np.random.default_rng(2).standard_normal(u.shape), jnp.float32)
+    results = []
+    for impls in (ops.Impls(), KERNELS):
+        impls = dataclasses.replace(impls, memory_layout=layout)
+        layer = layers.ImplicitSelfAttention(70, 5, THETA, impls=impls)
+        params = jiggle(layer.init(jax.random.key(0), u), 0.3)
+
+        def loss(params, u, layer=layer):
+            return jnp.sum(layer.apply(params, u) * weights)
+
+        results.append(jax.jit(jax.value_and_grad(loss, argnums=(0, 1)))(params, u))
+    (xla_loss, xla_grads), (got_loss, got_grads) = results
+    assert float(got_loss) == pytest.approx(float(xla_loss), rel=1e-6)
+    for got, want in zip(jax.tree.leaves(got_grads), jax.tree.leaves(xla_grads), strict=True):
+        np.testing.assert_allclose(got, want, rtol=0, atol=1e-5 * np.abs(want).max())
+
+
+def test_the_pallas_memory_refuses_the_fft_mode():
+    layer = layers.ImplicitSelfAttention(8, 3, THETA, memory_mode="fft", impls=KERNELS)
+    with pytest.raises(ValueError, match='the "pallas" memory runs the chunked memory, not "fft"'):
+        layer.init(jax.random.key(0), jnp.zeros((1, 4, 2)))
+
+
+# Chunks of 16 steps, so that 40 tokens cross two chunk boundaries with the state carried.
+@pytest.mark.parametrize("name", ["lmu-55k", "lmu-1M", "lmu_g-55k", "lmu_g-1M"])
+def test_parallel_through_the_kernels_equals_recurrent_and_is_causal(name):
+    config = named_config(name, memory_chunk=16)
+    model = build(config, KERNELS)
+    params = jiggle(init(model), 0.1)
+    tokens = random_tokens(config, 1, 40)
+    forward = jax.jit(model.apply)
+    assert "pallas_call" in str(jax.make_jaxpr(model.apply)(params, tokens))
+    parallel = forward(params, tokens)
+    recurrent, _ = decode(build(config), params, tokens)
+    assert float(jnp.abs(parallel).max()) > 3.0  # logits large enough to show an error
+    assert float(jnp.abs(parallel - recurrent).max()) <= PARALLEL_VS_RECURRENT
+    # Another token at position 20, in the second chunk: nothing before it changes.
+    changed = forward(params, tokens.at[0, 20].add(1))
+    past = float(jnp.abs(changed[:, :20] - parallel[:, :20]).max())
+    future = float(jnp.abs(changed[:, 20:] - parallel[:, 20:]).max())
+    assert future > 0 and past <= 1e-6 * future, (past, future)

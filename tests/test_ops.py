@@ -40,11 +40,17 @@ def test_auto_takes_xla_on_this_cpu_and_pallas_is_refused_by_name():
         ops.LOSS.choose("pallas", jnp.bfloat16, jax.devices())
     with pytest.raises(ValueError, match=r"loss_impl must be one of .* got 'triton'"):
         ops.LOSS.choose("triton", jnp.float32, jax.devices())
-    # The LMU memory has no kernels in this version: "pallas" is refused even on a GPU.
+    # The LMU layer's kernels, timed on no GPU yet: "auto" takes XLA's path everywhere, and
+    # "pallas" runs on one NVIDIA GPU, in the chunked memory only.
     for devices in (jax.devices(), [gpu()]):
         assert ops.MEMORY.choose("auto", jnp.bfloat16, devices) == "xla"
-        with pytest.raises(ConfigError, match=r'memory_impl="pallas": this version has no'):
-            ops.MEMORY.choose("pallas", jnp.bfloat16, devices)
+    assert ops.MEMORY.choose("pallas", jnp.bfloat16, [gpu()]) == "pallas"
+    with pytest.raises(ConfigError, match=r'memory_impl="pallas": the LMU .* devices are cpu'):
+        ops.MEMORY.choose("pallas", jnp.bfloat16, jax.devices())
+    fft = named_config("lmu-55k", memory_impl="pallas", memory_mode="fft")
+    with pytest.raises(ConfigError, match=r'chunked memory, and model.memory_mode is "fft"'):
+        ops.resolve(fft, [gpu()])
+    assert ops.resolve(dataclasses.replace(fft, memory_mode="chunked"), [gpu()]).memory == "pallas"
 
 
 def test_auto_takes_the_kernels_only_on_a_gpu_measured_faster():
@@ -175,12 +181,17 @@ def test_resolve_takes_each_platform_s_forms():
 def test_impls_are_checked_and_a_model_refuses_impls_its_config_does_not_allow():
     with pytest.raises(ValueError, match=r"Impls\.memory_layout must be one of"):
         Impls(memory_layout="channels-first")
-    with pytest.raises(ValueError, match=r"Impls\.memory must be one of \('xla',\)"):
-        Impls(memory="pallas")
-    for asked, given, key in (("pallas", "xla", "loss_impl"), ("xla", "pallas", "loss_impl")):
-        config = named_config("lmu-55k", loss_impl=asked)
+    with pytest.raises(ValueError, match=r"Impls\.memory must be one of \('xla', 'pallas'\)"):
+        Impls(memory="fused")
+    for asked, given, key in (
+        ("pallas", "xla", "loss_impl"),
+        ("xla", "pallas", "loss_impl"),
+        ("pallas", "xla", "memory_impl"),
+        ("xla", "pallas", "memory_impl"),
+    ):
+        config = named_config("lmu-55k", **{key: asked})
         with pytest.raises(ValueError, match=f"{key}='{asked}' in the config.*'{given}'"):
-            build(config, Impls(loss=given))
+            build(config, Impls(**{key.removesuffix("_impl"): given}))
     # "auto" takes either.
     for given in ("xla", "pallas"):
         build(named_config("lmu-55k"), Impls(loss=given))

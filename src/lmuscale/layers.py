@@ -20,7 +20,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from lmuscale import lmu
-from lmuscale.ops import Impls
+from lmuscale.ops import Impls, memory_pallas
 from lmuscale.ops.attention import cached_attention, causal_attention
 from lmuscale.ops.implicit_attention import (
     gelu,
@@ -63,10 +63,11 @@ class ImplicitSelfAttention(nn.Module):
     self-attention through three learned ``L_i`` (``q_prime`` x q) to Q, K, V. In parallel
     mode only ``L M_t`` is formed, by chunked matrix products (``memory_mode`` "chunked",
     ``memory_chunk`` steps each; one bf16 pass in a bf16 model; written as
-    ``impls.memory_layout`` says) or by FFT with the L_i folded into the impulse response
-    ("fft"). In step mode the state is the float32 memory ``m_BxDxQ``. ``batch_chunk``
-    sequences (0: all) run at a time in parallel mode, each chunk rematerialised in the
-    backward pass, so only one chunk's temporaries are alive."""
+    ``impls.memory_layout`` says; the chunks' carried states by a scan in XLA or, with
+    ``impls.memory`` "pallas", by the state kernel) or by FFT with the L_i folded into the
+    impulse response ("fft"). In step mode the state is the float32 memory ``m_BxDxQ``.
+    ``batch_chunk`` sequences (0: all) run at a time in parallel mode, each chunk
+    rematerialised in the backward pass, so only one chunk's temporaries are alive."""
 
     q: int
     q_prime: int
@@ -80,6 +81,9 @@ class ImplicitSelfAttention(nn.Module):
     def setup(self):
         if self.memory_mode not in MEMORY_MODES:
             raise ValueError(f"memory_mode must be one of {MEMORY_MODES}, got {self.memory_mode!r}")
+        if self.impls.memory == "pallas" and self.memory_mode != "chunked":
+            mode = self.memory_mode
+            raise ValueError(f'the "pallas" memory runs the chunked memory, not "{mode}"')
         k, q = self.q_prime, self.q
         # Fan-in is the order axis, the axis each L_i contracts.
         l_init = nn.initializers.variance_scaling(
@@ -101,14 +105,16 @@ class ImplicitSelfAttention(nn.Module):
         # One chunk operand for the three projections.
         precision = "fast" if jnp.dtype(self.dtype) == jnp.bfloat16 else "exact"
         exact = {"exact_algorithm": impls.exact_algorithm}
-        x_BxJxDxZ, _ = lmu.chunk_operands(
-            x_BxTxD.astype(jnp.float32),
-            self.q,
-            self.theta,
-            chunk=self.memory_chunk,
-            dtype=jnp.bfloat16 if precision == "fast" else None,
-            **exact,
-        )
+        operand = {"chunk": self.memory_chunk, **exact}
+        operand["dtype"] = jnp.bfloat16 if precision == "fast" else None
+        u_BxTxD = x_BxTxD.astype(jnp.float32)
+        if impls.memory == "pallas":  # the carried states by the state kernel
+            interpret = impls.memory_kernels.interpret
+            x_BxJxDxZ = memory_pallas.chunk_operand(
+                u_BxTxD, self.q, self.theta, interpret=interpret, **operand
+            )
+        else:
+            x_BxJxDxZ, _ = lmu.chunk_operands(u_BxTxD, self.q, self.theta, **operand)
         c = x_BxJxDxZ.shape[-1] - self.q
         weights = [lmu.chunk_weights(self.q, self.theta, c, l_KxQ, **exact) for l_KxQ in self.l]
         if impls.memory_layout == "channels-last":

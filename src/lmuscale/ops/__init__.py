@@ -7,8 +7,8 @@ it where one has been written:
   the vocabulary, two Mosaic GPU kernels for Hopper (``model.loss_impl``);
 - ``implicit_attention``: the LMU's implicit self-attention and ``gelu`` in XLA, in the layout
   the chunk products write Q, K and V on a CPU ("steps-last") or on a GPU ("channels-last");
-  ``memory_pallas``: the LMU layer's Triton kernels, so far the state kernel (the chunk
-  states' recurrence), which ``model.memory_impl`` does not run yet;
+  ``memory_pallas``: the LMU layer's Triton kernels around XLA's chunk products, so far the
+  state kernel (the chunk states' recurrence) (``model.memory_impl``);
 - ``attention``: causal attention, XLA's or cuDNN's flash attention.
 
 A config's switch is "auto", "xla", or a kernel family's name ("pallas"; the loss's "flash"
@@ -123,9 +123,17 @@ LOSS = Switch(
     },
     (*IMPLS, "flash"),
 )
-# The fused memory kernels were retired (slower than XLA on every GPU measured); the next
-# ones plug in here.
-MEMORY = Switch("memory_impl", {})
+# The first fused memory kernels were retired (slower than XLA on every GPU measured); these
+# have not run on a GPU: "auto" takes them nowhere until one measures them.
+MEMORY = Switch("memory_impl", {"pallas": Kernels("the LMU layer's Pallas kernels")})
+
+
+@dataclasses.dataclass(frozen=True)
+class MemoryKernels:
+    """How the LMU layer's kernels run: ``interpret``, in Pallas's interpret mode, on any
+    backend (the tests). Set by a test or benchmark, never by a config."""
+
+    interpret: bool = False
 
 
 @dataclasses.dataclass(frozen=True)
@@ -157,8 +165,9 @@ class Impls:
     - ``loss``: the cross-entropy, "xla", "pallas" (the fused Triton kernels) or "flash" (the
       flash kernels, ``cross_entropy_flash``); ``loss_kernels``: the kernels' options; None: not
       resolved, for decoding;
-    - ``memory``: the LMU memory and its attention, "xla" (None for a family without one, or
-      for decoding);
+    - ``memory``: the LMU memory and its attention, "xla" or "pallas" (``memory_pallas``'s
+      kernels around XLA's chunk products; None for a family without one, or for decoding);
+      ``memory_kernels``: the kernels' options;
     - ``memory_layout``: how XLA's chunked memory writes Q, K and V for the attention:
       "steps-last", (B, J, d, q', c), which XLA's CPU backend reduces fastest, or
       "channels-last", one product for the three, (3 q', c, B, J, d), for a GPU, whose
@@ -184,12 +193,14 @@ class Impls:
     gelu: str = "erfc"
     exact_algorithm: str = "highest"
     loss_kernels: LossKernels = LossKernels()
+    memory_kernels: MemoryKernels = MemoryKernels()
     q_prime_precision: str = "highest"
     mesh: object = dataclasses.field(default=None, compare=False, repr=False)
 
     def __post_init__(self):
         loss = ("xla", *LOSS.kernels)
-        for name, allowed in {**FORMS, "loss": loss, "memory": ("xla",)}.items():
+        memory = ("xla", *MEMORY.kernels)
+        for name, allowed in {**FORMS, "loss": loss, "memory": memory}.items():
             value = getattr(self, name)
             if value not in allowed and not (value is None and name in OPTIONAL):
                 raise ValueError(f"Impls.{name} must be one of {allowed}, got {value!r}")
@@ -207,6 +218,8 @@ class Impls:
         }
         if self.loss_kernels != LossKernels():
             record["loss_kernels"] = dataclasses.asdict(self.loss_kernels)
+        if self.memory_kernels != MemoryKernels():
+            record["memory_kernels"] = dataclasses.asdict(self.memory_kernels)
         if self.q_prime_precision != "highest":
             record["q_prime_precision"] = self.q_prime_precision
         return {key: value for key, value in record.items() if value is not None}
@@ -234,6 +247,11 @@ def resolve(model_config, devices=None, *, training: bool = True) -> Impls:
     memory = layout = None
     if hasattr(model_config, "memory_impl"):  # the LMU families
         memory = MEMORY.choose(model_config.memory_impl, dtype, devices) if training else None
+        if memory == "pallas" and model_config.memory_mode != "chunked":
+            raise ConfigError(
+                f'model.memory_impl="pallas": its kernels run the chunked memory, and '
+                f'model.memory_mode is "{model_config.memory_mode}"; use "auto" or "xla"'
+            )
         layout = "channels-last" if platform == "gpu" else "steps-last"
     return Impls(
         loss=loss,
