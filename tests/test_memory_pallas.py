@@ -5,6 +5,10 @@ models through it."""
 from __future__ import annotations
 
 import dataclasses
+import json
+import subprocess
+import sys
+from pathlib import Path
 
 import jax
 import jax.numpy as jnp
@@ -83,26 +87,48 @@ def test_three_bfloat16_passes_keep_the_states_at_float32_accuracy():
         assert error <= bound, (algorithm, error)
 
 
+def layer_loss(impls, sharding=None, batch=2):
+    """An odd-shaped layer's (150 steps in chunks of 64, 37 channels, q = 70, q' = 5) weighted
+    output sum, and its gradients in the parameters (L, the biases, p) and the input u, float32;
+    with a ``sharding``, u split by it."""
+    u = jnp.asarray(np.random.default_rng(1).standard_normal((batch, 150, 37)), jnp.float32)
+    weights = jnp.asarray(np.random.default_rng(2).standard_normal(u.shape), jnp.float32)
+    layer = layers.ImplicitSelfAttention(70, 5, THETA, impls=impls)
+    params = jiggle(layer.init(jax.random.key(0), u), 0.3)
+    if sharding is not None:
+        u = jax.device_put(u, sharding)
+
+    def loss(params, u):
+        return jnp.sum(layer.apply(params, u) * weights)
+
+    return jax.jit(jax.value_and_grad(loss, argnums=(0, 1)))(params, u)
+
+
 @pytest.mark.parametrize("layout", ["steps-last", "channels-last"])
 def test_the_layer_through_the_kernels_has_the_xla_layer_s_values_and_gradients(layout):
-    # At an odd shape (150 steps in chunks of 64, 37 channels, q = 70, q' = 5), the output and
-    # the gradients of u, L, the biases and p, in float32 (the layer's memory is float32 at
-    # least; the float64 tests above check the kernel): the two paths' rounding apart.
-    u = jnp.asarray(np.random.default_rng(1).standard_normal((2, 150, 37)), jnp.float32)
-    weights = jnp.asarray(np.random.default_rng(2).standard_normal(u.shape), jnp.float32)
-    results = []
-    for impls in (ops.Impls(), KERNELS):
-        impls = dataclasses.replace(impls, memory_layout=layout)
-        layer = layers.ImplicitSelfAttention(70, 5, THETA, impls=impls)
-        params = jiggle(layer.init(jax.random.key(0), u), 0.3)
-
-        def loss(params, u, layer=layer):
-            return jnp.sum(layer.apply(params, u) * weights)
-
-        results.append(jax.jit(jax.value_and_grad(loss, argnums=(0, 1)))(params, u))
-    (xla_loss, xla_grads), (got_loss, got_grads) = results
+    # The output and the gradients of u, L, the biases and p, in float32 (the layer's memory is
+    # float32 at least; the float64 tests above check the kernel): the two paths' rounding
+    # apart.
+    (xla_loss, xla_grads), (got_loss, got_grads) = (
+        layer_loss(dataclasses.replace(impls, memory_layout=layout))
+        for impls in (ops.Impls(), KERNELS)
+    )
     assert float(got_loss) == pytest.approx(float(xla_loss), rel=1e-6)
     for got, want in zip(jax.tree.leaves(got_grads), jax.tree.leaves(xla_grads), strict=True):
+        np.testing.assert_allclose(got, want, rtol=0, atol=1e-5 * np.abs(want).max())
+
+
+def test_on_eight_devices_each_runs_the_kernel_on_its_sequences():
+    # The layer through the state kernel on 8 CPU devices (4 x 2, 8 sequences split over both
+    # axes) against one device, in a subprocess (XLA_FLAGS before jax is imported).
+    script = Path(__file__).resolve().parent / "sharded_states.py"
+    done = subprocess.run([sys.executable, str(script)], capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr[-3000:]
+    sharded = json.loads(done.stdout)
+    assert sharded["devices"] == 8
+    loss, grads = layer_loss(KERNELS, batch=8)
+    assert sharded["loss"] == pytest.approx(float(loss), rel=1e-6)
+    for got, want in zip(sharded["grads"], jax.tree.leaves(grads), strict=True):
         np.testing.assert_allclose(got, want, rtol=0, atol=1e-5 * np.abs(want).max())
 
 

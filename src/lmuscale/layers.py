@@ -109,9 +109,9 @@ class ImplicitSelfAttention(nn.Module):
         operand["dtype"] = jnp.bfloat16 if precision == "fast" else None
         u_BxTxD = x_BxTxD.astype(jnp.float32)
         if impls.memory == "pallas":  # the carried states by the state kernel
-            interpret = impls.memory_kernels.interpret
+            kernels = {"interpret": impls.memory_kernels.interpret, "mesh": impls.mesh}
             x_BxJxDxZ = memory_pallas.chunk_operand(
-                u_BxTxD, self.q, self.theta, interpret=interpret, **operand
+                u_BxTxD, self.q, self.theta, **kernels, **operand
             )
         else:
             x_BxJxDxZ, _ = lmu.chunk_operands(u_BxTxD, self.q, self.theta, **operand)

@@ -26,6 +26,8 @@ import numpy as np
 from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pl_triton
+from jax.sharding import Mesh
+from jax.sharding import PartitionSpec as P
 
 from lmuscale import lmu
 from lmuscale.ops.cross_entropy_pallas import padded_width, width_parts
@@ -155,12 +157,31 @@ def chunk_operand(
     dtype=None,
     exact_algorithm: str = "highest",
     interpret: bool = False,
+    mesh: Mesh | None = None,
 ):
     """``lmu.chunk_operands``'s operand ``x_BxJxCxZ`` (not the final state), its carried states
     from the state kernel: the same numbers, to float32 rounding. ``dtype`` and
     ``exact_algorithm`` as there (float64 states take one product at the highest precision);
-    ``interpret``: Pallas's interpret mode."""
+    ``interpret``: Pallas's interpret mode. With a ``mesh`` of several devices, each runs the
+    kernel on its share of the sequences (the batch split over all of the mesh's axes, as the
+    training step splits it)."""
     lmu._check_input(u_BxTxC)
+    options = {"chunk": chunk, "dtype": dtype, "exact_algorithm": exact_algorithm}
+    if mesh is not None and mesh.size > 1:
+        if u_BxTxC.shape[0] % mesh.size:
+            raise ValueError(
+                f"the state kernel splits the batch over the mesh's {mesh.size} devices, and a "
+                f"batch of {u_BxTxC.shape[0]} sequences does not split evenly"
+            )
+        batch = P(mesh.axis_names)
+        per_device = functools.partial(
+            chunk_operand, order=order, theta=theta, interpret=interpret, **options
+        )
+        # Unchecked: a pallas_call's output carries no type of how it varies over the devices.
+        sharded = jax.shard_map(
+            per_device, mesh=mesh, in_specs=batch, out_specs=batch, check_vma=False
+        )
+        return sharded(u_BxTxC)
     batch, n, channels = u_BxTxC.shape
     c = min(chunk, n)
     state_dtype = lmu._compute_dtype(u_BxTxC.dtype)

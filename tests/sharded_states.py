@@ -1,0 +1,24 @@
+"""Run by tests/test_memory_pallas.py in a subprocess with 8 host CPU devices: the LMU layer
+through the state kernel (interpret mode) on a 4 x 2 mesh, the sequences split over both axes.
+Prints its weighted output sum and the gradients of its parameters and input, and the device
+count, as one JSON object."""
+
+import os
+
+flags = os.environ.get("XLA_FLAGS", "")  # the suite's (conftest.py), and 8 devices
+os.environ["XLA_FLAGS"] = f"{flags} --xla_force_host_platform_device_count=8".strip()
+
+import dataclasses  # noqa: E402
+import json  # noqa: E402
+
+import jax  # noqa: E402
+import numpy as np  # noqa: E402
+from jax.sharding import Mesh, NamedSharding  # noqa: E402
+from jax.sharding import PartitionSpec as P  # noqa: E402
+from test_memory_pallas import KERNELS, layer_loss  # noqa: E402
+
+mesh = Mesh(np.array(jax.devices()).reshape(4, 2), ("data", "model"))
+impls = dataclasses.replace(KERNELS, mesh=mesh)
+loss, grads = layer_loss(impls, NamedSharding(mesh, P(mesh.axis_names)), batch=8)
+out = {"loss": float(loss), "grads": [np.asarray(g).tolist() for g in jax.tree.leaves(grads)]}
+print(json.dumps({**out, "devices": len(jax.devices())}))
