@@ -18,9 +18,11 @@ from test_models import PARALLEL_VS_RECURRENT, init, jiggle, random_tokens
 
 from lmuscale import layers, lmu, ops
 from lmuscale.models import build, decode, named_config
-from lmuscale.ops import memory_pallas
+from lmuscale.ops import implicit_attention, memory_pallas
 
 KERNELS = ops.Impls(memory="pallas", memory_kernels=ops.MemoryKernels(interpret=True))
+# The layout of a GPU, in which the attention kernel runs too.
+GPU_KERNELS = dataclasses.replace(KERNELS, memory_layout="channels-last", gelu="erf")
 
 THETA = 250.0  # longer than a chunk: the carried states count
 
@@ -132,6 +134,42 @@ def test_on_eight_devices_each_runs_the_kernel_on_its_sequences():
         np.testing.assert_allclose(got, want, rtol=0, atol=1e-5 * np.abs(want).max())
 
 
+# q' = 5 and 22; d = 37 and 40 (padded to 64); 2 x 3 chunks of 7 steps: 42 positions, three
+# programs of 16, the last 6 short.
+@pytest.mark.parametrize(("order", "width"), [(5, 37), (22, 40)])
+def test_the_attention_kernel_s_forward_equals_xla_s_in_float64(order, width):
+    with jax.enable_x64():
+        rng = np.random.default_rng(order)
+        qkv = jnp.asarray(rng.standard_normal((3, order, 7, 2, 3, width)))
+        bias = jnp.asarray(0.3 * rng.standard_normal((3, order)))
+        p = jnp.asarray(rng.standard_normal(order))
+        want, (*_, want_weights, want_w) = implicit_attention._implicit_attention_channels_last_fwd(
+            qkv, bias, p, jnp.float64, "erf", "highest"
+        )
+        got, (*_, weights, w) = jax.jit(
+            lambda qkv: memory_pallas._attention_fwd(
+                qkv, bias, p, jnp.float64, "erf", "highest", True
+            )
+        )(qkv)
+        for value, reference in ((got, want), (weights, want_weights), (w, want_w)):
+            assert value.dtype == jnp.float64 and value.shape == reference.shape
+            np.testing.assert_allclose(value, reference, rtol=0, atol=1e-12)
+
+
+def test_the_attention_kernel_in_bfloat16_is_xla_s_to_its_rounding():
+    # A bf16 model's: Q, K and V and their gelus in bfloat16, sums in float32.
+    rng = np.random.default_rng(4)
+    qkv = jnp.asarray(rng.standard_normal((3, 22, 7, 2, 3, 204)), jnp.bfloat16)
+    bias = jnp.asarray(0.3 * rng.standard_normal((3, 22)), jnp.float32)
+    p = jnp.asarray(rng.standard_normal(22), jnp.float32)
+    args = (qkv, bias, p, jnp.bfloat16, "erf", "highest")
+    want = implicit_attention.implicit_attention_channels_last(*args)
+    got = jax.jit(lambda qkv: memory_pallas.attention(qkv, *args[1:], True))(qkv)
+    assert got.dtype == jnp.bfloat16
+    error = np.abs(np.asarray(got, np.float32) - np.asarray(want, np.float32)).max()
+    assert error <= 2**-8 * np.abs(np.asarray(want, np.float32)).max()  # one bf16 rounding
+
+
 def test_the_pallas_memory_refuses_the_fft_mode():
     layer = layers.ImplicitSelfAttention(8, 3, THETA, memory_mode="fft", impls=KERNELS)
     with pytest.raises(ValueError, match='the "pallas" memory runs the chunked memory, not "fft"'):
@@ -142,7 +180,7 @@ def test_the_pallas_memory_refuses_the_fft_mode():
 @pytest.mark.parametrize("name", ["lmu-55k", "lmu-1M", "lmu_g-55k", "lmu_g-1M"])
 def test_parallel_through_the_kernels_equals_recurrent_and_is_causal(name):
     config = named_config(name, memory_chunk=16)
-    model = build(config, KERNELS)
+    model = build(config, GPU_KERNELS)
     params = jiggle(init(model), 0.1)
     tokens = random_tokens(config, 1, 40)
     forward = jax.jit(model.apply)

@@ -10,6 +10,7 @@ steps.
 
 from __future__ import annotations
 
+import functools
 import math
 from collections.abc import Callable
 from typing import Any
@@ -124,7 +125,11 @@ class ImplicitSelfAttention(nn.Module):
                 x_BxJxDxZ, jnp.concatenate(weights, axis=1), precision, self.dtype, **exact
             )
             qkv_3xKxcxBxJxD = y_3KxcxBxJxD.reshape(3, self.q_prime, *y_3KxcxBxJxD.shape[1:])
-            m_cxBxJxD = implicit_attention_channels_last(
+            attend = implicit_attention_channels_last
+            if impls.memory == "pallas":  # its forward pass by the attention kernel
+                interpret = impls.memory_kernels.interpret
+                attend = functools.partial(memory_pallas.attention, interpret=interpret)
+            m_cxBxJxD = attend(
                 qkv_3xKxcxBxJxD, self.bias, self.p, self.dtype, impls.gelu, impls.q_prime_precision
             )
             m_BxJxcxD = jnp.transpose(m_cxBxJxD, (1, 2, 0, 3))

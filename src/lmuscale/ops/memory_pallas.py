@@ -19,6 +19,7 @@ tests, on CPU).
 from __future__ import annotations
 
 import functools
+import math
 
 import jax
 import jax.numpy as jnp
@@ -30,7 +31,9 @@ from jax.sharding import Mesh
 from jax.sharding import PartitionSpec as P
 
 from lmuscale import lmu
+from lmuscale.ops import implicit_attention
 from lmuscale.ops.cross_entropy_pallas import padded_width, width_parts
+from lmuscale.ops.implicit_attention import gelu
 
 CHANNEL_BLOCK = 16  # channels a program holds: its state is 16 x q float32
 PART = 64  # the most of the order one product takes: a 128-wide tile of power spills
@@ -204,3 +207,108 @@ def chunk_operand(
     parts = (jnp.swapaxes(u_BxJxcxC, 2, 3), m_BxJxCxQ[:, :, :channels, :order])
     operand_dtype = state_dtype if dtype is None else jnp.dtype(dtype)
     return jnp.concatenate([part.astype(operand_dtype) for part in parts], axis=-1)
+
+
+POSITIONS = 16  # positions a program of the attention's forward takes, one at a time
+
+
+def _attention_kernel(
+    qkv_ref, bias_ref, p_ref, m_ref, weights_ref, w_ref, *, order, width, dtype, form, precision
+):
+    """``POSITIONS`` positions of ``attention_forward``, one at a time: the q' x d rows of Q, K
+    and V (padded to powers of two, zeros), their gelus in ``dtype``, the q' x q' scores as
+    one product, their softmax over k, ``w = p softmax`` and ``m = gelu(V)ᵀ w``."""
+    rows = qkv_ref.shape[1]
+    bias = [bias_ref[i][:, None].astype(dtype) for i in range(3)]
+    p_K = p_ref[...]
+    real_k = lax.broadcasted_iota(jnp.int32, (rows, rows), 1) < order
+    # A padded channel's gelu(0 + bias) is not 0: zeroed, it adds nothing to the scores.
+    real_d = lax.broadcasted_iota(jnp.int32, (rows, qkv_ref.shape[3]), 1) < width
+    wide = p_K.dtype
+
+    def position(t, carry):
+        pre = [qkv_ref[i, :, t, :].astype(dtype) + bias[i] for i in range(3)]
+        gq, gk, gv = (jnp.where(real_d, gelu(x, form), 0).astype(dtype) for x in pre)
+        scores = lax.dot_general(
+            gq, gk, (((1,), (1,)), ((), ())), precision=precision, preferred_element_type=wide
+        )
+        scores = jnp.where(real_k, scores / math.sqrt(width), -jnp.inf)
+        weights = jnp.exp(scores - scores.max(axis=1, keepdims=True))
+        weights = weights / weights.sum(axis=1, keepdims=True)
+        w_K = jnp.sum(weights * p_K[:, None], axis=0)
+        m_ref[t, :] = jnp.sum(gv.astype(wide) * w_K[:, None], axis=0).astype(m_ref.dtype)
+        weights_ref[:, :, t] = weights
+        w_ref[:, t] = w_K
+        return carry
+
+    lax.fori_loop(0, qkv_ref.shape[2], position, 0)
+
+
+def attention_forward(qkv_3xKxPxD, bias_3xK, p_K, dtype, form, precision, interpret):
+    """``implicit_attention_channels_last``'s forward pass by the attention kernel, on its input
+    with the positions flattened, (3, q', P, d): ``m_PxD`` in ``dtype`` and the backward
+    pass's residuals, the softmax ``weights_KxKxP`` and ``w_KxP`` (float32 or wider)."""
+    _, order, positions, width = qkv_3xKxPxD.shape
+    rows, wide_d = max(16, pl.next_power_of_2(order)), pl.next_power_of_2(width)
+    padded = -(-positions // POSITIONS) * POSITIONS
+    pad = ((0, 0), (0, rows - order), (0, padded - positions), (0, wide_d - width))
+    qkv = jnp.pad(qkv_3xKxPxD, pad)
+    wide = implicit_attention._wide(dtype)
+    bias = jnp.pad(bias_3xK.astype(wide), ((0, 0), (0, rows - order)))
+    p_pad = jnp.pad(p_K.astype(wide), (0, rows - order))
+    kernel = functools.partial(
+        _attention_kernel, order=order, width=width, dtype=dtype, form=form, precision=precision
+    )
+    m, weights, w = pl.pallas_call(
+        kernel,
+        name="attention_forward",
+        compiler_params=pl_triton.CompilerParams(num_warps=WARPS, num_stages=STAGES),
+        grid=(padded // POSITIONS,),
+        in_specs=[
+            pl.BlockSpec((3, rows, POSITIONS, wide_d), lambda i: (0, 0, i, 0)),
+            pl.BlockSpec((3, rows), lambda i: (0, 0)),
+            pl.BlockSpec((rows,), lambda i: (0,)),
+        ],
+        out_specs=[
+            pl.BlockSpec((POSITIONS, wide_d), lambda i: (i, 0)),
+            pl.BlockSpec((rows, rows, POSITIONS), lambda i: (0, 0, i)),
+            pl.BlockSpec((rows, POSITIONS), lambda i: (0, i)),
+        ],
+        out_shape=[
+            jax.ShapeDtypeStruct((padded, wide_d), dtype),
+            jax.ShapeDtypeStruct((rows, rows, padded), wide),
+            jax.ShapeDtypeStruct((rows, padded), wide),
+        ],
+        interpret=interpret,
+    )(qkv, bias, p_pad)
+    real = slice(None, order), slice(None, order), slice(None, positions)
+    return m[:positions, :width], weights[real], w[:order, :positions]
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4, 5, 6))
+def attention(qkv_3xKxcxBxJxD, bias_3xK, p_K, dtype, form, precision, interpret):
+    """``implicit_attention_channels_last`` with its forward pass by the attention kernel (its
+    backward pass is XLA's, from the same residuals); positions (c, B, J)."""
+    return _attention_fwd(qkv_3xKxcxBxJxD, bias_3xK, p_K, dtype, form, precision, interpret)[0]
+
+
+def _attention_fwd(qkv_3xKxcxBxJxD, bias_3xK, p_K, dtype, form, precision, interpret):
+    _, order, *positions, width = qkv_3xKxcxBxJxD.shape
+    narrow = jnp.dtype(dtype).itemsize < 4
+    chosen = lax.Precision(precision) if narrow else lax.Precision.HIGHEST
+    qkv_3xKxPxD = qkv_3xKxcxBxJxD.reshape(3, order, -1, width)
+    m_PxD, weights, w = attention_forward(
+        qkv_3xKxPxD, bias_3xK, p_K, dtype, form, chosen, interpret
+    )
+    residuals = (qkv_3xKxcxBxJxD, bias_3xK, p_K)
+    residuals += (weights.reshape(order, order, *positions), w.reshape(order, *positions))
+    return m_PxD.reshape(*positions, width), residuals
+
+
+def _attention_bwd(dtype, form, precision, interpret, residuals, dm_cxBxJxD):
+    del interpret
+    backward = implicit_attention._implicit_attention_channels_last_bwd
+    return backward(dtype, form, precision, residuals, dm_cxBxJxD)
+
+
+attention.defvjp(_attention_fwd, _attention_bwd)
