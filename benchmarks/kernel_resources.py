@@ -61,6 +61,8 @@ import jax.numpy as jnp
 import numpy as np
 from common import machine, print_table, versions, write_json
 from cross_entropy import launch_candidates
+from jax import lax
+from jax.experimental import pallas as pl
 
 from lmuscale import ops
 from lmuscale.ops import cross_entropy_flash as flash
@@ -363,7 +365,7 @@ def _work(rows: list[dict], width: int, tiling) -> list[dict]:
     return rows
 
 
-def memory_rows(width: int = 204, order: int = 220, chunk: int = 64) -> list[dict]:
+def memory_rows(width=204, order=220, q_prime=22, chunk=64) -> list[dict]:
     """The LMU layer's state kernel, forward and reverse (its gradient), for one memory layer of
     TOKENS tokens (64 sequences of 1024) at d = ``width`` and order q, as a bf16 model on a GPU
     runs it: float32 states, products in three bfloat16 passes."""
@@ -384,6 +386,32 @@ def memory_rows(width: int = 204, order: int = 220, chunk: int = 64) -> list[dic
         row.update(
             steps=64 * blocks * (TOKENS // 64 // chunk),
             step_flops=3 * 2 * memory_pallas.CHANNEL_BLOCK * wide * wide,
+            warps=memory_pallas.WARPS,
+            d=width,
+        )
+    return rows + attention_rows(width, q_prime)
+
+
+def attention_rows(width: int, q_prime: int) -> list[dict]:
+    """The LMU attention's forward kernel for one layer of TOKENS positions in bfloat16, q' rows
+    of Q, K and V a position: a step of its loop is one position, whose product is the q' x q'
+    scores (padded to powers of two)."""
+    qkv = jax.ShapeDtypeStruct((3, q_prime, TOKENS, width), jnp.bfloat16)
+    bias = jax.ShapeDtypeStruct((3, q_prime), jnp.float32)
+    p = jax.ShapeDtypeStruct((q_prime,), jnp.float32)
+
+    def forward(qkv, bias, p):
+        precision = lax.Precision.HIGHEST
+        return memory_pallas.attention_forward(qkv, bias, p, jnp.bfloat16, precision, False)
+
+    launch = (memory_pallas.WARPS, memory_pallas.STAGES)
+    label = f"memory attention d={width} q'={q_prime}"
+    rows = compile_rows(label, forward, (qkv, bias, p), lambda name: launch)
+    padded = max(16, pl.next_power_of_2(q_prime))
+    for row in rows:
+        row.update(
+            steps=TOKENS,
+            step_flops=2 * padded * padded * pl.next_power_of_2(width),
             warps=memory_pallas.WARPS,
             d=width,
         )

@@ -10,7 +10,6 @@ steps.
 
 from __future__ import annotations
 
-import functools
 import math
 from collections.abc import Callable
 from typing import Any
@@ -125,11 +124,7 @@ class ImplicitSelfAttention(nn.Module):
                 x_BxJxDxZ, jnp.concatenate(weights, axis=1), precision, self.dtype, **exact
             )
             qkv_3xKxcxBxJxD = y_3KxcxBxJxD.reshape(3, self.q_prime, *y_3KxcxBxJxD.shape[1:])
-            attend = implicit_attention_channels_last
-            if impls.memory == "pallas":  # its forward pass by the attention kernel
-                interpret = impls.memory_kernels.interpret
-                attend = functools.partial(memory_pallas.attention, interpret=interpret)
-            m_cxBxJxD = attend(
+            m_cxBxJxD = implicit_attention_channels_last(
                 qkv_3xKxcxBxJxD, self.bias, self.p, self.dtype, impls.gelu, impls.q_prime_precision
             )
             m_BxJxcxD = jnp.transpose(m_cxBxJxD, (1, 2, 0, 3))

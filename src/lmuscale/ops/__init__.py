@@ -7,8 +7,8 @@ it where one has been written:
   the vocabulary, two Mosaic GPU kernels for Hopper (``model.loss_impl``);
 - ``implicit_attention``: the LMU's implicit self-attention and ``gelu`` in XLA, in the layout
   the chunk products write Q, K and V on a CPU ("steps-last") or on a GPU ("channels-last");
-  ``memory_pallas``: the LMU layer's Triton kernels around XLA's chunk products, so far the
-  state kernel (the chunk states' recurrence) (``model.memory_impl``);
+  ``memory_pallas``: the LMU layer's Triton kernels around XLA's chunk products, of which
+  ``model.memory_impl`` runs the state kernel (the chunk states' recurrence);
 - ``attention``: causal attention, XLA's or cuDNN's flash attention.
 
 A config's switch is "auto", "xla", or a kernel family's name ("pallas"; the loss's "flash"

@@ -1,19 +1,22 @@
 """The LMU layer's fused Pallas kernels (Triton lowering): what lies between its chunk products.
 
 The chunk products stay matrix products in XLA (``lmu.chunk_product``); these kernels replace
-the small operations around them (``../shared/PERF.md`` §4, "M1"). So far, the state kernel
-(``linear_recurrence``): the state passing ``m_{j+1} = Abar^c m_j + e_j`` from ``m_0 = 0``
-over the J chunks, with the state on chip in float32, one program per (sequence, block of
-``CHANNEL_BLOCK`` channels), writing every carried state ``m_j``, the rows of the chunk
-product's operand that read the past (``chunk_operand``). The chunk ends ``e_j = sum_s
-H[c-1-s] u_{j,s}`` are one matrix product in XLA before it. Its gradient is the same kernel
-run backwards with ``Abar^cᵀ``: ``g_j = dm_j + Abar^cᵀ g_{j+1}``, and ``de_j = g_{j+1}``.
+the small operations around them (``../shared/PERF.md`` §4, "M1").
 
-The order is padded to a multiple of 16 and held in parts of at most ``PART`` (220 as 64 + 64 +
-64 + 32; Triton's arrays are powers of two); channels are padded to whole blocks, with zeros,
-which change no state. A bf16 model's exact products ("bf16x3") run as three bfloat16 passes;
-float32 products ("highest") as one. ``interpret=True`` runs the kernel on any backend (the
-tests, on CPU).
+- The state kernel (``linear_recurrence``), run by ``memory_impl="pallas"``: the state
+  passing ``m_{j+1} = Abar^c m_j + e_j`` from ``m_0 = 0`` over the J chunks, with the state on
+  chip in float32, one program per (sequence, block of ``CHANNEL_BLOCK`` channels), writing
+  every carried state ``m_j``, the rows of the chunk product's operand that read the past
+  (``chunk_operand``). The chunk ends ``e_j = sum_s H[c-1-s] u_{j,s}`` are one matrix product
+  in XLA before it. Its gradient is the same kernel run backwards with ``Abar^cᵀ``: ``g_j =
+  dm_j + Abar^cᵀ g_{j+1}``, ``de_j = g_{j+1}``. The order is padded to a multiple of 16 and
+  held in parts of at most ``PART`` (220 as 64 + 64 + 64 + 32; Triton's arrays are powers of
+  two), channels to whole blocks, with zeros, which change no state. A bf16 model's exact
+  products ("bf16x3") run as three bfloat16 passes, float32 products ("highest") as one.
+- The attention's forward kernel (``attention``): written and tested, not run by the layer,
+  whose no-GPU check predicts it slower than XLA's (``benchmarks/kernel_resources.py``).
+
+``interpret=True`` runs the kernels on any backend (the tests, on CPU).
 """
 
 from __future__ import annotations
@@ -33,7 +36,6 @@ from jax.sharding import PartitionSpec as P
 from lmuscale import lmu
 from lmuscale.ops import implicit_attention
 from lmuscale.ops.cross_entropy_pallas import padded_width, width_parts
-from lmuscale.ops.implicit_attention import gelu
 
 CHANNEL_BLOCK = 16  # channels a program holds: its state is 16 x q float32
 PART = 64  # the most of the order one product takes: a 128-wide tile of power spills
@@ -210,10 +212,56 @@ def chunk_operand(
 
 
 POSITIONS = 16  # positions a program of the attention's forward takes, one at a time
+# erf for the kernels (Pallas's Triton lowering has none), least-squares fits made for this
+# module on Chebyshev nodes: erf(x) = x P(x²) for |x| <= 1, and for |x| > 1 erf(x) = 1 -
+# exp(-x²) R(1/x), R fitted to scipy's erfcx. Within 1.4e-9 of erf in float64 arithmetic,
+# 2.5e-7 in float32 (XLA's float32 erf: 3.1e-7); tests/test_memory_pallas.py measures both.
+ERF_SMALL = (
+    1.128379166592773,
+    -0.37612629875446457,
+    0.11283625697525618,
+    -0.026855398166712275,
+    0.00519121566069019,
+    -0.0008034820284519399,
+    7.933398432749978e-05,
+)
+ERF_LARGE = (
+    -4.209694361075675e-09,
+    0.5641909568735591,
+    -7.26240145612867e-05,
+    -0.28064635931699594,
+    -0.013845244787391305,
+    0.4880905589608699,
+    -0.08348602387944229,
+    -1.6967058459039346,
+    3.643766036416441,
+    -3.9458242731128,
+    2.5044229566262044,
+    -0.889631123547609,
+    0.13732456982060612,
+)
+
+
+def _polynomial(coefficients, x):
+    """``sum_i coefficients[i] x^i`` by Horner's rule."""
+    return functools.reduce(lambda total, c: total * x + c, coefficients[::-1], jnp.zeros_like(x))
+
+
+def erf(x):
+    """erf by ``ERF_SMALL`` and ``ERF_LARGE``, from the operations a Triton kernel has."""
+    size = jnp.abs(x)
+    small = size * _polynomial(ERF_SMALL, size * size)
+    large = 1.0 - jnp.exp(-size * size) * _polynomial(ERF_LARGE, 1.0 / jnp.maximum(size, 1.0))
+    return jnp.sign(x) * jnp.where(size <= 1.0, small, large)
+
+
+def _gelu(x):
+    """The exact gelu ``x Phi(x)``, by this module's ``erf``."""
+    return x * (0.5 * (1.0 + erf(x * (1.0 / math.sqrt(2.0)))))
 
 
 def _attention_kernel(
-    qkv_ref, bias_ref, p_ref, m_ref, weights_ref, w_ref, *, order, width, dtype, form, precision
+    qkv_ref, bias_ref, p_ref, m_ref, weights_ref, w_ref, *, order, width, dtype, precision
 ):
     """``POSITIONS`` positions of ``attention_forward``, one at a time: the q' x d rows of Q, K
     and V (padded to powers of two, zeros), their gelus in ``dtype``, the q' x q' scores as
@@ -228,7 +276,7 @@ def _attention_kernel(
 
     def position(t, carry):
         pre = [qkv_ref[i, :, t, :].astype(dtype) + bias[i] for i in range(3)]
-        gq, gk, gv = (jnp.where(real_d, gelu(x, form), 0).astype(dtype) for x in pre)
+        gq, gk, gv = (jnp.where(real_d, _gelu(x.astype(wide)), 0).astype(dtype) for x in pre)
         scores = lax.dot_general(
             gq, gk, (((1,), (1,)), ((), ())), precision=precision, preferred_element_type=wide
         )
@@ -244,7 +292,7 @@ def _attention_kernel(
     lax.fori_loop(0, qkv_ref.shape[2], position, 0)
 
 
-def attention_forward(qkv_3xKxPxD, bias_3xK, p_K, dtype, form, precision, interpret):
+def attention_forward(qkv_3xKxPxD, bias_3xK, p_K, dtype, precision, interpret):
     """``implicit_attention_channels_last``'s forward pass by the attention kernel, on its input
     with the positions flattened, (3, q', P, d): ``m_PxD`` in ``dtype`` and the backward
     pass's residuals, the softmax ``weights_KxKxP`` and ``w_KxP`` (float32 or wider)."""
@@ -257,7 +305,7 @@ def attention_forward(qkv_3xKxPxD, bias_3xK, p_K, dtype, form, precision, interp
     bias = jnp.pad(bias_3xK.astype(wide), ((0, 0), (0, rows - order)))
     p_pad = jnp.pad(p_K.astype(wide), (0, rows - order))
     kernel = functools.partial(
-        _attention_kernel, order=order, width=width, dtype=dtype, form=form, precision=precision
+        _attention_kernel, order=order, width=width, dtype=dtype, precision=precision
     )
     m, weights, w = pl.pallas_call(
         kernel,
@@ -287,8 +335,10 @@ def attention_forward(qkv_3xKxPxD, bias_3xK, p_K, dtype, form, precision, interp
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4, 5, 6))
 def attention(qkv_3xKxcxBxJxD, bias_3xK, p_K, dtype, form, precision, interpret):
-    """``implicit_attention_channels_last`` with its forward pass by the attention kernel (its
-    backward pass is XLA's, from the same residuals); positions (c, B, J)."""
+    """``implicit_attention_channels_last`` with its forward pass by the attention kernel,
+    positions (c, B, J). Its backward pass is XLA's, from the same residuals, whose gelu' takes
+    XLA's erf where the kernel's gelu takes this module's (the two 3e-7 apart in float32, at
+    most)."""
     return _attention_fwd(qkv_3xKxcxBxJxD, bias_3xK, p_K, dtype, form, precision, interpret)[0]
 
 
@@ -297,9 +347,7 @@ def _attention_fwd(qkv_3xKxcxBxJxD, bias_3xK, p_K, dtype, form, precision, inter
     narrow = jnp.dtype(dtype).itemsize < 4
     chosen = lax.Precision(precision) if narrow else lax.Precision.HIGHEST
     qkv_3xKxPxD = qkv_3xKxcxBxJxD.reshape(3, order, -1, width)
-    m_PxD, weights, w = attention_forward(
-        qkv_3xKxPxD, bias_3xK, p_K, dtype, form, chosen, interpret
-    )
+    m_PxD, weights, w = attention_forward(qkv_3xKxPxD, bias_3xK, p_K, dtype, chosen, interpret)
     residuals = (qkv_3xKxcxBxJxD, bias_3xK, p_K)
     residuals += (weights.reshape(order, order, *positions), w.reshape(order, *positions))
     return m_PxD.reshape(*positions, width), residuals
