@@ -56,6 +56,7 @@ HEAVIEST_FIRST = (
     "test_tasks",
     "test_cross_entropy",
     "test_cross_entropy_flash",
+    "test_memory_pallas",
     "test_ops",
     "test_roles",
     "test_train_sharding",

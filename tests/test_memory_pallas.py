@@ -108,13 +108,12 @@ def layer_loss(impls, sharding=None, batch=2):
     return jax.jit(jax.value_and_grad(loss, argnums=(0, 1)))(params, u)
 
 
-@pytest.mark.parametrize("layout", ["steps-last", "channels-last"])
-def test_the_layer_through_the_kernels_has_the_xla_layer_s_values_and_gradients(layout):
+def test_the_layer_through_the_kernels_has_the_xla_layer_s_values_and_gradients():
     # The output and the gradients of u, L, the biases and p, in float32 (the layer's memory is
     # float32 at least; the float64 tests above check the kernel): the two paths' rounding
-    # apart.
+    # apart. In a GPU's layout (the test on 8 devices below takes the other).
     (xla_loss, xla_grads), (got_loss, got_grads) = (
-        layer_loss(dataclasses.replace(impls, memory_layout=layout))
+        layer_loss(dataclasses.replace(impls, memory_layout="channels-last"))
         for impls in (ops.Impls(), KERNELS)
     )
     assert float(got_loss) == pytest.approx(float(xla_loss), rel=1e-6)
