@@ -45,9 +45,9 @@ STAGES = 1
 
 def _split(x_f32):
     """``(high, low)`` in bfloat16 with ``high + low`` = x to about 17 bits: high is x rounded
-    to its top 16 bits (a bfloat16 exactly), low the rest. By bit masks, which no compiler removes,
-    where a round trip through bfloat16 is removed as excess precision (XLA's CPU backend did,
-    in interpret mode)."""
+    to its top 16 bits (a bfloat16 exactly), low the rest. By bit masks, which no compiler
+    removes, where XLA may remove a round trip through bfloat16 as excess precision (PERF.md §8:
+    on a GPU it did); power is split so in XLA, outside the kernel."""
     bits = lax.bitcast_convert_type(x_f32, jnp.uint32) + jnp.uint32(0x8000)
     bits = bits & jnp.uint32(0xFFFF0000)
     high = lax.bitcast_convert_type(bits, jnp.float32)
