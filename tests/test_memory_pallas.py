@@ -22,7 +22,7 @@ from lmuscale.models import build, decode, named_config
 from lmuscale.ops import implicit_attention, memory_pallas
 
 KERNELS = ops.Impls(memory="pallas", memory_kernels=ops.MemoryKernels(interpret=True))
-# The layout of a GPU, in which the attention kernel runs too.
+# The layout and gelu form a GPU resolves to.
 GPU_KERNELS = dataclasses.replace(KERNELS, memory_layout="channels-last", gelu="erf")
 
 TIGHT = 1e-8  # float64 through the attention kernel: its erf is within 1.4e-9 of erf
