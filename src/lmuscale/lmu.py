@@ -318,6 +318,18 @@ def _exact(spec: str, a, b, algorithm: str):
     return jnp.einsum(spec, a, b, precision=precision, preferred_element_type=dtype)
 
 
+def chunked(u_BxTxC, chunk: int):
+    """``u_BxJxcxC``: the input in J chunks of c = min(chunk, T) steps, the last zero-padded, in
+    the compute dtype."""
+    batch, n, channels = u_BxTxC.shape
+    c = min(_check_count("chunk", chunk), n)
+    chunks = -(-n // c)
+    u_BxTxC = jnp.pad(
+        u_BxTxC.astype(_compute_dtype(u_BxTxC.dtype)), ((0, 0), (0, chunks * c - n), (0, 0))
+    )
+    return u_BxTxC.reshape(batch, chunks, c, channels)
+
+
 def chunk_operands(
     u_BxTxC,
     order: int,
@@ -341,15 +353,13 @@ def chunk_operands(
         raise ValueError(
             f"the memory input must have at least one time step, got shape {u_BxTxC.shape}"
         )
-    c = min(_check_count("chunk", chunk), n)
-    state_dtype = _compute_dtype(u_BxTxC.dtype)
+    u_BxJxcxC = chunked(u_BxTxC, chunk)
+    chunks, c = u_BxJxcxC.shape[1:3]
+    state_dtype = u_BxJxcxC.dtype
     operand_dtype = state_dtype if dtype is None else jnp.dtype(dtype)
     m0_BxCxQ = _initial_state(m0_BxCxQ, (batch, channels, order), state_dtype)
     h_cxQ = impulse_response(order, theta, c)  # float64, H[0..c-1]
-    chunks = -(-n // c)
     last = n - (chunks - 1) * c  # steps in the last chunk, 1..c
-    u_BxJxcxC = jnp.pad(u_BxTxC.astype(state_dtype), ((0, 0), (0, chunks * c - n), (0, 0)))
-    u_BxJxcxC = u_BxJxcxC.reshape(batch, chunks, c, channels)
 
     # The state passing is sequential, but only J = T / c steps long.
     hrev_cxQ = jnp.asarray(h_cxQ[::-1].copy(), state_dtype)

@@ -187,20 +187,15 @@ def chunk_operand(
             per_device, mesh=mesh, in_specs=batch, out_specs=batch, check_vma=False
         )
         return sharded(u_BxTxC)
-    batch, n, channels = u_BxTxC.shape
-    c = min(chunk, n)
-    state_dtype = lmu._compute_dtype(u_BxTxC.dtype)
-    chunks = -(-n // c)
-    u_BxJxcxC = jnp.pad(u_BxTxC.astype(state_dtype), ((0, 0), (0, chunks * c - n), (0, 0)))
-    u_BxJxcxC = u_BxJxcxC.reshape(batch, chunks, c, channels)
-    # Each chunk's end, a product in XLA; the last chunk's feeds no carried state.
+    u_BxJxcxC = lmu.chunked(u_BxTxC, chunk)
+    c, channels, state_dtype = u_BxJxcxC.shape[2], u_BxJxcxC.shape[3], u_BxJxcxC.dtype
+    # Each chunk's end, a product in XLA (the last chunk's feeds no carried state), padded as
+    # the state kernel holds it.
+    hrev_cxQ = jnp.asarray(lmu.impulse_response(order, theta, c)[::-1].copy(), state_dtype)
+    ends_BxJxCxQ = lmu._exact("bjsc,sq->bjcq", u_BxJxcxC, hrev_cxQ, exact_algorithm)
     wide = padded_width(order, split=True)
-    hrev_cxQ = np.zeros((c, wide))
-    hrev_cxQ[:, :order] = lmu.impulse_response(order, theta, c)[::-1]
-    ends_BxJxCxQ = lmu._exact(
-        "bjsc,sq->bjcq", u_BxJxcxC, jnp.asarray(hrev_cxQ, state_dtype), exact_algorithm
-    )
-    ends_BxJxCxQ = jnp.pad(ends_BxJxCxQ, ((0, 0), (0, 0), (0, -channels % CHANNEL_BLOCK), (0, 0)))
+    pad = ((0, 0), (0, 0), (0, -channels % CHANNEL_BLOCK), (0, wide - order))
+    ends_BxJxCxQ = jnp.pad(ends_BxJxCxQ, pad)
     power_QxQ = np.zeros((wide, wide))
     power_QxQ[:order, :order] = lmu._abar_power(order, theta, c).T  # row states: s Abar^cᵀ
     split = exact_algorithm == "bf16x3" and state_dtype != jnp.float64
