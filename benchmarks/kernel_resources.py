@@ -61,7 +61,6 @@ import jax.numpy as jnp
 import numpy as np
 from common import machine, print_table, versions, write_json
 from cross_entropy import launch_candidates
-from jax import lax
 from jax.experimental import pallas as pl
 
 from lmuscale import ops
@@ -393,26 +392,40 @@ def memory_rows(width=204, order=220, q_prime=22, chunk=64) -> list[dict]:
 
 
 def attention_rows(width: int, q_prime: int) -> list[dict]:
-    """The LMU attention's forward kernel for one layer of TOKENS positions in bfloat16, q' rows
-    of Q, K and V a position: a step of its loop is one position, whose product is the q' x q'
-    scores (padded to powers of two)."""
+    """The LMU attention's kernels, forward and backward, for one layer of TOKENS positions in
+    bfloat16, q' rows of Q, K and V a position: a step of their loops is one position, whose
+    products are q' x q' (q' padded to a power of two, d to a multiple of 16): the scores
+    forward, dQ and dK backward."""
     qkv = jax.ShapeDtypeStruct((3, q_prime, TOKENS, width), jnp.bfloat16)
     bias = jax.ShapeDtypeStruct((3, q_prime), jnp.float32)
     p = jax.ShapeDtypeStruct((q_prime,), jnp.float32)
 
-    def forward(qkv, bias, p):
-        precision = lax.Precision.HIGHEST
-        return memory_pallas.attention_forward(qkv, bias, p, jnp.bfloat16, precision, False)
+    dm = jax.ShapeDtypeStruct((TOKENS, width), jnp.bfloat16)
 
-    launch = (memory_pallas.WARPS, memory_pallas.STAGES)
+    def forward_and_backward(qkv, bias, p, dm):
+        def attend(qkv, bias, p):
+            return memory_pallas.attention(qkv, bias, p, jnp.bfloat16, "highest", False)
+
+        return jax.vjp(attend, qkv, bias, p)[1](dm)
+
+    warps = {
+        "attention_forward": memory_pallas.FORWARD_WARPS,
+        "attention_backward": memory_pallas.BACKWARD_WARPS,
+    }
     label = f"memory attention d={width} q'={q_prime}"
-    rows = compile_rows(label, forward, (qkv, bias, p), lambda name: launch)
+    args = (qkv, bias, p, dm)
+    launch = lambda name: (warps[name], memory_pallas.STAGES)  # noqa: E731
+    rows = compile_rows(label, forward_and_backward, args, launch)
     padded = max(16, pl.next_power_of_2(q_prime))
     for row in rows:
         row.update(
             steps=TOKENS,
-            step_flops=2 * padded * padded * pl.next_power_of_2(width),
-            warps=memory_pallas.WARPS,
+            step_flops=(2 if row["kernel"] == "attention_backward" else 1)
+            * 2
+            * padded
+            * padded
+            * fused_loss.padded_width(width, split=True),
+            warps=warps[row["kernel"]],
             d=width,
         )
     return rows
@@ -608,6 +621,38 @@ def gate(rows: list[dict], cal: float) -> list[dict]:
     return verdicts
 
 
+# cuBLAS's rate for this block's chunk products: its dW product at lmu-1M's shapes on the H200
+# (PERF.md §2). M1 leaves the three chunk products (forward, dx, dW) to XLA and cuBLAS.
+CUBLAS_TFLOPS = 727
+BLOCK_LINE_MS = 5.5  # issue 61: one block at (64, 1024, 204) bf16, forward + backward
+
+
+def memory_block(rows: list[dict], width=204, order=220, q_prime=22, chunk=64) -> dict:
+    """One LMU block at (64, 1024, ``width``) bf16, forward and backward, as M1 runs it: the
+    memory kernels' estimates, and the three chunk products, each 2 x tokens x d x (c + q) x
+    3q' FLOPs, at ``CUBLAS_TFLOPS``; against ``BLOCK_LINE_MS``, and whether a kernel spills."""
+    kernels = {r["kernel"]: r for r in rows if r["case"].startswith("memory")}
+    gemm_ms = 3 * 2 * TOKENS * width * (chunk + order) * 3 * q_prime / (CUBLAS_TFLOPS * 1e9)
+    estimates = {name: r.get("estimate_ms") for name, r in kernels.items()}
+    block = gemm_ms + sum(e if e is not None else float("nan") for e in estimates.values())
+    spills = {name: r.get("spill_store_bytes") for name, r in kernels.items()}
+    print(
+        f"memory block: {block:.2f} ms estimated (chunk products {gemm_ms:.2f} at cuBLAS's "
+        + f"{CUBLAS_TFLOPS} TFLOP/s; "
+        + ", ".join(f"{name} {e}" for name, e in estimates.items())
+        + f"), line {BLOCK_LINE_MS} ms; spills: {spills}",
+        flush=True,
+    )
+    return {
+        "chunk_products_ms": round(gemm_ms, 2),
+        "kernels_ms": estimates,
+        "block_ms": round(block, 2),
+        "line_ms": BLOCK_LINE_MS,
+        "spill_store_bytes": spills,
+        "passes": block <= BLOCK_LINE_MS and not any(spills.values()),
+    }
+
+
 def main(argv=None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--widths", nargs="+", type=int, default=[48, 204], help="loss: d")
@@ -640,6 +685,7 @@ def main(argv=None) -> None:
         )
         print(f"time model: CAL = {fit['cal']}, fitted to the H200's Triton kernels: {errors}")
     verdicts = gate(rows, fit["cal"]) if not args.loss_launches and fit["cal"] else []
+    block = memory_block(rows) if not args.loss_launches and fit["cal"] else None
     ptxas = subprocess.run(["ptxas", "--version"], capture_output=True, text=True).stdout
     record = {
         "benchmark": "kernel_resources",
@@ -653,6 +699,7 @@ def main(argv=None) -> None:
         "shared_limit_bytes": SHARED_LIMIT,
         "time_model": {**fit, "tokens": TOKENS, "vocab": VOCAB, "profile": PROFILE.name},
         "gate": verdicts,
+        "memory_block": block,
         "rows": rows,
     }
     write_json(args.out, record)

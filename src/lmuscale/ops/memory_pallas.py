@@ -13,8 +13,15 @@ the small operations around them (``../shared/PERF.md`` §4, "M1").
   held in parts of at most ``PART`` (220 as 64 + 64 + 64 + 32; Triton's arrays are powers of
   two), channels to whole blocks, with zeros, which change no state. A bf16 model's exact
   products ("bf16x3") run as three bfloat16 passes, float32 products ("highest") as one.
-- The attention's forward kernel (``attention``): written and tested, not run by the layer,
-  whose no-GPU check predicts it slower than XLA's (``benchmarks/kernel_resources.py``).
+- The attention's kernels (``attention``), forward and backward: one program per POSITIONS
+  positions, one position at a time, its q' rows of Q, K and V held padded to a power of two
+  (channels in parts, masked; nothing padded in XLA). The forward computes the gelus, the q' x
+  q' scores (products), softmax, w and m, and keeps the softmax and w; the backward recomputes
+  gelu and gelu' and writes dQ, dK and dV as the chunk product's transpose takes them, with
+  the biases' and p's gradients. gelu is exact, from a fitted normal tail (``upper_tail``), as
+  Triton has no erf. Tested, not yet run by the layer: the no-GPU check
+  (``benchmarks/kernel_resources.py``) estimates the backward slower than the design and
+  finds it spilling.
 
 ``interpret=True`` runs the kernels on any backend (the tests, on CPU).
 """
@@ -99,14 +106,14 @@ def _recurrence_kernel(x_ref, power_ref, zero_ref, out_ref, *, parts, split, rev
     lax.fori_loop(0, chunks, chunk, start)
 
 
-def _parts(wide: int) -> list[tuple[int, int]]:
-    """``wide`` (a multiple of 16) as (start, size) parts of PART, then powers of two: 224 as
-    64 + 64 + 64 + 32."""
-    whole = wide - wide % PART
+def _parts(wide: int, most: int = PART) -> list[tuple[int, int]]:
+    """``wide`` (a multiple of 16) as (start, size) parts of ``most``, then powers of two: 224
+    as 64 + 64 + 64 + 32."""
+    whole = wide - wide % most
     rest = (
-        [(whole + start, size) for start, size in width_parts(wide % PART)] if wide % PART else []
+        [(whole + start, size) for start, size in width_parts(wide % most)] if wide % most else []
     )
-    return [(start, PART) for start in range(0, whole, PART)] + rest
+    return [(start, most) for start in range(0, whole, most)] + rest
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(2, 3, 4))
@@ -206,152 +213,388 @@ def chunk_operand(
     return jnp.concatenate([part.astype(operand_dtype) for part in parts], axis=-1)
 
 
-POSITIONS = 16  # positions a program of the attention's forward takes, one at a time
-# erf for the kernels (Pallas's Triton lowering has none), least-squares fits made for this
-# module on Chebyshev nodes: erf(x) = x P(x²) for |x| <= 1, and for |x| > 1 erf(x) = 1 -
-# exp(-x²) R(1/x), R fitted to scipy's erfcx. Within 1.4e-9 of erf in float64 arithmetic,
-# 2.5e-7 in float32 (XLA's float32 erf: 3.1e-7); tests/test_memory_pallas.py measures both.
-ERF_SMALL = (
-    1.128379166592773,
-    -0.37612629875446457,
-    0.11283625697525618,
-    -0.026855398166712275,
-    0.00519121566069019,
-    -0.0008034820284519399,
-    7.933398432749978e-05,
+POSITIONS = 16  # positions a program of the attention kernels takes, one at a time
+FORWARD_PART, BACKWARD_PART = 128, 16  # the most channels a step holds of each row
+FORWARD_WARPS, BACKWARD_WARPS = 2, 1  # more warps: Triton computed the gelus again per warp
+# The gelu's upper tail P(Z > s), s >= 0, for the kernels (Pallas's Triton lowering has no erf):
+# 2^G(s) for s < TAIL_END, G a polynomial fitted for this module by least squares on
+# Chebyshev nodes to log2 P(Z > s) on [0, TAIL_END], and 0 from TAIL_END on (P(Z > 6) is 1e-9).
+# A fit of G is a fit of the tail to a relative error, so gelu(x) = x - |x| P(Z > |x|) (x >= 0)
+# or -|x| P(Z > |x|) (x < 0) keeps its relative accuracy in the far negative tail, where 1 +
+# erf(x) loses it. TAIL32 (degree 7) is as close as float32 arithmetic gets (gelu within 6.2e-6
+# relative for |x| < 6); TAIL64 (degree 14) for float64, within 1.1e-9. tests/ measures both.
+TAIL_END = 6.0
+TAIL32 = (
+    -0.9999943403320707,
+    -1.151269147164848,
+    -0.45840977680794415,
+    -0.05402068711605475,
+    0.008539461331918624,
+    -0.0009388679332924741,
+    6.268140100944492e-05,
+    -1.8896262334276975e-06,
 )
-ERF_LARGE = (
-    -4.209694361075675e-09,
-    0.5641909568735591,
-    -7.26240145612867e-05,
-    -0.28064635931699594,
-    -0.013845244787391305,
-    0.4880905589608699,
-    -0.08348602387944229,
-    -1.6967058459039346,
-    3.643766036416441,
-    -3.9458242731128,
-    2.5044229566262044,
-    -0.889631123547609,
-    0.13732456982060612,
+TAIL64 = (
+    -1.0000000015568984,
+    -1.1511039768964846,
+    -0.4592256945917597,
+    -0.05241286391964001,
+    0.006876253788997825,
+    9.148860535065857e-05,
+    -0.00034770010641608617,
+    0.00010682484203122263,
+    -1.90890352015929e-05,
+    2.0520180044790938e-06,
+    -8.30072110053804e-08,
+    -1.0720525936776907e-08,
+    1.95879683689426e-09,
+    -1.3011236861151837e-10,
+    3.3797757272299137e-12,
 )
 
 
-def _polynomial(coefficients, x):
-    """``sum_i coefficients[i] x^i`` by Horner's rule."""
-    return functools.reduce(lambda total, c: total * x + c, coefficients[::-1], jnp.zeros_like(x))
+def _inline(asm: str, *args):
+    """One PTX instruction on each element of ``args`` (of one shape and dtype)."""
+    letter = {jnp.dtype(jnp.float32): "f", jnp.dtype(jnp.float64): "d"}[args[0].dtype]
+    (out,) = pl_triton.elementwise_inline_asm(
+        asm,
+        args=list(args),
+        constraints=",".join([f"={letter}"] + [letter] * len(args)),
+        pack=1,
+        result_shape_dtypes=[jax.ShapeDtypeStruct(args[0].shape, args[0].dtype)],
+    )
+    return out
 
 
-def erf(x):
-    """erf by ``ERF_SMALL`` and ``ERF_LARGE``, from the operations a Triton kernel has."""
+def _fma(a, b, c, gpu: bool):
+    """``a * b + c``: on a GPU (``gpu``) one fused multiply-add, where Triton's lowering rounds
+    and issues a product and a sum apart; in interpret mode as written."""
+    if not gpu:
+        return a * b + c
+    b, c = (jnp.broadcast_to(jnp.asarray(x, a.dtype), a.shape) for x in (b, c))
+    return _inline(f"fma.rn.{'f64' if a.dtype == jnp.float64 else 'f32'} $0, $1, $2, $3;", a, b, c)
+
+
+def _exp2(x, gpu: bool):
+    """``2^x``; in float32 on a GPU by the special-function unit alone (results under 2^-126
+    flushed to 0), where Triton's exp2 adds a path for them."""
+    if gpu and x.dtype == jnp.float32:
+        return _inline("ex2.approx.ftz.f32 $0, $1;", x)
+    return jnp.exp2(x)
+
+
+def upper_tail(size, gpu: bool = False):
+    """``P(Z > size)`` for a standard normal Z and ``size >= 0``, by ``TAIL32`` (``TAIL64`` in
+    float64 arithmetic)."""
+    coefficients = TAIL64 if size.dtype == jnp.float64 else TAIL32
+    exponent = jnp.full_like(size, coefficients[-1])
+    for c in coefficients[-2::-1]:
+        exponent = _fma(exponent, size, c, gpu)
+    return jnp.where(size < TAIL_END, _exp2(exponent, gpu), 0.0)
+
+
+def gelu(x, gpu: bool = False):
+    """The exact gelu ``x Phi(x)`` from ``upper_tail``: ``max(x, 0) - |x| P(Z > |x|)``."""
     size = jnp.abs(x)
-    small = size * _polynomial(ERF_SMALL, size * size)
-    large = 1.0 - jnp.exp(-size * size) * _polynomial(ERF_LARGE, 1.0 / jnp.maximum(size, 1.0))
-    return jnp.sign(x) * jnp.where(size <= 1.0, small, large)
+    return _fma(-size, upper_tail(size, gpu), jnp.maximum(x, 0.0), gpu)
 
 
-def _gelu(x):
-    """The exact gelu ``x Phi(x)``, by this module's ``erf``."""
-    return x * (0.5 * (1.0 + erf(x * (1.0 / math.sqrt(2.0)))))
+def _load(ref, mask):
+    """``ref``'s elements where ``mask``, 0 elsewhere (and not read)."""
+    return pl_triton.load(ref, mask=mask, other=0)
+
+
+def _store(ref, value, mask):
+    """``value`` into ``ref`` where ``mask``."""
+    pl_triton.store(ref, value, mask=mask)
+
+
+def _pre_activation(qkv_ref, bias, i, t, inside, part, zero):
+    """Rows (Q, K, V)[i]'s pre-activations ``L_i M + b_i`` in the model's dtype (``bias``'s)
+    at position t (``inside`` the input), channels ``part`` = (start, size), q' padded to
+    ``bias``'s rows, masked; and which of the part's channels are real. A padded channel's
+    pre-activation is its row's bias, whose gelu is not 0: the callers zero it."""
+    _, order, _, width = qkv_ref.shape
+    (d0, d), rows = part, bias[i].shape[0]
+    real_d = d0 + lax.broadcasted_iota(jnp.int32, (rows, d), 1) < width
+    real = lax.broadcasted_iota(jnp.int32, (rows, d), 0) < order
+    x = _load(
+        qkv_ref.at[zero + i, pl.ds(zero, rows), t, pl.ds(zero + d0, d)], real & real_d & inside
+    )
+    return x.astype(bias[i].dtype) + bias[i], real_d
+
+
+def _masked(value, real_d, part, width):
+    """``value`` with the padded channels of a ``part`` that runs past ``width`` zeroed."""
+    return jnp.where(real_d, value, 0) if sum(part) > width else value
+
+
+def _attention_setup(bias_ref, p_ref, order, dtype):
+    """What the attention kernels hold across positions: the padded rows, a traced 0, which
+    rows are real, the biases in ``dtype`` as columns, p, and which score columns are real."""
+    rows = max(16, pl.next_power_of_2(order))
+    # Traced: Pallas bounds-checks a static slice when tracing, and the last part runs past d
+    # on purpose, its loads and stores masked.
+    zero = pl.program_id(0) * 0
+    real = lax.broadcasted_iota(jnp.int32, (rows,), 0) < order
+    bias = [
+        _load(bias_ref.at[zero + i, pl.ds(zero, rows)], real)[:, None].astype(dtype)
+        for i in range(3)
+    ]
+    p_K = _load(p_ref.at[pl.ds(zero, rows)], real)
+    real_k = lax.broadcasted_iota(jnp.int32, (rows, rows), 1) < order
+    return rows, zero, real, bias, p_K, real_k
 
 
 def _attention_kernel(
-    qkv_ref, bias_ref, p_ref, m_ref, weights_ref, w_ref, *, order, width, dtype, precision
+    qkv_ref, bias_ref, p_ref, m_ref, weights_ref, w_ref, *, positions, dtype, precision, gpu
 ):
-    """``POSITIONS`` positions of ``attention_forward``, one at a time: the q' x d rows of Q, K
-    and V (padded to powers of two, zeros), their gelus in ``dtype``, the q' x q' scores as
-    one product, their softmax over k, ``w = p softmax`` and ``m = gelu(V)ᵀ w``."""
-    rows = qkv_ref.shape[1]
-    bias = [bias_ref[i][:, None].astype(dtype) for i in range(3)]
-    p_K = p_ref[...]
-    real_k = lax.broadcasted_iota(jnp.int32, (rows, rows), 1) < order
-    # A padded channel's gelu(0 + bias) is not 0: zeroed, it adds nothing to the scores.
-    real_d = lax.broadcasted_iota(jnp.int32, (rows, qkv_ref.shape[3]), 1) < width
+    """``POSITIONS`` positions of ``attention_forward``, one at a time: Q, K and V's q' x d rows
+    (q' padded to a power of two, d held in ``width_parts``, padding masked), their gelus in
+    ``dtype``, the q' x q' scores as products, their softmax over k, ``w = p softmax`` and
+    ``m = gelu(V)ᵀ w``."""
+    _, order, _, width = qkv_ref.shape
+    rows, zero, real, bias, p_K, real_k = _attention_setup(bias_ref, p_ref, order, dtype)
     wide = p_K.dtype
+    parts = _parts(padded_width(width, split=True), FORWARD_PART)
 
-    def position(t, carry):
-        pre = [qkv_ref[i, :, t, :].astype(dtype) + bias[i] for i in range(3)]
-        gq, gk, gv = (jnp.where(real_d, _gelu(x.astype(wide)), 0).astype(dtype) for x in pre)
-        scores = lax.dot_general(
-            gq, gk, (((1,), (1,)), ((), ())), precision=precision, preferred_element_type=wide
+    def gelus(i, t, inside, part):
+        pre, real_d = _pre_activation(qkv_ref, bias, i, t, inside, part, zero)
+        return _masked(gelu(pre.astype(wide), gpu), real_d, part, width).astype(dtype)
+
+    first = pl.program_id(0) * POSITIONS  # (interpret mode reads it out of a loop only)
+
+    def position(step, carry):
+        t = first + step
+        inside = t < positions
+        scores = functools.reduce(
+            jnp.add,
+            (
+                lax.dot_general(
+                    gelus(0, t, inside, part),
+                    gelus(1, t, inside, part),
+                    (((1,), (1,)), ((), ())),
+                    precision=precision,
+                    preferred_element_type=wide,
+                )
+                for part in parts
+            ),
         )
-        scores = jnp.where(real_k, scores / math.sqrt(width), -jnp.inf)
-        weights = jnp.exp(scores - scores.max(axis=1, keepdims=True))
-        weights = weights / weights.sum(axis=1, keepdims=True)
+        scores = jnp.where(real_k, scores * (1.0 / math.sqrt(width)), -jnp.inf)
+        weights = _exp2((scores - scores.max(axis=1, keepdims=True)) * math.log2(math.e), gpu)
+        weights = weights * (1.0 / weights.sum(axis=1, keepdims=True))
         w_K = jnp.sum(weights * p_K[:, None], axis=0)
-        m_ref[t, :] = jnp.sum(gv.astype(wide) * w_K[:, None], axis=0).astype(m_ref.dtype)
-        weights_ref[:, :, t] = weights
-        w_ref[:, t] = w_K
+        for d0, d in parts:  # gelu(V) once w is known: a part at a time on chip
+            m = jnp.sum(gelus(2, t, inside, (d0, d)).astype(wide) * w_K[:, None], axis=0)
+            real_d = d0 + lax.broadcasted_iota(jnp.int32, (d,), 0) < width
+            _store(m_ref.at[t, pl.ds(zero + d0, d)], m.astype(m_ref.dtype), real_d & inside)
+        square = real[:, None] & real_k & inside
+        _store(weights_ref.at[t, pl.ds(zero, rows), pl.ds(zero, rows)], weights, square)
+        _store(w_ref.at[t, pl.ds(zero, rows)], w_K, real & inside)
         return carry
 
-    lax.fori_loop(0, qkv_ref.shape[2], position, 0)
+    lax.fori_loop(0, POSITIONS, position, 0)
+
+
+def _gelu_and_slope(x, gpu: bool):
+    """``gelu(x)`` and its derivative ``Phi(x) + x phi(x)``, from one ``upper_tail``."""
+    size = jnp.abs(x)
+    tail = upper_tail(size, gpu)
+    cdf = jnp.where(x >= 0, 1.0 - tail, tail)
+    density = _exp2(x * x * (-0.5 * math.log2(math.e)), gpu) * (1.0 / math.sqrt(2.0 * math.pi))
+    return _fma(-size, tail, jnp.maximum(x, 0.0), gpu), _fma(x, density, cdf, gpu)
+
+
+def _attention_backward_kernel(
+    qkv_ref,
+    bias_ref,
+    p_ref,
+    weights_ref,
+    w_ref,
+    dm_ref,
+    dqkv_ref,
+    dbias_ref,
+    dp_ref,
+    *,
+    positions,
+    dtype,
+    precision,
+    gpu,
+):
+    """``POSITIONS`` positions of ``attention_backward``, one at a time, as XLA's backward pass
+    (``implicit_attention._implicit_attention_channels_last_bwd``) computes them: gelu(V) and
+    gelu' give dV and dw; then ds, the scores' gradient; then gelu(Q), gelu(K) and their slopes
+    give dQ = (ds gelu(K)) gelu'(Q) and dK = (dsᵀ gelu(Q)) gelu'(K). Each gradient is
+    written rounded to the model's dtype; this program's sums of them over its positions and
+    channels (the biases' gradients) and of p's gradient, a row of ``dbias_ref`` and ``dp_ref``
+    each."""
+    _, order, _, width = qkv_ref.shape
+    rows, zero, real, bias, p_K, real_k = _attention_setup(bias_ref, p_ref, order, dtype)
+    wide = p_K.dtype
+    parts = _parts(padded_width(width, split=True), BACKWARD_PART)
+    first = pl.program_id(0) * POSITIONS
+    scale = 1.0 / math.sqrt(width)
+
+    def gradient(i, t, inside, part, g, slope, real_d):
+        """Store (Q, K, V)[i]'s gradient ``g gelu'`` at t, in the model's dtype; its row sums."""
+        d0, d = part
+        dpre = (g * slope).astype(dtype)
+        mask = real[:, None] & real_d & inside
+        _store(dqkv_ref.at[zero + i, pl.ds(zero, rows), t, pl.ds(zero + d0, d)], dpre, mask)
+        return jnp.sum(_masked(dpre.astype(wide), real_d, part, width), axis=1)
+
+    def position(step, carry):
+        t = first + step
+        inside = t < positions
+        dbias, dp = carry
+        square = real[:, None] & real_k & inside
+        weights = _load(weights_ref.at[t, pl.ds(zero, rows), pl.ds(zero, rows)], square)
+        w_K = _load(w_ref.at[t, pl.ds(zero, rows)], real & inside)
+        dw, dbias_v = jnp.zeros((rows,), wide), jnp.zeros((rows,), wide)
+        for d0, d in parts:  # V: m = gelu(V)ᵀ w
+            pre, real_d = _pre_activation(qkv_ref, bias, 2, t, inside, (d0, d), zero)
+            value, slope = _gelu_and_slope(pre.astype(wide), gpu)
+            gv = _masked(value, real_d, (d0, d), width).astype(dtype).astype(wide)
+            channels = d0 + lax.broadcasted_iota(jnp.int32, (d,), 0) < width
+            dm = _load(dm_ref.at[t, pl.ds(zero + d0, d)], channels & inside)
+            dm = dm.astype(dtype).astype(wide)[None, :]
+            dw += jnp.sum(dm * gv, axis=1)
+            dbias_v += gradient(2, t, inside, (d0, d), w_K[:, None] * dm, slope, real_d)
+        # w = p softmax(scores): p's gradient, and the scores'.
+        dp += jnp.sum(weights * dw[None, :], axis=1)
+        dweights = p_K[:, None] * dw[None, :]
+        inner = jnp.sum(weights * dweights, axis=1, keepdims=True)
+        ds = (weights * (dweights - inner) * scale).astype(dtype)
+        dbias_q, dbias_k = jnp.zeros((rows,), wide), jnp.zeros((rows,), wide)
+        for part in parts:  # scores = gelu(Q) gelu(K)ᵀ / sqrt(d)
+            (pre_q, real_d), (pre_k, _) = (
+                _pre_activation(qkv_ref, bias, i, t, inside, part, zero) for i in (0, 1)
+            )
+            gq, slope_q = _gelu_and_slope(pre_q.astype(wide), gpu)
+            gk, slope_k = _gelu_and_slope(pre_k.astype(wide), gpu)
+            gq, gk = (_masked(g, real_d, part, width).astype(dtype) for g in (gq, gk))
+            product = functools.partial(
+                lax.dot_general, precision=precision, preferred_element_type=wide
+            )
+            dgq = product(ds, gk, (((1,), (0,)), ((), ())))
+            dgk = product(ds, gq, (((0,), (0,)), ((), ())))
+            dbias_q += gradient(0, t, inside, part, dgq, slope_q, real_d)
+            dbias_k += gradient(1, t, inside, part, dgk, slope_k, real_d)
+        return [dbias[0] + dbias_q, dbias[1] + dbias_k, dbias[2] + dbias_v], dp
+
+    zeros = jnp.zeros((rows,), wide)
+    dbias, dp = lax.fori_loop(0, POSITIONS, position, ([zeros] * 3, zeros))
+    program = pl.program_id(0)
+    for i in range(3):
+        _store(dbias_ref.at[program, zero + i, pl.ds(zero, rows)], dbias[i], real)
+    _store(dp_ref.at[program, pl.ds(zero, rows)], dp, real)
 
 
 def attention_forward(qkv_3xKxPxD, bias_3xK, p_K, dtype, precision, interpret):
     """``implicit_attention_channels_last``'s forward pass by the attention kernel, on its input
-    with the positions flattened, (3, q', P, d): ``m_PxD`` in ``dtype`` and the backward
-    pass's residuals, the softmax ``weights_KxKxP`` and ``w_KxP`` (float32 or wider)."""
+    with the positions flattened, (3, q', P, d): ``m_PxD`` in ``dtype`` and the backward pass's
+    residuals, the softmax ``weights_PxKxK`` and ``w_PxK`` (float32 or wider), each
+    position's a contiguous row. Nothing is padded outside the kernel."""
     _, order, positions, width = qkv_3xKxPxD.shape
-    rows, wide_d = max(16, pl.next_power_of_2(order)), pl.next_power_of_2(width)
-    padded = -(-positions // POSITIONS) * POSITIONS
-    pad = ((0, 0), (0, rows - order), (0, padded - positions), (0, wide_d - width))
-    qkv = jnp.pad(qkv_3xKxPxD, pad)
     wide = implicit_attention._wide(dtype)
-    bias = jnp.pad(bias_3xK.astype(wide), ((0, 0), (0, rows - order)))
-    p_pad = jnp.pad(p_K.astype(wide), (0, rows - order))
     kernel = functools.partial(
-        _attention_kernel, order=order, width=width, dtype=dtype, precision=precision
+        _attention_kernel, positions=positions, dtype=dtype, precision=precision, gpu=not interpret
     )
-    m, weights, w = pl.pallas_call(
+    out_shape = [
+        jax.ShapeDtypeStruct((positions, width), dtype),
+        jax.ShapeDtypeStruct((positions, order, order), wide),
+        jax.ShapeDtypeStruct((positions, order), wide),
+    ]
+    inputs = (qkv_3xKxPxD, bias_3xK.astype(wide), p_K.astype(wide))
+    whole = [pl.BlockSpec(x.shape, lambda i, n=x.ndim: (0,) * n) for x in (*inputs, *out_shape)]
+    return pl.pallas_call(
         kernel,
         name="attention_forward",
-        compiler_params=pl_triton.CompilerParams(num_warps=WARPS, num_stages=STAGES),
-        grid=(padded // POSITIONS,),
-        in_specs=[
-            pl.BlockSpec((3, rows, POSITIONS, wide_d), lambda i: (0, 0, i, 0)),
-            pl.BlockSpec((3, rows), lambda i: (0, 0)),
-            pl.BlockSpec((rows,), lambda i: (0,)),
-        ],
-        out_specs=[
-            pl.BlockSpec((POSITIONS, wide_d), lambda i: (i, 0)),
-            pl.BlockSpec((rows, rows, POSITIONS), lambda i: (0, 0, i)),
-            pl.BlockSpec((rows, POSITIONS), lambda i: (0, i)),
-        ],
-        out_shape=[
-            jax.ShapeDtypeStruct((padded, wide_d), dtype),
-            jax.ShapeDtypeStruct((rows, rows, padded), wide),
-            jax.ShapeDtypeStruct((rows, padded), wide),
-        ],
+        compiler_params=pl_triton.CompilerParams(num_warps=FORWARD_WARPS, num_stages=STAGES),
+        grid=(pl.cdiv(positions, POSITIONS),),
+        in_specs=whole[:3],
+        out_specs=whole[3:],
+        out_shape=out_shape,
         interpret=interpret,
-    )(qkv, bias, p_pad)
-    real = slice(None, order), slice(None, order), slice(None, positions)
-    return m[:positions, :width], weights[real], w[:order, :positions]
+    )(*inputs)
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4, 5, 6))
-def attention(qkv_3xKxcxBxJxD, bias_3xK, p_K, dtype, form, precision, interpret):
-    """``implicit_attention_channels_last`` with its forward pass by the attention kernel,
-    positions (c, B, J). Its backward pass is XLA's, from the same residuals, whose gelu' takes
-    XLA's erf where the kernel's gelu takes this module's (the two 3e-7 apart in float32, at
-    most)."""
-    return _attention_fwd(qkv_3xKxcxBxJxD, bias_3xK, p_K, dtype, form, precision, interpret)[0]
+def attention_backward(
+    qkv_3xKxPxD, bias_3xK, p_K, weights_PxKxK, w_PxK, dm_PxD, dtype, precision, interpret
+):
+    """The gradients of ``attention_forward``'s m in its input (in ``dtype``), the biases and
+    p (float32 or wider) by the attention's backward kernel, from the forward's residuals."""
+    _, order, positions, _ = qkv_3xKxPxD.shape
+    wide = implicit_attention._wide(dtype)
+    programs = pl.cdiv(positions, POSITIONS)
+    kernel = functools.partial(
+        _attention_backward_kernel,
+        positions=positions,
+        dtype=dtype,
+        precision=precision,
+        gpu=not interpret,
+    )
+    inputs = (qkv_3xKxPxD, bias_3xK.astype(wide), p_K.astype(wide), weights_PxKxK, w_PxK, dm_PxD)
+    out_shape = [
+        jax.ShapeDtypeStruct(qkv_3xKxPxD.shape, dtype),
+        jax.ShapeDtypeStruct((programs, 3, order), wide),
+        jax.ShapeDtypeStruct((programs, order), wide),
+    ]
+    whole = [pl.BlockSpec(x.shape, lambda i, n=x.ndim: (0,) * n) for x in (*inputs, *out_shape)]
+    dqkv, dbias, dp = pl.pallas_call(
+        kernel,
+        name="attention_backward",
+        compiler_params=pl_triton.CompilerParams(num_warps=BACKWARD_WARPS, num_stages=STAGES),
+        grid=(programs,),
+        in_specs=whole[: len(inputs)],
+        out_specs=whole[len(inputs) :],
+        out_shape=out_shape,
+        interpret=interpret,
+    )(*inputs)
+    return dqkv, dbias.sum(0), dp.sum(0)
 
 
-def _attention_fwd(qkv_3xKxcxBxJxD, bias_3xK, p_K, dtype, form, precision, interpret):
-    _, order, *positions, width = qkv_3xKxcxBxJxD.shape
+@functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4, 5))
+def attention(qkv_3xKxcxBxJxD, bias_3xK, p_K, dtype, precision, interpret):
+    """``implicit_attention_channels_last`` (gelu's erf form) by the attention kernels,
+    forward and backward, positions (c, B, J). ``precision``: the q' x q' products' where the
+    model's dtype is narrower than float32 (``Impls.q_prime_precision``); ``interpret``:
+    Pallas's interpret mode."""
+    return _attention_fwd(qkv_3xKxcxBxJxD, bias_3xK, p_K, dtype, precision, interpret)[0]
+
+
+def _chosen(dtype, precision):
     narrow = jnp.dtype(dtype).itemsize < 4
-    chosen = lax.Precision(precision) if narrow else lax.Precision.HIGHEST
+    return lax.Precision(precision) if narrow else lax.Precision.HIGHEST
+
+
+def _attention_fwd(qkv_3xKxcxBxJxD, bias_3xK, p_K, dtype, precision, interpret):
+    _, order, *positions, width = qkv_3xKxcxBxJxD.shape
     qkv_3xKxPxD = qkv_3xKxcxBxJxD.reshape(3, order, -1, width)
+    chosen = _chosen(dtype, precision)
     m_PxD, weights, w = attention_forward(qkv_3xKxPxD, bias_3xK, p_K, dtype, chosen, interpret)
-    residuals = (qkv_3xKxcxBxJxD, bias_3xK, p_K)
-    residuals += (weights.reshape(order, order, *positions), w.reshape(order, *positions))
-    return m_PxD.reshape(*positions, width), residuals
+    return m_PxD.reshape(*positions, width), (qkv_3xKxcxBxJxD, bias_3xK, p_K, weights, w)
 
 
-def _attention_bwd(dtype, form, precision, interpret, residuals, dm_cxBxJxD):
-    del interpret
-    backward = implicit_attention._implicit_attention_channels_last_bwd
-    return backward(dtype, form, precision, residuals, dm_cxBxJxD)
+def _attention_bwd(dtype, precision, interpret, residuals, dm_cxBxJxD):
+    qkv_3xKxcxBxJxD, bias_3xK, p_K, weights, w = residuals
+    _, order, *_, width = qkv_3xKxcxBxJxD.shape
+    dqkv, dbias, dp = attention_backward(
+        qkv_3xKxcxBxJxD.reshape(3, order, -1, width),
+        bias_3xK,
+        p_K,
+        weights,
+        w,
+        dm_cxBxJxD.reshape(-1, width),
+        dtype,
+        _chosen(dtype, precision),
+        interpret,
+    )
+    return (
+        dqkv.reshape(qkv_3xKxcxBxJxD.shape).astype(qkv_3xKxcxBxJxD.dtype),
+        dbias.astype(bias_3xK.dtype),
+        dp.astype(p_K.dtype),
+    )
 
 
 attention.defvjp(_attention_fwd, _attention_bwd)
