@@ -408,14 +408,11 @@ def attention_rows(width: int, q_prime: int) -> list[dict]:
 
         return jax.vjp(attend, qkv, bias, p)[1](dm)
 
-    warps = {
-        "attention_forward": memory_pallas.FORWARD_WARPS,
-        "attention_backward": memory_pallas.BACKWARD_WARPS,
-    }
+    warps = memory_pallas.ATTENTION_WARPS
     label = f"memory attention d={width} q'={q_prime}"
     args = (qkv, bias, p, dm)
-    launch = lambda name: (warps[name], memory_pallas.STAGES)  # noqa: E731
-    rows = compile_rows(label, forward_and_backward, args, launch)
+    launch = (warps, memory_pallas.STAGES)
+    rows = compile_rows(label, forward_and_backward, args, lambda name: launch)
     padded = max(16, pl.next_power_of_2(q_prime))
     for row in rows:
         row.update(
@@ -425,7 +422,7 @@ def attention_rows(width: int, q_prime: int) -> list[dict]:
             * padded
             * padded
             * fused_loss.padded_width(width, split=True),
-            warps=warps[row["kernel"]],
+            warps=warps,
             d=width,
         )
     return rows

@@ -214,8 +214,9 @@ def chunk_operand(
 
 
 POSITIONS = 16  # positions a program of the attention kernels takes, one at a time
-FORWARD_PART, BACKWARD_PART = 128, 16  # the most channels a step holds of each row
-FORWARD_WARPS, BACKWARD_WARPS = 2, 1  # more warps: Triton computed the gelus again per warp
+# One warp a program, and 16 channels of each row at a time: with more warps Triton computed the
+# gelus again in each, and wider parts spilled (benchmarks/kernel_resources.py measured both).
+ATTENTION_WARPS, ATTENTION_PART = 1, 16
 # The gelu's upper tail P(Z > s), s >= 0, for the kernels (Pallas's Triton lowering has no erf):
 # 2^G(s) for s < TAIL_END, G a polynomial fitted for this module by least squares on
 # Chebyshev nodes to log2 P(Z > s) on [0, TAIL_END], and 0 from TAIL_END on (P(Z > 6) is 1e-9).
@@ -356,7 +357,7 @@ def _attention_kernel(
     _, order, _, width = qkv_ref.shape
     rows, zero, real, bias, p_K, real_k = _attention_setup(bias_ref, p_ref, order, dtype)
     wide = p_K.dtype
-    parts = _parts(padded_width(width, split=True), FORWARD_PART)
+    parts = _parts(padded_width(width, split=True), ATTENTION_PART)
 
     def gelus(i, t, inside, part):
         pre, real_d = _pre_activation(qkv_ref, bias, i, t, inside, part, zero)
@@ -431,7 +432,7 @@ def _attention_backward_kernel(
     _, order, _, width = qkv_ref.shape
     rows, zero, real, bias, p_K, real_k = _attention_setup(bias_ref, p_ref, order, dtype)
     wide = p_K.dtype
-    parts = _parts(padded_width(width, split=True), BACKWARD_PART)
+    parts = _parts(padded_width(width, split=True), ATTENTION_PART)
     first = pl.program_id(0) * POSITIONS
     scale = 1.0 / math.sqrt(width)
 
@@ -510,7 +511,7 @@ def attention_forward(qkv_3xKxPxD, bias_3xK, p_K, dtype, precision, interpret):
     return pl.pallas_call(
         kernel,
         name="attention_forward",
-        compiler_params=pl_triton.CompilerParams(num_warps=FORWARD_WARPS, num_stages=STAGES),
+        compiler_params=pl_triton.CompilerParams(num_warps=ATTENTION_WARPS, num_stages=STAGES),
         grid=(pl.cdiv(positions, POSITIONS),),
         in_specs=whole[:3],
         out_specs=whole[3:],
@@ -544,7 +545,7 @@ def attention_backward(
     dqkv, dbias, dp = pl.pallas_call(
         kernel,
         name="attention_backward",
-        compiler_params=pl_triton.CompilerParams(num_warps=BACKWARD_WARPS, num_stages=STAGES),
+        compiler_params=pl_triton.CompilerParams(num_warps=ATTENTION_WARPS, num_stages=STAGES),
         grid=(programs,),
         in_specs=whole[: len(inputs)],
         out_specs=whole[len(inputs) :],
