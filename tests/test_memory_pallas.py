@@ -228,19 +228,24 @@ def test_the_attention_kernels_in_bfloat16_are_as_close_to_float64_as_xla_s():
 
 
 def test_the_kernels_gelu_is_within_its_stated_bounds():
-    # Relative error for |x| < 6 (TAIL_END), in the far negative tail too, where gelu(-5) is
-    # -1.4e-6; beyond, 0 in place of a tail under 1e-9.
+    # Each model dtype's fit, in the arithmetic its kernels use: relative error for |x| < 6
+    # (TAIL_END), in the far negative tail too, where gelu(-5) is -1.4e-6; beyond, 0 in place
+    # of a tail under 1e-9.
     x = np.linspace(-12, 12, 480_001)
     exact = x * 0.5 * scipy.special.erfc(-x / np.sqrt(2))
     inside = (np.abs(x) < memory_pallas.TAIL_END) & (np.abs(x) > 1e-3)
     errors = {}
     with jax.enable_x64():
-        for dtype in (jnp.float64, jnp.float32):
-            got = np.asarray(memory_pallas.gelu(jnp.asarray(x, dtype)), np.float64)
-            relative = np.abs(got - exact)[inside] / np.abs(exact)[inside]
-            errors[dtype.dtype.name] = (relative.max(), np.abs(got - exact)[~inside].max())
+        for model, arithmetic in (("float64",) * 2, ("float32",) * 2, ("bfloat16", "float32")):
+            fit = memory_pallas.tail_fit(model)
+            got = memory_pallas.gelu(jnp.asarray(x, arithmetic), fit=fit)
+            assert got.dtype == arithmetic
+            error = np.abs(np.asarray(got, np.float64) - exact)
+            errors[model] = ((error[inside] / np.abs(exact)[inside]).max(), error[~inside].max())
     assert errors["float64"][0] <= 1.1e-9 and errors["float32"][0] <= 6.2e-6, errors
+    assert errors["bfloat16"][0] <= 5e-5, errors  # its gelus are rounded to 2^-9 relative
     assert errors["float64"][1] <= 6e-9 and errors["float32"][1] <= 5e-7, errors
+    assert errors["bfloat16"][1] <= 5e-7, errors
 
 
 def test_the_pallas_memory_refuses_the_fft_mode():

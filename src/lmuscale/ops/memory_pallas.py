@@ -223,7 +223,8 @@ ATTENTION_WARPS, ATTENTION_PART = 1, 16
 # A fit of G is a fit of the tail to a relative error, so gelu(x) = x - |x| P(Z > |x|) (x >= 0)
 # or -|x| P(Z > |x|) (x < 0) keeps its relative accuracy in the far negative tail, where 1 +
 # erf(x) loses it. TAIL32 (degree 7) is as close as float32 arithmetic gets (gelu within 6.2e-6
-# relative for |x| < 6); TAIL64 (degree 14) for float64, within 1.1e-9. tests/ measures both.
+# relative for |x| < 6); TAIL64 (degree 14) for float64, within 1.1e-9; TAIL16 (degree 6) for
+# a bf16 model, whose gelus are rounded to 8 bits, within 5e-5. tests/ measures all three.
 TAIL_END = 6.0
 TAIL32 = (
     -0.9999943403320707,
@@ -234,6 +235,15 @@ TAIL32 = (
     -0.0009388679332924741,
     6.268140100944492e-05,
     -1.8896262334276975e-06,
+)
+TAIL16 = (
+    -1.0000589124035264,
+    -1.1502144699979406,
+    -0.46122224925301886,
+    -0.05120821467095059,
+    0.007200188738998913,
+    -0.0006114901883541658,
+    2.2999250107621074e-05,
 )
 TAIL64 = (
     -1.0000000015568984,
@@ -267,13 +277,18 @@ def _inline(asm: str, *args):
     return out
 
 
-def _fma(a, b, c, gpu: bool):
-    """``a * b + c``: on a GPU (``gpu``) one fused multiply-add, where Triton's lowering rounds
-    and issues a product and a sum apart; in interpret mode as written."""
+def _fma(a, b, c, gpu: bool, negate: bool = False):
+    """``a * b + c`` (``c - a * b`` with ``negate``): on a GPU (``gpu``) one fused multiply-add,
+    where Triton's lowering rounds and issues a product and a sum apart, and negates by a
+    subtraction from 0 that ptxas does not fold; in interpret mode as written."""
     if not gpu:
-        return a * b + c
+        return c - a * b if negate else a * b + c
     b, c = (jnp.broadcast_to(jnp.asarray(x, a.dtype), a.shape) for x in (b, c))
-    return _inline(f"fma.rn.{'f64' if a.dtype == jnp.float64 else 'f32'} $0, $1, $2, $3;", a, b, c)
+    kind = "f64" if a.dtype == jnp.float64 else "f32"
+    if negate:  # a PTX neg, which ptxas makes an operand modifier of the FFMA
+        asm = f"{{ .reg .{kind} n; neg.{kind} n, $1; fma.rn.{kind} $0, n, $2, $3; }}"
+        return _inline(asm, a, b, c)
+    return _inline(f"fma.rn.{kind} $0, $1, $2, $3;", a, b, c)
 
 
 def _exp2(x, gpu: bool):
@@ -284,20 +299,27 @@ def _exp2(x, gpu: bool):
     return jnp.exp2(x)
 
 
-def upper_tail(size, gpu: bool = False):
-    """``P(Z > size)`` for a standard normal Z and ``size >= 0``, by ``TAIL32`` (``TAIL64`` in
-    float64 arithmetic)."""
-    coefficients = TAIL64 if size.dtype == jnp.float64 else TAIL32
+def tail_fit(dtype) -> tuple[float, ...]:
+    """The fit of ``upper_tail`` for a model in ``dtype``: TAIL16 narrower than float32,
+    TAIL32 in float32, TAIL64 in float64."""
+    size = jnp.dtype(dtype).itemsize
+    return TAIL16 if size < 4 else TAIL32 if size == 4 else TAIL64
+
+
+def upper_tail(size, gpu: bool = False, fit=None):
+    """``P(Z > size)`` for a standard normal Z and ``size >= 0``, by ``fit`` (by default
+    ``tail_fit`` of size's dtype: ``TAIL32``, or ``TAIL64`` in float64 arithmetic)."""
+    coefficients = fit or tail_fit(size.dtype)
     exponent = jnp.full_like(size, coefficients[-1])
     for c in coefficients[-2::-1]:
         exponent = _fma(exponent, size, c, gpu)
     return jnp.where(size < TAIL_END, _exp2(exponent, gpu), 0.0)
 
 
-def gelu(x, gpu: bool = False):
+def gelu(x, gpu: bool = False, fit=None):
     """The exact gelu ``x Phi(x)`` from ``upper_tail``: ``max(x, 0) - |x| P(Z > |x|)``."""
     size = jnp.abs(x)
-    return _fma(-size, upper_tail(size, gpu), jnp.maximum(x, 0.0), gpu)
+    return _fma(size, upper_tail(size, gpu, fit), jnp.maximum(x, 0.0), gpu, negate=True)
 
 
 def _load(ref, mask):
@@ -361,7 +383,8 @@ def _attention_kernel(
 
     def gelus(i, t, inside, part):
         pre, real_d = _pre_activation(qkv_ref, bias, i, t, inside, part, zero)
-        return _masked(gelu(pre.astype(wide), gpu), real_d, part, width).astype(dtype)
+        value = gelu(pre.astype(wide), gpu, tail_fit(dtype))
+        return _masked(value, real_d, part, width).astype(dtype)
 
     first = pl.program_id(0) * POSITIONS  # (interpret mode reads it out of a loop only)
 
@@ -397,9 +420,9 @@ def _attention_kernel(
     lax.fori_loop(0, POSITIONS, position, 0)
 
 
-def _gelu_and_slope(x, gpu: bool):
+def _gelu_and_slope(x, gpu: bool, fit):
     """``gelu(x)`` and its derivative ``Phi(x) + x phi(x)``, from one ``upper_tail``."""
-    tail = upper_tail(jnp.abs(x), gpu)
+    tail = upper_tail(jnp.abs(x), gpu, fit)
     cdf = jnp.where(x >= 0, 1.0 - tail, tail)
     # phi(x) = 2^(-x² log2(e) / 2 - log2(2 pi) / 2)
     exponent = _fma(x * x, -0.5 * math.log2(math.e), -0.5 * math.log2(2.0 * math.pi), gpu)
@@ -437,37 +460,38 @@ def _attention_backward_kernel(
     first = pl.program_id(0) * POSITIONS
     scale = 1.0 / math.sqrt(width)
 
-    def gradient(i, t, inside, part, g, slope, real_d):
-        """Store (Q, K, V)[i]'s gradient ``g gelu'`` at t in the model's dtype; its row sums,
-        unrounded."""
+    def gradient(i, t, inside, part, dpre, real_d, transposed=False):
+        """Store (Q, K, V)[i]'s gradient ``dpre`` (channels first if ``transposed``) at t in
+        the model's dtype; its sums over the channels, unrounded."""
         d0, d = part
-        dpre = g * slope
         mask = real[:, None] & real_d & inside
+        rounded = dpre.astype(dtype)
         _store(
             dqkv_ref.at[zero + i, pl.ds(zero, rows), t, pl.ds(zero + d0, d)],
-            dpre.astype(dtype),
+            rounded.T if transposed else rounded,
             mask,
         )
-        return jnp.sum(_masked(dpre, real_d, part, width), axis=1)
+        real_d = real_d.T if transposed else real_d
+        return jnp.sum(_masked(dpre, real_d, part, width), axis=0 if transposed else 1)
 
     def position(step, carry):
         t = first + step
         inside = t < positions
         dbias, dp = carry
-        square = real[:, None] & real_k & inside
-        weights = _load(weights_ref.at[t, pl.ds(zero, rows), pl.ds(zero, rows)], square)
         w_K = _load(w_ref.at[t, pl.ds(zero, rows)], real & inside)
         dw, dbias_v = jnp.zeros((rows,), wide), jnp.zeros((rows,), wide)
         for d0, d in parts:  # V: m = gelu(V)ᵀ w
             pre, real_d = _pre_activation(qkv_ref, bias, 2, t, inside, (d0, d), zero)
-            value, slope = _gelu_and_slope(pre.astype(wide), gpu)
+            value, slope = _gelu_and_slope(pre.astype(wide), gpu, tail_fit(dtype))
             gv = _masked(value, real_d, (d0, d), width).astype(dtype).astype(wide)
             channels = d0 + lax.broadcasted_iota(jnp.int32, (d,), 0) < width
             dm = _load(dm_ref.at[t, pl.ds(zero + d0, d)], channels & inside)
             dm = dm.astype(dtype).astype(wide)[None, :]
             dw += jnp.sum(dm * gv, axis=1)
-            dbias_v += gradient(2, t, inside, (d0, d), w_K[:, None] * dm, slope, real_d)
+            dbias_v += gradient(2, t, inside, (d0, d), w_K[:, None] * dm * slope, real_d)
         # w = p softmax(scores): p's gradient, and the scores'.
+        square = real[:, None] & real_k & inside
+        weights = _load(weights_ref.at[t, pl.ds(zero, rows), pl.ds(zero, rows)], square)
         dp += jnp.sum(weights * dw[None, :], axis=1)
         dweights = p_K[:, None] * dw[None, :]
         inner = jnp.sum(weights * dweights, axis=1, keepdims=True)
@@ -477,16 +501,18 @@ def _attention_backward_kernel(
             (pre_q, real_d), (pre_k, _) = (
                 _pre_activation(qkv_ref, bias, i, t, inside, part, zero) for i in (0, 1)
             )
-            gq, slope_q = _gelu_and_slope(pre_q.astype(wide), gpu)
-            gk, slope_k = _gelu_and_slope(pre_k.astype(wide), gpu)
-            gq, gk = (_masked(g, real_d, part, width).astype(dtype) for g in (gq, gk))
+            # Channels as rows: each gelu is then the first operand of a product whose result
+            # its slope multiplies, the layouts Triton converts between in registers.
+            gq, slope_q = _gelu_and_slope(pre_q.astype(wide).T, gpu, tail_fit(dtype))
+            gk, slope_k = _gelu_and_slope(pre_k.astype(wide).T, gpu, tail_fit(dtype))
+            gq, gk = (_masked(g, real_d.T, part, width).astype(dtype) for g in (gq, gk))
             product = functools.partial(
                 lax.dot_general, precision=precision, preferred_element_type=wide
             )
-            dgq = product(ds, gk, (((1,), (0,)), ((), ())))
-            dgk = product(ds, gq, (((0,), (0,)), ((), ())))
-            dbias_q += gradient(0, t, inside, part, dgq, slope_q, real_d)
-            dbias_k += gradient(1, t, inside, part, dgk, slope_k, real_d)
+            dgq = product(gk, ds, (((1,), (1,)), ((), ())))  # (d, i) = gkᵀ dsᵀ
+            dgk = product(gq, ds, (((1,), (0,)), ((), ())))  # (d, k) = gqᵀ ds
+            dbias_q += gradient(0, t, inside, part, dgq * slope_q, real_d, transposed=True)
+            dbias_k += gradient(1, t, inside, part, dgk * slope_k, real_d, transposed=True)
         return [dbias[0] + dbias_q, dbias[1] + dbias_k, dbias[2] + dbias_v], dp
 
     zeros = jnp.zeros((rows,), wide)
