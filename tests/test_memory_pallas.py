@@ -229,8 +229,8 @@ def test_the_attention_kernels_in_bfloat16_are_as_close_to_float64_as_xla_s():
 
 def test_the_kernels_gelu_is_within_its_stated_bounds():
     # Each model dtype's fit, in the arithmetic its kernels use: relative error for |x| < 6
-    # (TAIL_END), in the far negative tail too, where gelu(-5) is -1.4e-6; beyond, 0 in place
-    # of a tail under 1e-9.
+    # (TAIL_END), in the far negative tail too, where gelu(-5) is -1.4e-6; beyond, a tail of 0
+    # (float64) or of P(Z > 6) = 1e-9 (float32) in place of a smaller one.
     x = np.linspace(-12, 12, 480_001)
     exact = x * 0.5 * scipy.special.erfc(-x / np.sqrt(2))
     inside = (np.abs(x) < memory_pallas.TAIL_END) & (np.abs(x) > 1e-3)

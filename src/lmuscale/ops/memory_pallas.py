@@ -219,7 +219,8 @@ POSITIONS = 16  # positions a program of the attention kernels takes, one at a t
 ATTENTION_WARPS, ATTENTION_PART = 1, 16
 # The gelu's upper tail P(Z > s), s >= 0, for the kernels (Pallas's Triton lowering has no erf):
 # 2^G(s) for s < TAIL_END, G a polynomial fitted for this module by least squares on
-# Chebyshev nodes to log2 P(Z > s) on [0, TAIL_END], and 0 from TAIL_END on (P(Z > 6) is 1e-9).
+# Chebyshev nodes to log2 P(Z > s) on [0, TAIL_END]; from TAIL_END on, 0 in float64 arithmetic
+# and P(Z > 6) = 1e-9 in float32 (``upper_tail``).
 # A fit of G is a fit of the tail to a relative error, so gelu(x) = x - |x| P(Z > |x|) (x >= 0)
 # or -|x| P(Z > |x|) (x < 0) keeps its relative accuracy in the far negative tail, where 1 +
 # erf(x) loses it. TAIL32 (degree 7) is as close as float32 arithmetic gets (gelu within 6.2e-6
@@ -310,10 +311,14 @@ def upper_tail(size, gpu: bool = False, fit=None):
     """``P(Z > size)`` for a standard normal Z and ``size >= 0``, by ``fit`` (by default
     ``tail_fit`` of size's dtype: ``TAIL32``, or ``TAIL64`` in float64 arithmetic)."""
     coefficients = fit or tail_fit(size.dtype)
+    exact = size.dtype == jnp.float64
+    # In float32, past TAIL_END the tail at TAIL_END (1e-9): one min, where a compare and a
+    # select cost two; it changes gelu below -6 by |x| 1e-9, and above 6 nothing.
+    at = size if exact else jnp.minimum(size, TAIL_END)
     exponent = jnp.full_like(size, coefficients[-1])
     for c in coefficients[-2::-1]:
-        exponent = _fma(exponent, size, c, gpu)
-    return jnp.where(size < TAIL_END, _exp2(exponent, gpu), 0.0)
+        exponent = _fma(exponent, at, c, gpu)
+    return jnp.where(size < TAIL_END, _exp2(exponent, gpu), 0.0) if exact else _exp2(exponent, gpu)
 
 
 def gelu(x, gpu: bool = False, fit=None):
