@@ -357,21 +357,26 @@ def _masked(value, real_d, part, width):
     return jnp.where(real_d, value, 0) if sum(part) > width else value
 
 
-def _attention_setup(bias_ref, p_ref, order, dtype):
+def _attention_setup(p_ref, order):
     """What the attention kernels hold across positions: the padded rows, a traced 0, which
-    rows are real, the biases in ``dtype`` as columns, p, and which score columns are real."""
+    rows are real, p, and which score columns are real."""
     rows = max(16, pl.next_power_of_2(order))
     # Traced: Pallas bounds-checks a static slice when tracing, and the last part runs past d
     # on purpose, its loads and stores masked.
     zero = pl.program_id(0) * 0
     real = lax.broadcasted_iota(jnp.int32, (rows,), 0) < order
-    bias = [
+    p_K = _load(p_ref.at[pl.ds(zero, rows)], real)
+    real_k = lax.broadcasted_iota(jnp.int32, (rows, rows), 1) < order
+    return rows, zero, real, p_K, real_k
+
+
+def _biases(bias_ref, zero, real, dtype):
+    """The three biases in ``dtype``, as columns of the padded rows (``real`` of them)."""
+    rows = real.shape[0]
+    return [
         _load(bias_ref.at[zero + i, pl.ds(zero, rows)], real)[:, None].astype(dtype)
         for i in range(3)
     ]
-    p_K = _load(p_ref.at[pl.ds(zero, rows)], real)
-    real_k = lax.broadcasted_iota(jnp.int32, (rows, rows), 1) < order
-    return rows, zero, real, bias, p_K, real_k
 
 
 def _attention_kernel(
@@ -382,8 +387,8 @@ def _attention_kernel(
     ``dtype``, the q' x q' scores as products, their softmax over k, ``w = p softmax`` and
     ``m = gelu(V)ᵀ w``."""
     _, order, _, width = qkv_ref.shape
-    rows, zero, real, bias, p_K, real_k = _attention_setup(bias_ref, p_ref, order, dtype)
-    wide = p_K.dtype
+    rows, zero, real, p_K, real_k = _attention_setup(p_ref, order)
+    bias, wide = _biases(bias_ref, zero, real, dtype), p_K.dtype
     parts = _parts(padded_width(width, split=True), ATTENTION_PART)
 
     def gelus(i, t, inside, part):
@@ -454,12 +459,12 @@ def _attention_backward_kernel(
     (``implicit_attention._implicit_attention_channels_last_bwd``) computes them: gelu(V) and
     gelu' give dV and dw; then ds, the scores' gradient; then gelu(Q), gelu(K) and their slopes
     give dQ = (ds gelu(K)) gelu'(Q) and dK = (dsᵀ gelu(Q)) gelu'(K). Each gradient is
-    written rounded to the model's dtype; this program's sums of them over its positions and
-    channels (the biases' gradients: of the gradients before that rounding, where XLA sums
-    them after, which saved 5% of the loop's instructions) and of p's gradient, a row of
-    ``dbias_ref`` and ``dp_ref`` each."""
+    written rounded to the model's dtype; each position's sums of them over the channels (its
+    part of the biases' gradients: of the gradients before that rounding, where XLA sums them
+    after, which saved 5% of the loop's instructions) and its part of p's gradient, a row of
+    ``dbias_ref`` and ``dp_ref`` each: summed across the loop, they spilled."""
     _, order, _, width = qkv_ref.shape
-    rows, zero, real, bias, p_K, real_k = _attention_setup(bias_ref, p_ref, order, dtype)
+    rows, zero, real, p_K, real_k = _attention_setup(p_ref, order)
     wide = p_K.dtype
     parts = _parts(padded_width(width, split=True), ATTENTION_PART)
     first = pl.program_id(0) * POSITIONS
@@ -482,7 +487,8 @@ def _attention_backward_kernel(
     def position(step, carry):
         t = first + step
         inside = t < positions
-        dbias, dp = carry
+        # Read again at each position, a hit in L1, where held across the loop they spilled.
+        bias = _biases(bias_ref, zero, real, dtype)
         w_K = _load(w_ref.at[t, pl.ds(zero, rows)], real & inside)
         dw, dbias_v = jnp.zeros((rows,), wide), jnp.zeros((rows,), wide)
         for d0, d in parts:  # V: m = gelu(V)ᵀ w
@@ -497,7 +503,7 @@ def _attention_backward_kernel(
         # w = p softmax(scores): p's gradient, and the scores'.
         square = real[:, None] & real_k & inside
         weights = _load(weights_ref.at[t, pl.ds(zero, rows), pl.ds(zero, rows)], square)
-        dp += jnp.sum(weights * dw[None, :], axis=1)
+        dp = jnp.sum(weights * dw[None, :], axis=1)
         dweights = p_K[:, None] * dw[None, :]
         inner = jnp.sum(weights * dweights, axis=1, keepdims=True)
         ds = (weights * (dweights - inner) * scale).astype(dtype)
@@ -518,14 +524,12 @@ def _attention_backward_kernel(
             dgk = product(gq, ds, (((1,), (0,)), ((), ())))  # (d, k) = gqᵀ ds
             dbias_q += gradient(0, t, inside, part, dgq * slope_q, real_d, transposed=True)
             dbias_k += gradient(1, t, inside, part, dgk * slope_k, real_d, transposed=True)
-        return [dbias[0] + dbias_q, dbias[1] + dbias_k, dbias[2] + dbias_v], dp
+        for i, dbias in enumerate((dbias_q, dbias_k, dbias_v)):
+            _store(dbias_ref.at[t, zero + i, pl.ds(zero, rows)], dbias, real & inside)
+        _store(dp_ref.at[t, pl.ds(zero, rows)], dp, real & inside)
+        return carry
 
-    zeros = jnp.zeros((rows,), wide)
-    dbias, dp = lax.fori_loop(0, POSITIONS, position, ([zeros] * 3, zeros))
-    program = pl.program_id(0)
-    for i in range(3):
-        _store(dbias_ref.at[program, zero + i, pl.ds(zero, rows)], dbias[i], real)
-    _store(dp_ref.at[program, pl.ds(zero, rows)], dp, real)
+    lax.fori_loop(0, POSITIONS, position, 0)
 
 
 def attention_forward(qkv_3xKxPxD, bias_3xK, p_K, dtype, precision, interpret):
@@ -575,8 +579,8 @@ def attention_backward(
     inputs = (qkv_3xKxPxD, bias_3xK.astype(wide), p_K.astype(wide), weights_PxKxK, w_PxK, dm_PxD)
     out_shape = [
         jax.ShapeDtypeStruct(qkv_3xKxPxD.shape, dtype),
-        jax.ShapeDtypeStruct((programs, 3, order), wide),
-        jax.ShapeDtypeStruct((programs, order), wide),
+        jax.ShapeDtypeStruct((positions, 3, order), wide),
+        jax.ShapeDtypeStruct((positions, order), wide),
     ]
     whole = [pl.BlockSpec(x.shape, lambda i, n=x.ndim: (0,) * n) for x in (*inputs, *out_shape)]
     dqkv, dbias, dp = pl.pallas_call(
