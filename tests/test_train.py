@@ -360,8 +360,9 @@ def test_a_resume_names_a_torn_middle_line_and_drops_a_torn_last_one(finished, t
     assert not [p.name for p in workdir.iterdir() if p.name.startswith(".")]
 
 
-# A program lowered for compilation, or compiled: the suite compiles through a persistent cache
-# (conftest.py), where a program compiled before is read, not compiled, but still lowered.
+# A program lowered for compilation, or compiled. The suite compiles through a persistent cache
+# (conftest.py): a program read from it is still lowered first (jax 0.10 also reports the read
+# as a backend compile, which the lowering event does not depend on).
 COMPILE_EVENTS = (
     "/jax/core/compile/jaxpr_to_mlir_module_duration",
     "/jax/core/compile/backend_compile_duration",

@@ -266,7 +266,8 @@ TAIL64 = (
 
 
 def _inline(asm: str, *args):
-    """One PTX instruction on each element of ``args`` (of one shape and dtype)."""
+    """PTX ``asm`` on each element of ``args`` (of one shape and dtype), as Triton inlines it:
+    on a GPU only (interpret mode has no PTX)."""
     letter = {jnp.dtype(jnp.float32): "f", jnp.dtype(jnp.float64): "d"}[args[0].dtype]
     (out,) = pl_triton.elementwise_inline_asm(
         asm,
