@@ -20,8 +20,8 @@ the small operations around them (``../shared/PERF.md`` §4, "M1").
   gelu and gelu' and writes dQ, dK and dV as the chunk product's transpose takes them, with
   the biases' and p's gradients. gelu is exact, from a fitted normal tail (``upper_tail``), as
   Triton has no erf. Tested, not yet run by the layer: the no-GPU check
-  (``benchmarks/kernel_resources.py``) estimates the backward slower than the design and
-  finds it spilling.
+  (``benchmarks/kernel_resources.py``) puts the block at its line (5.50 ms against 5.5) but
+  finds the backward spilling.
 
 ``interpret=True`` runs the kernels on any backend (the tests, on CPU).
 """
@@ -384,7 +384,7 @@ def _attention_kernel(
     qkv_ref, bias_ref, p_ref, m_ref, weights_ref, w_ref, *, positions, dtype, precision, gpu
 ):
     """``POSITIONS`` positions of ``attention_forward``, one at a time: Q, K and V's q' x d rows
-    (q' padded to a power of two, d held in ``width_parts``, padding masked), their gelus in
+    (q' padded to a power of two, d in parts of ATTENTION_PART, padding masked), their gelus in
     ``dtype``, the q' x q' scores as products, their softmax over k, ``w = p softmax`` and
     ``m = gelu(V)ᵀ w``."""
     _, order, _, width = qkv_ref.shape
