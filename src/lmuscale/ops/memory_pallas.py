@@ -513,8 +513,9 @@ def _attention_backward_kernel(
             (pre_q, real_d), (pre_k, _) = (
                 _pre_activation(qkv_ref, bias, i, t, inside, part, zero) for i in (0, 1)
             )
-            # Channels as rows: each gelu is then the first operand of a product whose result
-            # its slope multiplies, the layouts Triton converts between in registers.
+            # Channels as rows, q' as columns: so held, Triton computes each tail once for
+            # the gelu (a product's operand) and the slope (multiplying the other product);
+            # with q' as rows it computed those of Q and K twice (881 -> 599 in the loop).
             gq, slope_q = _gelu_and_slope(pre_q.astype(wide).T, gpu, tail_fit(dtype))
             gk, slope_k = _gelu_and_slope(pre_k.astype(wide).T, gpu, tail_fit(dtype))
             gq, gk = (_masked(g, real_d.T, part, width).astype(dtype) for g in (gq, gk))
