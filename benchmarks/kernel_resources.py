@@ -414,17 +414,10 @@ def attention_rows(width: int, q_prime: int) -> list[dict]:
     launch = (warps, memory_pallas.STAGES)
     rows = compile_rows(label, forward_and_backward, args, lambda name: launch)
     padded = max(16, pl.next_power_of_2(q_prime))
+    product_flops = 2 * padded * padded * fused_loss.padded_width(width, split=True)
     for row in rows:
-        row.update(
-            steps=TOKENS,
-            step_flops=(2 if row["kernel"] == "attention_backward" else 1)
-            * 2
-            * padded
-            * padded
-            * fused_loss.padded_width(width, split=True),
-            warps=warps,
-            d=width,
-        )
+        products = 2 if row["kernel"] == "attention_backward" else 1  # dQ and dK; the scores
+        row.update(steps=TOKENS, step_flops=products * product_flops, warps=warps, d=width)
     return rows
 
 
