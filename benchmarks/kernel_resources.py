@@ -229,15 +229,16 @@ def _ptxas(ptx: str, folder: Path, name: str) -> dict:
     }
     if shutil.which("nvdisasm"):
         sass = subprocess.run(["nvdisasm", "-c", str(cubin)], capture_output=True, text=True)
-        row["loop_instructions"] = main_loop_length(sass.stdout)
+        row["loop_instructions"], row["outer_loop_instructions"] = main_loops(sass.stdout)
     return row
 
 
-def main_loop_length(sass: str) -> int | None:
-    """The instructions of the main loop in ``nvdisasm -c`` output: the shortest span from a
-    label back to which a branch jumps, to that branch, that holds a tensor-core product
-    (HGMMA, or HMMA on the Ampere path). The shortest, since a barrier's retry code placed
-    after the loop branches back across all of it."""
+def main_loops(sass: str) -> tuple[int | None, int | None]:
+    """The instructions of the main loop in ``nvdisasm -c`` output, and of the loop around it
+    (None if none): the shortest span from a label back to which a branch jumps, to that
+    branch, that holds a tensor-core product (HGMMA, or HMMA on the Ampere path), or in a
+    kernel with none any; the shortest, since a barrier's retry code placed after the loop
+    branches back across all of it. The loop around it: the shortest span that holds it."""
     found, labels, pending, spans = [], {}, None, []
     for line in sass.splitlines():
         text = line.strip()
@@ -255,9 +256,16 @@ def main_loop_length(sass: str) -> int | None:
         branch = re.search(r"BRA.*\.L_x_(\d+)", instruction.group(2))
         if branch and labels.get(branch.group(1), address) < address:
             spans.append((labels[branch.group(1)], address))
-    loops = [[text for address, text in found if start <= address <= end] for start, end in spans]
-    loops = [body for body in loops if any(re.search(r"\bH[G]?MMA", text) for text in body)]
-    return min(map(len, loops)) if loops else None
+    if not spans:
+        return None, None
+    body = {
+        span: [text for address, text in found if span[0] <= address <= span[1]] for span in spans
+    }
+    products = [span for span in spans if any(re.search(r"\bH[G]?MMA", t) for t in body[span])]
+    main = min(products or spans, key=lambda span: len(body[span]))
+    around = [span for span in spans if span != main and span[0] <= main[0] and main[1] <= span[1]]
+    outer = min(around, key=lambda span: len(body[span]), default=None)
+    return len(body[main]), None if outer is None else len(body[outer])
 
 
 def compile_rows(label: str, function, args, launch) -> list[dict]:
@@ -392,10 +400,12 @@ def memory_rows(width=204, order=220, q_prime=22, chunk=64) -> list[dict]:
 
 
 def attention_rows(width: int, q_prime: int) -> list[dict]:
-    """The LMU attention's kernels, forward and backward, for one layer of TOKENS positions in
-    bfloat16, q' rows of Q, K and V a position: a step of their loops is one position, whose
-    products are q' x q' (q' padded to a power of two, d to a multiple of 16): the scores
-    forward, dQ and dK backward."""
+    """The LMU attention's kernels, forward and backward (two), for one layer of TOKENS
+    positions in bfloat16, q' rows of Q, K and V a position: a step of their loops is one
+    position, whose products are q' x q' (q' padded to a power of two, d to a multiple of
+    16): the scores forward, dQ and dK backward. The backward's kernels loop over the
+    channels' whole parts within a position: a position counts that loop's instructions once
+    a part."""
     qkv = jax.ShapeDtypeStruct((3, q_prime, TOKENS, width), jnp.bfloat16)
     bias = jax.ShapeDtypeStruct((3, q_prime), jnp.float32)
     p = jax.ShapeDtypeStruct((q_prime,), jnp.float32)
@@ -415,9 +425,16 @@ def attention_rows(width: int, q_prime: int) -> list[dict]:
     rows = compile_rows(label, forward_and_backward, args, lambda name: launch)
     padded = max(16, pl.next_power_of_2(q_prime))
     product_flops = 2 * padded * padded * fused_loss.padded_width(width, split=True)
+    products = {"attention_forward": 1, "attention_backward_scores": 2}  # scores; dQ and dK
+    trips = width // memory_pallas.ATTENTION_PART  # the backward's loop over whole parts
     for row in rows:
-        products = 2 if row["kernel"] == "attention_backward" else 1  # dQ and dK; the scores
-        row.update(steps=TOKENS, step_flops=products * product_flops, warps=warps, d=width)
+        inner, outer = row.get("loop_instructions"), row.get("outer_loop_instructions")
+        if inner is not None and outer is not None:  # a position: the parts' loop, trips times
+            row.update(
+                part_loop_instructions=inner, loop_instructions=outer - inner + trips * inner
+            )
+        flops = products.get(row["kernel"], 0) * product_flops
+        row.update(steps=TOKENS, step_flops=flops, warps=warps, d=width)
     return rows
 
 

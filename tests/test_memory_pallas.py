@@ -135,10 +135,11 @@ def test_on_eight_devices_each_runs_the_kernel_on_its_sequences():
         np.testing.assert_allclose(got, want, rtol=0, atol=1e-5 * np.abs(want).max())
 
 
-# q' = 5 and 22 (rows padded to 16 and 32); d = 37 and 40 (three parts of 16, the last of 37
-# masked past 5 channels); 2 x 3 chunks of 7 steps: 42 positions, three programs of 16, the
-# last 6 short.
-@pytest.mark.parametrize(("order", "width"), [(5, 37), (22, 40)])
+# q' = 5, 9 and 22 (rows padded to 16, 16 and 32); d = 37 and 40 (three parts of 16, the last of
+# 37 masked past 5 channels, of 40 past 8) and 32 (two whole parts: the backward's loop over
+# whole parts only); 2 x 3 chunks of 7 steps: 42 positions, three programs of 16, the last 6
+# short.
+@pytest.mark.parametrize(("order", "width"), [(5, 37), (22, 40), (9, 32)])
 def test_the_attention_kernels_values_and_gradients_equal_xla_s_in_float64(order, width):
     with jax.enable_x64():
         rng = np.random.default_rng(order)

@@ -16,12 +16,13 @@ the small operations around them (``../shared/PERF.md`` §4, "M1").
 - The attention's kernels (``attention``), forward and backward: one program per POSITIONS
   positions, one position at a time, its q' rows of Q, K and V held padded to a power of two
   (channels in parts, masked; nothing padded in XLA). The forward computes the gelus, the q' x
-  q' scores (products), softmax, w and m, and keeps the softmax and w; the backward recomputes
-  gelu and gelu' and writes dQ, dK and dV as the chunk product's transpose takes them, with
-  the biases' and p's gradients. gelu is exact, from a fitted normal tail (``upper_tail``), as
-  Triton has no erf. Tested, not yet run by the layer: the no-GPU check
-  (``benchmarks/kernel_resources.py``) puts the block at its line (5.50 ms against 5.5) but
-  finds the backward spilling.
+  q' scores (products), softmax, w and m, and keeps the softmax and w. The backward, in two
+  kernels (in one it spilled), recomputes gelu and gelu': the first gives dV, p's gradient and
+  ds, the scores' gradient; the second, from ds, dQ and dK. They write dQ, dK and dV as the
+  chunk product's transpose takes them, with the biases' gradients. gelu is exact, from a
+  fitted normal tail (``upper_tail``), as Triton has no erf. Tested, not yet run by the layer.
+  The no-GPU check (``benchmarks/kernel_resources.py``) puts the block at 5.39 ms against its
+  line of 5.5, none of the kernels spilling.
 
 ``interpret=True`` runs the kernels on any backend (the tests, on CPU).
 """
@@ -440,7 +441,17 @@ def _gelu_and_slope(x, gpu: bool, fit):
     return x * cdf, _fma(x, _exp2(exponent, gpu), cdf, gpu)
 
 
-def _attention_backward_kernel(
+def _over_parts(width: int, part, sums):
+    """``sums = part(d0, sums, last)`` over the channels in parts of ATTENTION_PART from d0 =
+    0: the whole parts as a loop, then a last part that runs past ``width``, if any, with
+    ``last``. Unrolled, the backward kernels' parts had ptxas hold too much at once: they
+    spilled."""
+    whole, rest = divmod(width, ATTENTION_PART)
+    sums = lax.fori_loop(0, whole, lambda j, sums: part(j * ATTENTION_PART, sums), sums)
+    return part(whole * ATTENTION_PART, sums, last=True) if rest else sums
+
+
+def _values_backward_kernel(
     qkv_ref,
     bias_ref,
     p_ref,
@@ -450,88 +461,133 @@ def _attention_backward_kernel(
     dqkv_ref,
     dbias_ref,
     dp_ref,
+    ds_ref,
+    *,
+    positions,
+    dtype,
+    gpu,
+):
+    """``POSITIONS`` positions of the attention's backward, first of its two kernels, as XLA's
+    backward pass (``implicit_attention._implicit_attention_channels_last_bwd``) computes them:
+    gelu(V) and gelu' give dV and dw, and then dw gives p's gradient and ds, the scores'
+    gradient (in ``dtype``, as the products take it), which ``_scores_backward_kernel`` reads.
+    dV is written rounded to the model's dtype; its sums over the channels (the position's part
+    of V's bias gradient, of the gradients before that rounding, where XLA sums them after) and
+    the position's part of p's gradient as rows of ``dbias_ref`` and ``dp_ref``."""
+    _, order, _, width = qkv_ref.shape
+    rows, zero, real, p_K, real_k = _attention_setup(p_ref, order)
+    wide = p_K.dtype
+    first = pl.program_id(0) * POSITIONS
+    scale = 1.0 / math.sqrt(width)
+    bias = _biases(bias_ref, zero, real, dtype)
+
+    def position(step, carry):
+        t = first + step
+        inside = t < positions
+        w_K = _load(w_ref.at[t, pl.ds(zero, rows)], real & inside)
+
+        def part(d0, sums, last=False):  # no mask past d: dm is 0 there, so are the sums
+            pre, real_d = _pre_activation(qkv_ref, bias, 2, t, inside, (d0, ATTENTION_PART), zero)
+            value, slope = _gelu_and_slope(pre.astype(wide), gpu, tail_fit(dtype))
+            channels = d0 + lax.broadcasted_iota(jnp.int32, (ATTENTION_PART,), 0) < width
+            dm = _load(dm_ref.at[t, pl.ds(zero + d0, ATTENTION_PART)], channels & inside)
+            dm = dm.astype(dtype).astype(wide)[None, :]  # 0 in a padded channel
+            dpre = w_K[:, None] * dm * slope
+            at = dqkv_ref.at[zero + 2, pl.ds(zero, rows), t, pl.ds(zero + d0, ATTENTION_PART)]
+            _store(at, dpre.astype(dtype), real[:, None] & real_d & inside)
+            return sums[0] + dm * value.astype(dtype).astype(wide), sums[1] + dpre
+
+        zeros = jnp.zeros((rows, ATTENTION_PART), wide)
+        whole = _over_parts(width, part, (zeros, zeros))
+        dw, dbias_v = (jnp.sum(x, axis=1) for x in whole)
+        # w = p softmax(scores): p's gradient, and the scores'.
+        square = real[:, None] & real_k & inside
+        weights = _load(weights_ref.at[t, pl.ds(zero, rows), pl.ds(zero, rows)], square)
+        dweights = p_K[:, None] * dw[None, :]
+        inner = jnp.sum(weights * dweights, axis=1, keepdims=True)
+        ds = (weights * (dweights - inner) * scale).astype(dtype)
+        _store(ds_ref.at[t, pl.ds(zero, rows), pl.ds(zero, rows)], ds, square)
+        _store(dbias_ref.at[t, zero + 2, pl.ds(zero, rows)], dbias_v, real & inside)
+        dp = jnp.sum(weights * dw[None, :], axis=1)
+        _store(dp_ref.at[t, pl.ds(zero, rows)], dp, real & inside)
+        return carry
+
+    lax.fori_loop(0, POSITIONS, position, 0)
+
+
+def _scores_backward_kernel(
+    qkv_ref,
+    bias_ref,
+    ds_ref,
+    dqkv_in_ref,
+    dbias_in_ref,
+    dqkv_ref,
+    dbias_ref,
     *,
     positions,
     dtype,
     precision,
     gpu,
 ):
-    """``POSITIONS`` positions of ``attention_backward``, one at a time, as XLA's backward pass
-    (``implicit_attention._implicit_attention_channels_last_bwd``) computes them: gelu(V) and
-    gelu' give dV and dw; then ds, the scores' gradient; then gelu(Q), gelu(K) and their slopes
-    give dQ = (ds gelu(K)) gelu'(Q) and dK = (dsᵀ gelu(Q)) gelu'(K). Each gradient is
-    written rounded to the model's dtype; each position's sums of them over the channels (its
-    part of the biases' gradients: of the gradients before that rounding, where XLA sums them
-    after, which saved 5% of the loop's instructions) and its part of p's gradient, a row of
-    ``dbias_ref`` and ``dp_ref`` each: summed across the loop, they spilled."""
-    _, order, _, width = qkv_ref.shape
-    rows, zero, real, p_K, real_k = _attention_setup(p_ref, order)
-    wide = p_K.dtype
-    parts = _parts(padded_width(width, split=True), ATTENTION_PART)
-    first = pl.program_id(0) * POSITIONS
-    scale = 1.0 / math.sqrt(width)
+    """``POSITIONS`` positions of the attention's backward, second of its two kernels: from ds
+    (``_values_backward_kernel``'s), gelu(Q), gelu(K) and their slopes give dQ = (ds gelu(K))
+    gelu'(Q) and dK = (dsᵀ gelu(Q)) gelu'(K), written into the first kernel's ``dqkv`` and
+    ``dbias`` (aliased: ``dqkv_in_ref`` and ``dbias_in_ref`` are they), as it wrote dV.
 
-    def gradient(i, t, inside, part, dpre, real_d, transposed=False):
-        """Store (Q, K, V)[i]'s gradient ``dpre`` (channels first if ``transposed``) at t in
-        the model's dtype; its sums over the channels, unrounded."""
-        d0, d = part
-        mask = real[:, None] & real_d & inside
-        rounded = dpre.astype(dtype)
-        _store(
-            dqkv_ref.at[zero + i, pl.ds(zero, rows), t, pl.ds(zero + d0, d)],
-            rounded.T if transposed else rounded,
-            mask,
-        )
-        real_d = real_d.T if transposed else real_d
-        return jnp.sum(_masked(dpre, real_d, part, width), axis=0 if transposed else 1)
+    The channels' whole parts of ATTENTION_PART run as a loop, not unrolled: unrolled, ptxas
+    held too much at once and spilled. Channels as rows, q' as columns: so held, Triton
+    computes each tail once for the gelu (a product's operand) and the slope (multiplying the
+    other product); with q' as rows it computed those of Q and K twice. A padded channel's
+    gelus only reach its own rows of the products, which are not stored; the bias gradients'
+    sums mask them, in the last part only, and are summed over the channels once a position."""
+    del dqkv_in_ref, dbias_in_ref
+    _, order, _, width = qkv_ref.shape
+    rows = max(16, pl.next_power_of_2(order))
+    zero = pl.program_id(0) * 0
+    real = lax.broadcasted_iota(jnp.int32, (rows,), 0) < order
+    real_k = lax.broadcasted_iota(jnp.int32, (rows, rows), 1) < order
+    wide = bias_ref.dtype
+    first = pl.program_id(0) * POSITIONS
+    product = functools.partial(lax.dot_general, precision=precision, preferred_element_type=wide)
 
     def position(step, carry):
         t = first + step
         inside = t < positions
         # Read again at each position, a hit in L1, where held across the loop they spilled.
         bias = _biases(bias_ref, zero, real, dtype)
-        w_K = _load(w_ref.at[t, pl.ds(zero, rows)], real & inside)
-        dw, dbias_v = jnp.zeros((rows,), wide), jnp.zeros((rows,), wide)
-        for d0, d in parts:  # V: m = gelu(V)ᵀ w
-            pre, real_d = _pre_activation(qkv_ref, bias, 2, t, inside, (d0, d), zero)
-            value, slope = _gelu_and_slope(pre.astype(wide), gpu, tail_fit(dtype))
-            gv = _masked(value, real_d, (d0, d), width).astype(dtype).astype(wide)
-            channels = d0 + lax.broadcasted_iota(jnp.int32, (d,), 0) < width
-            dm = _load(dm_ref.at[t, pl.ds(zero + d0, d)], channels & inside)
-            dm = dm.astype(dtype).astype(wide)[None, :]
-            dw += jnp.sum(dm * gv, axis=1)
-            dbias_v += gradient(2, t, inside, (d0, d), w_K[:, None] * dm * slope, real_d)
-        # w = p softmax(scores): p's gradient, and the scores'.
         square = real[:, None] & real_k & inside
-        weights = _load(weights_ref.at[t, pl.ds(zero, rows), pl.ds(zero, rows)], square)
-        dp = jnp.sum(weights * dw[None, :], axis=1)
-        dweights = p_K[:, None] * dw[None, :]
-        inner = jnp.sum(weights * dweights, axis=1, keepdims=True)
-        ds = (weights * (dweights - inner) * scale).astype(dtype)
-        dbias_q, dbias_k = jnp.zeros((rows,), wide), jnp.zeros((rows,), wide)
-        for part in parts:  # scores = gelu(Q) gelu(K)ᵀ / sqrt(d)
+        ds = _load(ds_ref.at[t, pl.ds(zero, rows), pl.ds(zero, rows)], square)
+
+        def part(d0, sums, last=False):
+            span = (d0, ATTENTION_PART)
             (pre_q, real_d), (pre_k, _) = (
-                _pre_activation(qkv_ref, bias, i, t, inside, part, zero) for i in (0, 1)
+                _pre_activation(qkv_ref, bias, i, t, inside, span, zero) for i in (0, 1)
             )
-            # Channels as rows, q' as columns: so held, Triton computes each tail once for
-            # the gelu (a product's operand) and the slope (multiplying the other product);
-            # with q' as rows it computed those of Q and K twice (881 -> 599 in the loop).
             gq, slope_q = _gelu_and_slope(pre_q.astype(wide).T, gpu, tail_fit(dtype))
             gk, slope_k = _gelu_and_slope(pre_k.astype(wide).T, gpu, tail_fit(dtype))
-            gq, gk = (_masked(g, real_d.T, part, width).astype(dtype) for g in (gq, gk))
-            product = functools.partial(
-                lax.dot_general, precision=precision, preferred_element_type=wide
-            )
-            dgq = product(gk, ds, (((1,), (1,)), ((), ())))  # (d, i) = gkᵀ dsᵀ
-            dgk = product(gq, ds, (((1,), (0,)), ((), ())))  # (d, k) = gqᵀ ds
-            dbias_q += gradient(0, t, inside, part, dgq * slope_q, real_d, transposed=True)
-            dbias_k += gradient(1, t, inside, part, dgk * slope_k, real_d, transposed=True)
-        for i, dbias in enumerate((dbias_q, dbias_k, dbias_v)):
+            mask = real[:, None] & real_d & inside
+            out = []
+            # (d, i) = gkᵀ dsᵀ for Q, (d, k) = gqᵀ ds for K, each stored before the next
+            for i, (g, other, slope) in enumerate(((gk, 1, slope_q), (gq, 0, slope_k))):
+                dpre = product(g.astype(dtype), ds, (((1,), (other,)), ((), ()))) * slope
+                at = dqkv_ref.at[zero + i, pl.ds(zero, rows), t, pl.ds(zero + d0, span[1])]
+                _store(at, dpre.astype(dtype).T, mask)
+                out.append(sums[i] + (jnp.where(real_d.T, dpre, 0) if last else dpre))
+            return tuple(out)
+
+        zeros = jnp.zeros((ATTENTION_PART, rows), wide)
+        sums = _over_parts(width, part, (zeros, zeros))
+        for i, dbias in enumerate(sums):
+            dbias = jnp.sum(dbias, axis=0)
             _store(dbias_ref.at[t, zero + i, pl.ds(zero, rows)], dbias, real & inside)
-        _store(dp_ref.at[t, pl.ds(zero, rows)], dp, real & inside)
         return carry
 
     lax.fori_loop(0, POSITIONS, position, 0)
+
+
+def _whole(*arrays):
+    """Block specs that give a program each of ``arrays`` whole."""
+    return [pl.BlockSpec(x.shape, lambda i, n=x.ndim: (0,) * n) for x in arrays]
 
 
 def attention_forward(qkv_3xKxPxD, bias_3xK, p_K, dtype, precision, interpret):
@@ -550,7 +606,7 @@ def attention_forward(qkv_3xKxPxD, bias_3xK, p_K, dtype, precision, interpret):
         jax.ShapeDtypeStruct((positions, order), wide),
     ]
     inputs = (qkv_3xKxPxD, bias_3xK.astype(wide), p_K.astype(wide))
-    whole = [pl.BlockSpec(x.shape, lambda i, n=x.ndim: (0,) * n) for x in (*inputs, *out_shape)]
+    whole = _whole(*inputs, *out_shape)
     return pl.pallas_call(
         kernel,
         name="attention_forward",
@@ -567,33 +623,44 @@ def attention_backward(
     qkv_3xKxPxD, bias_3xK, p_K, weights_PxKxK, w_PxK, dm_PxD, dtype, precision, interpret
 ):
     """The gradients of ``attention_forward``'s m in its input (in ``dtype``), the biases and
-    p (float32 or wider) by the attention's backward kernel, from the forward's residuals."""
+    p (float32 or wider) by the attention's two backward kernels, from the forward's
+    residuals: V's gradient and the scores' first, then Q's and K's (in one kernel, they
+    spilled)."""
     _, order, positions, _ = qkv_3xKxPxD.shape
     wide = implicit_attention._wide(dtype)
-    programs = pl.cdiv(positions, POSITIONS)
-    kernel = functools.partial(
-        _attention_backward_kernel,
-        positions=positions,
-        dtype=dtype,
-        precision=precision,
-        gpu=not interpret,
+    options = dict(positions=positions, dtype=dtype, gpu=not interpret)
+    launch = dict(
+        compiler_params=pl_triton.CompilerParams(num_warps=ATTENTION_WARPS, num_stages=STAGES),
+        grid=(pl.cdiv(positions, POSITIONS),),
+        interpret=interpret,
     )
-    inputs = (qkv_3xKxPxD, bias_3xK.astype(wide), p_K.astype(wide), weights_PxKxK, w_PxK, dm_PxD)
+    bias_3xK = bias_3xK.astype(wide)
+    inputs = (qkv_3xKxPxD, bias_3xK, p_K.astype(wide), weights_PxKxK, w_PxK, dm_PxD)
     out_shape = [
         jax.ShapeDtypeStruct(qkv_3xKxPxD.shape, dtype),
         jax.ShapeDtypeStruct((positions, 3, order), wide),
         jax.ShapeDtypeStruct((positions, order), wide),
+        jax.ShapeDtypeStruct((positions, order, order), dtype),
     ]
-    whole = [pl.BlockSpec(x.shape, lambda i, n=x.ndim: (0,) * n) for x in (*inputs, *out_shape)]
-    dqkv, dbias, dp = pl.pallas_call(
-        kernel,
-        name="attention_backward",
-        compiler_params=pl_triton.CompilerParams(num_warps=ATTENTION_WARPS, num_stages=STAGES),
-        grid=(programs,),
+    whole = _whole(*inputs, *out_shape)
+    dqkv, dbias, dp, ds = pl.pallas_call(
+        functools.partial(_values_backward_kernel, **options),
+        name="attention_backward_values",
         in_specs=whole[: len(inputs)],
         out_specs=whole[len(inputs) :],
         out_shape=out_shape,
-        interpret=interpret,
+        **launch,
+    )(*inputs)
+    inputs = (qkv_3xKxPxD, bias_3xK, ds, dqkv, dbias)
+    whole = _whole(*inputs)
+    dqkv, dbias = pl.pallas_call(
+        functools.partial(_scores_backward_kernel, precision=precision, **options),
+        name="attention_backward_scores",
+        in_specs=whole,
+        out_specs=whole[3:],
+        out_shape=[jax.ShapeDtypeStruct(x.shape, x.dtype) for x in (dqkv, dbias)],
+        input_output_aliases={3: 0, 4: 1},
+        **launch,
     )(*inputs)
     return dqkv, dbias.sum(0), dp.sum(0)
 
