@@ -1,5 +1,5 @@
 """Run by tests/test_memory_pallas.py in a subprocess with 8 host CPU devices: the LMU layer
-through the state kernel (interpret mode) on a 4 x 2 mesh, the sequences split over both axes.
+through its kernels (interpret mode) on a 4 x 2 mesh, the sequences split over both axes.
 Prints its weighted output sum and the gradients of its parameters and input, and the device
 count, as one JSON object."""
 

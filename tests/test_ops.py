@@ -183,6 +183,9 @@ def test_impls_are_checked_and_a_model_refuses_impls_its_config_does_not_allow()
         Impls(memory_layout="channels-first")
     with pytest.raises(ValueError, match=r"Impls\.memory must be one of \('xla', 'pallas'\)"):
         Impls(memory="fused")
+    # The LMU layer's kernels take Q, K and V channels last, so a record says that layout.
+    with pytest.raises(ValueError, match=r'"pallas" writes Q, K and V channels last.*steps-last'):
+        Impls(memory="pallas", memory_layout="steps-last")
     for asked, given, key in (
         ("pallas", "xla", "loss_impl"),
         ("xla", "pallas", "loss_impl"),
@@ -190,8 +193,9 @@ def test_impls_are_checked_and_a_model_refuses_impls_its_config_does_not_allow()
         ("xla", "pallas", "memory_impl"),
     ):
         config = named_config("lmu-55k", **{key: asked})
+        impls = Impls(**{key.removesuffix("_impl"): given}, memory_layout="channels-last")
         with pytest.raises(ValueError, match=f"{key}='{asked}' in the config.*'{given}'"):
-            build(config, Impls(**{key.removesuffix("_impl"): given}))
+            build(config, impls)
     # "auto" takes either.
     for given in ("xla", "pallas"):
         build(named_config("lmu-55k"), Impls(loss=given))

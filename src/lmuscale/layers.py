@@ -63,9 +63,9 @@ class ImplicitSelfAttention(nn.Module):
     self-attention through three learned ``L_i`` (``q_prime`` x q) to Q, K, V. In parallel
     mode only ``L M_t`` is formed, by chunked matrix products (``memory_mode`` "chunked",
     ``memory_chunk`` steps each; one bf16 pass in a bf16 model; written as
-    ``impls.memory_layout`` says; the chunks' carried states by a scan in XLA or, with
-    ``impls.memory`` "pallas", by the state kernel) or by FFT with the L_i folded into the
-    impulse response ("fft"). In step mode the state is the float32 memory ``m_BxDxQ``.
+    ``impls.memory_layout`` says; the chunks' carried states by a scan in XLA, the attention
+    in XLA; or, with ``impls.memory`` "pallas", both by ``memory_pallas``'s kernels) or by FFT
+    with the L_i folded into the impulse response ("fft"). In step mode the state is the float32 memory ``m_BxDxQ``.
     ``batch_chunk`` sequences (0: all) run at a time in parallel mode, each chunk
     rematerialised in the backward pass, so only one chunk's temporaries are alive."""
 
@@ -124,9 +124,13 @@ class ImplicitSelfAttention(nn.Module):
                 x_BxJxDxZ, jnp.concatenate(weights, axis=1), precision, self.dtype, **exact
             )
             qkv_3xKxcxBxJxD = y_3KxcxBxJxD.reshape(3, self.q_prime, *y_3KxcxBxJxD.shape[1:])
-            m_cxBxJxD = implicit_attention_channels_last(
-                qkv_3xKxcxBxJxD, self.bias, self.p, self.dtype, impls.gelu, impls.q_prime_precision
-            )
+            args = (qkv_3xKxcxBxJxD, self.bias, self.p, self.dtype)
+            if impls.memory == "pallas":  # by the attention kernels
+                m_cxBxJxD = memory_pallas.attention(*args, impls.q_prime_precision, **kernels)
+            else:
+                m_cxBxJxD = implicit_attention_channels_last(
+                    *args, impls.gelu, impls.q_prime_precision
+                )
             m_BxJxcxD = jnp.transpose(m_cxBxJxD, (1, 2, 0, 3))
             return m_BxJxcxD.reshape(batch, -1, width)[:, :length]
         # One product per projection: a single product for all three, sliced after, had XLA's

@@ -7,8 +7,8 @@ it where one has been written:
   the vocabulary, two Mosaic GPU kernels for Hopper (``model.loss_impl``);
 - ``implicit_attention``: the LMU's implicit self-attention and ``gelu`` in XLA, in the layout
   the chunk products write Q, K and V on a CPU ("steps-last") or on a GPU ("channels-last");
-  ``memory_pallas``: the LMU layer's Triton kernels around XLA's chunk products, of which
-  ``model.memory_impl`` runs the state kernel (the chunk states' recurrence);
+  ``memory_pallas``: the LMU layer's Triton kernels around XLA's chunk products, the chunk
+  states' recurrence and the implicit attention (``model.memory_impl``);
 - ``attention``: causal attention, XLA's or cuDNN's flash attention.
 
 A config's switch is "auto", "xla", or a kernel family's name ("pallas"; the loss's "flash"
@@ -16,9 +16,9 @@ too): a family runs or is refused by name; "auto" takes one only on a device kin
 dtype, where a committed benchmark measured it faster than XLA (``Kernels.faster``).
 ``resolve`` decides every op once per run from the model config and the devices, into an
 ``Impls`` that the run logs, writes to plan.json and summary.json, and passes to the model
-(``models.build``): no op, layer or model chooses for itself. The Triton kernels need one
-NVIDIA GPU of compute capability >= 8.0; the flash kernels compute capability 9.0, one GPU or
-several (each on its share of the batch).
+(``models.build``): no op, layer or model chooses for itself. The Triton kernels need NVIDIA
+GPUs of compute capability >= 8.0 (the loss's one GPU; the LMU layer's one or several, each on
+its share of the batch); the flash kernels compute capability 9.0, one GPU or several.
 """
 
 from __future__ import annotations
@@ -125,7 +125,7 @@ LOSS = Switch(
 )
 # The first fused memory kernels were retired (slower than XLA on every GPU measured); these
 # have not run on a GPU: "auto" takes them nowhere until one measures them.
-MEMORY = Switch("memory_impl", {"pallas": Kernels("the LMU layer's Pallas kernels")})
+MEMORY = Switch("memory_impl", {"pallas": Kernels("the LMU layer's Pallas kernels", sharded=True)})
 
 
 @dataclasses.dataclass(frozen=True)
@@ -166,8 +166,8 @@ class Impls:
       flash kernels, ``cross_entropy_flash``); ``loss_kernels``: the kernels' options; None: not
       resolved, for decoding;
     - ``memory``: the LMU memory and its attention, "xla" or "pallas" (``memory_pallas``'s
-      kernels around XLA's chunk products; None for a family without one, or for decoding);
-      ``memory_kernels``: the kernels' options;
+      kernels around XLA's chunk products, which take the "channels-last" layout; None for a
+      family without one, or for decoding); ``memory_kernels``: the kernels' options;
     - ``memory_layout``: how XLA's chunked memory writes Q, K and V for the attention:
       "steps-last", (B, J, d, q', c), which XLA's CPU backend reduces fastest, or
       "channels-last", one product for the three, (3 q', c, B, J, d), for a GPU, whose
@@ -204,6 +204,11 @@ class Impls:
             value = getattr(self, name)
             if value not in allowed and not (value is None and name in OPTIONAL):
                 raise ValueError(f"Impls.{name} must be one of {allowed}, got {value!r}")
+        if self.memory == "pallas" and self.memory_layout != "channels-last":
+            raise ValueError(
+                'Impls.memory "pallas" writes Q, K and V channels last, got the '
+                f"memory_layout {self.memory_layout!r}"
+            )
 
     def record(self) -> dict:
         """What plan.json, summary.json and the benchmarks' rows say ran (the experiments only
@@ -252,7 +257,7 @@ def resolve(model_config, devices=None, *, training: bool = True) -> Impls:
                 f'model.memory_impl="pallas": its kernels run the chunked memory, and '
                 f'model.memory_mode is "{model_config.memory_mode}"; use "auto" or "xla"'
             )
-        layout = "channels-last" if platform == "gpu" else "steps-last"
+        layout = "channels-last" if platform == "gpu" or memory == "pallas" else "steps-last"
     return Impls(
         loss=loss,
         memory=memory,

@@ -161,6 +161,17 @@ def _recurrence_bwd(reverse, split, interpret, power_QxQ, dout_BxJxCxQ):
 linear_recurrence.defvjp(_recurrence_fwd, _recurrence_bwd)
 
 
+def _batch_axes(mesh: Mesh, batch: int) -> tuple[str, ...]:
+    """The axes of ``mesh`` (all of them, as the training step splits the batch) over which
+    the kernels split ``batch`` sequences; a ``ValueError`` if they do not split evenly."""
+    if batch % mesh.size:
+        raise ValueError(
+            f"the LMU layer's kernels split the batch over the mesh's {mesh.size} devices, and "
+            f"a batch of {batch} sequences does not split evenly"
+        )
+    return mesh.axis_names
+
+
 def chunk_operand(
     u_BxTxC,
     order: int,
@@ -181,18 +192,13 @@ def chunk_operand(
     lmu._check_input(u_BxTxC)
     options = {"chunk": chunk, "dtype": dtype, "exact_algorithm": exact_algorithm}
     if mesh is not None and mesh.size > 1:
-        if u_BxTxC.shape[0] % mesh.size:
-            raise ValueError(
-                f"the state kernel splits the batch over the mesh's {mesh.size} devices, and a "
-                f"batch of {u_BxTxC.shape[0]} sequences does not split evenly"
-            )
-        batch = P(mesh.axis_names)
+        batch = _batch_axes(mesh, u_BxTxC.shape[0])
         per_device = functools.partial(
             chunk_operand, order=order, theta=theta, interpret=interpret, **options
         )
         # Unchecked: a pallas_call's output carries no type of how it varies over the devices.
         sharded = jax.shard_map(
-            per_device, mesh=mesh, in_specs=batch, out_specs=batch, check_vma=False
+            per_device, mesh=mesh, in_specs=P(batch), out_specs=P(batch), check_vma=False
         )
         return sharded(u_BxTxC)
     u_BxJxcxC = lmu.chunked(u_BxTxC, chunk)
@@ -665,12 +671,36 @@ def attention_backward(
     return dqkv, dbias.sum(0), dp.sum(0)
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4, 5))
-def attention(qkv_3xKxcxBxJxD, bias_3xK, p_K, dtype, precision, interpret):
+def attention(
+    qkv_3xKxcxBxJxD, bias_3xK, p_K, dtype, precision, interpret, mesh: Mesh | None = None
+):
     """``implicit_attention_channels_last`` (gelu's erf form) by the attention kernels,
     forward and backward, positions (c, B, J). ``precision``: the q' x q' products' where the
     model's dtype is narrower than float32 (``Impls.q_prime_precision``); ``interpret``:
-    Pallas's interpret mode."""
+    Pallas's interpret mode. With a ``mesh`` of several devices, each runs the kernels on its
+    share of the sequences (B split over all of the mesh's axes, as the training step splits
+    it), the biases and p whole; their gradients are summed over the devices."""
+
+    def attend(qkv_3xKxcxBxJxD, bias_3xK, p_K):
+        return _attention(qkv_3xKxcxBxJxD, bias_3xK, p_K, dtype, precision, interpret)
+
+    if mesh is None or mesh.size == 1:
+        return attend(qkv_3xKxcxBxJxD, bias_3xK, p_K)
+    batch = _batch_axes(mesh, qkv_3xKxcxBxJxD.shape[3])
+    # Unchecked, as chunk_operand's; the transpose sums the gradients of the inputs that every
+    # device holds whole (the biases and p) over the mesh's axes.
+    sharded = jax.shard_map(
+        attend,
+        mesh=mesh,
+        in_specs=(P(None, None, None, batch), P(), P()),
+        out_specs=P(None, batch),
+        check_vma=False,
+    )
+    return sharded(qkv_3xKxcxBxJxD, bias_3xK, p_K)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4, 5))
+def _attention(qkv_3xKxcxBxJxD, bias_3xK, p_K, dtype, precision, interpret):
     return _attention_fwd(qkv_3xKxcxBxJxD, bias_3xK, p_K, dtype, precision, interpret)[0]
 
 
@@ -708,4 +738,4 @@ def _attention_bwd(dtype, precision, interpret, residuals, dm_cxBxJxD):
     )
 
 
-attention.defvjp(_attention_fwd, _attention_bwd)
+_attention.defvjp(_attention_fwd, _attention_bwd)
