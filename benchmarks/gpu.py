@@ -31,9 +31,10 @@ Parts (``--only`` takes shell patterns of these names):
 - ``block``: one LMU block of lmu-1M (FFN, implicit attention, FFN) at --block-batch x
   --block-seq-len (64 x 1024), forward and forward+backward, in --block-dtypes (bfloat16 and
   float32): of --block-impls (default all), the FFT memory, and per --block-chunks the XLA
-  chunked path as a run resolves it (on a GPU one product written channels last) and in
-  each layout ("steps-last", "channels-last"), with TFLOP/s and each one's largest
-  differences from the resolved path (``lmu_memory.bench_block``).
+  chunked path as a run resolves it (on a GPU one product written channels last), in each
+  layout ("steps-last", "channels-last") and through the LMU layer's kernels ("pallas"), with
+  TFLOP/s and each one's largest differences from the resolved path
+  (``lmu_memory.bench_block``).
 - ``loss``: the cross-entropy's forward+backward alone at d = 48 and 204, --xent-batch x
   --seq-len tokens (64 x 1024), bfloat16 and float32, by the XLA path and by the fused Pallas
   kernels (skipped where they cannot run), with the kernels' largest differences from the

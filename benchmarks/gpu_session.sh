@@ -23,7 +23,8 @@
 # 4. profile: one 64-sequence micro-batch of lmu-1M and transformer-1M traced, then of lmu-1M
 #    with its chunk products in the order the layers use off a GPU (steps-last);
 # 5. block: one lmu-1M block, the FFT and the XLA chunked path as resolved and in each
-#    layout (--block-impls and --block-dtypes after SECONDS pick fewer);
+#    layout, and through the LMU layer's kernels (--block-impls and --block-dtypes after
+#    SECONDS pick fewer);
 # 6. loss (the cross-entropy alone, XLA's path and the kernels at d = 48 and 204), attention,
 #    the other families' train parts (sru, sru_pp, lstm), long, precision;
 # 7. xla_options: the profile's micro-batch steps under each of XLA's GPU options, if time is

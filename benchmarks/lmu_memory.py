@@ -164,7 +164,7 @@ def add_speedups(rows: list[dict]) -> None:
 
 # The block's memories: the FFT, and the chunked one in XLA as a run here resolves it ("xla")
 # or in either layout (``ops.Impls.memory_layout``) on any backend.
-BLOCK_IMPLS = ("fft", "xla", "steps-last", "channels-last")
+BLOCK_IMPLS = ("fft", "xla", "steps-last", "channels-last", "pallas")
 
 
 def block_flops(config, batch: int, n: int, chunk: int) -> float:
@@ -206,11 +206,12 @@ def bench_block(
     """One LMUBlock of ``model``, forward and forward+backward, per memory: the FFT ("fft"),
     the chunked products and attention in XLA as a run here resolves them ("xla": on a GPU
     one product written channels last, elsewhere three in the steps-last layout), or in
-    either layout on any backend ("steps-last", "channels-last"), for each chunk and dtype.
-    Rows: ``mode`` ("fft", "chunked/C", "steps-last/C" or "channels-last/C"), ``impl``,
-    ``chunk``, the ops as they ran (``ops.Impls.record``), times (``time_phases``), TFLOP/s
-    by ``block_flops`` for the chunked rows, and for the layouts their largest differences
-    from the "xla" row at the same chunk."""
+    either layout on any backend ("steps-last", "channels-last"), or on a GPU through the
+    LMU layer's kernels ("pallas", ``ops.memory_pallas``), for each chunk and dtype.
+    Rows: ``mode`` ("fft", "chunked/C", "steps-last/C", "channels-last/C" or "pallas/C"),
+    ``impl``, ``chunk``, the ops as they ran (``ops.Impls.record``), times (``time_phases``),
+    TFLOP/s by ``block_flops`` for the chunked rows, and for the layouts and the kernels their
+    largest differences from the "xla" row at the same chunk."""
     rng = np.random.default_rng(0)
     rows = []
     for dtype in dtypes:
@@ -218,13 +219,20 @@ def bench_block(
         resolved = ops.resolve(config)
         x = jnp.asarray(rng.standard_normal((batch, shape["n"], config.d)), jnp.float32)
         variants = [("fft", lmu.DEFAULT_CHUNK)] * ("fft" in impls)
-        chunked = ("xla", "steps-last", "channels-last")
+        chunked = ("xla", "steps-last", "channels-last", "pallas")
         variants += [(impl, c) for c in chunks for impl in chunked if impl in impls]
         outputs = {}  # the XLA path's output and gradients in this dtype, per chunk
         for impl, c in variants:
             name = "fft" if impl == "fft" else f"{'chunked' if impl == 'xla' else impl}/{c}"
+            if impl == "pallas" and jax.default_backend() != "gpu":
+                print(f"block  {name} {dtype}: the LMU layer's kernels need a GPU; not timed")
+                continue
             layout = impl if impl.endswith("-last") else resolved.memory_layout
             block_impls = dataclasses.replace(resolved, memory_layout=layout)
+            if impl == "pallas":  # the state and attention kernels around XLA's products
+                block_impls = dataclasses.replace(
+                    resolved, memory="pallas", memory_layout="channels-last"
+                )
             row = {"mode": name, "impl": impl, "chunk": c, "batch": batch, "n": shape["n"]}
             row.update(dtype=dtype, **block_impls.record())
             mode = "fft" if impl == "fft" else "chunked"
