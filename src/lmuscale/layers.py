@@ -65,9 +65,10 @@ class ImplicitSelfAttention(nn.Module):
     ``memory_chunk`` steps each; one bf16 pass in a bf16 model; written as
     ``impls.memory_layout`` says; the chunks' carried states by a scan in XLA, the attention
     in XLA; or, with ``impls.memory`` "pallas", both by ``memory_pallas``'s kernels) or by FFT
-    with the L_i folded into the impulse response ("fft"). In step mode the state is the float32 memory ``m_BxDxQ``.
-    ``batch_chunk`` sequences (0: all) run at a time in parallel mode, each chunk
-    rematerialised in the backward pass, so only one chunk's temporaries are alive."""
+    with the L_i folded into the impulse response ("fft"). In step mode the state is the
+    float32 memory ``m_BxDxQ``. ``batch_chunk`` sequences (0: all) run at a time in parallel
+    mode, each chunk rematerialised in the backward pass, so only one chunk's temporaries are
+    alive."""
 
     q: int
     q_prime: int

@@ -367,13 +367,13 @@ def _masked(value, real_d, part, width):
 
 def _attention_setup(p_ref, order):
     """What the attention kernels hold across positions: the padded rows, a traced 0, which
-    rows are real, p, and which score columns are real."""
+    rows are real, p (None without ``p_ref``), and which score columns are real."""
     rows = max(16, pl.next_power_of_2(order))
     # Traced: Pallas bounds-checks a static slice when tracing, and the last part runs past d
     # on purpose, its loads and stores masked.
     zero = pl.program_id(0) * 0
     real = lax.broadcasted_iota(jnp.int32, (rows,), 0) < order
-    p_K = _load(p_ref.at[pl.ds(zero, rows)], real)
+    p_K = None if p_ref is None else _load(p_ref.at[pl.ds(zero, rows)], real)
     real_k = lax.broadcasted_iota(jnp.int32, (rows, rows), 1) < order
     return rows, zero, real, p_K, real_k
 
@@ -548,10 +548,7 @@ def _scores_backward_kernel(
     sums mask them, in the last part only, and are summed over the channels once a position."""
     del dqkv_in_ref, dbias_in_ref
     _, order, _, width = qkv_ref.shape
-    rows = max(16, pl.next_power_of_2(order))
-    zero = pl.program_id(0) * 0
-    real = lax.broadcasted_iota(jnp.int32, (rows,), 0) < order
-    real_k = lax.broadcasted_iota(jnp.int32, (rows, rows), 1) < order
+    rows, zero, real, _, real_k = _attention_setup(None, order)
     wide = bias_ref.dtype
     first = pl.program_id(0) * POSITIONS
     product = functools.partial(lax.dot_general, precision=precision, preferred_element_type=wide)
