@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import gc
 import json
 import os
 import shutil
@@ -260,6 +261,9 @@ def test_a_checkpoint_from_before_file_checksums_is_read_on_its_arrays(trained, 
     assert lines[0].startswith(f"error: {state}: cannot be read ("), lines[0]
     assert "TensorStore details" not in lines[0] and "pybind11" not in lines[0], lines[0]
     assert lines[0].endswith(f"; try the one before: --checkpoint {copy}/checkpoints/2")
+    # orbax's failed reads leave futures whose errors asyncio logs when they are collected:
+    # here, not in a later test of this worker that asserts its log is clean (it happened).
+    gc.collect()
 
 
 def test_parameters_that_differ_from_their_checksums_are_refused(trained, tmp_path, capsys):
