@@ -41,16 +41,18 @@ def test_auto_takes_xla_on_this_cpu_and_pallas_is_refused_by_name():
     with pytest.raises(ValueError, match=r"loss_impl must be one of .* got 'triton'"):
         ops.LOSS.choose("triton", jnp.float32, jax.devices())
     # The LMU layer's kernels, timed on no GPU yet: "auto" takes XLA's path everywhere, and
-    # "pallas" runs on one NVIDIA GPU, in the chunked memory only.
-    for devices in (jax.devices(), [gpu()]):
+    # "pallas" runs on NVIDIA GPUs, one or several, in the chunked memory only.
+    for devices in (jax.devices(), [gpu()], [gpu()] * 8):
         assert ops.MEMORY.choose("auto", jnp.bfloat16, devices) == "xla"
-    assert ops.MEMORY.choose("pallas", jnp.bfloat16, [gpu()]) == "pallas"
+    for devices in ([gpu()], [gpu()] * 8):
+        assert ops.MEMORY.choose("pallas", jnp.bfloat16, devices) == "pallas"
     with pytest.raises(ConfigError, match=r'memory_impl="pallas": the LMU .* devices are cpu'):
         ops.MEMORY.choose("pallas", jnp.bfloat16, jax.devices())
     fft = named_config("lmu-55k", memory_impl="pallas", memory_mode="fft")
     with pytest.raises(ConfigError, match=r'chunked memory, and model.memory_mode is "fft"'):
         ops.resolve(fft, [gpu()])
-    assert ops.resolve(dataclasses.replace(fft, memory_mode="chunked"), [gpu()]).memory == "pallas"
+    chunked = ops.resolve(dataclasses.replace(fft, memory_mode="chunked"), [gpu()])
+    assert (chunked.memory, chunked.memory_layout) == ("pallas", "channels-last")
 
 
 def test_auto_takes_the_kernels_only_on_a_gpu_measured_faster():

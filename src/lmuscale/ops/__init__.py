@@ -257,7 +257,7 @@ def resolve(model_config, devices=None, *, training: bool = True) -> Impls:
                 f'model.memory_impl="pallas": its kernels run the chunked memory, and '
                 f'model.memory_mode is "{model_config.memory_mode}"; use "auto" or "xla"'
             )
-        layout = "channels-last" if platform == "gpu" or memory == "pallas" else "steps-last"
+        layout = "channels-last" if platform == "gpu" else "steps-last"
     return Impls(
         loss=loss,
         memory=memory,
