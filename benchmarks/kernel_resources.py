@@ -229,16 +229,20 @@ def _ptxas(ptx: str, folder: Path, name: str) -> dict:
     }
     if shutil.which("nvdisasm"):
         sass = subprocess.run(["nvdisasm", "-c", str(cubin)], capture_output=True, text=True)
-        row["loop_instructions"], row["outer_loop_instructions"] = main_loops(sass.stdout)
+        loops = main_loops(sass.stdout)
+        row["loop_instructions"], row["outer_loop_instructions"] = loops[:2]
+        row["inner_loops_instructions"] = loops[2]
     return row
 
 
-def main_loops(sass: str) -> tuple[int | None, int | None]:
-    """The instructions of the main loop in ``nvdisasm -c`` output, and of the loop around it
-    (None if none): the shortest span from a label back to which a branch jumps, to that
-    branch, that holds a tensor-core product (HGMMA, or HMMA on the Ampere path), or in a
-    kernel with none any; the shortest, since a barrier's retry code placed after the loop
-    branches back across all of it. The loop around it: the shortest span that holds it."""
+def main_loops(sass: str) -> tuple[int | None, int | None, int | None]:
+    """The instructions of the main loop in ``nvdisasm -c`` output, of the loop around it, and
+    of the loops within that one (None if there is no loop around it): the main loop is the
+    shortest span from a label back to which a branch jumps, to that branch, that holds a
+    tensor-core product (HGMMA, or HMMA on the Ampere path), or in a kernel with none any;
+    the shortest, since a barrier's retry code placed after the loop branches back across all
+    of it. The loop around it: the shortest span that holds it; the loops within: those it
+    holds that no other loop within it holds (the main loop among them)."""
     found, labels, pending, spans = [], {}, None, []
     for line in sass.splitlines():
         text = line.strip()
@@ -257,15 +261,23 @@ def main_loops(sass: str) -> tuple[int | None, int | None]:
         if branch and labels.get(branch.group(1), address) < address:
             spans.append((labels[branch.group(1)], address))
     if not spans:
-        return None, None
+        return None, None, None
     body = {
         span: [text for address, text in found if span[0] <= address <= span[1]] for span in spans
     }
+
+    def within(inner, outer):
+        return inner != outer and outer[0] <= inner[0] and inner[1] <= outer[1]
+
     products = [span for span in spans if any(re.search(r"\bH[G]?MMA", t) for t in body[span])]
     main = min(products or spans, key=lambda span: len(body[span]))
-    around = [span for span in spans if span != main and span[0] <= main[0] and main[1] <= span[1]]
-    outer = min(around, key=lambda span: len(body[span]), default=None)
-    return len(body[main]), None if outer is None else len(body[outer])
+    around = [span for span in spans if within(main, span)]
+    if not around:
+        return len(body[main]), None, None
+    outer = min(around, key=lambda span: len(body[span]))
+    inner = [span for span in spans if within(span, outer)]
+    direct = [span for span in inner if not any(within(span, other) for other in inner)]
+    return len(body[main]), len(body[outer]), sum(len(body[span]) for span in direct)
 
 
 def compile_rows(label: str, function, args, launch) -> list[dict]:
@@ -403,9 +415,8 @@ def attention_rows(width: int, q_prime: int) -> list[dict]:
     """The LMU attention's kernels, forward and backward (two), for one layer of TOKENS
     positions in bfloat16, q' rows of Q, K and V a position: a step of their loops is one
     position, whose products are q' x q' (q' padded to a power of two, d to a multiple of
-    16): the scores forward, dQ and dK backward. The backward's kernels loop over the
-    channels' whole parts within a position: a position counts that loop's instructions once
-    a part."""
+    16): the scores forward, dQ and dK backward. The kernels loop over the channels' whole
+    parts within a position: a position counts those loops' instructions once a part."""
     qkv = jax.ShapeDtypeStruct((3, q_prime, TOKENS, width), jnp.bfloat16)
     bias = jax.ShapeDtypeStruct((3, q_prime), jnp.float32)
     p = jax.ShapeDtypeStruct((q_prime,), jnp.float32)
@@ -426,13 +437,11 @@ def attention_rows(width: int, q_prime: int) -> list[dict]:
     padded = max(16, pl.next_power_of_2(q_prime))
     product_flops = 2 * padded * padded * fused_loss.padded_width(width, split=True)
     products = {"attention_forward": 1, "attention_backward_scores": 2}  # scores; dQ and dK
-    trips = width // memory_pallas.ATTENTION_PART  # the backward's loop over whole parts
+    trips = width // memory_pallas.ATTENTION_PART  # the kernels' loops over whole parts
     for row in rows:
-        inner, outer = row.get("loop_instructions"), row.get("outer_loop_instructions")
-        if inner is not None and outer is not None:  # a position: the parts' loop, trips times
-            row.update(
-                part_loop_instructions=inner, loop_instructions=outer - inner + trips * inner
-            )
+        outer, inner = row.get("outer_loop_instructions"), row.get("inner_loops_instructions")
+        if outer is not None:  # a position: the loops over parts within it, trips times
+            row.update(loop_instructions=outer - inner + trips * inner)
         flops = products.get(row["kernel"], 0) * product_flops
         row.update(steps=TOKENS, step_flops=flops, warps=warps, d=width)
     return rows
