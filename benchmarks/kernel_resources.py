@@ -15,17 +15,20 @@ imports on a machine without CUDA when ``JAX_PLATFORMS=cpu``.
 
 The flash loss's two Mosaic GPU kernels (``ops.cross_entropy_flash``) are compiled for an H100
 by XLA's Mosaic GPU pipeline here (``--flash``; the CUDA plugin's topology of an H100 stands in
-for the device) and their PTX taken from ``MOSAIC_GPU_DUMP_TO``. The LMU layer's state kernel
-(``ops.memory_pallas``), forward and reverse, is compiled as the loss's Triton kernels are, for
-one memory layer of lmu-1M (64 x 1024 tokens, d = 204, q = 220); its products are ``mma.sync``
-(16 rows a program), counted in the estimate at the tensor cores' ``wgmma`` peak.
+for the device) and their PTX taken from ``MOSAIC_GPU_DUMP_TO``. The LMU layer's kernels
+(``ops.memory_pallas``: the state kernel forward and reverse, the attention forward and its
+backward's two kernels) are compiled as the loss's Triton kernels are, for one memory layer of
+lmu-1M (64 x 1024 tokens, d = 204, q = 220, q' = 22); their products are ``mma.sync`` (16
+rows a program), counted in the estimate at the tensor cores' ``wgmma`` peak, and
+``memory_block`` adds up one block, forward and backward, with its chunk products.
 
 Each row: the shared memory the program needs (Triton's count; the Mosaic kernels' buffers,
 summed from their blocks), and from ptxas the registers per thread, the spill stores and loads
 (bytes of local-memory traffic the code has, not counts of execution), the stack frame and the
 ``wgmma`` waits ptxas had to inject (warning C7517: each serialises the tensor cores); from the
 PTX the MMA shapes (Hopper's ``wgmma`` m64nNk16, N >= 64 wanted; ``mma.sync`` is the Ampere
-fallback); from the machine code (``nvdisasm``) the main loop's instruction count. An H100
+fallback); from the machine code (``nvdisasm``) the main loop's instruction count (and of a
+loop around it, and of the loops that one holds: ``main_loops``). An H100
 gives a program at most 227 KB of shared memory (``SHARED_LIMIT``): a kernel asking more is
 refused when XLA compiles it, and so can never run there. Spills and stack are slow local
 memory.
@@ -271,7 +274,8 @@ def main_loops(sass: str) -> tuple[int | None, int | None, int | None]:
 
     products = [span for span in spans if any(re.search(r"\bH[G]?MMA", t) for t in body[span])]
     main = min(products or spans, key=lambda span: len(body[span]))
-    around = [span for span in spans if within(main, span)]
+    # Not a span from the main loop's own label: a barrier's retry code branching back.
+    around = [span for span in spans if within(main, span) and span[0] < main[0]]
     if not around:
         return len(body[main]), None, None
     outer = min(around, key=lambda span: len(body[span]))

@@ -23,8 +23,8 @@ modes) and XLA's ``cost_analysis()`` bytes accessed of the compiled function. A 
 counted once by XLA, so the scan's bytes are not comparable. --block also times one whole
 ``LMUBlock`` of the 1M model (FFN, implicit attention, FFN) on (batch, n, d) in each of
 --block-dtypes: the FFT memory, and per chunk the XLA chunked path as a run resolves it here
-(on a GPU one product written channels last) and in each layout (``bench_block``), with
-TFLOP/s by ``block_flops``.
+(on a GPU one product written channels last), in each layout, and on a GPU through the LMU
+layer's kernels (``bench_block``), with TFLOP/s by ``block_flops``.
 The JSON holds the machine, versions, shapes and every time.
 """
 
@@ -163,7 +163,8 @@ def add_speedups(rows: list[dict]) -> None:
 
 
 # The block's memories: the FFT, and the chunked one in XLA as a run here resolves it ("xla")
-# or in either layout (``ops.Impls.memory_layout``) on any backend.
+# or in either layout (``ops.Impls.memory_layout``) on any backend, or on a GPU through the
+# LMU layer's kernels ("pallas").
 BLOCK_IMPLS = ("fft", "xla", "steps-last", "channels-last", "pallas")
 
 
@@ -227,12 +228,12 @@ def bench_block(
             if impl == "pallas" and jax.default_backend() != "gpu":
                 print(f"block  {name} {dtype}: the LMU layer's kernels need a GPU; not timed")
                 continue
-            layout = impl if impl.endswith("-last") else resolved.memory_layout
-            block_impls = dataclasses.replace(resolved, memory_layout=layout)
             if impl == "pallas":  # the state and attention kernels around XLA's products
-                block_impls = dataclasses.replace(
-                    resolved, memory="pallas", memory_layout="channels-last"
-                )
+                changes = {"memory": "pallas", "memory_layout": "channels-last"}
+            else:
+                layout = impl if impl.endswith("-last") else resolved.memory_layout
+                changes = {"memory_layout": layout}
+            block_impls = dataclasses.replace(resolved, **changes)
             row = {"mode": name, "impl": impl, "chunk": c, "batch": batch, "n": shape["n"]}
             row.update(dtype=dtype, **block_impls.record())
             mode = "fft" if impl == "fft" else "chunked"

@@ -90,6 +90,11 @@ def test_three_bfloat16_passes_keep_the_states_at_float32_accuracy():
         assert error <= bound, (algorithm, error)
 
 
+def odd_layer(impls, dtype=jnp.float32):
+    """``layer_loss``'s layer."""
+    return layers.ImplicitSelfAttention(70, 5, THETA, dtype, memory_chunk=16, impls=impls)
+
+
 def layer_loss(impls, sharding=None, batch=2, dtype=jnp.float32, loss_of=None):
     """An odd-shaped layer's (40 steps in chunks of 16, the last 8 steps; 37 channels, q = 70,
     q' = 5) weighted output sum, and its gradients in the parameters (L, the biases, p) and the
@@ -97,7 +102,7 @@ def layer_loss(impls, sharding=None, batch=2, dtype=jnp.float32, loss_of=None):
     function of (params, u) for the same inputs (a reference)."""
     u = jnp.asarray(np.random.default_rng(1).standard_normal((batch, 40, 37)), dtype)
     weights = jnp.asarray(np.random.default_rng(2).standard_normal(u.shape), dtype)
-    layer = layers.ImplicitSelfAttention(70, 5, THETA, dtype, memory_chunk=16, impls=impls)
+    layer = odd_layer(impls, dtype)
     params = jiggle(layer.init(jax.random.key(0), u), 0.3)
     if sharding is not None:
         u = jax.device_put(u, sharding)
@@ -177,6 +182,9 @@ def test_on_eight_devices_each_runs_the_kernels_on_its_sequences():
     assert done.returncode == 0, done.stderr[-3000:]
     sharded = json.loads(done.stdout)
     assert sharded["devices"] == 8
+    # Each kernel's call in a shard_map of its own (without the attention's, the values hold).
+    kernels = {"name=states_forward": 1, "name=attention_forward": 1}
+    assert sharded["program"] == {"shard_map[": 2, **kernels}
     loss, grads = layer_loss(ops.Impls(memory_layout="channels-last"), batch=8)
     assert sharded["loss"] == pytest.approx(float(loss), rel=1e-6)
     for got, want in zip(sharded["grads"], jax.tree.leaves(grads), strict=True):

@@ -53,6 +53,15 @@ def test_auto_takes_xla_on_this_cpu_and_pallas_is_refused_by_name():
         ops.resolve(fft, [gpu()])
     chunked = ops.resolve(dataclasses.replace(fft, memory_mode="chunked"), [gpu()])
     assert (chunked.memory, chunked.memory_layout) == ("pallas", "channels-last")
+    # On several GPUs the kernels split each batch, which the layer's batch chunks would give
+    # them one sequence at a time.
+    several = named_config("lmu-55k", memory_impl="pallas")
+    with pytest.raises(
+        ConfigError, match=r"on 8 devices .* model\.batch_chunk=2 runs .* use model\.batch_chunk=0"
+    ):
+        ops.resolve(several, [gpu()] * 8)
+    whole = ops.resolve(dataclasses.replace(several, batch_chunk=0), [gpu()] * 8)
+    assert whole.memory == "pallas"
 
 
 def test_auto_takes_the_kernels_only_on_a_gpu_measured_faster():

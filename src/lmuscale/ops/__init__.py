@@ -183,7 +183,8 @@ class Impls:
       ask XLA for on bf16 operands, "highest" or "default" (the same sums: a product of two
       bf16 numbers is exact in float32). An experiment no GPU has timed, as ``loss_kernels``;
     - ``mesh``: the run's device mesh, whose axes split the batch, for kernels that run on each
-      device's share of it (the flash loss); None: one device. Not a choice: not recorded.
+      device's share of it (the flash loss, the LMU layer's); None: one device. Not a choice:
+      not recorded.
     """
 
     loss: str | None = "xla"
@@ -256,6 +257,12 @@ def resolve(model_config, devices=None, *, training: bool = True) -> Impls:
             raise ConfigError(
                 f'model.memory_impl="pallas": its kernels run the chunked memory, and '
                 f'model.memory_mode is "{model_config.memory_mode}"; use "auto" or "xla"'
+            )
+        if memory == "pallas" and len(devices) > 1 and model_config.batch_chunk > 0:
+            raise ConfigError(
+                f'model.memory_impl="pallas": on {len(devices)} devices its kernels split a '
+                f"batch over them, and model.batch_chunk={model_config.batch_chunk} runs the "
+                "layer on one sequence at a time; use model.batch_chunk=0"
             )
         layout = "channels-last" if platform == "gpu" else "steps-last"
     return Impls(

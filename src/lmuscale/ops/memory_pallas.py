@@ -20,9 +20,10 @@ the small operations around them (``../shared/PERF.md`` §4, "M1").
   kernels (in one it spilled), recomputes gelu and gelu': the first gives dV, p's gradient and
   ds, the scores' gradient; the second, from ds, dQ and dK. They write dQ, dK and dV as the
   chunk product's transpose takes them, with the biases' gradients. gelu is exact, from a
-  fitted normal tail (``upper_tail``), as Triton has no erf. Tested, not yet run by the layer.
-  The no-GPU check (``benchmarks/kernel_resources.py``) puts the block at 5.39 ms against its
-  line of 5.5, none of the kernels spilling.
+  fitted normal tail (``upper_tail``), as Triton has no erf. Run by the layer under
+  ``memory_impl="pallas"``; not yet timed on a GPU. The no-GPU check
+  (``benchmarks/kernel_resources.py``) puts the block at 5.39 ms against its line of 5.5,
+  none of the kernels spilling.
 
 ``interpret=True`` runs the kernels on any backend (the tests, on CPU).
 """
