@@ -346,14 +346,20 @@ def _store(ref, value, mask):
     pl_triton.store(ref, value, mask=mask)
 
 
+def _channels(d0: int, size: int, width: int):
+    """Which of the ``size`` channels from ``d0`` on are real (below ``width``)."""
+    return d0 + lax.broadcasted_iota(jnp.int32, (size,), 0) < width
+
+
 def _pre_activation(qkv_ref, bias, i, t, inside, part, zero):
     """Rows (Q, K, V)[i]'s pre-activations ``L_i M + b_i`` in the model's dtype (``bias``'s)
     at position t (``inside`` the input), channels ``part`` = (start, size), q' padded to
     ``bias``'s rows, masked; and which of the part's channels are real. A padded channel's
-    pre-activation is its row's bias, whose gelu is not 0: the callers zero it."""
+    pre-activation is its row's bias, whose gelu is not 0: the callers zero it where it
+    counts."""
     _, order, _, width = qkv_ref.shape
     (d0, d), rows = part, bias[i].shape[0]
-    real_d = d0 + lax.broadcasted_iota(jnp.int32, (rows, d), 1) < width
+    real_d = jnp.broadcast_to(_channels(d0, d, width), (rows, d))
     real = lax.broadcasted_iota(jnp.int32, (rows, d), 0) < order
     x = _load(
         qkv_ref.at[zero + i, pl.ds(zero, rows), t, pl.ds(zero + d0, d)], real & real_d & inside
@@ -429,7 +435,7 @@ def _attention_kernel(
         w_K = jnp.sum(weights * p_K[:, None], axis=0)
         for d0, d in parts:  # gelu(V) once w is known: a part at a time on chip
             m = jnp.sum(gelus(2, t, inside, (d0, d)).astype(wide) * w_K[:, None], axis=0)
-            real_d = d0 + lax.broadcasted_iota(jnp.int32, (d,), 0) < width
+            real_d = _channels(d0, d, width)
             _store(m_ref.at[t, pl.ds(zero + d0, d)], m.astype(m_ref.dtype), real_d & inside)
         square = real[:, None] & real_k & inside
         _store(weights_ref.at[t, pl.ds(zero, rows), pl.ds(zero, rows)], weights, square)
@@ -496,7 +502,7 @@ def _values_backward_kernel(
         def part(d0, sums, last=False):  # no mask past d: dm is 0 there, so are the sums
             pre, real_d = _pre_activation(qkv_ref, bias, 2, t, inside, (d0, ATTENTION_PART), zero)
             value, slope = _gelu_and_slope(pre.astype(wide), gpu, tail_fit(dtype))
-            channels = d0 + lax.broadcasted_iota(jnp.int32, (ATTENTION_PART,), 0) < width
+            channels = _channels(d0, ATTENTION_PART, width)
             dm = _load(dm_ref.at[t, pl.ds(zero + d0, ATTENTION_PART)], channels & inside)
             dm = dm.astype(dtype).astype(wide)[None, :]  # 0 in a padded channel
             dpre = w_K[:, None] * dm * slope
