@@ -72,22 +72,32 @@ def checkpoint(tmp_path):
 
 
 def test_command_samples_from_a_checkpoint(checkpoint, capsys):
+    """orbax's checkpoint of the variables alone carries no CRC-32s: refused unless accepted,
+    and then said to be unverified."""
     model, params, path = checkpoint
     prompt = "To be, or not to be"
     argv = ["--model", "lmu-55k", "--tokenizer", "bytes", "--checkpoint", str(path)]
     argv += ["--prompt", prompt, "--tokens", "24", "--temperature", "0.7", "--seed", "4"]
-    assert generate.main(argv) == 0
+    assert generate.main(argv) == Exit.IO
+    out, err = capsys.readouterr()
+    assert out == "" and err == (
+        f"error: {path}: cannot be verified (an orbax checkpoint of the variables alone, with "
+        "no CRC-32s), so it is not used; run again with --accept-unverified to use it anyway\n"
+    )
+    assert generate.main([*argv, "--accept-unverified"]) == 0
+    out, err = capsys.readouterr()
+    assert f"{path}: used UNVERIFIED (an orbax checkpoint" in err
     tokenizer = byte_tokenizer()
     new = generate.sample(
         model, params, tokenizer.encode(prompt), 24, temperature=0.7, seed=4, start_id=0
     )
-    assert capsys.readouterr().out == prompt + tokenizer.decode(new) + "\n"
+    assert out == prompt + tokenizer.decode(new) + "\n"
 
 
 def test_command_rejects_a_checkpoint_of_another_model(checkpoint, capsys):
     _, _, path = checkpoint
     argv = ["--model", "lmu-100k", "--tokenizer", "bytes", "--checkpoint", str(path)]
-    assert generate.main(argv) == Exit.IO
+    assert generate.main([*argv, "--accept-unverified"]) == Exit.IO
     message = capsys.readouterr().err
     assert "does not fit the model" in message
     assert "['bias'] has shape (3, 5) in the checkpoint but (3, 7) in the model" in message
@@ -283,13 +293,51 @@ def test_parameters_that_differ_from_their_checksums_are_refused(trained, tmp_pa
     assert "arrays differ, e.g. ['params']['params']" in err
     assert err.rstrip().endswith(f"; try the one before: --checkpoint {copy}/checkpoints/2")
 
-    # a checkpoint saved before checksums existed is read as it is
-    meta = copy / "checkpoints" / "4" / "meta" / "metadata"
-    saved = json.loads(meta.read_text())
-    del saved["checksums"]
-    meta.write_text(json.dumps(saved))
-    assert generate.main(["--workdir", str(copy), "--tokens", "4"]) == 0
-    assert f"parameters from {state}" in capsys.readouterr().err
+
+def _unverifiable(copy: Path, step: str, meta: bool) -> Path:
+    """Checkpoint ``step`` of ``copy`` as nothing can verify it: no files.json, and no
+    checksums in its JSON (``meta``) or no JSON at all; bits flipped in its largest array file."""
+    folder = copy / "checkpoints" / step
+    (folder / "files.json").unlink()
+    if meta:
+        saved = json.loads((folder / "meta" / "metadata").read_text())
+        del saved["checksums"]
+        (folder / "meta" / "metadata").write_text(json.dumps(saved))
+    else:
+        (folder / "meta" / "metadata").unlink()
+    arrays = [p for p in folder.rglob("*") if p.is_file() and p.parent.name == "d"]
+    largest = max(arrays, key=lambda p: p.stat().st_size)
+    data = bytearray(largest.read_bytes())
+    for i in range(len(data) // 2 % 4096, len(data), 4096):
+        data[i] ^= 0x10
+    largest.write_bytes(bytes(data))
+    return folder
+
+
+@pytest.mark.parametrize("meta", [True, False], ids=["meta without checksums", "no meta"])
+def test_a_checkpoint_nothing_can_verify_is_refused_unless_accepted(
+    trained, tmp_path, capsys, meta
+):
+    """It sampled from flipped bits with exit 0; now it is named, and used only when asked."""
+    _, workdir = trained
+    copy = tmp_path / "run"
+    shutil.copytree(workdir, copy)
+    folder = _unverifiable(copy, "4", meta)
+    missing = "no checksums in meta/metadata" if meta else "no meta/metadata"
+    assert generate.main(["--workdir", str(copy), "--tokens", "4"]) == Exit.IO
+    out, err = capsys.readouterr()
+    assert out == "" and err == (
+        f"error: {folder}: cannot be verified (no files.json and {missing}), so it is not "
+        "used; run again with --accept-unverified to use it anyway, or try the one before: "
+        f"--checkpoint {copy}/checkpoints/2\n"
+    )
+    argv = ["--workdir", str(copy), "--tokens", "4", "--accept-unverified"]
+    assert generate.main(argv) == 0
+    out, err = capsys.readouterr()
+    assert out and err.splitlines()[0] == (
+        f"checkpoint: {folder}: used UNVERIFIED (no files.json and {missing}), as "
+        "--accept-unverified asks"
+    )
 
 
 def test_a_truncated_checkpoint_stops_the_command_with_one_line(trained, tmp_path):

@@ -88,6 +88,113 @@ def test_a_damaged_checkpoint_is_set_aside_and_the_run_resumes_exactly(
     assert not [r for r in caplog.records if r.name == "asyncio"], caplog.records
 
 
+def _unverifiable(folder: Path) -> None:
+    """``folder`` as a checkpoint of an older lmuscale, or one whose listing was lost: no
+    files.json, and no checksums in its JSON."""
+    (folder / "files.json").unlink()
+    meta = json.loads((folder / "meta" / "metadata").read_text())
+    del meta["checksums"]
+    (folder / "meta" / "metadata").write_text(json.dumps(meta))
+
+
+def test_a_checkpoint_nothing_can_verify_is_never_used_unless_accepted(
+    byte_corpus, finished_run, tmp_path, capsys
+):
+    """It resumed from flipped bits with exit 0 and other final parameters. Now it is refused,
+    named, and not set aside (it may be intact); a damaged verified checkpoint set aside does
+    not hand the run to an unverified one; ``accept_unverified`` uses it, saying so."""
+    from lmuscale.train.checkpoint import CheckpointError
+
+    workdir = tmp_path / "w"
+    shutil.copytree(finished_run, workdir)
+    (workdir / "summary.json").unlink()
+    folder = workdir / "checkpoints"
+    for step in ("8", "12"):
+        _unverifiable(folder / step)
+    _flip_bit(_largest_file(folder / "12" / "state"))
+    missing = "no files.json and no checksums in meta/metadata"
+    with pytest.raises(CheckpointError) as refused:
+        run(_config(byte_corpus), workdir, accept_unverified=False)
+    assert str(refused.value) == (
+        f"{folder / '12'}: cannot be verified ({missing}), so it is not used; run again with "
+        f"--accept-unverified to use it anyway, or move it out of {folder} to resume from "
+        "checkpoint 8"
+    )
+    assert Exit.of(refused.value) is Exit.IO
+    assert sorted(p.name for p in folder.iterdir()) == ["12", "4", "8"]
+
+    # A verified 12 whose files were damaged is set aside; the unverified 8 is still refused
+    # (a command without the flag does not offer it).
+    shutil.rmtree(folder / "12")
+    shutil.copytree(finished_run / "checkpoints" / "12", folder / "12")
+    _flip_bit(_largest_file(folder / "12" / "state"))
+    capsys.readouterr()
+    with pytest.raises(CheckpointError) as refused:
+        run(_config(byte_corpus), workdir)
+    assert f"moved to {workdir / 'checkpoints.corrupt' / '12'}" in capsys.readouterr().err
+    assert str(refused.value) == (
+        f"{folder / '8'}: cannot be verified ({missing}), so it is not used; move it out of "
+        f"{folder} to resume from checkpoint 4"
+    )
+
+    summary = run(_config(byte_corpus), workdir, accept_unverified=True)
+    err = capsys.readouterr().err
+    assert f"checkpoint: {folder / '8'}: used UNVERIFIED ({missing}), as --accept-" in err
+    assert err.count("UNVERIFIED") == 1
+    assert _losses(workdir) == _losses(finished_run)  # 8 was intact: resumed bit for bit
+    whole = json.loads((finished_run / "summary.json").read_text())
+    assert summary["val_loss"] == whole["val_loss"]
+
+
+def test_the_logs_are_on_disk_before_each_checkpoint_and_lost_lines_are_named(
+    byte_corpus, finished_run, tmp_path, capsys, monkeypatch
+):
+    """A power loss could leave metrics.jsonl torn at a step its checkpoint covers (lines were
+    flushed, not fsynced), and the resume dropped that line in silence. Now each log is fsynced
+    before each save, and a resume names lines the checkpoint covers that are gone."""
+    import os
+
+    from lmuscale.train.checkpoint import Checkpoints
+
+    events = []
+    real_fsync, real_save = os.fsync, Checkpoints.save
+
+    def fsync(fd):
+        events.append(Path(os.readlink(f"/proc/self/fd/{fd}")).name)
+        real_fsync(fd)
+
+    def save(self, step, state, meta):
+        events.append(f"save {step}")
+        real_save(self, step, state, meta)
+
+    monkeypatch.setattr(os, "fsync", fsync)
+    monkeypatch.setattr(Checkpoints, "save", save)
+    config = _config(byte_corpus)
+    config.train.steps = 8
+    run(config, tmp_path / "fresh")
+    monkeypatch.undo()
+    saves = [i for i, event in enumerate(events) if event.startswith("save")]
+    assert [events[i] for i in saves] == ["save 4", "save 8"]
+    for before, at in zip([-1, *saves], saves, strict=False):
+        assert {"metrics.jsonl", "eval.jsonl"} <= set(events[before + 1 : at]), events
+
+    # The line of step 12, which checkpoint 12 covers, torn as a power loss can leave it.
+    workdir = tmp_path / "w"
+    shutil.copytree(finished_run, workdir)
+    (workdir / "summary.json").unlink()
+    lines = (workdir / "metrics.jsonl").read_text().splitlines(keepends=True)
+    (workdir / "metrics.jsonl").write_text("".join(lines[:-1]) + lines[-1][:20])
+    capsys.readouterr()
+    run(_config(byte_corpus), workdir)
+    err = capsys.readouterr().err
+    assert (
+        f"warning: {workdir / 'metrics.jsonl'}: its lines after step 11 through step 12 are "
+        "lost (written before checkpoint 12 was, but not on disk); the run goes on without them"
+    ) in err.splitlines()
+    assert "eval.jsonl" not in err  # intact: nothing said
+    assert _losses(workdir) == _losses(finished_run)[:-1]
+
+
 def test_a_divergence_right_after_a_restore_blames_the_checkpoint(byte_corpus, tmp_path):
     """A checkpoint that reads back whole but holds a NaN (as a bad save by another version
     would): the run names the checkpoint as suspect and writes no "diverged" summary."""

@@ -190,6 +190,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--tokenizer", choices=sorted(TOKENIZERS), help="(default: the workdir's, else gpt2)"
     )
+    parser.add_argument(
+        "--accept-unverified",
+        action="store_true",
+        help="read parameters that nothing can verify (a checkpoint with no files.json and no "
+        "checksums, or orbax's of the variables alone), which are otherwise refused",
+    )
     args = parser.parse_args(argv)
     if args.trial is not None and args.workdir is None:
         parser.error("--trial needs --workdir, the sweep's folder")
@@ -231,7 +237,7 @@ def main(argv: list[str] | None = None) -> int:
             print(f"{what}: random init (seed {args.seed}), no --checkpoint", file=sys.stderr)
             params = model.init(jax.random.key(args.seed), jnp.zeros((1, 1), jnp.int32))
         else:
-            params = read_variables(checkpoint.state, model)
+            params = read_variables(checkpoint.state, model, args.accept_unverified)
             print(f"{what}, parameters from {checkpoint.state}", file=sys.stderr)
     except (StorageError, KeyboardInterrupt) as error:  # CheckpointError, DamagedFile
         return report(error)

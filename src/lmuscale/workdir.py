@@ -219,17 +219,18 @@ def last_record(path: Path) -> dict | None:
     return None
 
 
-def cut_log(path: Path, step: int) -> None:
+def cut_log(path: Path, step: int) -> int | None:
     """Truncate a step log after its last line whose step is <= ``step``, in place (a resumed
-    run continues it). A torn last line is dropped; an unreadable line anywhere else, or a step
-    below an earlier one, is damage that a cut would hide or spread: ``DamagedFile``."""
+    run continues it); returns that line's step (None: no such line). A torn last line is
+    dropped; an unreadable line anywhere else, or a step below an earlier one, is damage that a
+    cut would hide or spread: ``DamagedFile``."""
     if not path.exists():
-        return
+        return None
     remedy = f"mend it, or move it away and the run starts a new one after step {step}"
     with path.open("r+b") as f:
         lines = f.readlines()
         offset = keep = 0  # bytes read; bytes of the lines kept
-        previous = None  # the last step seen
+        previous = kept = None  # the last step seen; the last kept
         for number, line in enumerate(lines, 1):
             record = _parse(line)
             at = record.get("step") if record is not None else None
@@ -248,14 +249,15 @@ def cut_log(path: Path, step: int) -> None:
             previous = at
             offset += len(line)
             if at <= step:
-                keep = offset
+                keep, kept = offset, at
         if keep < f.tell():
             f.truncate(keep)
         elif lines and not lines[-1].endswith(b"\n"):  # a whole last line without its newline
             f.write(b"\n")
         else:
-            return
+            return kept
         os.fsync(f.fileno())
+    return kept
 
 
 class Lock:

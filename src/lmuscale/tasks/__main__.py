@@ -25,6 +25,11 @@ def parse(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
     parser.add_argument("experiment", help="FILE.py[:NAME], e.g. experiments/mackey_glass.py")
     parser.add_argument("--workdir", required=True, help="one folder per model inside")
     parser.add_argument("--quiet", action="store_true", help="no progress bar")
+    parser.add_argument(
+        "--accept-unverified",
+        action="store_true",
+        help="resume from a checkpoint with no files.json and no checksums, otherwise refused",
+    )
     args, rest = parser.parse_known_args(argv)
     overrides = []
     for item in rest:
@@ -69,7 +74,12 @@ def _run(args: argparse.Namespace, overrides: list[str]) -> int:
     results = []
     for name, config in zip(names, configs, strict=True):
         print(f"{name}: training in {workdir / name}", flush=True)
-        summary = run_task(config, workdir / name, progress=False if args.quiet else None)
+        summary = run_task(
+            config,
+            workdir / name,
+            progress=False if args.quiet else None,
+            accept_unverified=args.accept_unverified,
+        )
         results.append(summary)
         metric = summary["metric"]
         print(f"{name}: test {metric} {summary['test_' + metric]:.4f}", flush=True)

@@ -109,9 +109,14 @@ class Trainer:
         return metric(self.task, np.concatenate(parts), split.targets)
 
 
-def run_task(config: ConfigDict, workdir, progress: bool | None = None) -> dict:
+def run_task(
+    config: ConfigDict,
+    workdir,
+    progress: bool | None = None,
+    accept_unverified: bool | None = None,
+) -> dict:
     """Train (or resume, or just read back) one task run; returns its summary. The workdir
-    is locked for the run, as a training run's is."""
+    is locked for the run, as a training run's is; ``accept_unverified``: as ``train.run``'s."""
     workdir = Path(workdir)
     compilation_cache()
     resume.check(config, workdir, workdir_lib.has_checkpoint(workdir))
@@ -127,7 +132,7 @@ def run_task(config: ConfigDict, workdir, progress: bool | None = None) -> dict:
                 "version does not read; move it away to train from the start"
             )
         workdir_lib.write_config(config, workdir)
-        checkpoints = Checkpoints(workdir / workdir_lib.CHECKPOINTS, keep=2)
+        checkpoints = Checkpoints(workdir / workdir_lib.CHECKPOINTS, 2, accept_unverified)
         try:
             summary = _train(config, workdir, checkpoints, progress)
         finally:

@@ -21,6 +21,12 @@ def parse(argv: list[str] | None) -> tuple[argparse.Namespace, list[str]]:
     parser.add_argument(
         "--quiet", action="store_true", help="no progress bar: a line every log.every steps"
     )
+    parser.add_argument(
+        "--accept-unverified",
+        action="store_true",
+        help="resume from a checkpoint with no files.json and no checksums (of an older "
+        "lmuscale), which is otherwise refused",
+    )
     args, rest = parser.parse_known_args(argv)
     from lmuscale.train.config import split_overrides  # after --help: it imports JAX
 
@@ -43,7 +49,12 @@ def _train(args: argparse.Namespace, overrides: list[str]) -> int:
     from lmuscale.train import load, override, run
 
     config = override(load(args.config), overrides)
-    summary = run(config, args.workdir, progress=False if args.quiet else None)
+    summary = run(
+        config,
+        args.workdir,
+        progress=False if args.quiet else None,
+        accept_unverified=args.accept_unverified,
+    )
     print(
         f"val loss {summary['val_loss']:.4f} nats ({summary['val_bits_per_byte']:.4f} bits/byte), "
         f"test loss {summary['test_loss']:.4f} nats; summary in {args.workdir}/summary.json"

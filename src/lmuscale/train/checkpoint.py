@@ -4,8 +4,10 @@
 A checkpoint ``checkpoints/STEP`` holds ``state/`` (the arrays), ``meta/`` (JSON, with a
 CRC-32 of every array process 0 holds whole) and ``files.json`` (each file's size and CRC-32,
 written once the save is complete). Reading checks the files before orbax opens any (so no
-failed read reports from orbax's threads), then the arrays; without ``files.json`` (older,
-killed just before it, or no room left to write it), the arrays alone.
+failed read reports from orbax's threads), then the arrays; without ``files.json`` (killed just
+before it, or no room left to write it), the arrays alone. A checkpoint with neither (of an
+older lmuscale, or its listing lost) cannot be verified: it is refused, named, unless the
+command was told to accept it (``--accept-unverified``), and then said so.
 """
 
 from __future__ import annotations
@@ -183,6 +185,46 @@ def verify_files(folder: Path, hint: str = "") -> None:
         )
 
 
+def _unverified(folder: Path) -> str | None:
+    """What step folder ``folder`` lacks to be verified (None: its files.json or the arrays'
+    CRC-32s in its JSON will check it); orbax's checkpoint of the variables has neither."""
+    if (folder / "_METADATA").is_file():
+        return "an orbax checkpoint of the variables alone, with no CRC-32s"
+    if (folder / FILES).exists():
+        return None
+    try:
+        meta = json.loads((folder / META / "metadata").read_text())
+    except FileNotFoundError:
+        return f"no {FILES} and no {META}/metadata"
+    except (OSError, ValueError):
+        return None  # unreadable: restoring it names the damage
+    if isinstance(meta, dict) and meta.get(CHECKSUMS):
+        return None
+    return f"no {FILES} and no {CHECKSUMS} in {META}/metadata"
+
+
+def check_verifiable(folder: Path, accept: bool | None, otherwise: str = "") -> None:
+    """Refuse checkpoint ``folder`` when nothing can verify it, unless ``accept``; then say
+    once that it is used unverified. ``accept`` None: the command has no
+    ``--accept-unverified``; ``otherwise``: what else to do, for the message."""
+    what = _unverified(folder)
+    if what is None:
+        return
+    if accept:
+        print(
+            f"checkpoint: {folder}: used UNVERIFIED ({what}), as --accept-unverified asks",
+            file=sys.stderr,
+            flush=True,
+        )
+        return
+    options = ["run again with --accept-unverified to use it anyway"] if accept is False else []
+    options += [otherwise] if otherwise else []
+    raise CheckpointError(
+        f"{folder}: cannot be verified ({what}), so it is not used"
+        + (f"; {', or '.join(options)}" if options else "")
+    )
+
+
 def steps(folder: Path) -> list[int]:
     """The steps of the complete checkpoints in ``folder``, oldest first."""
     try:
@@ -206,10 +248,12 @@ def _remove_unfinished(folder: Path) -> None:
 
 
 class Checkpoints:
-    """A run's ``checkpoints`` folder: the last ``keep`` states, by step."""
+    """A run's ``checkpoints`` folder: the last ``keep`` states, by step. ``accept_unverified``:
+    as ``check_verifiable``'s ``accept``."""
 
-    def __init__(self, directory: Path, keep: int):
+    def __init__(self, directory: Path, keep: int, accept_unverified: bool | None = None):
         self.directory = Path(directory).absolute()
+        self.accept_unverified = accept_unverified
         try:
             self.directory.mkdir(parents=True, exist_ok=True)
         except OSError as error:
@@ -308,6 +352,14 @@ class Checkpoints:
         shardings) says, and its JSON."""
         where = self.directory / str(step)
         verify_files(where)
+        earlier = [s for s in self.manager.all_steps() if s < step]
+        check_verifiable(
+            where,
+            self.accept_unverified,
+            f"move it out of {self.directory} to resume from checkpoint {max(earlier)}"
+            if earlier
+            else f"move it out of {self.directory} to train from the start",
+        )
         args = ocp.args.Composite(
             **{STATE: ocp.args.StandardRestore(abstract_state), META: ocp.args.JsonRestore()}
         )
@@ -430,9 +482,10 @@ def restore_target(tree, shardings=None):
     )
 
 
-def read_variables(path: Path, model):
+def read_variables(path: Path, model, accept_unverified: bool = False):
     """``model``'s variables (``{"params": ...}``) from an orbax checkpoint of them or of a
-    training state, on the default device, verified as ``Checkpoints.restore`` does."""
+    training state, on the default device, verified as ``Checkpoints.restore`` does (orbax's
+    checkpoint of the variables alone has nothing to verify it by: ``check_verifiable``)."""
     from etils import epath
 
     path = Path(path).absolute()
@@ -442,6 +495,7 @@ def read_variables(path: Path, model):
     hint = _older(step) if step is not None else ""
     if step is not None:
         verify_files(step, hint)
+    check_verifiable(step or path, accept_unverified, hint.removeprefix("; "))
     quiet_late_callbacks()
     with contextlib.closing(ocp.PyTreeCheckpointHandler()) as handler:
         try:

@@ -54,6 +54,7 @@ STOP_SIGNALS = (signal.SIGTERM, signal.SIGUSR1, signal.SIGUSR2, signal.SIGINT)
 # The checkpoint meta's key for the training losses since the last log line (their mean is
 # the next line's loss_mean): a run resumed between two log lines logs the same mean.
 LOG_WINDOW = "log_window"
+LOGGED = "logged"  # in a checkpoint's JSON: the step of each log's last line (MetricsLog.last)
 
 
 class _StopSignals:
@@ -196,7 +197,12 @@ def check_workdir(c: ConfigDict, workdir: Path) -> None:
 
 
 def run(
-    config: ConfigDict, workdir: str | Path, *, progress: bool | None = None, locked: bool = False
+    config: ConfigDict,
+    workdir: str | Path,
+    *,
+    progress: bool | None = None,
+    locked: bool = False,
+    accept_unverified: bool | None = None,
 ) -> dict:
     """Train (or resume) ``config`` in ``workdir``; returns the summary (also summary.json).
 
@@ -205,6 +211,8 @@ def run(
     ``OutOfMemoryBudget``, ``DamagedFile`` (a resumed run's logs); ``TrainingDiverged`` later.
     Process 0 shows a bar when ``progress`` (default ``log.progress``) and stderr is a terminal,
     else prints a line every ``log.every`` steps (``metrics.progress_line``).
+    ``accept_unverified``: resume from a checkpoint nothing can verify (``checkpoint.
+    check_verifiable``; None: refuse it without naming the flag, which the caller lacks).
     """
     c = config.copy_and_resolve_references()  # open_data records the data's fingerprint in it
     config_lib.check(c)
@@ -228,14 +236,13 @@ def run(
         if primary and not locked:
             hold.enter_context(workdir_lib.Lock(workdir_lib.usable(workdir)))
         check_workdir(c, workdir)  # again: locked, and with the data's fingerprint known
-        return _train(c, workdir, model_config, impls, dataset, mesh, primary, show)
+        if primary:
+            workdir_lib.write_config(c, workdir)
+        program = compile_program(c, workdir, model_config, impls, mesh, primary)
+        return _train(Session(c, workdir, dataset, mesh, program, primary, show, accept_unverified))
 
 
-def _train(c, workdir: Path, model_config, impls, dataset, mesh, primary: bool, show) -> dict:
-    if primary:
-        workdir_lib.write_config(c, workdir)
-    program = compile_program(c, workdir, model_config, impls, mesh, primary)
-    session = Session(c, workdir, dataset, mesh, program, primary, show)
+def _train(session: Session) -> dict:
     try:
         # The final evaluation too: a signal during it is noted, and the run still finishes.
         with _StopSignals() as stop:
@@ -250,7 +257,7 @@ def _train(c, workdir: Path, model_config, impls, dataset, mesh, primary: bool, 
         raise LostProcess(
             f"process {jax.process_index()} of {jax.process_count()} lost contact with the "
             f"others ({where}{outcomes.one_line(lost)[:300]}): another process has died or "
-            f"hangs. The checkpoints in {workdir / workdir_lib.CHECKPOINTS} are kept: start all "
+            f"hangs. The checkpoints in {session.checkpoints.directory} are kept: start all "
             f"{jax.process_count()} processes again to resume"
         ) from None
     finally:
@@ -399,10 +406,12 @@ def compile_program(c, workdir: Path, model_config, impls, mesh, primary: bool) 
 class Session:
     """One process's part of a run: state, checkpoints, logs, and ``train``'s hook actions."""
 
-    def __init__(self, c, workdir: Path, dataset, mesh, program: Program, primary, show):
+    def __init__(self, c, workdir: Path, dataset, mesh, program: Program, primary, show, accept):
         self.c, self.workdir, self.dataset, self.mesh = c, workdir, dataset, mesh
         self.program, self.primary = program, primary
-        self.checkpoints = Checkpoints(workdir / workdir_lib.CHECKPOINTS, c.checkpoint.keep)
+        self.checkpoints = Checkpoints(
+            workdir / workdir_lib.CHECKPOINTS, c.checkpoint.keep, accept_unverified=accept
+        )
         try:
             target = restore_target(jax.eval_shape(program.init), program.shardings)
             # meta: the checkpoint's JSON, with "elapsed" and LOG_WINDOW
@@ -417,6 +426,7 @@ class Session:
                 enabled=primary,
                 tensorboard=c.log.tensorboard and primary,
                 wandb=c if c.log.wandb else None,
+                logged=meta.get(LOGGED),
             )
         except BaseException:  # a damaged log, say: no orbax thread may outlive the error
             self.checkpoints.close()
@@ -487,7 +497,8 @@ class Session:
         if self.last_checkpoint != done:
             # A copy of the window: the save may write it after the next step's loss is added.
             meta = {"elapsed": self.clock.elapsed(), LOG_WINDOW: list(self.metrics.window)}
-            self.checkpoints.save(done, self.state, meta)
+            self.log.sync()  # the lines this checkpoint covers are on disk before it is
+            self.checkpoints.save(done, self.state, {**meta, LOGGED: dict(self.log.last)})
             self.last_checkpoint = done
 
     def stop(self, done: int, signum: int, received: int | None) -> None:

@@ -1,14 +1,19 @@
 """What a run records: metrics.jsonl and eval.jsonl (data first), TensorBoard, W&B, MFU, and
 the plain progress line printed instead of a bar when the output is not a terminal.
 
-Only process 0 writes. A resumed run cuts both JSONL files back to the restored step and starts
-TensorBoard with ``purge_step`` (which hides the old events past it): each step appears once.
+Only process 0 writes. Both JSONL files are on disk (fsync) before each checkpoint is saved,
+and the checkpoint records the step of each one's last line. A resumed run cuts both back to the
+restored step, says which lines that the checkpoint covers are missing (a log written by an
+older lmuscale, or a filesystem that lost them), and starts TensorBoard with ``purge_step``
+(which hides the old events past it): each step appears once.
 """
 
 from __future__ import annotations
 
 import json
 import math
+import os
+import sys
 from pathlib import Path
 
 import jax
@@ -76,19 +81,38 @@ def _json_value(value):
 class MetricsLog:
     """Append-only JSONL logs, TensorBoard scalars and, with ``wandb`` (the run's config), W&B;
     no-ops unless ``enabled``. W&B starts last, after the logs are cut: a damaged log stops the
-    run first."""
+    run first. ``logged``: each log's last step when the restored checkpoint was saved (``last``
+    then; absent in a checkpoint of an older lmuscale)."""
 
     def __init__(
-        self, workdir: Path, resume_step: int, *, enabled: bool, tensorboard: bool, wandb=None
+        self,
+        workdir: Path,
+        resume_step: int,
+        *,
+        enabled: bool,
+        tensorboard: bool,
+        wandb=None,
+        logged: dict | None = None,
     ):
         self.enabled = enabled
         paths = {"train": workdir / METRICS, "eval": workdir / EVAL}
         self.files = {}
+        self.last = dict(logged or {})  # {kind: the step of its last line written}
         self.writer = self.wandb = None
         if not enabled:
             return
-        for path in paths.values():
-            cut_log(path, resume_step)
+        for kind, path in paths.items():
+            kept = cut_log(path, resume_step)
+            lost = self.last.get(kind)
+            if lost is not None and (kept is None or kept < lost):
+                after = "from its start" if kept is None else f"after step {kept}"
+                print(
+                    f"warning: {path}: its lines {after} through step {lost} are lost (written "
+                    f"before checkpoint {resume_step} was, but not on disk); the run goes on "
+                    "without them",
+                    file=sys.stderr,
+                    flush=True,
+                )
         try:
             for kind, path in paths.items():
                 self.files[kind] = path.open("a", encoding="utf-8")
@@ -112,6 +136,7 @@ class MetricsLog:
         file = self.files[kind]
         file.write(json.dumps(clean) + "\n")
         file.flush()
+        self.last[kind] = record["step"]
         scalars = {
             f"{kind}/{key}": value
             for key, value in record.items()
@@ -123,6 +148,11 @@ class MetricsLog:
             self.writer.flush()
         if self.wandb is not None:
             self.wandb.log(record["step"], scalars)
+
+    def sync(self) -> None:
+        """Put both logs on disk (before a checkpoint that covers their lines is saved)."""
+        for file in self.files.values():
+            os.fsync(file.fileno())
 
     def summary(self, summary: dict) -> None:
         """summary.json's dict, for W&B; the caller writes the file."""
