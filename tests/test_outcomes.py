@@ -182,6 +182,63 @@ def test_sweep_tasks_generate_prepare_and_analysis_end_through_the_table(tmp_pat
     _ended_with(done, Exit.DATA, f"error: {nothing}: no such results file")
 
 
+FLOAT32 = "in [0, 3.4e38]: it divides float32 logits"
+BAD_ARGUMENTS = {  # (command, arguments): the end of argparse's one line
+    ("train", "--workdir="): "argument --workdir: an empty path: give a folder",
+    ("train", "--workdir=  "): "argument --workdir: an empty path: give a folder",
+    ("tasks", "--workdir="): "argument --workdir: an empty path: give a folder",
+    ("sweep", "--workdir="): "argument --workdir: an empty path: give a folder",
+    ("generate", "--workdir="): "argument --workdir: an empty path: give a folder",
+    ("generate", "--checkpoint= "): "argument --checkpoint: an empty path: give a folder",
+    ("data", "prepare text a.txt --out="): "argument --out: an empty path: give a folder",
+    ("data", "prepare text a.txt --out=x --workers=-2"): "argument --workers: -2 is out of "
+    "range: [0, 4096]",
+    ("data", "info ''"): "argument folder: an empty path: give a folder",
+    ("analysis", "results.csv --out="): "argument --out: an empty path: give a folder",
+    (
+        "generate",
+        "--temperature=1e308",
+    ): f"argument --temperature: 1e308 is out of range: {FLOAT32}",
+    ("generate", "--temperature=inf"): f"argument --temperature: inf is out of range: {FLOAT32}",
+    ("generate", "--temperature=nan"): f"argument --temperature: nan is out of range: {FLOAT32}",
+    ("generate", "--temperature=-inf"): f"argument --temperature: -inf is out of range: {FLOAT32}",
+    ("generate", "--temperature=-1"): f"argument --temperature: -1 is out of range: {FLOAT32}",
+    ("generate", "--tokens=3000000000"): "argument --tokens: 3000000000 is out of range: in "
+    "[1, 2**30]: the decoder's positions are int32",
+    ("generate", "--seed=99999999999999999999999"): "argument --seed: "
+    "99999999999999999999999 is out of range: in [0, 2**32): jax.random.key keeps 32 bits",
+    ("sweep", "--dry-run --throughput=nan"): "argument --throughput: nan is out of range: a "
+    "finite number > 0",
+    ("sweep", "--dry-run --throughput=inf"): "argument --throughput: inf is out of range: a "
+    "finite number > 0",
+    ("analysis", "results.csv --out=x --seed=-1"): "argument --seed: -1 is out of range: [0, "
+    "9.22337e+18]",
+}
+
+
+@pytest.mark.parametrize(("command", "arguments"), BAD_ARGUMENTS)
+def test_empty_paths_and_values_out_of_range_are_bad_arguments(command, arguments, capsys):
+    """Each was taken: an empty --workdir trained into the current folder; 1e308 became an
+    infinite float32 temperature; a huge --tokens or --seed overflowed a C long; a NaN
+    throughput printed "nan h"; --workers -2 was a data error (6)."""
+    import importlib
+    import shlex
+
+    module = importlib.import_module(
+        {"generate": "lmuscale.generate"}.get(command, f"lmuscale.{command}.__main__")
+    )
+    argv = shlex.split(arguments)
+    if command in ("train", "tasks", "sweep"):
+        argv = ["--config=c.py", *argv] if command == "train" else ["file.py", *argv]
+    with pytest.raises(SystemExit) as stopped:
+        module.main(argv)
+    assert stopped.value.code == Exit.ARGUMENTS
+    out, err = capsys.readouterr()
+    assert out == "" and err.splitlines()[-1].endswith(
+        f"error: {BAD_ARGUMENTS[command, arguments]}"
+    ), err
+
+
 # Sends this process a SIGINT when it first looks for jax, the first of the slow imports: a
 # Ctrl-C while the command line is still starting up, at the same point every time. A terminal
 # delivers Ctrl-C, so SIGINT is first unblocked and given Python's default handler: a process

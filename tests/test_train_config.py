@@ -77,6 +77,13 @@ def test_overrides_are_typed_like_their_defaults():
         ("log.progress=maybe", r"expected a bool"),
         ("train.steps", r"expected --config\.KEY=VALUE"),
         ("train.steps=0", r"train\.steps must be > 0, got 0"),
+        (
+            "train.steps=100000000000",
+            r"train\.steps = 100,000,000,000 is out of range: counts and sizes must be below "
+            r"2\*\*31 \(XLA's step counter and shapes are 32-bit\)",
+        ),
+        ("train.global_batch=100000000000", r"train\.global_batch = 100,000,000,000 is out of"),
+        ("model.d=3000000000", r"model\.d = 3,000,000,000 is out of range"),
         ("train.microbatches=3", r"global_batch \(16\) must be a multiple of train\.microbatches"),
         ("optim.warmup_steps=250", r"warmup_steps \(250\) must be below train\.steps \(250\)"),
         (

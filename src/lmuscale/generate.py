@@ -37,7 +37,7 @@ import numpy as np
 from lmuscale import ops
 from lmuscale.data.tokenizer import TOKENIZERS, Tokenizer, get_tokenizer
 from lmuscale.models import NAMES, LanguageModel, ModelConfig, build, decode, named_config
-from lmuscale.outcomes import Exit, StorageError, report
+from lmuscale.outcomes import Exit, StorageError, bounded, folder, report
 from lmuscale.resume import upgrade
 from lmuscale.sweepdir import INDEX
 from lmuscale.train.checkpoint import CheckpointError, locate, newest, read_variables
@@ -45,6 +45,7 @@ from lmuscale.train.config import model_config
 from lmuscale.workdir import CONFIG, read_json, status, summary
 
 DEFAULT_MODEL = "lmu-1M"
+FLOAT32_MAX = float(np.finfo(np.float32).max)
 
 
 @functools.partial(jax.jit, static_argnums=(0, 4))
@@ -78,8 +79,8 @@ def sample(
     the same (params, prompt, temperature, seed) give the same ids."""
     if n_tokens < 1:
         raise ValueError(f"--tokens must be >= 1, got {n_tokens}")
-    if not (np.isfinite(temperature) and temperature >= 0):
-        raise ValueError(f"--temperature must be >= 0 and finite, got {temperature}")
+    if not (0 <= temperature <= FLOAT32_MAX):  # a larger one is infinite in float32
+        raise ValueError(f"--temperature must be in [0, 3.4e38] (float32), got {temperature}")
     prompt = np.asarray(list(prompt_ids) or [start_id], np.int32)[None]
     state = model.decode_state(1, max_len=prompt.shape[1] + n_tokens)
     logits_BxTxV, state = decode(model, params, prompt, state)
@@ -163,12 +164,12 @@ def main(argv: list[str] | None = None) -> int:
     source = parser.add_mutually_exclusive_group()
     source.add_argument(
         "--workdir",
-        type=Path,
+        type=lambda text: Path(folder(text)),
         help="training workdir: its model and newest checkpoint; or a sweep's folder",
     )
     source.add_argument(
         "--checkpoint",
-        type=Path,
+        type=lambda text: Path(folder(text)),
         help="W, W/checkpoints/N, W/checkpoints/N/state, or an orbax checkpoint of the "
         "variables (default: random init)",
     )
@@ -179,13 +180,22 @@ def main(argv: list[str] | None = None) -> int:
     )
     parser.add_argument("--prompt", default="", help="text to continue (default: <|endoftext|>)")
     parser.add_argument(
-        "--tokens", type=int, default=64, help="new tokens to sample (default: %(default)s)"
+        "--tokens",
+        type=bounded(int, 1, 2**30, says="in [1, 2**30]: the decoder's positions are int32"),
+        default=64,
+        help="new tokens to sample (default: %(default)s)",
     )
     parser.add_argument(
-        "--temperature", type=float, default=1.0, help="0 means greedy (default: %(default)s)"
+        "--temperature",
+        type=bounded(float, 0, FLOAT32_MAX, says="in [0, 3.4e38]: it divides float32 logits"),
+        default=1.0,
+        help="0 means greedy (default: %(default)s)",
     )
     parser.add_argument(
-        "--seed", type=int, default=0, help="sampling (and init) seed (default: %(default)s)"
+        "--seed",
+        type=bounded(int, 0, 2**32 - 1, says="in [0, 2**32): jax.random.key keeps 32 bits"),
+        default=0,
+        help="sampling (and init) seed (default: %(default)s)",
     )
     parser.add_argument(
         "--tokenizer", choices=sorted(TOKENIZERS), help="(default: the workdir's, else gpt2)"

@@ -8,7 +8,9 @@ imports nothing from lmuscale, so every layer can raise them.
 
 from __future__ import annotations
 
+import argparse
 import enum
+import math
 import os
 import sys
 from collections.abc import Callable
@@ -170,3 +172,35 @@ def exit_table() -> str:
     lines = ["| status | outcome |", "|---:|---|"]
     lines += [f"| {outcome.value} | {outcome.meaning} |" for outcome in Exit]
     return "\n".join(lines)
+
+
+# Argument types for the command lines: a bad value is argparse's one line and status 2.
+
+
+def folder(text: str) -> str:
+    """A folder argument: an empty or blank one would mean the current folder."""
+    if not text.strip():
+        raise argparse.ArgumentTypeError("an empty path: give a folder")
+    return text
+
+
+def bounded(kind: type, low: float, high: float, *, above: bool = False, says: str = ""):
+    """An argument of ``kind`` (int or float) in [``low``, ``high``] (``above``: > ``low``),
+    finite: the range the code computes in (int32 lengths, 32-bit seeds, float32). ``says``:
+    the range as the error names it (default: the interval)."""
+
+    def parse(text: str):
+        try:
+            value = kind(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(
+                f"{text!r} is not {'an integer' if kind is int else 'a number'}"
+            ) from None
+        inside = (value > low if above else value >= low) and value <= high
+        if not (inside and math.isfinite(value)):
+            interval = f"{'(' if above else '['}{low:g}, {high:g}]"
+            raise argparse.ArgumentTypeError(f"{text} is out of range: {says or interval}")
+        return value
+
+    parse.__name__ = kind.__name__
+    return parse

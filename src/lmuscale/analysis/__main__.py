@@ -8,7 +8,7 @@ import argparse
 
 from lmuscale.analysis import analyse
 from lmuscale.analysis.results import ROLES
-from lmuscale.outcomes import Exit, run_main
+from lmuscale.outcomes import Exit, bounded, folder, run_main
 from lmuscale.scaling.__main__ import parse_size
 
 
@@ -18,7 +18,9 @@ def main(argv=None) -> int:
         description="Fits, Figures 3-5 and fits.csv/fits.md from a sweep's results table.",
     )
     parser.add_argument("results", help="results.jsonl or results.csv written by a sweep")
-    parser.add_argument("--out", required=True, help="folder for the figures and tables")
+    parser.add_argument(
+        "--out", required=True, type=folder, help="folder for the figures and tables"
+    )
     parser.add_argument(
         "--split",
         choices=("test", "val"),
@@ -28,9 +30,13 @@ def main(argv=None) -> int:
     parser.add_argument(
         "--size", type=parse_size, help="N for Figure 4 (e.g. 1M; default: the largest LMU)"
     )
-    parser.add_argument("--n-boot", type=int, default=1000, help="bootstrap resamples per fit")
+    parser.add_argument(
+        "--n-boot", type=bounded(int, 0, 10**6), default=1000, help="bootstrap resamples per fit"
+    )
     parser.add_argument("--ci", type=float, default=0.95, help="confidence level of the CIs")
-    parser.add_argument("--seed", type=int, default=0, help="seed of the bootstrap")
+    parser.add_argument(
+        "--seed", type=bounded(int, 0, 2**63 - 1), default=0, help="seed of the bootstrap"
+    )
     parser.add_argument(
         "--target-loss",
         type=float,
@@ -54,8 +60,6 @@ def main(argv=None) -> int:
         parser.error(f"--ci must be between 0 and 1, got {args.ci}")
     if args.target_loss is not None and not (0 < args.target_loss < float("inf")):
         parser.error(f"--target-loss must be a positive loss, got {args.target_loss}")
-    if args.n_boot < 0:
-        parser.error(f"--n-boot must be >= 0, got {args.n_boot}")
     return run_main(lambda: _run(args))
 
 

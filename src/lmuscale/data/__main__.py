@@ -11,7 +11,7 @@ import sys
 
 from lmuscale.data.sources import SOURCES, TEXT_COLUMN
 from lmuscale.data.tokenizer import TOKENIZERS
-from lmuscale.outcomes import Exit, run_main
+from lmuscale.outcomes import Exit, bounded, folder, run_main
 
 EXAMPLES = """\
 sources:
@@ -44,7 +44,9 @@ def main(argv: list[str] | None = None) -> int:
     )
     prep.add_argument("source", help=f"one of: {', '.join(SOURCES)}")
     prep.add_argument("inputs", nargs="*", help="paths or globs, for owt2, text and parquet")
-    prep.add_argument("--out", required=True, help="folder to write (created; resumable)")
+    prep.add_argument(
+        "--out", required=True, type=folder, help="folder to write (created; resumable)"
+    )
     prep.add_argument("--tokenizer", default="gpt2", choices=sorted(TOKENIZERS))
     prep.add_argument(
         "--text-column",
@@ -52,22 +54,27 @@ def main(argv: list[str] | None = None) -> int:
         metavar="NAME",
         help='the column (parquet) or JSON field (owt2, text) of the text (default "text")',
     )
-    prep.add_argument("--seed", type=int, default=0, help="seed of the document split hash")
+    prep.add_argument(
+        "--seed",
+        type=bounded(int, 0, 2**64 - 1, says="in [0, 2**64): the hash's 8-byte key"),
+        default=0,
+        help="seed of the document split hash",
+    )
     prep.add_argument(
         "--workers",
-        type=int,
+        type=bounded(int, 0, 4096),
         help="tokenizer processes (default: one per CPU; none for inputs under 32 MiB)",
     )
     prep.add_argument(
         "--max-bad-lines",
-        type=int,
+        type=bounded(int, 0, 2**63 - 1),
         default=0,
         help="skip and count up to N bad lines instead of stopping at the first (default 0)",
     )
     prep.add_argument("--restart", action="store_true", help="discard an unfinished prepare")
     prep.add_argument("--quiet", action="store_true", help="no progress bar")
     info = commands.add_parser("info", help="print a prepared folder's metadata and verify it")
-    info.add_argument("folder")
+    info.add_argument("folder", type=folder)
     info.add_argument("--no-verify", action="store_true", help="skip the checksums")
     interrupted = "SIGINT received; a prepare resumes when run again"
     return run_main(lambda: _run(parser.parse_args(argv)), interrupted=interrupted)

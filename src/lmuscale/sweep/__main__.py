@@ -12,7 +12,7 @@ import signal
 import sys
 from pathlib import Path
 
-from lmuscale.outcomes import ConfigError, Exit, run_main
+from lmuscale.outcomes import ConfigError, Exit, bounded, folder, run_main
 from lmuscale.train.config import split_overrides
 
 
@@ -24,7 +24,9 @@ def parse(argv: list[str]) -> argparse.Namespace:
         "--config.train.steps=100 (the trials' folders change with it).",
     )
     parser.add_argument("sweep", help="a sweep file, e.g. sweeps/owt2.py")
-    parser.add_argument("--workdir", help="folder of the sweep (default: runs/SWEEP_NAME)")
+    parser.add_argument(
+        "--workdir", type=folder, help="folder of the sweep (default: runs/SWEEP_NAME)"
+    )
     parser.add_argument(
         "--dry-run",
         action="store_true",
@@ -59,7 +61,7 @@ def parse(argv: list[str]) -> argparse.Namespace:
     )
     parser.add_argument(
         "--throughput",
-        type=float,
+        type=bounded(float, 0, sys.float_info.max, above=True, says="a finite number > 0"),
         metavar="FLOPS",
         help="model FLOP/s per trial for --dry-run's estimate, instead of the sweep's "
         "THROUGHPUT (a number or a GPU benchmark)",
@@ -77,8 +79,6 @@ def parse(argv: list[str]) -> argparse.Namespace:
         parser.error("--parallel must be at least 1")
     if args.detach and args.executor != "slurm":
         parser.error("--detach needs --executor slurm")
-    if args.throughput is not None and args.throughput <= 0:
-        parser.error("--throughput must be positive")
     try:
         args.slurm = slurm_params(args.slurm)
     except ValueError as error:

@@ -12,7 +12,7 @@ import sys
 from pathlib import Path
 
 from lmuscale.files import atomic_write_json
-from lmuscale.outcomes import ConfigError, Exit, run_main
+from lmuscale.outcomes import ConfigError, Exit, folder, run_main
 from lmuscale.workdir import SUMMARY, read_json
 
 
@@ -23,7 +23,7 @@ def parse(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
         epilog="Override any config key with --config.KEY=VALUE, e.g. --config.train.epochs=5.",
     )
     parser.add_argument("experiment", help="FILE.py[:NAME], e.g. experiments/mackey_glass.py")
-    parser.add_argument("--workdir", required=True, help="one folder per model inside")
+    parser.add_argument("--workdir", required=True, type=folder, help="one folder per model inside")
     parser.add_argument("--quiet", action="store_true", help="no progress bar")
     parser.add_argument(
         "--accept-unverified",

@@ -53,8 +53,8 @@ def check(config: ConfigDict, where: str = "config") -> None:
     """The config has its task's keys with the right types, and sensible values."""
     model = model_config(config)
     check_schema(config, base_config(config.task, **dict(config.model)), where)
-    if config.train.seed < 0:
-        raise ConfigError(f"{where}: train.seed must be >= 0, got {config.train.seed!r}")
+    if not 0 <= config.train.seed < 2**32:  # jax.random.key keeps the low 32 bits
+        raise ConfigError(f"{where}: train.seed must be in [0, 2**32), got {config.train.seed!r}")
     for key in ("epochs", "batch_size", "eval_batch_size"):
         if config.train[key] <= 0:
             raise ConfigError(f"{where}: train.{key} must be > 0, got {config.train[key]!r}")

@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 import sys
 
-from lmuscale.outcomes import ConfigError, Exit, run_main
+from lmuscale.outcomes import ConfigError, Exit, folder, run_main
 
 
 def parse(argv: list[str] | None) -> tuple[argparse.Namespace, list[str]]:
@@ -17,7 +17,9 @@ def parse(argv: list[str] | None) -> tuple[argparse.Namespace, list[str]]:
     parser.add_argument(
         "--config", required=True, help="FILE.py[:NAME], e.g. experiments/owt2.py:tiny"
     )
-    parser.add_argument("--workdir", required=True, help="folder for checkpoints, logs, summary")
+    parser.add_argument(
+        "--workdir", required=True, type=folder, help="folder for checkpoints, logs, summary"
+    )
     parser.add_argument(
         "--quiet", action="store_true", help="no progress bar: a line every log.every steps"
     )
