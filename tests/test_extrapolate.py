@@ -233,6 +233,60 @@ def test_predict_errors_name_the_problem(fitted, tmp_path, capsys):
     assert "| N | transformer_25k_steps" in capsys.readouterr().out
 
 
+def _edited(path, target, edit):
+    saved = json.loads(path.read_text())
+    edit(saved)
+    target.write_text(json.dumps(saved))
+    return target
+
+
+def test_predict_refuses_a_fits_file_whose_numbers_cannot_be_a_fit(fitted, tmp_path, capsys):
+    """Each was used: a negative sigma printed [0.09, 31.7] for [1.43, 2.03], NaN parameters a
+    table of nan, a loss list cut to 2 of its points a prediction; an empty file named no
+    family ("no ... fit for  (")."""
+    path, groups, _ = fitted
+    name = groups[1].name
+
+    def fit(i, key, value):
+        return lambda saved: saved["fits"][i].__setitem__(key, value)
+
+    def parameter(i, key, value):
+        return lambda saved: saved["fits"][i]["parameters"].__setitem__(key, value)
+
+    loss = json.loads(path.read_text())["fits"][1]["loss"]
+    cases = {
+        "sigma": (fit(1, "sigma", -0.05), "sigma is -0.05, not a standard deviation (>= 0)"),
+        "nan": (parameter(1, "alpha", None), "parameter alpha is nan, not a finite number"),
+        "scale": (parameter(1, "A", -2.0), "parameter A is -2.0, not a positive number"),
+        "cut": (
+            fit(1, "loss", loss[:2]),
+            f"the point lists differ in length: n {len(SIZES)}, loss 2",
+        ),
+        "dof": (
+            fit(1, "dof", 7),
+            f"dof is 7, but {len(SIZES)} points and 3 parameters leave {len(SIZES) - 3}",
+        ),
+        "cov": (
+            lambda saved: saved["fits"][1]["cov"][0].__setitem__(1, 123.0),
+            "its covariance is not finite and symmetric",
+        ),
+        "frontier": (
+            lambda saved: saved["frontiers"]["lmu"]["n_opt"]["var"].pop(),
+            "frontiers.lmu.n_opt: log10_C, log10_y and var have shapes (5,), (5,), (4,)",
+        ),
+        "empty": (
+            lambda saved: saved.update(fits=[], frontiers={}),
+            "holds no fits and no frontiers: nothing to predict from",
+        ),
+    }
+    for case, (edit, message) in cases.items():
+        broken = _edited(path, tmp_path / f"{case}.json", edit)
+        assert main(["predict", str(broken), "--n", "2M"]) == Exit.DATA, case
+        out, err = capsys.readouterr()
+        where = "" if case in ("frontier", "empty") else f"fits[1] ({name}): "
+        assert out == "" and err == f"error: {broken}: {where}{message}\n", (case, err)
+
+
 def test_extrapolate_tests_every_fit_and_its_figure_has_no_overlapping_text(fitted):
     _, groups, frontier = fitted
     result = extrapolate(groups, [frontier], ci=0.9)

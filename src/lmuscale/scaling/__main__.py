@@ -90,6 +90,8 @@ def predict(argv) -> int:
 def _predict(args) -> int:
     fits = load_fits(args.fits)
     families = sorted({w.family for w in fits.laws} | set(fits.frontiers))
+    if not families:
+        raise DataError(f"{fits.path}: holds no fits and no frontiers: nothing to predict from")
     if args.family is not None and args.family not in families:
         raise DataError(
             f"{fits.path}: no family {args.family!r}; it has {', '.join(families) or 'none'}"

@@ -499,7 +499,7 @@ def load_fits(path) -> FitsFile:
         cov = floats(item, "cov", where, optional=True)
         if cov is not None and cov.shape != (len(estimate),) * 2:
             raise DataError(f"{path}: {where}.cov has shape {cov.shape}, not k x k")
-        sigma = get(item, "sigma", where)
+        sigma = get(item, "sigma", where, (int, float))
         laws.append(
             Law(
                 form,
@@ -519,18 +519,61 @@ def load_fits(path) -> FitsFile:
                 floats(item, "points_tokens", where, optional=True),
             )
         )
+        problem = _broken(laws[-1])
+        if problem:
+            raise DataError(f"{path}: {where} ({laws[-1].name or form}): {problem}")
     frontiers = {}
     for family, lines in get(top, "frontiers", "the file", dict).items():
         frontiers[family] = {}
         for key, v in lines.items():
             where = f"frontiers.{family}.{key}"
             arrays = [floats(v, k, where) for k in ("log10_C", "log10_y", "var")]
+            if len({a.shape for a in arrays}) > 1 or arrays[0].ndim != 1:
+                shapes = ", ".join(str(a.shape) for a in arrays)
+                raise DataError(f"{path}: {where}: log10_C, log10_y and var have shapes {shapes}")
+            if not all(np.isfinite(a).all() for a in arrays) or (arrays[2] < 0).any():
+                raise DataError(f"{path}: {where}: values that are not finite, or a negative var")
             frontiers[family][key] = Line(*arrays)
     flops = {}
     for family, v in get(top, "flops_per_token", "the file", dict).items():
         where = f"flops_per_token.{family}"
         line = [get(v, key, where, (int, float)) for key in ("slope", "intercept")]
-        if None in line:
-            raise DataError(f"{path}: {where} has a null slope or intercept")
+        if None in line or not all(map(math.isfinite, line)):
+            raise DataError(f"{path}: {where} has a slope or intercept that is not a number")
         flops[family] = (float(line[0]), float(line[1]))
     return FitsFile(path, laws, frontiers, flops)
+
+
+SCALES = ("Nc", "A", "B")  # the parameters that are positive by the forms' definition
+
+
+def _broken(w: Law) -> str | None:
+    """The first of ``w``'s invariants that fails (what ``law`` makes always holds them)."""
+    for name, value in w.params.items():
+        if not math.isfinite(value) or (name in SCALES and value <= 0):
+            kind = "positive" if name in SCALES else "finite"
+            return f"parameter {name} is {value}, not a {kind} number"
+    points = len(w.loss)
+    lengths = {"n": len(w.n), "loss": points}
+    if w.points_tokens is not None or w.form == "chinchilla":
+        lengths["points_tokens"] = -1 if w.points_tokens is None else len(w.points_tokens)
+    if len(set(lengths.values())) > 1 or w.n.ndim != 1 or w.loss.ndim != 1:
+        return "the point lists differ in length: " + ", ".join(
+            f"{k} {v}" for k, v in lengths.items()
+        )
+    data = [w.n, w.loss] + ([] if w.points_tokens is None else [w.points_tokens])
+    if not all(np.isfinite(a).all() and (a > 0).all() for a in data):
+        return "a point's n, loss or tokens is not a positive number"
+    k = len(w.estimate)
+    if w.dof != points - k:
+        return f"dof is {w.dof}, but {points} points and {k} parameters leave {points - k}"
+    if not (math.isnan(w.sigma) or 0 <= w.sigma < math.inf):
+        return f"sigma is {w.sigma}, not a standard deviation (>= 0)"
+    if w.cov is not None:
+        if math.isnan(w.sigma) or w.dof <= 0:
+            return "a covariance without a residual sigma over positive dof"
+        if not np.isfinite(w.cov).all() or not np.allclose(w.cov, w.cov.T, rtol=1e-9, atol=0):
+            return "its covariance is not finite and symmetric"
+        if (np.diag(w.cov) < 0).any():
+            return "its covariance has a negative variance"
+    return None
