@@ -113,3 +113,39 @@ def test_the_runner_builds_a_row_per_trial_at_its_start_and_per_ended_trial(tmp_
     rows = [json.loads(line) for line in table[0].splitlines()]
     assert [r["trial"] for r in rows] == names
     assert [r["status"] for r in rows] == ["finished", "finished", "diverged"] + ["finished"] * 2
+
+
+def test_a_full_disk_at_the_results_or_a_crashed_trials_error_json_is_one_line_and_8(
+    tmp_path, monkeypatch, capsys
+):
+    """Each was a traceback and status 1: the results table at the sweep's start, and the
+    error.json the runner writes for a worker that died (a real one, killed by SIGKILL)."""
+    import subprocess
+
+    from full_disk import NO_SPACE, fsync_fails
+    from sweep_files import write_sweep
+
+    from lmuscale.sweep import local
+    from lmuscale.sweep.__main__ import main
+
+    monkeypatch.setenv("LMUSCALE_TEST_DATA", str(tmp_path))
+    sweep, work = write_sweep(tmp_path, {"a": {}}), tmp_path / "work"
+    argv = [str(sweep), "--workdir", str(work), "--quiet"]
+    with monkeypatch.context() as full:
+        fsync_fails(full, "results.jsonl")
+        assert main(argv) == Exit.IO
+    err = capsys.readouterr().err
+    assert err == f"error: {work / 'results.jsonl'}: cannot be written ({NO_SPACE})\n", err
+
+    def killed(folder, started, env, **popen):  # a worker the kernel killed at once
+        return subprocess.Popen(["sh", "-c", "kill -9 $$"])
+
+    monkeypatch.setattr(local, "start", killed)
+    (trial,) = load_sweep(sweep, work).trials
+    with monkeypatch.context() as full:
+        fsync_fails(full, "error.json")
+        assert main(argv) == Exit.IO
+    error = work / "trials" / trial.folder_name / "error.json"
+    assert capsys.readouterr().err == f"error: {error}: cannot be written ({NO_SPACE})\n"
+    assert main(argv) == Exit.UNFINISHED  # room again: the crash is recorded
+    assert "worker ended with signal SIGKILL" in error.read_text()

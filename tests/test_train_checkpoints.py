@@ -6,6 +6,7 @@ from __future__ import annotations
 import gc
 import json
 import logging
+import os
 import re
 import shutil
 import sys
@@ -16,6 +17,9 @@ from small_config import small
 
 from lmuscale.outcomes import Exit
 from lmuscale.train import TrainingDiverged, run
+from lmuscale.train.checkpoint import steps
+
+SMALL = f"{Path(__file__).resolve().parent / 'small_config.py'}:small"
 
 
 def _config(byte_corpus):
@@ -260,6 +264,52 @@ def test_a_full_disk_is_named_at_the_save_and_the_rerun_resumes_exactly(
     assert sorted(p.name for p in (workdir / "checkpoints").iterdir()) == ["4"]
     run(_config(byte_corpus), workdir)  # space freed: resumes from step 4
     assert _losses(workdir) == _losses(finished_run)
+
+
+def test_a_full_disk_at_a_log_line_the_summary_or_the_lock_is_one_line_and_status_8(
+    byte_corpus, finished_run, tmp_path, monkeypatch, capsys
+):
+    """Each was a traceback and status 1. The disk fills at step 6's log line, then (space
+    freed, filled again) at summary.json: each time one line naming the file, status 8, and
+    the run resumes to the numbers of a run never stopped."""
+    from full_disk import NO_SPACE, appends_fail, fsync_fails, no_space
+
+    from lmuscale.train.__main__ import main
+
+    monkeypatch.setenv("LMUSCALE_TEST_DATA", str(byte_corpus))
+    workdir = tmp_path / "w"
+    argv = ["--config", SMALL, "--workdir", str(workdir), "--quiet", "--config.checkpoint.keep=3"]
+    with monkeypatch.context() as full:
+        appends_fail(full, "metrics.jsonl", room=5)
+        assert main(argv) == Exit.IO
+    assert (
+        capsys.readouterr().err
+        == f"error: {workdir / 'metrics.jsonl'}: cannot be written ({NO_SPACE})\n"
+    )
+    assert steps(workdir / "checkpoints") == [4]
+    with monkeypatch.context() as full:
+        fsync_fails(full, "summary.json")
+        assert main(argv) == Exit.IO
+    assert (
+        capsys.readouterr().err
+        == f"error: {workdir / 'summary.json'}: cannot be written ({NO_SPACE})\n"
+    )
+    assert not (workdir / "summary.json").exists()
+    assert main(argv) == Exit.FINISHED
+    assert _losses(workdir) == _losses(finished_run)
+    assert (
+        json.loads((workdir / "summary.json").read_text())["val_loss"]
+        == json.loads((finished_run / "summary.json").read_text())["val_loss"]
+    )
+
+    other = tmp_path / "other"
+    with monkeypatch.context() as full:
+        full.setattr(os, "pwrite", no_space)  # the lock's line
+        assert main(["--config", SMALL, "--workdir", str(other), "--quiet"]) == Exit.IO
+    assert capsys.readouterr().err == (
+        f"error: workdir {other}: cannot write in it ({other / 'lock'}: {NO_SPACE})\n"
+    )
+    assert not (other / "checkpoints").exists()  # nothing started
 
 
 def test_an_unwritable_checkpoint_folder_ends_the_process_with_one_line(byte_corpus, tmp_path):

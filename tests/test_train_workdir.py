@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 from small_config import small
 
-from lmuscale.outcomes import DamagedFile, Exit, WorkdirBusy
+from lmuscale.outcomes import DamagedFile, Exit, StorageError, WorkdirBusy
 from lmuscale.train import ConfigError, run
 from lmuscale.workdir import Lock, is_locked
 
@@ -106,7 +106,8 @@ def test_a_workdir_that_cannot_be_one_is_named(byte_corpus, tmp_path, where):
         run(small(str(byte_corpus)), workdir)
 
 
-def test_unwritable_workdirs_are_named(tmp_path, monkeypatch):
+def test_unwritable_workdirs_are_named_as_storage_errors(tmp_path, monkeypatch):
+    """Not config errors (1): a read-only or full workdir is the I/O outcome (8)."""
     import errno
 
     from lmuscale import workdir as workdir_lib
@@ -114,20 +115,28 @@ def test_unwritable_workdirs_are_named(tmp_path, monkeypatch):
     for code, reason in (
         (errno.EROFS, "the filesystem is read-only"),
         (errno.EACCES, "permission denied"),
-        (errno.ENOSPC, "no space (or no inodes) left on the device"),
+        (errno.ENOSPC, "no space left on the device (or no inodes)"),
     ):
 
         def refuse(*args, code=code, **kwargs):
             raise OSError(code, os.strerror(code))
 
         monkeypatch.setattr(Path, "mkdir", refuse)
-        with pytest.raises(ConfigError, match=re.escape(f"cannot be created: {reason}")):
+        with pytest.raises(StorageError, match=re.escape(f"cannot be created: {reason}")):
             workdir_lib.usable(tmp_path / "new")
         monkeypatch.undo()
         monkeypatch.setattr(os, "open", refuse)
-        with pytest.raises(ConfigError, match=re.escape(f"cannot write in it: {reason}")):
+        with pytest.raises(StorageError, match=re.escape(f"cannot write in it: {reason}")):
             Lock(tmp_path).acquire()
         monkeypatch.undo()
+        monkeypatch.setattr(os, "pwrite", refuse)  # the lock file made, its line refused
+        with pytest.raises(StorageError) as raised:
+            Lock(tmp_path).acquire()
+        monkeypatch.undo()
+        assert str(raised.value) == (
+            f"workdir {tmp_path}: cannot write in it ({tmp_path / 'lock'}: {reason})"
+        )
+        assert Exit.of(raised.value) is Exit.IO
 
 
 @pytest.mark.parametrize(

@@ -1,12 +1,34 @@
 """Atomic file writes: a reader sees the old file or the new one, never a part of either; and
-the reader of the versioned JSON files written so (``read_tagged_json``)."""
+the reader of the versioned JSON files written so (``read_tagged_json``). A write that fails
+(a full disk, a read-only folder) is a ``StorageError`` naming the file (``unwritable``)."""
 
 from __future__ import annotations
 
+import errno
 import json
 import os
 import tempfile
 from pathlib import Path
+
+from lmuscale.outcomes import StorageError
+
+
+def reason(error: OSError) -> str:
+    """Why ``error``'s read or write failed, for a person."""
+    if error.errno == errno.EROFS:
+        return "the filesystem is read-only"
+    if error.errno in (errno.EACCES, errno.EPERM):
+        return "permission denied"
+    if error.errno == errno.ENOSPC:
+        return "no space left on the device (or no inodes)"
+    if error.errno == errno.EDQUOT:
+        return "no space left in the disk quota"
+    return error.strerror or str(error)
+
+
+def unwritable(path, error: OSError) -> StorageError:
+    """The one line for ``error`` while writing ``path``."""
+    return StorageError(f"{path}: cannot be written ({reason(error)})")
 
 
 def fsync_dir(folder: str | os.PathLike) -> None:
@@ -22,9 +44,13 @@ def fsync_dir(folder: str | os.PathLike) -> None:
 
 
 def atomic_write_bytes(path: str | os.PathLike, data: bytes) -> None:
-    """Write ``data`` to a temporary file beside ``path``, fsync it, then rename it over."""
+    """Write ``data`` to a temporary file beside ``path``, fsync it, then rename it over;
+    ``unwritable``'s error when that fails."""
     path = Path(path)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    try:
+        fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    except OSError as error:
+        raise unwritable(path, error) from error
     try:
         mask = os.umask(0)  # the only way to read the umask is to set it
         os.umask(mask)
@@ -34,8 +60,10 @@ def atomic_write_bytes(path: str | os.PathLike, data: bytes) -> None:
             f.flush()
             os.fsync(f.fileno())
         os.replace(tmp, path)
-    except BaseException:
+    except BaseException as error:
         Path(tmp).unlink(missing_ok=True)
+        if isinstance(error, OSError):
+            raise unwritable(path, error) from error
         raise
     fsync_dir(path.parent)
 

@@ -11,7 +11,6 @@ in silence.
 
 from __future__ import annotations
 
-import errno
 import fcntl
 import functools
 import importlib.metadata
@@ -24,8 +23,8 @@ import time
 from pathlib import Path
 
 from lmuscale import __version__
-from lmuscale.files import atomic_write_bytes, atomic_write_json
-from lmuscale.outcomes import ConfigError, DamagedFile, WorkdirBusy
+from lmuscale.files import atomic_write_bytes, atomic_write_json, reason
+from lmuscale.outcomes import ConfigError, DamagedFile, StorageError, WorkdirBusy
 
 CONFIG = "config.json"  # the resolved config
 SUMMARY = "summary.json"  # written once, at the end
@@ -85,7 +84,7 @@ def read_json(path: Path) -> dict | None:
     except ValueError as error:  # JSONDecodeError and UnicodeDecodeError
         raise DamagedFile(f"{path}: not JSON ({error}); move it away to run again") from None
     except OSError as error:
-        raise DamagedFile(f"{path}: cannot be read: {_reason(error)}") from None
+        raise DamagedFile(f"{path}: cannot be read: {reason(error)}") from None
     if not isinstance(value, dict):
         raise DamagedFile(
             f"{path}: a JSON {type(value).__name__}, not an object; move it away to run again"
@@ -151,25 +150,16 @@ def folder_or_absent(workdir: Path) -> None:
 
 
 def usable(workdir: Path) -> Path:
-    """Create ``workdir`` (and its parents) if needed, else a ``ConfigError`` that names it."""
+    """Create ``workdir`` (and its parents) if needed; a ``ConfigError`` names it where it is
+    a file, a ``StorageError`` where it cannot be made."""
     workdir = Path(workdir)
     try:
         workdir.mkdir(parents=True, exist_ok=True)
     except (FileExistsError, NotADirectoryError):
         raise ConfigError(f"workdir {workdir}: it (or a folder above it) is a file") from None
     except OSError as error:
-        raise ConfigError(f"workdir {workdir}: cannot be created: {_reason(error)}") from None
+        raise StorageError(f"workdir {workdir}: cannot be created: {reason(error)}") from None
     return workdir
-
-
-def _reason(error: OSError) -> str:
-    if error.errno == errno.EROFS:
-        return "the filesystem is read-only"
-    if error.errno in (errno.EACCES, errno.EPERM):
-        return "permission denied"
-    if error.errno == errno.ENOSPC:
-        return "no space (or no inodes) left on the device"
-    return error.strerror or str(error)
 
 
 def _parse(line: bytes) -> dict | None:
@@ -272,19 +262,23 @@ class Lock:
         self.fd = None
 
     def acquire(self) -> bool:
+        cannot = f"workdir {self.path.parent}: cannot write in it"
         try:
             fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
         except OSError as error:
-            where = self.path.parent
-            raise ConfigError(f"workdir {where}: cannot write in it: {_reason(error)}") from None
+            raise StorageError(f"{cannot}: {reason(error)}") from None
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
             os.close(fd)
             return False
         holder = f"pid {os.getpid()} on {socket.gethostname()} since {time.ctime()}\n"
-        os.ftruncate(fd, 0)
-        os.pwrite(fd, holder.encode(), 0)
+        try:
+            os.ftruncate(fd, 0)
+            os.pwrite(fd, holder.encode(), 0)
+        except OSError as error:
+            os.close(fd)
+            raise StorageError(f"{cannot} ({self.path}: {reason(error)})") from None
         self.fd = fd
         return True
 

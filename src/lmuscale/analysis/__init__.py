@@ -17,7 +17,7 @@ from lmuscale.analysis.results import (
     label,
     load_results,
 )
-from lmuscale.files import atomic_write_bytes
+from lmuscale.files import atomic_write_bytes, unwritable
 from lmuscale.outcomes import DataError, StorageError
 from lmuscale.scaling.extrapolate import FORM_NAMES, Extrapolation
 
@@ -103,8 +103,7 @@ def analyse(
         atomic_write_bytes(out / "fits.md", text.encode())
         files += [out / "fits.csv", out / "fits.json", out / "fits.md"]
     except OSError as e:
-        path = e.filename2 or e.filename or out  # a rename names its target second
-        raise StorageError(f"{path}: cannot be written ({e.strerror or e})") from None
+        raise unwritable(e.filename2 or e.filename or out, e) from None  # a rename: its target
     return Report(loaded, fits, files, best, refusals, tested, readings)
 
 

@@ -337,8 +337,9 @@ class Checkpoints:
             sums = _file_sums(folder)
             try:  # the arrays are written (and older steps past ``keep`` removed)
                 atomic_write_json(folder / FILES, sums)
-            except OSError as error:
-                full = error.errno in (errno.ENOSPC, errno.EDQUOT)
+            except (OSError, StorageError) as error:
+                cause = error.__cause__ if isinstance(error, StorageError) else error
+                full = getattr(cause, "errno", None) in (errno.ENOSPC, errno.EDQUOT)
                 raise CheckpointError(
                     f"checkpoint {self.writing} in {self.directory} is written but its {FILES} is "
                     f"not ({_reason(error)}); a resume checks its arrays by their CRC-32s alone. "

@@ -19,6 +19,7 @@ from pathlib import Path
 import jax
 import numpy as np
 
+from lmuscale.files import unwritable
 from lmuscale.workdir import EVAL, METRICS, TENSORBOARD, cut_log
 
 # Dense peak FLOP/s per device by device kind (first match wins) and compute dtype, from vendor
@@ -95,7 +96,7 @@ class MetricsLog:
         logged: dict | None = None,
     ):
         self.enabled = enabled
-        paths = {"train": workdir / METRICS, "eval": workdir / EVAL}
+        self.paths = paths = {"train": workdir / METRICS, "eval": workdir / EVAL}
         self.files = {}
         self.last = dict(logged or {})  # {kind: the step of its last line written}
         self.writer = self.wandb = None
@@ -134,8 +135,11 @@ class MetricsLog:
             return
         clean = {k: _json_value(v) for k, v in record.items()}
         file = self.files[kind]
-        file.write(json.dumps(clean) + "\n")
-        file.flush()
+        try:
+            file.write(json.dumps(clean) + "\n")
+            file.flush()
+        except OSError as error:  # a full disk: the checkpoints before this step are intact
+            raise unwritable(self.paths[kind], error) from error
         self.last[kind] = record["step"]
         scalars = {
             f"{kind}/{key}": value
@@ -151,8 +155,11 @@ class MetricsLog:
 
     def sync(self) -> None:
         """Put both logs on disk (before a checkpoint that covers their lines is saved)."""
-        for file in self.files.values():
-            os.fsync(file.fileno())
+        for kind, file in self.files.items():
+            try:
+                os.fsync(file.fileno())
+            except OSError as error:
+                raise unwritable(self.paths[kind], error) from error
 
     def summary(self, summary: dict) -> None:
         """summary.json's dict, for W&B; the caller writes the file."""
@@ -160,8 +167,12 @@ class MetricsLog:
             self.wandb.summary(summary)
 
     def close(self) -> None:
-        for file in self.files.values():
-            file.close()
+        failed = None
+        for kind, file in self.files.items():
+            try:
+                file.close()  # flushes what a failed write left
+            except OSError as error:
+                failed = failed or unwritable(self.paths[kind], error)
         self.files = {}
         if self.writer is not None:
             self.writer.close()
@@ -169,6 +180,8 @@ class MetricsLog:
         if self.wandb is not None:
             self.wandb.finish()
             self.wandb = None
+        if failed is not None:
+            raise failed
 
 
 class StepMetrics:
