@@ -23,7 +23,18 @@ N is never a shape: it is the non-embedding parameter count, as in the papers, w
 the scaling formulas keep (D tokens, S steps, L loss).
 """
 
+import sys
+
 __version__ = "0.1.0"
+
+if sys.argv[:1] == ["-m"]:  # python -m lmuscale.X is starting: a Ctrl-C now ends it (outcomes)
+    import _signal  # built in: no import between here and the handler
+
+    _held: list[int] = []  # until outcomes takes SIGINT
+    _signal.signal(_signal.SIGINT, lambda signum, frame: _held.append(signum))
+    from lmuscale.outcomes import start_command
+
+    start_command(bool(_held))
 
 # GPT-2's vocabulary size: the models' default and the tokenizer's. It lives here, below both,
 # so that the models need not import the data package for one number.

@@ -37,7 +37,7 @@ import numpy as np
 from lmuscale import ops
 from lmuscale.data.tokenizer import TOKENIZERS, Tokenizer, get_tokenizer
 from lmuscale.models import NAMES, LanguageModel, ModelConfig, build, decode, named_config
-from lmuscale.outcomes import Exit, StorageError, bounded, folder, report
+from lmuscale.outcomes import Exit, bounded, folder, run_main
 from lmuscale.resume import upgrade
 from lmuscale.sweepdir import INDEX
 from lmuscale.train.checkpoint import CheckpointError, locate, newest, read_variables
@@ -209,48 +209,48 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     if args.trial is not None and args.workdir is None:
         parser.error("--trial needs --workdir, the sweep's folder")
+    return run_main(lambda: _generate(parser, args))
 
-    try:
-        if args.workdir is not None:
-            try:
-                workdir = sweep_trial(args.workdir, args.trial)
-            except ValueError as error:  # a listing of trials: not argparse's one line
-                print(f"error: {error}", file=sys.stderr)
-                return Exit.ARGUMENTS
-            checkpoint = newest(workdir)
-        elif args.checkpoint is not None:
-            checkpoint = locate(args.checkpoint)
-        else:
-            checkpoint = None
-        if args.model is None and checkpoint is not None and checkpoint.workdir is not None:
-            config, tokenizer = run_config(checkpoint.workdir)
-            if args.tokenizer not in (None, tokenizer.name):
-                parser.error(
-                    f"--tokenizer {args.tokenizer}: the run in {checkpoint.workdir} was "
-                    f"trained with {tokenizer.name}"
-                )
-            what = f"the model of {checkpoint.workdir / CONFIG}"
-        else:
-            tokenizer = get_tokenizer(args.tokenizer or "gpt2")
-            name = args.model or DEFAULT_MODEL
-            try:
-                config = named_config(name, vocab_size=tokenizer.vocab_size)
-            except ValueError as error:
-                parser.error(str(error))
-            what = name
-        try:  # before the weights: a prompt the tokenizer refuses needs none
-            prompt_ids = tokenizer.encode(args.prompt)
+
+def _generate(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
+    if args.workdir is not None:
+        try:
+            workdir = sweep_trial(args.workdir, args.trial)
+        except ValueError as error:  # a listing of trials: not argparse's one line
+            print(f"error: {error}", file=sys.stderr)
+            return Exit.ARGUMENTS
+        checkpoint = newest(workdir)
+    elif args.checkpoint is not None:
+        checkpoint = locate(args.checkpoint)
+    else:
+        checkpoint = None
+    if args.model is None and checkpoint is not None and checkpoint.workdir is not None:
+        config, tokenizer = run_config(checkpoint.workdir)
+        if args.tokenizer not in (None, tokenizer.name):
+            parser.error(
+                f"--tokenizer {args.tokenizer}: the run in {checkpoint.workdir} was "
+                f"trained with {tokenizer.name}"
+            )
+        what = f"the model of {checkpoint.workdir / CONFIG}"
+    else:
+        tokenizer = get_tokenizer(args.tokenizer or "gpt2")
+        name = args.model or DEFAULT_MODEL
+        try:
+            config = named_config(name, vocab_size=tokenizer.vocab_size)
         except ValueError as error:
-            parser.error(f"--prompt: {error}")
-        model = build(config, ops.resolve(config, training=False))  # its ops on these devices
-        if checkpoint is None:
-            print(f"{what}: random init (seed {args.seed}), no --checkpoint", file=sys.stderr)
-            params = model.init(jax.random.key(args.seed), jnp.zeros((1, 1), jnp.int32))
-        else:
-            params = read_variables(checkpoint.state, model, args.accept_unverified)
-            print(f"{what}, parameters from {checkpoint.state}", file=sys.stderr)
-    except (StorageError, KeyboardInterrupt) as error:  # CheckpointError, DamagedFile
-        return report(error)
+            parser.error(str(error))
+        what = name
+    try:  # before the weights: a prompt the tokenizer refuses needs none
+        prompt_ids = tokenizer.encode(args.prompt)
+    except ValueError as error:
+        parser.error(f"--prompt: {error}")
+    model = build(config, ops.resolve(config, training=False))  # its ops on these devices
+    if checkpoint is None:
+        print(f"{what}: random init (seed {args.seed}), no --checkpoint", file=sys.stderr)
+        params = model.init(jax.random.key(args.seed), jnp.zeros((1, 1), jnp.int32))
+    else:
+        params = read_variables(checkpoint.state, model, args.accept_unverified)
+        print(f"{what}, parameters from {checkpoint.state}", file=sys.stderr)
     try:
         new = sample(
             model,
@@ -263,8 +263,6 @@ def main(argv: list[str] | None = None) -> int:
         )
     except ValueError as error:
         parser.error(str(error))
-    except KeyboardInterrupt as error:
-        return report(error)
     print(args.prompt + tokenizer.decode(new))
     return 0
 

@@ -2,6 +2,11 @@
 
 Every command line runs its body through ``run_main``, which turns an outcome's exception into
 one line on stderr and its exit status; any other exception is a bug and keeps its traceback.
+A Ctrl-C is never lost: one during start-up (``start_command``: ``python -m lmuscale.X``
+from the package's first line until ``run_main``, before anything is written) ends the process
+at once with one line; one that reaches an import, or code whose exceptions Python drops (a
+garbage-collection callback), is sent again moments later; and a body that ends after one
+arrived ends as interrupted.
 Classes that say more (``CheckpointError``, ``BenchmarkError``, ...) subclass these. This module
 imports nothing from lmuscale, so every layer can raise them.
 """
@@ -12,7 +17,9 @@ import argparse
 import enum
 import math
 import os
+import signal
 import sys
+import threading
 from collections.abc import Callable
 
 
@@ -143,15 +150,96 @@ def one_line(error: BaseException, *, named: bool = False) -> str:
     return f"{type(error).__name__}: {lines[0]}" if named else lines[0]
 
 
+class _Interrupts:
+    """SIGINT as a command line takes it: ``starting`` until its ``run_main``, ``received`` once
+    one arrived (until its ``run_main`` ends)."""
+
+    starting = False
+    received = False
+    hooked = False  # sys.unraisablehook passes a dropped KeyboardInterrupt on (once a process)
+
+
+def start_command(received: bool = False) -> None:
+    """A command line is starting (its imports, which turn an interrupt into another error, or
+    drop it): a Ctrl-C ends it with one line; ``received``: one came before this was called."""
+    _Interrupts.starting = True
+    signal.signal(signal.SIGINT, _on_interrupt)
+    if received:
+        _started_interrupted()
+    _hook_unraisable()
+
+
+def _started_interrupted() -> None:
+    print("stopped: SIGINT received while starting; nothing was done", file=sys.stderr)
+    sys.stderr.flush()
+    os._exit(Exit.INTERRUPTED)  # from inside an import: nothing to clean up, nothing to raise
+
+
+def _on_interrupt(signum, frame) -> None:
+    if _Interrupts.starting:
+        _started_interrupted()
+    _Interrupts.received = True
+    while frame is not None:
+        if frame.f_code.co_filename.startswith("<frozen importlib"):
+            _again()  # numpy's import, say, would make it an ImportError
+            return
+        frame = frame.f_back
+    raise KeyboardInterrupt
+
+
+def _again() -> None:
+    """Send SIGINT again in a moment, if this module still takes it then."""
+
+    def send():
+        if signal.getsignal(signal.SIGINT) is _on_interrupt:
+            os.kill(os.getpid(), signal.SIGINT)
+
+    timer = threading.Timer(0.05, send)
+    timer.daemon = True
+    timer.start()
+
+
+def _hook_unraisable() -> None:
+    if _Interrupts.hooked:
+        return
+    _Interrupts.hooked = True
+    previous = sys.unraisablehook
+
+    def hook(unraisable) -> None:
+        taken = signal.getsignal(signal.SIGINT) is _on_interrupt
+        if taken and isinstance(unraisable.exc_value, KeyboardInterrupt):
+            _again()  # raised in a callback whose errors Python drops: raise it elsewhere
+        else:
+            previous(unraisable)
+
+    sys.unraisablehook = hook
+
+
 def run_main(body: Callable[[], int], *, interrupted: str = "SIGINT received") -> int:
     """``body()``'s exit status, or that of the outcome it raised (after ``report``);
-    ``interrupted``: the line for a KeyboardInterrupt (Ctrl-C, during start-up included)."""
+    ``interrupted``: the line for a Ctrl-C (during start-up included), also when ``body``
+    ended otherwise after one (dropped by a callback, or turned into another error)."""
+    in_main = threading.current_thread() is threading.main_thread()
+    previous = signal.signal(signal.SIGINT, _on_interrupt) if in_main else None
+    _hook_unraisable()
+    _Interrupts.starting = False
     try:
-        return body()
+        status = body()
+        if _Interrupts.received:
+            raise KeyboardInterrupt
+        return status
     except BaseException as error:
+        if _Interrupts.received and not isinstance(error, SystemExit):
+            error = KeyboardInterrupt()  # the Ctrl-C first: what it became in a library, or cut
         if Exit.of(error) is None:
             raise
         return report(error, interrupted=interrupted)
+    finally:
+        _Interrupts.received = False
+        if previous is _on_interrupt:  # a command line's process, now exiting: too late to stop
+            signal.signal(signal.SIGINT, signal.SIG_IGN)
+        elif previous is not None:
+            signal.signal(signal.SIGINT, previous)
 
 
 def report(error: BaseException, *, interrupted: str = "SIGINT received") -> Exit:
