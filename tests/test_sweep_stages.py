@@ -87,6 +87,12 @@ def test_a_staged_sweep_runs_its_later_stage_in_the_same_command(
     assert not after.waiting and rows["second"]["folder"] == after.trials[1].folder_name
     again = run_sweep(sweep, work, byte_corpus, extra_env=cache_env(xla_cache))
     assert again.returncode == Exit.FINISHED and "2 already done, 0 to run" in again.stdout
+    # `after` does not run again on the same results (it did on every invocation), unless asked
+    assert f"after(): already run on these results ({work / 'after.json'})" in again.stdout
+    assert len((tmp_path / "after.jsonl").read_text().splitlines()) == 1
+    asked = run_sweep(sweep, work, byte_corpus, "--after", extra_env=cache_env(xla_cache))
+    assert asked.returncode == Exit.FINISHED and "already run" not in asked.stdout
+    assert len((tmp_path / "after.jsonl").read_text().splitlines()) == 2
 
 
 # A learning-rate grid of the small config whose largest rate diverges at step 2 (warmup step

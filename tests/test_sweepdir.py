@@ -149,3 +149,41 @@ def test_a_full_disk_at_the_results_or_a_crashed_trials_error_json_is_one_line_a
     assert capsys.readouterr().err == f"error: {error}: cannot be written ({NO_SPACE})\n"
     assert main(argv) == Exit.UNFINISHED  # room again: the crash is recorded
     assert "worker ended with signal SIGKILL" in error.read_text()
+
+
+def test_an_attempt_killed_after_its_summary_gets_its_end_record(tmp_path, monkeypatch):
+    """A worker killed between summary.json and its end record left attempts.jsonl without
+    one for good (the trial is done: no worker runs it again). The next runner writes it, at
+    the summary's time, which the dry run's overhead reads."""
+    from sweep_files import write_sweep
+
+    from lmuscale.sweep import local
+    from lmuscale.sweep.plan import measured_overhead
+
+    monkeypatch.setenv("LMUSCALE_TEST_DATA", str(tmp_path))
+
+    def killed_after_summary(folders, parallel, on_update, on_end):
+        for folder in folders:
+            start = {"event": "start", "time": 100.0, "spawned": 99.0, "pid": 1}
+            (folder / "attempts.jsonl").write_text(json.dumps(start) + "\n")
+            config = json.loads((folder / "trial.json").read_text())["config"]
+            (folder / "summary.json").write_text(json.dumps(_summary(config, "finished")))
+            (folder / "metrics.jsonl").write_text('{"step": 1, "tokens_per_second": 1e9}\n')
+            on_end(folder, status(folder))  # and then the kill: no end record
+
+    monkeypatch.setattr(local, "run_local", killed_after_summary)
+    sweep, work = write_sweep(tmp_path, {"a": {}}), tmp_path / "work"
+    assert run_sweep(load_sweep(sweep, work), work, show=False) == Exit.FINISHED
+    (trial,) = load_sweep(sweep, work).trials
+    folder = work / "trials" / trial.folder_name
+    assert len((folder / "attempts.jsonl").read_text().splitlines()) == 1
+
+    assert run_sweep(load_sweep(sweep, work), work, show=False) == Exit.FINISHED
+    events = [json.loads(line) for line in (folder / "attempts.jsonl").read_text().splitlines()]
+    assert [e["event"] for e in events] == ["start", "end"]
+    assert events[1]["outcome"] == "finished"
+    assert events[1]["time"] == (folder / "summary.json").stat().st_mtime
+    assert "the worker ended before recording it" in events[1]["note"]
+    assert measured_overhead(folder, 0, [1e9]) == events[1]["time"] - 99.0
+    assert run_sweep(load_sweep(sweep, work), work, show=False) == Exit.FINISHED
+    assert len((folder / "attempts.jsonl").read_text().splitlines()) == 2  # once

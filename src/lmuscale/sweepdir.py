@@ -21,6 +21,7 @@ from lmuscale.workdir import ERROR, METRICS, last_record, read_json, status, sum
 TRIALS = "trials"  # one run folder per trial: NAME-HASH
 INDEX = "sweep.json"  # {"sweep": the sweep file, "trials": {name: "trials/NAME-HASH"}}
 RESULTS = "results.jsonl"
+AFTER = "after.json"  # the results table the sweep file's after() last ran on (its SHA-256)
 RESULTS_CSV = "results.csv"  # the same rows; per-position losses as JSON lists, None empty
 
 RESULT_FIELDS = (

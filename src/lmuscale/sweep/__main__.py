@@ -69,6 +69,11 @@ def parse(argv: list[str]) -> argparse.Namespace:
     parser.add_argument(
         "--quiet", action="store_true", help="no progress bar: a line at least once a minute"
     )
+    parser.add_argument(
+        "--after",
+        action="store_true",
+        help="run the sweep file's after() again even if it has run on these results",
+    )
     try:
         overrides, rest = split_overrides(argv)
     except ConfigError as error:
@@ -153,6 +158,7 @@ def _run(args: argparse.Namespace) -> int:
         detach=args.detach,
         slurm=args.slurm,
         show=False if args.quiet else None,
+        after=args.after,
     )
 
 

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import fnmatch
+import hashlib
 import os
 import time
 from pathlib import Path
@@ -18,7 +19,8 @@ from tqdm import tqdm
 from lmuscale.files import atomic_write_json
 from lmuscale.outcomes import ConfigError, Exit
 from lmuscale.sweep.spec import ResolvedTrial, Sweep
-from lmuscale.sweepdir import RESULTS_CSV, TRIALS, Table, write_index
+from lmuscale.sweep.worker import settle
+from lmuscale.sweepdir import AFTER, RESULTS, RESULTS_CSV, TRIALS, Table, write_index
 from lmuscale.train.metrics import duration
 from lmuscale.workdir import DONE, METRICS, TRIAL, last_record, read_json, status
 
@@ -211,20 +213,22 @@ def run_sweep(
     detach: bool = False,
     slurm: dict | None = None,
     show: bool | None = None,
+    after: bool = False,
 ) -> int:
     """Run (or resume) the selected trials; returns the exit status: ``Exit.FINISHED`` when all
-    finished, else ``Exit.UNFINISHED``."""
+    finished, else ``Exit.UNFINISHED``. Once every trial has ended, the sweep file's ``after``
+    runs, once for each results table (``after``: again, on the same table)."""
     if executor not in ("local", "slurm"):
         raise ConfigError(f"--executor {executor!r}: expected local or slurm")
     show = os.isatty(2) if show is None else show
     if sweep.table is None or sweep.table.workdir != workdir:  # the table get_trials reads
         sweep = dataclasses.replace(sweep, workdir=workdir, table=Table(workdir))
     while not isinstance(sweep, int):
-        sweep = _run_stage(sweep, workdir, only, executor, parallel, detach, slurm, show)
+        sweep = _run_stage(sweep, workdir, only, executor, parallel, detach, slurm, show, after)
     return sweep
 
 
-def _run_stage(sweep, workdir, only, executor, parallel, detach, slurm, show) -> int | Sweep:
+def _run_stage(sweep, workdir, only, executor, parallel, detach, slurm, show, again) -> int | Sweep:
     """Run the selected trials that do not wait. Returns the sweep file read again where that
     gives trials which waited for these something to run (``Sweep.reload``), else the exit
     status."""
@@ -234,6 +238,9 @@ def _run_stage(sweep, workdir, only, executor, parallel, detach, slurm, show) ->
     rows = {r["trial"]: r for r in sweep.table.write(sweep.trials)}
     check_data(trials, rows)
     todo = [t for t in trials if rows[t.name]["status"] not in DONE]
+    for trial in trials:
+        if trial not in todo:  # a worker killed after its summary, before its end record
+            settle(paths[trial.name])
     waiting = (
         f", {len(chosen) - len(trials)} waiting for others" if len(trials) < len(chosen) else ""
     )
@@ -279,8 +286,23 @@ def _run_stage(sweep, workdir, only, executor, parallel, detach, slurm, show) ->
         return Exit.UNFINISHED
     everything = all(r["status"] in DONE for r in final) and not sweep.waiting
     if everything and sweep.after is not None:
-        sweep.after(workdir)
+        _after(sweep, workdir, again)
     return Exit.FINISHED if finished and not waits else Exit.UNFINISHED
+
+
+def _after(sweep: Sweep, workdir: Path, again: bool) -> None:
+    """The sweep file's ``after(workdir)``, unless it has run on this results table (recorded
+    in ``AFTER`` once it returns) and ``again`` is False."""
+    table = hashlib.sha256((workdir / RESULTS).read_bytes()).hexdigest()
+    done = read_json(workdir / AFTER) or {}
+    if done.get("results_sha256") == table and not again:
+        print(
+            f"after(): already run on these results ({workdir / AFTER}); --after runs it again",
+            flush=True,
+        )
+        return
+    sweep.after(workdir)
+    atomic_write_json(workdir / AFTER, {"results_sha256": table, "time": time.time()})
 
 
 def _run_local(sweep: Sweep, todo: list[Path], parallel, progress: Progress) -> None:

@@ -24,7 +24,18 @@ from pathlib import Path
 from lmuscale.files import atomic_write_json
 from lmuscale.outcomes import DamagedFile, Exit, WorkdirBusy, run_main
 from lmuscale.processes import die_with_parent
-from lmuscale.workdir import ATTEMPTS, DONE, ERROR, LOG, TRIAL, Lock, read_json, status
+from lmuscale.workdir import (
+    ATTEMPTS,
+    DONE,
+    ERROR,
+    LOG,
+    SUMMARY,
+    TRIAL,
+    Lock,
+    read_json,
+    read_log,
+    status,
+)
 from lmuscale.workdir import outcome as final_outcome
 
 # How a worker that ended by itself says so: every other status is a failure (or a crash, when
@@ -75,6 +86,28 @@ def _attempt(folder: Path, record: dict) -> None:
         f.write(line + "\n")
 
 
+def _close_attempt(folder: Path) -> None:
+    """The end record of an attempt killed after it wrote the trial's final summary, before its
+    own end record (the caller holds the trial's lock): at the summary's time."""
+    events = read_log(folder / ATTEMPTS)
+    final = final_outcome(folder)
+    if final is None or not events or events[-1].get("event") != "start":
+        return
+    ended = (folder / SUMMARY).stat().st_mtime
+    note = f"the worker ended before recording it; {SUMMARY} was written then"
+    _attempt(folder, {"event": "end", "outcome": final, "time": ended, "note": note})
+
+
+def settle(folder: Path) -> None:
+    """``_close_attempt`` for a trial no worker holds (a runner's, for its ended trials)."""
+    lock = Lock(folder)
+    if lock.acquire():
+        try:
+            _close_attempt(folder)
+        finally:
+            lock.release()
+
+
 def train(folder: Path) -> int:
     from lmuscale.train import run
 
@@ -93,6 +126,8 @@ def train(folder: Path) -> int:
     try:
         final = final_outcome(folder)
         if final is not None:
+            if rank == 0:
+                _close_attempt(folder)
             return Exit.FINISHED if final == "finished" else Exit.DIVERGED
         if rank > 0:
             run(_config(folder, tasks), folder, progress=False, locked=True)
@@ -132,7 +167,10 @@ def record_crash(folder: Path, returncode: int) -> None:
     if not lock.acquire():  # someone else has started the trial again: not ours to mark
         return
     try:
-        if (folder / ERROR).exists() or status(folder) in DONE:
+        if (folder / ERROR).exists():
+            return
+        if status(folder) in DONE:
+            _close_attempt(folder)
             return
         how = f"exit status {returncode}"
         if returncode < 0:
