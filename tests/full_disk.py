@@ -20,13 +20,13 @@ def no_space(*_args, **_kwargs):
 
 
 def fsync_fails(monkeypatch, *names: str) -> None:
-    """``os.fsync`` of a file named in ``names``, or of an atomic write's temporary file for
-    one (``.NAME.*.tmp``), raises ENOSPC."""
+    """``os.fsync`` of a file whose name begins with one of ``names``, or of an atomic write's
+    temporary file for one (``.NAME.*.tmp``), raises ENOSPC."""
     real = os.fsync
 
     def fsync(fd):
         name = os.path.basename(os.readlink(f"/proc/self/fd/{fd}"))
-        if any(name == n or name.startswith(f".{n}.") for n in names):
+        if any(name.startswith((n, f".{n}.")) for n in names):
             raise _refusal()
         real(fd)
 

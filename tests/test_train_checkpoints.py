@@ -60,7 +60,17 @@ def _remove_state(folder: Path) -> None:
     shutil.rmtree(folder / "state")
 
 
-@pytest.mark.parametrize("damage", [_flip_bit, _truncate, _remove_state])
+def _zero_a_block_unlisted(path: Path) -> None:
+    """Its first 4 KiB zeroed, and no files.json: orbax reads it, fails, and left each of the
+    checkpoint's other reads as a coroutine that printed a traceback when collected (66 and
+    more lines, for a run that recovered)."""
+    step = next(p for p in path.parents if p.name.isdigit())
+    (step / "files.json").unlink()
+    with path.open("r+b") as f:
+        f.write(bytes(4096))
+
+
+@pytest.mark.parametrize("damage", [_flip_bit, _truncate, _remove_state, _zero_a_block_unlisted])
 def test_a_damaged_checkpoint_is_set_aside_and_the_run_resumes_exactly(
     byte_corpus, finished_run, tmp_path, capsys, caplog, damage
 ):
@@ -81,7 +91,7 @@ def test_a_damaged_checkpoint_is_set_aside_and_the_run_resumes_exactly(
     assert not unraisable, [str(u.exc_value)[:300] for u in unraisable]
 
     err = capsys.readouterr().err
-    assert f"checkpoint: {newest}: " in err
+    assert err.startswith(f"checkpoint: {newest}: ") and len(err.splitlines()) == 1, err
     assert "cannot be read" in err or "does not match the checksums" in err
     assert f"moved to {workdir / 'checkpoints.corrupt' / '12'}" in err
     assert (workdir / "checkpoints.corrupt" / "12").is_dir()  # set aside, not deleted
@@ -310,6 +320,16 @@ def test_a_full_disk_at_a_log_line_the_summary_or_the_lock_is_one_line_and_statu
         f"error: workdir {other}: cannot write in it ({other / 'lock'}: {NO_SPACE})\n"
     )
     assert not (other / "checkpoints").exists()  # nothing started
+
+    # TensorBoard's events: tensorboardX's writer (its own thread and exit hook) made this a
+    # traceback, and more of them as the process exited.
+    events = tmp_path / "events"
+    with monkeypatch.context() as full:
+        fsync_fails(full, "events.out.tfevents.")
+        assert main(["--config", SMALL, "--workdir", str(events), "--quiet"]) == Exit.IO
+    assert capsys.readouterr().err == (
+        f"error: {events / 'tensorboard'}: cannot be written ({NO_SPACE})\n"
+    )
 
 
 def test_an_unwritable_checkpoint_folder_ends_the_process_with_one_line(byte_corpus, tmp_path):

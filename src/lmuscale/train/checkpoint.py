@@ -98,19 +98,41 @@ def _late_callback(unraisable) -> bool:
     )
 
 
+def _in_orbax(tb) -> bool:
+    return any(f"{os.sep}orbax{os.sep}" in frame.filename for frame in traceback.extract_tb(tb))
+
+
+def _orbax_leftover(unraisable) -> bool:
+    """Whether ``unraisable`` is what orbax leaves of a read or write that failed: a
+    ``_late_callback``, or one of its coroutines that never ran to its end (a read of a
+    damaged checkpoint left each of its other arrays' reads so: hundreds of tracebacks)."""
+    code = getattr(unraisable.object, "cr_code", None)
+    return _late_callback(unraisable) or (
+        code is not None and f"{os.sep}orbax{os.sep}" in code.co_filename
+    )
+
+
+def _orbax_future(record: logging.LogRecord) -> bool:
+    """False for asyncio's "exception was never retrieved" of orbax's tasks (a save that found
+    the disk full: ``wait`` names the failure once)."""
+    return not (record.exc_info and _in_orbax(record.exc_info[2]))
+
+
 def quiet_late_callbacks() -> None:
-    """Drop ``_late_callback``s from ``sys.unraisablehook`` for the rest of the process (they
-    come after the call that started them, so the filter stays); nothing if it is in place."""
+    """Drop ``_orbax_leftover``s from ``sys.unraisablehook``, and orbax's futures from asyncio's
+    log, for the rest of the process (they come after the call that started them, so the
+    filters stay); nothing if they are in place."""
     previous = sys.unraisablehook
     if getattr(previous, "drops_late_callbacks", False):
         return
 
     def hook(unraisable) -> None:
-        if not _late_callback(unraisable):
+        if not _orbax_leftover(unraisable):
             previous(unraisable)
 
     hook.drops_late_callbacks = True
     sys.unraisablehook = hook
+    logging.getLogger("asyncio").addFilter(_orbax_future)
 
 
 def _whole(x) -> bool:

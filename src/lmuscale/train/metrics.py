@@ -13,7 +13,9 @@ from __future__ import annotations
 import json
 import math
 import os
+import socket
 import sys
+import time
 from pathlib import Path
 
 import jax
@@ -79,6 +81,38 @@ def _json_value(value):
     return value
 
 
+class Events:
+    """TensorBoard scalars in an event file of their own, written in this thread (tensorboardX's
+    writer has a thread and an exit hook of its own, which a full disk turned into tracebacks
+    at exit). ``purge_step``: TensorBoard hides the folder's older events from it on."""
+
+    def __init__(self, folder: Path, purge_step: int):
+        from tensorboardX.record_writer import RecordWriter
+
+        folder.mkdir(parents=True, exist_ok=True)
+        stem = f"events.out.tfevents.{int(time.time())}.{socket.gethostname()}"
+        path, k = folder / stem, 1
+        while path.exists():  # a resume within the same second
+            path, k = folder / f"{stem}.{k}", k + 1
+        self.records = RecordWriter(str(path))
+        self._add(step=purge_step, file_version="brain.Event:2")
+        self._add(step=purge_step, session_log={"status": "START"})
+
+    def _add(self, **fields) -> None:
+        from tensorboardX.proto import event_pb2
+
+        event = event_pb2.Event(wall_time=time.time(), **fields)
+        self.records.write(event.SerializeToString())
+
+    def write(self, step: int, scalars: dict) -> None:
+        values = [{"tag": tag, "simple_value": float(v)} for tag, v in scalars.items()]
+        self._add(step=step, summary={"value": values})
+        self.records.flush()
+
+    def close(self) -> None:
+        self.records.close()
+
+
 class MetricsLog:
     """Append-only JSONL logs, TensorBoard scalars and, with ``wandb`` (the run's config), W&B;
     no-ops unless ``enabled``. W&B starts last, after the logs are cut: a damaged log stops the
@@ -118,10 +152,12 @@ class MetricsLog:
             for kind, path in paths.items():
                 self.files[kind] = path.open("a", encoding="utf-8")
             if tensorboard:
-                from tensorboardX import SummaryWriter
-
                 # Also at step 0: a run killed before its first checkpoint left events to hide.
-                self.writer = SummaryWriter(str(workdir / TENSORBOARD), purge_step=resume_step + 1)
+                self.events_path = workdir / TENSORBOARD
+                try:
+                    self.writer = Events(self.events_path, purge_step=resume_step + 1)
+                except OSError as error:
+                    raise unwritable(self.events_path, error) from error
             if wandb is not None:
                 from lmuscale.train.wandb_log import WandbRun
 
@@ -147,9 +183,10 @@ class MetricsLog:
             if key != "step" and isinstance(value, int | float) and not isinstance(value, bool)
         }
         if self.writer is not None:
-            for tag, value in scalars.items():
-                self.writer.add_scalar(tag, value, record["step"])
-            self.writer.flush()
+            try:
+                self.writer.write(record["step"], scalars)
+            except OSError as error:
+                raise unwritable(self.events_path, error) from error
         if self.wandb is not None:
             self.wandb.log(record["step"], scalars)
 
@@ -175,7 +212,10 @@ class MetricsLog:
                 failed = failed or unwritable(self.paths[kind], error)
         self.files = {}
         if self.writer is not None:
-            self.writer.close()
+            try:
+                self.writer.close()
+            except OSError as error:
+                failed = failed or unwritable(self.events_path, error)
             self.writer = None
         if self.wandb is not None:
             self.wandb.finish()
