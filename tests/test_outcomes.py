@@ -359,17 +359,20 @@ def _ctrl_c_commands(tmp: Path, corpus: Path) -> dict[str, list[str]]:
 FOLDER_FLAG = {"train": "--workdir", "tasks": "--workdir", "analysis": "--out", "data": "--out"}
 
 
-@pytest.mark.parametrize("delay", [0.25, 1.0, 3.0])
-def test_ctrl_c_at_any_moment_of_every_command_is_one_line_and_130_or_it_had_finished(
+@pytest.mark.parametrize("delay", [0.25, 0.7, 1.5, 3.0])
+def test_ctrl_c_or_sigterm_at_any_moment_of_every_command_is_one_line_and_its_status(
     tmp_path, byte_corpus, delay
 ):
-    """Each command line, started as a user does (``python -m``) and sent SIGINT after
+    """Each command line, started as a user does (``python -m``) and sent a stop signal after
     ``delay`` seconds (the commands run side by side: later or earlier for each under the
-    load). It ends with status 130 and one "stopped:" line, no traceback; or, when it had
-    finished before the signal, with 0. It was 23 tracebacks in 34 tries, and 5 interrupts
-    lost (the command ran to its end with 0)."""
+    load): SIGINT or SIGTERM, in turn, so that each command gets each at two delays. It ends
+    with one "stopped:" line, no traceback, and status 130 (SIGINT) or 4 (SIGTERM); or, when it
+    had finished before the signal, with 0. Ctrl-C was 23 tracebacks in 34 tries, and 5
+    interrupts lost (the command ran to its end with 0); SIGTERM killed a task run (143)."""
     import signal
     import time
+
+    turn = [0.25, 0.7, 1.5, 3.0].index(delay)
 
     env = _env(LMUSCALE_TEST_DATA=str(byte_corpus), JAX_PLATFORMS="cpu")
     started = {}
@@ -385,9 +388,11 @@ def test_ctrl_c_at_any_moment_of_every_command_is_one_line_and_130_or_it_had_fin
         )
     time.sleep(delay)
     finished = set()
-    for name, process in started.items():  # each about ``delay`` after its start
+    sent = {}
+    for i, (name, process) in enumerate(started.items()):  # each about ``delay`` after its start
         if process.poll() is None:
-            process.send_signal(signal.SIGINT)
+            sent[name] = signal.SIGTERM if (i + turn) % 2 else signal.SIGINT
+            process.send_signal(sent[name])
         else:
             finished.add(name)
     for name, process in started.items():
@@ -396,8 +401,9 @@ def test_ctrl_c_at_any_moment_of_every_command_is_one_line_and_130_or_it_had_fin
         if name in finished:
             assert process.returncode == 0, (name, err)
             continue
-        assert process.returncode in (Exit.INTERRUPTED, Exit.FINISHED), (name, err)
+        stopped = Exit.INTERRUPTED if sent[name] == signal.SIGINT else Exit.STOPPED
+        assert process.returncode in (stopped, Exit.FINISHED), (name, sent[name], err)
         assert "Traceback" not in err and "Exception ignored" not in err, (name, err)
-        if process.returncode == Exit.INTERRUPTED:
+        if process.returncode == stopped:
             assert lines and lines[-1].startswith("stopped: "), (name, err)
             assert sum(line.startswith(("stopped: ", "error: ")) for line in lines) == 1

@@ -19,6 +19,7 @@ import shutil
 import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import jax
@@ -586,6 +587,37 @@ def test_runner_killed_and_restarted_completes_each_trial_once(
     # A third run finds everything done and runs nothing.
     third = run_sweep(sweep, work, byte_corpus)
     assert third.returncode == 0 and "0 to run" in third.stdout
+
+
+def test_sigterm_twice_stops_the_runner_and_its_worker_with_the_stop_status(
+    tmp_path, byte_corpus, xla_cache
+):
+    """The second SIGTERM, while the runner waited for its workers' checkpoints, killed it
+    (status 143, outside the table). Now the runner ignores it while it stops them: one line,
+    the stop status (4), and no worker left."""
+    sweep = write_sweep(tmp_path, {"first": {"train.steps": 40}})
+    work = tmp_path / "work"
+    runner = subprocess.Popen(
+        sweep_command(sweep, work, "--quiet"),
+        env=environment(byte_corpus) | cache_env(xla_cache, write=False),
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        wait_for(lambda: list(work.glob("trials/first-*/attempts.jsonl")), 120, "the worker")
+        runner.send_signal(signal.SIGTERM)
+        time.sleep(0.3)
+        runner.send_signal(signal.SIGTERM)
+        err = runner.communicate(timeout=180)[1]
+    finally:
+        runner.kill()
+    assert runner.returncode == Exit.STOPPED, err
+    assert err == "stopped: SIGTERM received: interrupted; run the same command again to resume\n"
+    folder = next((work / "trials").glob("first-*"))
+    assert not is_locked(folder)  # its worker has ended
+    events = [json.loads(line) for line in (folder / "attempts.jsonl").read_text().splitlines()]
+    assert events[-1]["event"] == "end" and events[-1]["outcome"] == "interrupted", events
 
 
 def test_two_runners_on_one_workdir_never_run_a_trial_twice(tmp_path, byte_corpus, xla_cache):

@@ -27,14 +27,15 @@ import sys
 
 __version__ = "0.1.0"
 
-if sys.argv[:1] == ["-m"]:  # python -m lmuscale.X is starting: a Ctrl-C now ends it (outcomes)
-    import _signal  # built in: no import between here and the handler
+if sys.argv[:1] == ["-m"]:  # python -m lmuscale.X is starting: a stop signal ends it (outcomes)
+    import _signal  # built in: no import between here and the handlers
 
-    _held: list[int] = []  # until outcomes takes SIGINT
-    _signal.signal(_signal.SIGINT, lambda signum, frame: _held.append(signum))
+    _held: list[int] = []  # until outcomes takes the signals
+    for _number in (_signal.SIGINT, _signal.SIGTERM, _signal.SIGUSR1, _signal.SIGUSR2):
+        _signal.signal(_number, lambda signum, frame: _held.append(signum))
     from lmuscale.outcomes import start_command
 
-    start_command(bool(_held))
+    start_command(_held[0] if _held else None)
 
 # GPT-2's vocabulary size: the models' default and the tokenizer's. It lives here, below both,
 # so that the models need not import the data package for one number.

@@ -134,6 +134,8 @@ class Exit(enum.IntEnum):
         # One class, two statuses: a shell reports a Ctrl-C as 130, the other signals as 4.
         if isinstance(error, TrainingInterrupted) and error.signal_name == "SIGINT":
             return cls.INTERRUPTED
+        if isinstance(error, SignalStop):
+            return cls.STOPPED
         for outcome in cls:
             if outcome.error is not None and isinstance(error, outcome.error):
                 return outcome
@@ -150,49 +152,71 @@ def one_line(error: BaseException, *, named: bool = False) -> str:
     return f"{type(error).__name__}: {lines[0]}" if named else lines[0]
 
 
+class SignalStop(KeyboardInterrupt):
+    """SIGTERM, SIGUSR1 or SIGUSR2 outside training's own handling (which checkpoints first):
+    raised where a Ctrl-C's KeyboardInterrupt would be, so that the same clean-ups run; its
+    outcome is ``Exit.STOPPED``."""
+
+    def __init__(self, signal_name: str):
+        super().__init__(signal_name)
+        self.signal_name = signal_name
+
+
+STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGUSR1, signal.SIGUSR2)
+
+
 class _Interrupts:
-    """SIGINT as a command line takes it: ``starting`` until its ``run_main``, ``received`` once
-    one arrived (until its ``run_main`` ends)."""
+    """The stop signals as a command line takes them: ``starting`` until its ``run_main``;
+    ``received``: the last one that arrived (until its ``run_main`` ends)."""
 
     starting = False
-    received = False
+    received: int | None = None
     hooked = False  # sys.unraisablehook passes a dropped KeyboardInterrupt on (once a process)
 
 
-def start_command(received: bool = False) -> None:
+def start_command(received: int | None = None) -> None:
     """A command line is starting (its imports, which turn an interrupt into another error, or
-    drop it): a Ctrl-C ends it with one line; ``received``: one came before this was called."""
+    drop it): a stop signal ends it with one line; ``received``: one came before this call."""
     _Interrupts.starting = True
-    signal.signal(signal.SIGINT, _on_interrupt)
+    for signum in STOP_SIGNALS:
+        signal.signal(signum, _on_stop)
     if received:
-        _started_interrupted()
+        _stopped_starting(received)
     _hook_unraisable()
 
 
-def _started_interrupted() -> None:
-    print("stopped: SIGINT received while starting; nothing was done", file=sys.stderr)
+def _stopped_starting(signum: int) -> None:
+    name = signal.Signals(signum).name
+    print(f"stopped: {name} received while starting; nothing was done", file=sys.stderr)
     sys.stderr.flush()
-    os._exit(Exit.INTERRUPTED)  # from inside an import: nothing to clean up, nothing to raise
+    # From inside an import: nothing to clean up, nothing to raise.
+    os._exit(Exit.INTERRUPTED if signum == signal.SIGINT else Exit.STOPPED)
 
 
-def _on_interrupt(signum, frame) -> None:
+def _stop_error(signum: int) -> KeyboardInterrupt:
+    return (
+        KeyboardInterrupt() if signum == signal.SIGINT else SignalStop(signal.Signals(signum).name)
+    )
+
+
+def _on_stop(signum, frame) -> None:
     if _Interrupts.starting:
-        _started_interrupted()
-    _Interrupts.received = True
+        _stopped_starting(signum)
+    _Interrupts.received = signum
     while frame is not None:
         if frame.f_code.co_filename.startswith("<frozen importlib"):
-            _again()  # numpy's import, say, would make it an ImportError
+            _again(signum)  # numpy's import, say, would make it an ImportError
             return
         frame = frame.f_back
-    raise KeyboardInterrupt
+    raise _stop_error(signum)
 
 
-def _again() -> None:
-    """Send SIGINT again in a moment, if this module still takes it then."""
+def _again(signum: int) -> None:
+    """Send ``signum`` again in a moment, if this module still takes it then."""
 
     def send():
-        if signal.getsignal(signal.SIGINT) is _on_interrupt:
-            os.kill(os.getpid(), signal.SIGINT)
+        if signal.getsignal(signum) is _on_stop:
+            os.kill(os.getpid(), signum)
 
     timer = threading.Timer(0.05, send)
     timer.daemon = True
@@ -206,9 +230,10 @@ def _hook_unraisable() -> None:
     previous = sys.unraisablehook
 
     def hook(unraisable) -> None:
-        taken = signal.getsignal(signal.SIGINT) is _on_interrupt
+        signum = _Interrupts.received
+        taken = signum is not None and signal.getsignal(signum) is _on_stop
         if taken and isinstance(unraisable.exc_value, KeyboardInterrupt):
-            _again()  # raised in a callback whose errors Python drops: raise it elsewhere
+            _again(signum)  # raised in a callback whose errors Python drops: raise it elsewhere
         else:
             previous(unraisable)
 
@@ -217,35 +242,39 @@ def _hook_unraisable() -> None:
 
 def run_main(body: Callable[[], int], *, interrupted: str = "SIGINT received") -> int:
     """``body()``'s exit status, or that of the outcome it raised (after ``report``);
-    ``interrupted``: the line for a Ctrl-C (during start-up included), also when ``body``
-    ended otherwise after one (dropped by a callback, or turned into another error)."""
+    ``interrupted``: the line for a Ctrl-C (during start-up included; another stop signal's
+    has its name for SIGINT), also when ``body`` ended otherwise after one (dropped by a
+    callback, or turned into another error)."""
     in_main = threading.current_thread() is threading.main_thread()
-    previous = signal.signal(signal.SIGINT, _on_interrupt) if in_main else None
+    previous = {s: signal.signal(s, _on_stop) for s in STOP_SIGNALS} if in_main else {}
     _hook_unraisable()
     _Interrupts.starting = False
     try:
         status = body()
-        if _Interrupts.received:
-            raise KeyboardInterrupt
+        if _Interrupts.received is not None:
+            raise _stop_error(_Interrupts.received)
         return status
     except BaseException as error:
-        if _Interrupts.received and not isinstance(error, SystemExit):
-            error = KeyboardInterrupt()  # the Ctrl-C first: what it became in a library, or cut
+        signum = _Interrupts.received
+        if signum is not None and not isinstance(error, SystemExit | TrainingInterrupted):
+            error = _stop_error(signum)  # the signal first: what it became in a library, or cut
         if Exit.of(error) is None:
             raise
         return report(error, interrupted=interrupted)
     finally:
-        _Interrupts.received = False
-        if previous is _on_interrupt:  # a command line's process, now exiting: too late to stop
-            signal.signal(signal.SIGINT, signal.SIG_IGN)
-        elif previous is not None:
-            signal.signal(signal.SIGINT, previous)
+        _Interrupts.received = None
+        for signum, handler in previous.items():
+            # A command line's process, now exiting: too late to stop anything.
+            signal.signal(signum, signal.SIG_IGN if handler is _on_stop else handler)
 
 
 def report(error: BaseException, *, interrupted: str = "SIGINT received") -> Exit:
     """Print ``error`` (of an outcome's class) as one line on stderr and return its outcome."""
     outcome = Exit.of(error)
     text = interrupted if isinstance(error, KeyboardInterrupt) else one_line(error)
+    if isinstance(error, SignalStop):
+        name = error.signal_name
+        text = text.replace("SIGINT", name) if "SIGINT" in text else f"{name} received: {text}"
     print(f"{outcome.word}: {text}", file=sys.stderr, flush=True)
     if outcome is Exit.LOST_PROCESS:
         # Not a normal exit: jax.distributed's shutdown would wait for the lost process (until

@@ -113,10 +113,9 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _run(args: argparse.Namespace) -> int:
-    # A runner told to stop (kill, a closed terminal) stops its workers cleanly, as on Ctrl-C:
-    # each writes a checkpoint at its current step.
-    for sig in (signal.SIGTERM, signal.SIGHUP):
-        signal.signal(sig, signal.default_int_handler)
+    # A runner told to stop (Ctrl-C, SIGTERM, a closed terminal) stops its workers cleanly: each
+    # writes a checkpoint at its current step (run_main takes SIGINT and SIGTERM).
+    signal.signal(signal.SIGHUP, signal.default_int_handler)
     from lmuscale.sweep.runner import run_sweep, select
     from lmuscale.sweep.spec import load_sweep, twins
     from lmuscale.sweep.throughput import Throughput

@@ -90,13 +90,21 @@ def run_local(
 
 
 def _stop(running: dict) -> None:
-    """SIGTERM every worker (each writes a checkpoint and exits), then wait for them."""
-    for process, _ in running.values():
-        if process.poll() is None:
-            process.send_signal(signal.SIGTERM)
-    deadline = time.monotonic() + STOP_GRACE_SECONDS
-    for process, _ in running.values():
-        try:
-            process.wait(timeout=max(0.0, deadline - time.monotonic()))
-        except subprocess.TimeoutExpired:
-            process.kill()
+    """SIGTERM every worker (each writes a checkpoint and exits), then wait for them. Another
+    stop signal meanwhile is ignored: it would end this process, and with it (they die with
+    it) the workers before their checkpoints."""
+    signals = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
+    previous = {s: signal.signal(s, signal.SIG_IGN) for s in signals}
+    try:
+        for process, _ in running.values():
+            if process.poll() is None:
+                process.send_signal(signal.SIGTERM)
+        deadline = time.monotonic() + STOP_GRACE_SECONDS
+        for process, _ in running.values():
+            try:
+                process.wait(timeout=max(0.0, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                process.kill()
+    finally:
+        for signum, handler in previous.items():
+            signal.signal(signum, handler)
