@@ -239,6 +239,41 @@ def test_empty_paths_and_values_out_of_range_are_bad_arguments(command, argument
     ), err
 
 
+@pytest.mark.parametrize("command", ["sweep", "data"])
+def test_a_read_only_output_folder_is_the_io_outcome_in_one_line(
+    command, tmp_path, monkeypatch, capsys
+):
+    """Each made its folder with a bare mkdir: a read-only filesystem gave a traceback and
+    status 1 (train's workdir: a config error, 1). Any storage error that reaches the command
+    line is the I/O outcome, naming the file."""
+    import errno
+    import importlib
+
+    from sweep_files import write_sweep
+
+    monkeypatch.setenv("LMUSCALE_TEST_DATA", str(tmp_path))
+    out = tmp_path / "readonly" / "out"
+    real = Path.mkdir
+
+    def mkdir(self, *args, **kwargs):
+        if "readonly" in str(self):
+            raise OSError(errno.EROFS, os.strerror(errno.EROFS), str(self))
+        return real(self, *args, **kwargs)
+
+    monkeypatch.setattr(Path, "mkdir", mkdir)
+    if command == "sweep":
+        argv = [str(write_sweep(tmp_path, {"a": {}})), "--workdir", str(out), "--quiet"]
+    else:
+        docs = tmp_path / "docs.jsonl"
+        docs.write_text("".join(f'{{"text": "document {i}"}}\n' for i in range(400)))
+        argv = ["prepare", "text", str(docs), "--out", str(out), "--tokenizer", "bytes", "--quiet"]
+    module = importlib.import_module(f"lmuscale.{command}.__main__")
+    assert module.main(argv) == Exit.IO
+    err = capsys.readouterr().err
+    assert err.startswith(f"error: {out}") and err.endswith(": the filesystem is read-only\n")
+    assert len(err.splitlines()) == 1, err
+
+
 # Sends this process a SIGINT when it first looks for jax, the first of the slow imports: a
 # Ctrl-C while the command line is still starting up, at the same point every time. A terminal
 # delivers Ctrl-C, so SIGINT is first unblocked and given Python's default handler: a process

@@ -4,26 +4,12 @@ the reader of the versioned JSON files written so (``read_tagged_json``). A writ
 
 from __future__ import annotations
 
-import errno
 import json
 import os
 import tempfile
 from pathlib import Path
 
-from lmuscale.outcomes import StorageError
-
-
-def reason(error: OSError) -> str:
-    """Why ``error``'s read or write failed, for a person."""
-    if error.errno == errno.EROFS:
-        return "the filesystem is read-only"
-    if error.errno in (errno.EACCES, errno.EPERM):
-        return "permission denied"
-    if error.errno == errno.ENOSPC:
-        return "no space left on the device (or no inodes)"
-    if error.errno == errno.EDQUOT:
-        return "no space left in the disk quota"
-    return error.strerror or str(error)
+from lmuscale.outcomes import StorageError, reason
 
 
 def unwritable(path, error: OSError) -> StorageError:

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import argparse
 import enum
+import errno
 import math
 import os
 import signal
@@ -87,7 +88,8 @@ class Exit(enum.IntEnum):
         4,
         TrainingInterrupted,
         "stopped",
-        "SIGTERM, SIGUSR1 or SIGUSR2 stopped it after a checkpoint; run it again to resume",
+        "SIGTERM, SIGUSR1 or SIGUSR2 stopped it (training: after a checkpoint); run it again "
+        "to resume",
     )
     LOST_PROCESS = (
         5,
@@ -140,6 +142,32 @@ class Exit(enum.IntEnum):
             if outcome.error is not None and isinstance(error, outcome.error):
                 return outcome
         return None
+
+
+def reason(error: OSError) -> str:
+    """Why ``error``'s read or write failed, for a person."""
+    if error.errno == errno.EROFS:
+        return "the filesystem is read-only"
+    if error.errno in (errno.EACCES, errno.EPERM):
+        return "permission denied"
+    if error.errno == errno.ENOSPC:
+        return "no space left on the device (or no inodes)"
+    if error.errno == errno.EDQUOT:
+        return "no space left in the disk quota"
+    return error.strerror or str(error)
+
+
+# What a file's write (or read) meets on a full, read-only or failing disk: the I/O outcome,
+# wherever it is met (a folder a command makes, say), not a traceback.
+STORAGE_ERRNOS = (errno.ENOSPC, errno.EDQUOT, errno.EROFS, errno.EACCES, errno.EPERM, errno.EIO)
+
+
+def _storage_error(error: BaseException) -> BaseException:
+    """``error`` as a ``StorageError`` naming its file, when it is a storage ``OSError``."""
+    if not isinstance(error, OSError) or error.errno not in STORAGE_ERRNOS:
+        return error
+    where = error.filename2 or error.filename  # a rename names its target second
+    return StorageError(f"{where}: {reason(error)}" if where else reason(error))
 
 
 def one_line(error: BaseException, *, named: bool = False) -> str:
@@ -258,6 +286,7 @@ def run_main(body: Callable[[], int], *, interrupted: str = "SIGINT received") -
         signum = _Interrupts.received
         if signum is not None and not isinstance(error, SystemExit | TrainingInterrupted):
             error = _stop_error(signum)  # the signal first: what it became in a library, or cut
+        error = _storage_error(error)
         if Exit.of(error) is None:
             raise
         return report(error, interrupted=interrupted)
