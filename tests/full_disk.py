@@ -19,13 +19,15 @@ def no_space(*_args, **_kwargs):
     raise _refusal()
 
 
-def fsync_fails(monkeypatch, *names: str) -> None:
+def fsync_fails(monkeypatch, *names: str, seen: list | None = None) -> None:
     """``os.fsync`` of a file whose name begins with one of ``names``, or of an atomic write's
-    temporary file for one (``.NAME.*.tmp``), raises ENOSPC."""
+    temporary file for one (``.NAME.*.tmp``), raises ENOSPC; ``seen`` gets every name synced."""
     real = os.fsync
 
     def fsync(fd):
         name = os.path.basename(os.readlink(f"/proc/self/fd/{fd}"))
+        if seen is not None:
+            seen.append(name)
         if any(name.startswith((n, f".{n}.")) for n in names):
             raise _refusal()
         real(fd)

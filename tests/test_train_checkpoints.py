@@ -160,38 +160,12 @@ def test_a_checkpoint_nothing_can_verify_is_never_used_unless_accepted(
     assert summary["val_loss"] == whole["val_loss"]
 
 
-def test_the_logs_are_on_disk_before_each_checkpoint_and_lost_lines_are_named(
-    byte_corpus, finished_run, tmp_path, capsys, monkeypatch
+def test_a_resume_names_lines_its_checkpoint_covers_that_are_gone(
+    byte_corpus, finished_run, tmp_path, capsys
 ):
     """A power loss could leave metrics.jsonl torn at a step its checkpoint covers (lines were
-    flushed, not fsynced), and the resume dropped that line in silence. Now each log is fsynced
-    before each save, and a resume names lines the checkpoint covers that are gone."""
-    import os
-
-    from lmuscale.train.checkpoint import Checkpoints
-
-    events = []
-    real_fsync, real_save = os.fsync, Checkpoints.save
-
-    def fsync(fd):
-        events.append(Path(os.readlink(f"/proc/self/fd/{fd}")).name)
-        real_fsync(fd)
-
-    def save(self, step, state, meta):
-        events.append(f"save {step}")
-        real_save(self, step, state, meta)
-
-    monkeypatch.setattr(os, "fsync", fsync)
-    monkeypatch.setattr(Checkpoints, "save", save)
-    config = _config(byte_corpus)
-    config.train.steps = 8
-    run(config, tmp_path / "fresh")
-    monkeypatch.undo()
-    saves = [i for i, event in enumerate(events) if event.startswith("save")]
-    assert [events[i] for i in saves] == ["save 4", "save 8"]
-    for before, at in zip([-1, *saves], saves, strict=False):
-        assert {"metrics.jsonl", "eval.jsonl"} <= set(events[before + 1 : at]), events
-
+    flushed, not fsynced), and the resume dropped that line in silence. Each log is now fsynced
+    before each save (checked in the full-disk test below); lines gone anyway are named."""
     # The line of step 12, which checkpoint 12 covers, torn as a power loss can leave it.
     workdir = tmp_path / "w"
     shutil.copytree(finished_run, workdir)
@@ -285,6 +259,7 @@ def test_a_full_disk_at_a_log_line_the_summary_or_the_lock_is_one_line_and_statu
     from full_disk import NO_SPACE, appends_fail, fsync_fails, no_space
 
     from lmuscale.train.__main__ import main
+    from lmuscale.train.checkpoint import Checkpoints
 
     monkeypatch.setenv("LMUSCALE_TEST_DATA", str(byte_corpus))
     workdir = tmp_path / "w"
@@ -297,9 +272,21 @@ def test_a_full_disk_at_a_log_line_the_summary_or_the_lock_is_one_line_and_statu
         == f"error: {workdir / 'metrics.jsonl'}: cannot be written ({NO_SPACE})\n"
     )
     assert steps(workdir / "checkpoints") == [4]
+    events = []  # and the logs are on disk (fsync) before each save that covers them
+    real_save = Checkpoints.save
+
+    def save(self, step, state, meta):
+        events.append(f"save {step}")
+        real_save(self, step, state, meta)
+
     with monkeypatch.context() as full:
-        fsync_fails(full, "summary.json")
+        fsync_fails(full, "summary.json", seen=events)
+        full.setattr(Checkpoints, "save", save)
         assert main(argv) == Exit.IO
+    saves = [i for i, event in enumerate(events) if event.startswith("save")]
+    assert [events[i] for i in saves] == ["save 8", "save 12"]
+    for before, at in zip([-1, *saves], saves, strict=False):
+        assert {"metrics.jsonl", "eval.jsonl"} <= set(events[before + 1 : at]), events
     assert (
         capsys.readouterr().err
         == f"error: {workdir / 'summary.json'}: cannot be written ({NO_SPACE})\n"

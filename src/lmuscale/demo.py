@@ -6,6 +6,7 @@
 from __future__ import annotations
 
 import argparse
+import sys
 import time
 
 import jax
@@ -91,4 +92,6 @@ def main(argv: list[str] | None = None) -> None:
 
 
 if __name__ == "__main__":
-    main()
+    from lmuscale.outcomes import run_main
+
+    sys.exit(run_main(lambda: main() or 0))

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import sys
+
 from lmuscale.models import family as families
 from lmuscale.models.sizes import NAMES, SIZES, TABLE3, count_params, flops_per_token, named_config
 
@@ -39,4 +41,6 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    from lmuscale.outcomes import run_main
+
+    sys.exit(run_main(lambda: main() or 0))
