@@ -368,6 +368,54 @@ def test_a_ctrl_c_during_an_import_that_would_turn_it_into_an_import_error_ends_
     assert capsys.readouterr().err == "stopped: SIGINT received\n"
 
 
+def test_a_command_run_inside_another_leaves_the_signals_to_the_outer_one(capsys):
+    """A sweep file's ``after()`` may call another command's ``main``: its Ctrl-C is the
+    outer command's (which reports it), and the process's own handler comes back after."""
+    import signal
+    import time
+
+    before = signal.getsignal(signal.SIGINT)
+
+    def inner():
+        os.kill(os.getpid(), signal.SIGINT)
+        time.sleep(1.0)
+        return Exit.FINISHED
+
+    def outer():
+        run_main(inner)
+        return Exit.FINISHED  # not reached: the interrupt goes through the inner call
+
+    assert run_main(outer, interrupted="stopped by the outer command") == Exit.INTERRUPTED
+    assert capsys.readouterr().err == "stopped: stopped by the outer command\n"
+
+    def bad_table():
+        raise DataError("results.csv: not a results table")
+
+    assert run_main(lambda: run_main(bad_table)) == Exit.DATA  # reported by the inner call
+    assert capsys.readouterr().err == "error: results.csv: not a results table\n"
+    assert signal.getsignal(signal.SIGINT) is before
+
+
+def test_an_ignored_ctrl_c_stays_ignored(tmp_path):
+    """A command started with SIGINT ignored (``cmd &`` in a script) ran on when it was sent
+    one, as Python leaves it; taking the signal over would stop it."""
+    import signal
+    import time
+
+    process = subprocess.Popen(
+        [sys.executable, "-m", "lmuscale.scaling"],
+        env=_env(),
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+        text=True,
+        preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_IGN),
+    )
+    time.sleep(0.3)
+    process.send_signal(signal.SIGINT)
+    err = process.communicate(timeout=120)[1]
+    assert (process.returncode, err) == (0, "")
+
+
 def _ctrl_c_commands(tmp: Path, corpus: Path) -> dict[str, list[str]]:
     """One short job per command line (each a few seconds when not stopped)."""
     from results_files import paper_rows, write_jsonl

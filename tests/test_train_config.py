@@ -360,3 +360,15 @@ def test_a_fingerprint_not_yet_known_is_no_difference_and_stays_out_of_the_hash(
     config.data.fingerprint = "sha256:bbbb"
     assert differences(saved, config) == {"data.fingerprint": ("sha256:aaaa", "sha256:bbbb")}
     assert config_hash(config) != before
+
+
+def test_a_float_key_given_a_large_int_is_not_a_count():
+    """peak_flops (a float) written as an int: the 32-bit range of counts does not apply."""
+    from lmuscale.train.config import check
+
+    config = load(f"{OWT2}:tiny")
+    config.peak_flops = 312_000_000_000_000
+    check(config)
+    config.train.steps = 2**31
+    with pytest.raises(ConfigError, match=r"train\.steps = 2,147,483,648 is out of range"):
+        check(config)

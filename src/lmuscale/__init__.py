@@ -32,10 +32,11 @@ if sys.argv[:1] == ["-m"]:  # python -m lmuscale.X is starting: a stop signal en
 
     _held: list[int] = []  # until outcomes takes the signals
     for _number in (_signal.SIGINT, _signal.SIGTERM, _signal.SIGUSR1, _signal.SIGUSR2):
-        _signal.signal(_number, lambda signum, frame: _held.append(signum))
+        if _signal.getsignal(_number) is not _signal.SIG_IGN:  # as Python leaves an ignored one
+            _signal.signal(_number, lambda signum, frame: _held.append(signum))
     from lmuscale.outcomes import start_command
 
-    start_command(_held[0] if _held else None)
+    start_command(_held)
 
 # GPT-2's vocabulary size: the models' default and the tokenizer's. It lives here, below both,
 # so that the models need not import the data package for one number.

@@ -195,21 +195,39 @@ STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGUSR1, signal.SIGUSR2)
 
 class _Interrupts:
     """The stop signals as a command line takes them: ``starting`` until its ``run_main``;
-    ``received``: the last one that arrived (until its ``run_main`` ends)."""
+    ``received``: the last one that arrived (until the outermost ``run_main`` ends, ``depth``
+    deep)."""
 
     starting = False
     received: int | None = None
+    depth = 0
     hooked = False  # sys.unraisablehook passes a dropped KeyboardInterrupt on (once a process)
 
 
-def start_command(received: int | None = None) -> None:
+def stop_received() -> int | None:
+    """The stop signal this command line has received (None: none), even where it became
+    another error on its way up."""
+    return _Interrupts.received
+
+
+def _take(signum: int, handler) -> object:
+    """Install ``handler`` for ``signum`` unless the process ignores it (a ``cmd &`` of a
+    script that is not interactive ignores SIGINT, as Python itself leaves it); the previous."""
+    previous = signal.getsignal(signum)
+    if previous is not signal.SIG_IGN:
+        signal.signal(signum, handler)
+    return previous
+
+
+def start_command(held: list[int] = ()) -> None:
     """A command line is starting (its imports, which turn an interrupt into another error, or
-    drop it): a stop signal ends it with one line; ``received``: one came before this call."""
+    drop it): a stop signal ends it with one line; ``held``: those that came before this call
+    (read after this module's handlers are in place, so none falls between)."""
     _Interrupts.starting = True
     for signum in STOP_SIGNALS:
-        signal.signal(signum, _on_stop)
-    if received:
-        _stopped_starting(received)
+        _take(signum, _on_stop)
+    if held:
+        _stopped_starting(held[0])
     _hook_unraisable()
 
 
@@ -240,10 +258,11 @@ def _on_stop(signum, frame) -> None:
 
 
 def _again(signum: int) -> None:
-    """Send ``signum`` again in a moment, if this module still takes it then."""
+    """Send ``signum`` again in a moment, while a ``run_main`` runs: to this module's handler,
+    or to one the body put in its place since (training's, which checkpoints first)."""
 
     def send():
-        if signal.getsignal(signum) is _on_stop:
+        if _Interrupts.depth > 0 and signal.getsignal(signum) not in (None, signal.SIG_IGN):
             os.kill(os.getpid(), signum)
 
     timer = threading.Timer(0.05, send)
@@ -259,7 +278,7 @@ def _hook_unraisable() -> None:
 
     def hook(unraisable) -> None:
         signum = _Interrupts.received
-        taken = signum is not None and signal.getsignal(signum) is _on_stop
+        taken = signum is not None and _Interrupts.depth > 0
         if taken and isinstance(unraisable.exc_value, KeyboardInterrupt):
             _again(signum)  # raised in a callback whose errors Python drops: raise it elsewhere
         else:
@@ -268,15 +287,30 @@ def _hook_unraisable() -> None:
     sys.unraisablehook = hook
 
 
+def _exiting(status: int):
+    """A stop signal's handler once a command line's work has ended, with ``status``: the
+    process ends at once with that status (an exit that hangs can still be stopped)."""
+
+    def handler(signum, frame) -> None:
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(status)
+
+    return handler
+
+
 def run_main(body: Callable[[], int], *, interrupted: str = "SIGINT received") -> int:
     """``body()``'s exit status, or that of the outcome it raised (after ``report``);
     ``interrupted``: the line for a Ctrl-C (during start-up included; another stop signal's
     has its name for SIGINT), also when ``body`` ended otherwise after one (dropped by a
-    callback, or turned into another error)."""
-    in_main = threading.current_thread() is threading.main_thread()
-    previous = {s: signal.signal(s, _on_stop) for s in STOP_SIGNALS} if in_main else {}
+    callback, or turned into another error). Only the outermost call (a sweep file's
+    ``after()`` may call another command's ``main``) takes the signals."""
+    outer = _Interrupts.depth == 0 and threading.current_thread() is threading.main_thread()
+    previous = {s: _take(s, _on_stop) for s in STOP_SIGNALS} if outer else {}
     _hook_unraisable()
     _Interrupts.starting = False
+    _Interrupts.depth += 1
+    status = 1  # a bug's traceback
     try:
         status = body()
         if _Interrupts.received is not None:
@@ -287,14 +321,18 @@ def run_main(body: Callable[[], int], *, interrupted: str = "SIGINT received") -
         if signum is not None and not isinstance(error, SystemExit | TrainingInterrupted):
             error = _stop_error(signum)  # the signal first: what it became in a library, or cut
         error = _storage_error(error)
-        if Exit.of(error) is None:
-            raise
-        return report(error, interrupted=interrupted)
+        if Exit.of(error) is None or (signum is not None and not outer):
+            raise  # an inner call: the outermost reports the signal
+        status = report(error, interrupted=interrupted)
+        return status
     finally:
-        _Interrupts.received = None
-        for signum, handler in previous.items():
-            # A command line's process, now exiting: too late to stop anything.
-            signal.signal(signum, signal.SIG_IGN if handler is _on_stop else handler)
+        _Interrupts.depth -= 1
+        if outer:
+            _Interrupts.received = None
+            for signum, handler in previous.items():
+                # A command line's process, now exiting: too late to stop anything but the exit.
+                if signal.getsignal(signum) is _on_stop:
+                    signal.signal(signum, _exiting(status) if handler is _on_stop else handler)
 
 
 def report(error: BaseException, *, interrupted: str = "SIGINT received") -> Exit:

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import os
 import signal
 import sys
 from pathlib import Path
@@ -70,6 +71,12 @@ def parse(argv: list[str]) -> argparse.Namespace:
         "--quiet", action="store_true", help="no progress bar: a line at least once a minute"
     )
     parser.add_argument(
+        "--accept-unverified",
+        action="store_true",
+        help="resume trials from checkpoints with no files.json and no checksums (of an older "
+        "lmuscale), which are otherwise refused",
+    )
+    parser.add_argument(
         "--after",
         action="store_true",
         help="run the sweep file's after() again even if it has run on these results",
@@ -117,6 +124,10 @@ def _run(args: argparse.Namespace) -> int:
     # writes a checkpoint at its current step (run_main takes SIGINT and SIGTERM).
     signal.signal(signal.SIGHUP, signal.default_int_handler)
     from lmuscale.sweep.runner import run_sweep, select
+    from lmuscale.sweep.worker import ACCEPT_UNVERIFIED
+
+    if args.accept_unverified:  # the workers' environment is this process's
+        os.environ[ACCEPT_UNVERIFIED] = "1"
     from lmuscale.sweep.spec import load_sweep, twins
     from lmuscale.sweep.throughput import Throughput
 

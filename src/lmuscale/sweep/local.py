@@ -7,11 +7,12 @@ import os
 import shutil
 import signal
 import subprocess
+import threading
 import time
 from collections.abc import Callable
 from pathlib import Path
 
-from lmuscale.outcomes import ConfigError, Exit
+from lmuscale.outcomes import STOP_SIGNALS, ConfigError, Exit
 from lmuscale.sweep.worker import ENDED, STOP_GRACE_SECONDS, record_crash, start
 from lmuscale.workdir import DONE, is_locked, status
 
@@ -93,7 +94,8 @@ def _stop(running: dict) -> None:
     """SIGTERM every worker (each writes a checkpoint and exits), then wait for them. Another
     stop signal meanwhile is ignored: it would end this process, and with it (they die with
     it) the workers before their checkpoints."""
-    signals = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
+    here = threading.current_thread() is threading.main_thread()  # where handlers can change
+    signals = (*STOP_SIGNALS, signal.SIGHUP) if here else ()
     previous = {s: signal.signal(s, signal.SIG_IGN) for s in signals}
     try:
         for process, _ in running.values():

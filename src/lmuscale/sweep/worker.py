@@ -22,7 +22,7 @@ import traceback
 from pathlib import Path
 
 from lmuscale.files import atomic_write_json
-from lmuscale.outcomes import DamagedFile, Exit, WorkdirBusy, run_main
+from lmuscale.outcomes import DamagedFile, Exit, WorkdirBusy, run_main, stop_received
 from lmuscale.processes import die_with_parent
 from lmuscale.workdir import (
     ATTEMPTS,
@@ -49,6 +49,8 @@ TASK = "LMUSCALE_SWEEP_TASK"
 # when the runner started this process (time.time()): attempts.jsonl's "spawned", from which
 # the dry run measures a trial's start-up (lmuscale.sweep.plan)
 SPAWNED = "LMUSCALE_SWEEP_SPAWNED"
+# "1" when the sweep was run with --accept-unverified (train.run's accept_unverified)
+ACCEPT_UNVERIFIED = "LMUSCALE_SWEEP_ACCEPT_UNVERIFIED"
 
 
 def task() -> tuple[int, int]:
@@ -111,6 +113,9 @@ def settle(folder: Path) -> None:
 def train(folder: Path) -> int:
     from lmuscale.train import run
 
+    options = {"progress": False, "locked": True}
+    options["accept_unverified"] = os.environ.get(ACCEPT_UNVERIFIED) == "1"
+
     rank, tasks = task()
     # Of a trial that spans several processes, task 0 holds the lock and keeps the trial's
     # records (attempts, error.json); the others only train.
@@ -130,15 +135,17 @@ def train(folder: Path) -> int:
                 _close_attempt(folder)
             return Exit.FINISHED if final == "finished" else Exit.DIVERGED
         if rank > 0:
-            run(_config(folder, tasks), folder, progress=False, locked=True)
+            run(_config(folder, tasks), folder, **options)
             return Exit.FINISHED
         (folder / ERROR).unlink(missing_ok=True)
         spawned = os.environ.get(SPAWNED)
         _attempt(folder, {"event": "start"} | ({"spawned": float(spawned)} if spawned else {}))
         try:
-            summary = run(_config(folder, tasks), folder, progress=False, locked=True)
+            summary = run(_config(folder, tasks), folder, **options)
         except BaseException as error:
             outcome = Exit.of(error)
+            if stop_received() is not None:  # the runner's SIGTERM, whatever it became
+                outcome = Exit.STOPPED
             if outcome in (Exit.STOPPED, Exit.INTERRUPTED, Exit.DIVERGED):
                 ended = "diverged" if outcome is Exit.DIVERGED else "interrupted"
             else:

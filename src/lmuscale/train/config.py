@@ -210,7 +210,7 @@ def check_schema(config: ConfigDict, base: ConfigDict, where: str) -> None:
         got = _type_name(value)
         if want != got and not (want == "float" and got == "int"):
             raise ConfigError(f"{where}: {key} must be {_a(want)}, got {value!r} ({got})")
-        if got == "int" and not key.endswith("seed") and not -(2**31) <= value < 2**31:
+        if want == "int" and not key.endswith("seed") and not -(2**31) <= value < 2**31:
             raise ConfigError(  # a seed's range is its own (RANGES)
                 f"{where}: {key} = {value:,} is out of range: counts and sizes must be below "
                 "2**31 (XLA's step counter and shapes are 32-bit)"

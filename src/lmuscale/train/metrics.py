@@ -148,6 +148,7 @@ class MetricsLog:
                     file=sys.stderr,
                     flush=True,
                 )
+                self.last[kind] = kept  # said once: the next checkpoint records what is there
         try:
             for kind, path in paths.items():
                 self.files[kind] = path.open("a", encoding="utf-8")
