@@ -2,11 +2,11 @@
 
 Every command line runs its body through ``run_main``, which turns an outcome's exception into
 one line on stderr and its exit status; any other exception is a bug and keeps its traceback.
-A Ctrl-C is never lost: one during start-up (``start_command``: ``python -m lmuscale.X``
-from the package's first line until ``run_main``, before anything is written) ends the process
-at once with one line; one that reaches an import, or code whose exceptions Python drops (a
-garbage-collection callback), is sent again moments later; and a body that ends after one
-arrived ends as interrupted.
+A stop signal (Ctrl-C; SIGTERM, SIGUSR1 or SIGUSR2 as ``SignalStop``) is never lost: one during
+start-up (``start_command``: ``python -m lmuscale.X`` from the package's first line until
+``run_main``, before anything is written) ends the process at once with one line; one that
+reaches an import, or code whose exceptions Python drops (a garbage-collection callback), is
+sent again moments later; and a body that ends after one arrived ends as stopped.
 Classes that say more (``CheckpointError``, ``BenchmarkError``, ...) subclass these. This module
 imports nothing from lmuscale, so every layer can raise them.
 """
