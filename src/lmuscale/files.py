@@ -4,6 +4,7 @@ the reader of the versioned JSON files written so (``read_tagged_json``). A writ
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import tempfile
@@ -15,6 +16,15 @@ from lmuscale.outcomes import StorageError, reason
 def unwritable(path, error: OSError) -> StorageError:
     """The one line for ``error`` while writing ``path``."""
     return StorageError(f"{path}: cannot be written ({reason(error)})")
+
+
+@contextlib.contextmanager
+def writing(path):
+    """An ``OSError`` inside (a full disk, a read-only folder) as ``unwritable``'s error."""
+    try:
+        yield
+    except OSError as error:
+        raise unwritable(path, error) from error
 
 
 def fsync_dir(folder: str | os.PathLike) -> None:
@@ -33,24 +43,20 @@ def atomic_write_bytes(path: str | os.PathLike, data: bytes) -> None:
     """Write ``data`` to a temporary file beside ``path``, fsync it, then rename it over;
     ``unwritable``'s error when that fails."""
     path = Path(path)
-    try:
+    with writing(path):
         fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
-    except OSError as error:
-        raise unwritable(path, error) from error
-    try:
-        mask = os.umask(0)  # the only way to read the umask is to set it
-        os.umask(mask)
-        os.fchmod(fd, 0o666 & ~mask)  # mkstemp makes 0600; give the usual permissions
-        with os.fdopen(fd, "wb") as f:
-            f.write(data)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except BaseException as error:
-        Path(tmp).unlink(missing_ok=True)
-        if isinstance(error, OSError):
-            raise unwritable(path, error) from error
-        raise
+        try:
+            mask = os.umask(0)  # the only way to read the umask is to set it
+            os.umask(mask)
+            os.fchmod(fd, 0o666 & ~mask)  # mkstemp makes 0600; give the usual permissions
+            with os.fdopen(fd, "wb") as f:
+                f.write(data)
+                f.flush()
+                os.fsync(f.fileno())
+            os.replace(tmp, path)
+        except BaseException:
+            Path(tmp).unlink(missing_ok=True)
+            raise
     fsync_dir(path.parent)
 
 

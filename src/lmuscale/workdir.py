@@ -23,8 +23,8 @@ import time
 from pathlib import Path
 
 from lmuscale import __version__
-from lmuscale.files import atomic_write_bytes, atomic_write_json, reason
-from lmuscale.outcomes import ConfigError, DamagedFile, StorageError, WorkdirBusy
+from lmuscale.files import atomic_write_bytes, atomic_write_json
+from lmuscale.outcomes import ConfigError, DamagedFile, StorageError, WorkdirBusy, reason
 
 CONFIG = "config.json"  # the resolved config
 SUMMARY = "summary.json"  # written once, at the end

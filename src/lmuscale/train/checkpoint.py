@@ -71,12 +71,14 @@ def _reason(error: BaseException) -> str:
     return reason if len(reason) <= 300 else reason[:297] + "..."
 
 
+def _orbax_file(filename: str) -> bool:
+    return f"{os.sep}orbax{os.sep}" in filename
+
+
 def _orbax_traceback(record: logging.LogRecord) -> bool:
     """False for the traceback orbax logs when a background save fails (``wait`` names it)."""
     return not (
-        record.exc_info
-        and record.levelno >= logging.ERROR
-        and f"{os.sep}orbax{os.sep}" in record.pathname
+        record.exc_info and record.levelno >= logging.ERROR and _orbax_file(record.pathname)
     )
 
 
@@ -98,24 +100,19 @@ def _late_callback(unraisable) -> bool:
     )
 
 
-def _in_orbax(tb) -> bool:
-    return any(f"{os.sep}orbax{os.sep}" in frame.filename for frame in traceback.extract_tb(tb))
-
-
 def _orbax_leftover(unraisable) -> bool:
     """Whether ``unraisable`` is what orbax leaves of a read or write that failed: a
     ``_late_callback``, or one of its coroutines that never ran to its end (a read of a
     damaged checkpoint left each of its other arrays' reads so: hundreds of tracebacks)."""
     code = getattr(unraisable.object, "cr_code", None)
-    return _late_callback(unraisable) or (
-        code is not None and f"{os.sep}orbax{os.sep}" in code.co_filename
-    )
+    return _late_callback(unraisable) or (code is not None and _orbax_file(code.co_filename))
 
 
 def _orbax_future(record: logging.LogRecord) -> bool:
     """False for asyncio's "exception was never retrieved" of orbax's tasks (a save that found
     the disk full: ``wait`` names the failure once)."""
-    return not (record.exc_info and _in_orbax(record.exc_info[2]))
+    frames = traceback.extract_tb(record.exc_info[2]) if record.exc_info else []
+    return not any(_orbax_file(frame.filename) for frame in frames)
 
 
 def quiet_late_callbacks() -> None:

@@ -21,7 +21,7 @@ from pathlib import Path
 import jax
 import numpy as np
 
-from lmuscale.files import unwritable
+from lmuscale.files import unwritable, writing
 from lmuscale.workdir import EVAL, METRICS, TENSORBOARD, cut_log
 
 # Dense peak FLOP/s per device by device kind (first match wins) and compute dtype, from vendor
@@ -87,8 +87,10 @@ class Events:
     at exit). ``purge_step``: TensorBoard hides the folder's older events from it on."""
 
     def __init__(self, folder: Path, purge_step: int):
+        from tensorboardX.proto import event_pb2
         from tensorboardX.record_writer import RecordWriter
 
+        self.event = event_pb2.Event
         folder.mkdir(parents=True, exist_ok=True)
         stem = f"events.out.tfevents.{int(time.time())}.{socket.gethostname()}"
         path, k = folder / stem, 1
@@ -99,10 +101,7 @@ class Events:
         self._add(step=purge_step, session_log={"status": "START"})
 
     def _add(self, **fields) -> None:
-        from tensorboardX.proto import event_pb2
-
-        event = event_pb2.Event(wall_time=time.time(), **fields)
-        self.records.write(event.SerializeToString())
+        self.records.write(self.event(wall_time=time.time(), **fields).SerializeToString())
 
     def write(self, step: int, scalars: dict) -> None:
         values = [{"tag": tag, "simple_value": float(v)} for tag, v in scalars.items()]
@@ -155,10 +154,8 @@ class MetricsLog:
             if tensorboard:
                 # Also at step 0: a run killed before its first checkpoint left events to hide.
                 self.events_path = workdir / TENSORBOARD
-                try:
+                with writing(self.events_path):
                     self.writer = Events(self.events_path, purge_step=resume_step + 1)
-                except OSError as error:
-                    raise unwritable(self.events_path, error) from error
             if wandb is not None:
                 from lmuscale.train.wandb_log import WandbRun
 
@@ -172,11 +169,9 @@ class MetricsLog:
             return
         clean = {k: _json_value(v) for k, v in record.items()}
         file = self.files[kind]
-        try:
+        with writing(self.paths[kind]):  # a full disk: the checkpoints before this are intact
             file.write(json.dumps(clean) + "\n")
             file.flush()
-        except OSError as error:  # a full disk: the checkpoints before this step are intact
-            raise unwritable(self.paths[kind], error) from error
         self.last[kind] = record["step"]
         scalars = {
             f"{kind}/{key}": value
@@ -184,20 +179,16 @@ class MetricsLog:
             if key != "step" and isinstance(value, int | float) and not isinstance(value, bool)
         }
         if self.writer is not None:
-            try:
+            with writing(self.events_path):
                 self.writer.write(record["step"], scalars)
-            except OSError as error:
-                raise unwritable(self.events_path, error) from error
         if self.wandb is not None:
             self.wandb.log(record["step"], scalars)
 
     def sync(self) -> None:
         """Put both logs on disk (before a checkpoint that covers their lines is saved)."""
         for kind, file in self.files.items():
-            try:
+            with writing(self.paths[kind]):
                 os.fsync(file.fileno())
-            except OSError as error:
-                raise unwritable(self.paths[kind], error) from error
 
     def summary(self, summary: dict) -> None:
         """summary.json's dict, for W&B; the caller writes the file."""
