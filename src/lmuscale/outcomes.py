@@ -14,6 +14,7 @@ imports nothing from lmuscale, so every layer can raise them.
 from __future__ import annotations
 
 import argparse
+import atexit
 import enum
 import errno
 import math
@@ -289,13 +290,17 @@ def _hook_unraisable() -> None:
 
 def _exiting(status: int):
     """A stop signal's handler once a command line's work has ended, with ``status``: the
-    process ends at once with that status (an exit that hangs can still be stopped)."""
+    process ends at once with that status (an exit that hangs on a thread can still be
+    stopped). Python's exit hooks then ignore them: the interpreter's last steps give a handled
+    signal back its default action, which would end the process as killed (an ignored one
+    they leave so)."""
 
     def handler(signum, frame) -> None:
         sys.stdout.flush()
         sys.stderr.flush()
         os._exit(status)
 
+    atexit.register(lambda: [signal.signal(signum, signal.SIG_IGN) for signum in STOP_SIGNALS])
     return handler
 
 
@@ -329,10 +334,12 @@ def run_main(body: Callable[[], int], *, interrupted: str = "SIGINT received") -
         _Interrupts.depth -= 1
         if outer:
             _Interrupts.received = None
+            if _on_stop in previous.values():  # a command line's process
+                exiting = _exiting(status)
             for signum, handler in previous.items():
                 # A command line's process, now exiting: too late to stop anything but the exit.
                 if signal.getsignal(signum) is _on_stop:
-                    signal.signal(signum, _exiting(status) if handler is _on_stop else handler)
+                    signal.signal(signum, handler if handler is not _on_stop else exiting)
 
 
 def report(error: BaseException, *, interrupted: str = "SIGINT received") -> Exit:
