@@ -55,6 +55,7 @@ HEAVIEST_FIRST = (
     "test_sweep_slurm",
     "test_layers",
     "test_train_multiprocess",
+    "test_sweep_branches",
     "test_tasks",
     "test_outcomes",
     "test_cross_entropy",

@@ -11,7 +11,13 @@ import pytest
 
 from lmuscale.models import LMUConfig, TransformerConfig, count_params, flops_per_token, sizes
 from lmuscale.models.lmu import lmu_config
-from lmuscale.sweep.grids import isoflop_grid, isoflop_points, learning_rate_grid, short
+from lmuscale.sweep.grids import (
+    isoflop_grid,
+    isoflop_points,
+    learning_rate_grid,
+    short,
+    wsd_grid,
+)
 from lmuscale.sweep.spec import load_sweep
 from lmuscale.train import base_config, model_config, optim
 
@@ -87,7 +93,7 @@ def test_schedules_scale_with_each_runs_steps():
         assert c.optim.warmup_steps == max(1, round(0.05 * c.train.steps))
         assert c.eval.every == c.checkpoint.every == max(1, c.train.steps // 8)
         assert c.log.every <= c.eval.every
-        lr = optim.schedule(c.optim.learning_rate, c.optim.warmup_steps, c.train.steps)
+        lr = optim.cosine(c.optim.learning_rate, c.optim.warmup_steps, c.train.steps)
         assert float(lr(c.optim.warmup_steps)) == pytest.approx(3e-3)
         assert float(lr(c.train.steps)) == pytest.approx(0.0, abs=1e-12)  # decays at its end
         assert float(lr(c.train.steps // 2 + c.optim.warmup_steps // 2)) == pytest.approx(
@@ -176,3 +182,63 @@ def test_each_family_may_centre_its_window_on_its_own_ratio():
         before = sorted(p.n for p in common if p.family == family)
         after = sorted(p.n for p in apart if p.family == family)
         assert (after < before) if lower else (after == before)
+
+
+def test_wsd_grid_branches_every_budget_from_one_stable_run_per_size():
+    models = {"lmu": [lmu(16), lmu(8)]}
+    trials = wsd_grid(models, [6e10, 2e10, 4e10], make_config, decay=0.25, min_steps=30)
+    assert [t.role for t in trials] == ["stable", "isoflop", "isoflop", "isoflop"] * 2
+    for stable, *branches in (trials[:4], trials[4:]):
+        n = count_params(model_config(stable.config.model)).non_embedding
+        assert stable.name == f"lmu-{short(n)}-stable" and stable.branch_from is None
+        steps = [b.config.train.steps for b in branches]
+        assert steps == sorted(steps)  # budgets in ascending order
+        for branch, budget in zip(branches, (2e10, 4e10, 6e10), strict=True):
+            assert branch.name == f"lmu-{short(n)}-{short(budget)}"
+            assert abs(cost(branch.config) / budget - 1) < 0.02
+            start = branch.config.train.steps - round(0.25 * branch.config.train.steps)
+            assert branch.branch_from == (stable.name, start)
+            # the same warmup (5% of the smallest budget's steps) and peak in every run
+            assert branch.config.optim.warmup_steps == round(0.05 * steps[0])
+            assert branch.config.optim.decay_fraction == 0.25
+            rate = optim.schedule(branch.config.optim, branch.config.train.steps)
+            parent = optim.schedule(stable.config.optim, stable.config.train.steps)
+            before = np.arange(start)
+            np.testing.assert_array_equal(rate(before), parent(before))
+            assert float(rate(branch.config.train.steps)) == 0.0  # decayed to the floor
+        # the stable run reaches the largest budget's branch point, at the peak rate
+        assert stable.config.train.steps == branches[-1].branch_from[1]
+        assert stable.config.optim.decay_fraction == 0.0
+    with pytest.raises(ValueError, match="at least 500 are needed"):
+        wsd_grid(models, [2e10], make_config, min_steps=500)
+
+
+def test_the_wsd_demo_pairs_each_cooldown_with_a_cosine_run_and_spends_under_60_percent(
+    tmp_path,
+):
+    from lmuscale.sweep.plan import plan, table
+
+    sweep = load_sweep(SWEEPS / "wsd_demo.py")
+    by_name = {t.name: t for t in sweep.trials}
+    branches = [t for t in sweep.trials if t.branch_from]
+    assert len(branches) == 18
+    for family in ("lmu", "transformer"):  # 3 sizes x 3 budgets each
+        sizes = {t.config.model.d for t in branches if t.config.model.family == family}
+        assert len(sizes) == 3, family
+    for branch in branches:
+        cosine = by_name[f"cosine-{branch.name}"].config
+        assert cosine.optim.schedule == "cosine" and branch.config.optim.schedule == "wsd"
+        for key in ("train.steps", "optim.warmup_steps", "optim.learning_rate", "eval.every"):
+            section, leaf = key.split(".")
+            assert cosine[section][leaf] == branch.config[section][leaf], key
+    text = table(plan(sweep.trials, tmp_path, sweep.throughput))
+    spent = {
+        design: sum(
+            cost(t.config) * (1 - t.branch_from[1] / t.config.train.steps if t.branch_from else 1)
+            for t in sweep.trials
+            if t.name.startswith("cosine-") == (design == "cosine")
+        )
+        for design in ("wsd", "cosine")
+    }
+    assert spent["wsd"] / spent["cosine"] <= 0.6
+    assert f"({spent['wsd'] / spent['cosine']:.0%} of it)" in text, text

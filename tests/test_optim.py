@@ -111,3 +111,107 @@ def test_optimizer_is_adam_with_the_papers_schedule(overrides):
             where = f"step {step}, {jax.tree_util.keystr(path)}"
             np.testing.assert_allclose(a, b, rtol=2e-5, atol=1e-9, err_msg=where)
     assert all(np.all(leaf != 0) for leaf in jax.tree.leaves(got[2]))
+
+
+# The schedules at steps 0..10 (warmup 2, 10 steps, a "wsd" decay of the last 4), as fractions
+# of the peak, worked out by hand: warmup 0, 1/2; the peak until the decay starts at step 6;
+# then the shape at progress k/4 for k = 1, 2, 3; the floor at step 10 (after the last update).
+C = 0.5 * (1 + np.cos(np.pi / 4))  # 0.8536
+HAND = {
+    "linear": (0, 0.5, 1, 1, 1, 1, 1, 0.75, 0.5, 0.25, 0),
+    "cosine": (0, 0.5, 1, 1, 1, 1, 1, C, 0.5, 1 - C, 0),
+    "1-sqrt": (0, 0.5, 1, 1, 1, 1, 1, 0.5, 1 - np.sqrt(0.5), 1 - np.sqrt(0.75), 0),
+}
+
+
+@pytest.mark.parametrize("shape", list(HAND))
+@pytest.mark.parametrize("floor", [0.0, 0.1])
+@pytest.mark.parametrize("given", ["steps", "fraction"])
+def test_wsd_schedule_against_hand_computed_values(shape, floor, given):
+    decay = {"decay_steps": 4} if given == "steps" else {"decay_fraction": 0.4}
+    section = optim_section(
+        schedule="wsd", decay_shape=shape, final_lr_fraction=floor, learning_rate=2.0, **decay
+    )
+    _, lr = optim.optimizer(section, 10)
+    # the floor lifts the decay only: peak * (floor + (1 - floor) * shape)
+    hand = [v if s < 6 else floor + (1 - floor) * v for s, v in enumerate(HAND[shape])]
+    got = [float(lr(s)) for s in range(11)]
+    np.testing.assert_allclose(got, 2.0 * np.array(hand), rtol=1e-6, atol=1e-7)
+
+
+def test_a_wsd_decay_of_zero_steps_keeps_the_peak_to_the_end():
+    """The stable run that cooldowns branch from."""
+    _, lr = optim.optimizer(optim_section(schedule="wsd", decay_fraction=0.0), 10)
+    got = [float(lr(s)) for s in (0, 1, 2, 9, 10)]
+    np.testing.assert_allclose(got, [0.0, 5e-4, 1e-3, 1e-3, 1e-3], rtol=1e-6)
+    assert got[2] == got[3] == got[4]
+
+
+def test_cosine_floor_against_hand_computed_values():
+    _, lr = optim.optimizer(optim_section(final_lr_fraction=0.1, learning_rate=1.0), STEPS)
+    hand = (0.0, 0.5, 1.0, 0.1 + 0.9 * 0.75, 0.1 + 0.9 * 0.25, 0.1)
+    np.testing.assert_allclose([float(lr(s)) for s in range(STEPS + 1)], hand, rtol=1e-6)
+
+
+def model_params(name):
+    from lmuscale.models import build
+    from lmuscale.ops import resolve
+
+    model_config = named_config(name)
+    model = build(model_config, resolve(model_config))
+    tokens = jnp.zeros((1, 8), jnp.int32)
+    return jax.eval_shape(lambda: model.init(jax.random.key(0), tokens))["params"]
+
+
+# Each family's parameters that the default mask leaves out of weight decay, by path, by hand:
+# norms' scales and biases, every bias, the embeddings (tokens, and the transformer's positions).
+NOT_DECAYED = {
+    "lmu-55k": lambda path: path.endswith(("bias", "scale", "embedding")),
+    "transformer-55k": lambda path: path.endswith(("bias", "scale", "embedding", "positions")),
+}
+
+
+@pytest.mark.parametrize("name", list(NOT_DECAYED))
+def test_weight_decay_mask_leaves_out_norms_biases_and_embeddings(name):
+    params = model_params(name)
+    paths = {
+        "/".join(str(k.key) for k in path): leaf
+        for path, leaf in jax.tree_util.tree_flatten_with_path(params)[0]
+    }
+    mask = dict(zip(paths, jax.tree.leaves(optim.decay_mask(params, optim_section())), strict=True))
+    kept = {p for p, decayed in mask.items() if not decayed}
+    assert kept == {p for p in paths if NOT_DECAYED[name](p)}
+    assert {p for p, decayed in mask.items() if decayed} >= {
+        p for p in paths if p.endswith("kernel")
+    }
+    # Each switch puts its kind back, and only it (a norm's bias is a norm's).
+    kinds = {
+        "norms": lambda p: any(part.startswith("norm") for part in p.split("/")[:-1]),
+        "biases": lambda p: p.endswith("bias") and not kinds["norms"](p),
+        "embedding": lambda p: p.endswith(("embedding", "positions")),
+    }
+    for switch, kind in kinds.items():
+        flags = jax.tree.leaves(
+            optim.decay_mask(params, optim_section(**{f"weight_decay_{switch}": True}))
+        )
+        now = {p for p, decayed in zip(paths, flags, strict=True) if not decayed}
+        assert kept - now == {p for p in kept if kind(p)} != set(), switch
+
+
+def test_adamw_adds_the_masked_decay_to_adams_update_times_the_rate():
+    """update = -lr (adam + wd * param) where the mask says, -lr adam elsewhere."""
+    section = optim_section(weight_decay=0.1, learning_rate=0.5)
+    params = {"dense": {"kernel": jnp.full((2, 3), 2.0), "bias": jnp.full((3,), 3.0)}}
+    grads = jax.tree.map(lambda p: jnp.full(p.shape, 0.25), params)
+    adam, _ = optim.optimizer(optim_section(learning_rate=0.5), STEPS)
+    adamw, lr = optim.optimizer(section, STEPS)
+    for step in range(3):  # the rate is 0 at step 0: the decay shows from step 1
+        a_state, w_state = adam.init(params), adamw.init(params)
+        for _ in range(step + 1):
+            a_up, a_state = adam.update(grads, a_state, params)
+            w_up, w_state = adamw.update(grads, w_state, params)
+        rate = float(lr(step))
+        np.testing.assert_allclose(w_up["dense"]["bias"], a_up["dense"]["bias"], rtol=1e-6)
+        np.testing.assert_allclose(
+            w_up["dense"]["kernel"], a_up["dense"]["kernel"] - rate * 0.1 * 2.0, rtol=1e-6
+        )

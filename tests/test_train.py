@@ -26,7 +26,7 @@ from lmuscale.train.config import check
 
 
 def test_schedule_is_linear_warmup_then_cosine_to_zero():
-    lr = optim.schedule(peak=2.0, warmup_steps=10, total_steps=110)
+    lr = optim.cosine(peak=2.0, warmup_steps=10, total_steps=110)
     for s in range(0, 111, 5):
         warm, cosine = 2.0 * s / 10, 0.5 * 2.0 * (1 + math.cos(math.pi * (s - 10) / 100))
         want = warm if s < 10 else cosine
@@ -192,7 +192,7 @@ def test_metrics_log_every_step_with_its_learning_rate(finished):
     assert [e["step"] for e in evals] == [4, 8, 12]
     # plateau_rtol 0.5, patience 1: each evaluation after the first halves the scale
     assert [e["lr_scale"] for e in evals] == [1.0, 0.5, 0.25]
-    lr = optim.schedule(config.optim.learning_rate, 2, 12)
+    lr = optim.cosine(config.optim.learning_rate, 2, 12)
     for r in records:
         scale = 1.0 if r["step"] <= 8 else 0.5  # the scale set by the evaluation before
         assert r["lr"] == pytest.approx(float(lr(r["step"] - 1)) * scale, rel=1e-6, abs=1e-8)

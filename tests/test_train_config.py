@@ -305,6 +305,7 @@ RESUMABLE = (
     "train.memory_budget_gb",
     "model.loss_impl",
     "model.memory_impl",
+    "checkpoint.keep_steps",
 )
 
 

@@ -29,7 +29,22 @@ RESUMABLE_CHANGES = (
     "train.memory_budget_gb",
     "model.loss_impl",  # the same loss to rounding (lmuscale.ops)
     "model.memory_impl",  # the same LMU memory to rounding
+    "checkpoint.keep_steps",  # more checkpoints kept (a sweep adds its branches' points)
 )
+# The optimiser's keys added with the WSD schedule and AdamW, as every earlier run had them in
+# effect: a trial's hash leaves each out while it has this value (``hashed``), so that no
+# folder name of an earlier sweep changes.
+OPTIM_ADDED = {
+    "schedule": "cosine",
+    "decay_shape": "1-sqrt",
+    "decay_fraction": 0.2,
+    "decay_steps": 0,
+    "final_lr_fraction": 0.0,
+    "weight_decay": 0.0,
+    "weight_decay_norms": False,
+    "weight_decay_biases": False,
+    "weight_decay_embedding": False,
+}
 # Keys added after runs were saved, with the value those runs had in effect (``upgrade``).
 ADDED_KEYS = {
     "train.memory_budget_gb": 0.0,
@@ -43,6 +58,8 @@ ADDED_KEYS = {
     "log.profile_start": 10,
     "data.prepare": False,
     "data.fingerprint": "",
+    "checkpoint.keep_steps": "",
+    **{f"optim.{key}": value for key, value in OPTIM_ADDED.items()},
 }
 # Filled in from the dataset by training (``train.loop.open_data``): "" is "not known yet" on
 # either side of a comparison, and a trial's hash leaves it out unless it is pinned.
@@ -60,6 +77,18 @@ def flatten(config, prefix: str = "") -> dict:
         else:
             out[f"{prefix}{key}"] = value
     return out
+
+
+def hashed(config) -> dict:
+    """The flattened keys of ``config`` that a trial's hash covers: those that change the
+    trained numbers, less ``OPTIM_ADDED``'s at their old value and an unpinned fingerprint."""
+    flat = {k: v for k, v in flatten(config).items() if not k.startswith(RESUMABLE_CHANGES)}
+    for key, value in OPTIM_ADDED.items():
+        if flat.get(f"optim.{key}") == value:
+            del flat[f"optim.{key}"]
+    if not flat.get(FINGERPRINT, True):
+        del flat[FINGERPRINT]
+    return flat
 
 
 def upgrade(saved: dict) -> dict:

@@ -37,6 +37,9 @@ RESULT_FIELDS = (
     "tokens",
     "flops_per_token",
     "total_flops",
+    "branch_from",  # a branch's parent trial (its tokens and FLOPs include the parent's share)
+    "branch_step",  # the parent's step it started from
+    "spent_flops",  # the FLOPs its own training spent: total_flops less a branch's share
     "learning_rate",
     "seed",
     "val_loss",
@@ -104,6 +107,7 @@ def result_row(trial, folder: Path, count: Callable[[], dict]) -> dict:
         tokens=tokens,
         flops_per_token=model["flops_per_token"],
         total_flops=model["flops_per_token"] * tokens,
+        spent_flops=model["flops_per_token"] * tokens,
         learning_rate=c.optim.learning_rate,
         seed=c.train.seed,
         status=state,
@@ -112,6 +116,11 @@ def result_row(trial, folder: Path, count: Callable[[], dict]) -> dict:
         or c.data.fingerprint
         or None,
     )
+    branch = getattr(trial, "branch_from", None)
+    if branch is not None:
+        parent, step = branch
+        share = model["flops_per_token"] * step * c.train.global_batch * c.data.seq_len
+        row.update(branch_from=parent, branch_step=step, spent_flops=row["total_flops"] - share)
     if state == "finished":
         row.update({key: record.get(key) for key in FINAL}, step=c.train.steps)
         return row

@@ -43,6 +43,7 @@ ROLE_NAMES = {
     "isoflop": "IsoFLOP",
     "learning_rate": "learning-rate grid",
     "seed": "seed replicate",
+    "stable": "WSD stable run",  # no analysis takes it: its cooldown branches are the budgets
 }
 ROLES = tuple(ROLE_NAMES)
 
@@ -66,6 +67,9 @@ class Run:
     seed: int | None = None
     folder: str | None = None  # the trial's folder, beside the results table
     role: str = "grid"  # one of ROLES
+    # a cooldown branch: the trial it started from and at which step (its tokens include them)
+    branch_from: str | None = None
+    branch_step: int | None = None
 
     @property
     def flops(self) -> float | None:
@@ -353,7 +357,7 @@ def _run(path, line, row, split, skipped) -> Run | None:
             raise DataError(f"{where}: column {split}_per_position must be a list of numbers")
         per_position = [math.nan if v is None else float(v) for v in per_position]
     optional = {}
-    for column in ("tokenizer", "folder"):
+    for column in ("tokenizer", "folder", "branch_from"):
         name = optional[column] = row.get(column)
         if name is not None and not isinstance(name, str):
             raise DataError(f"{where}: column {column} is {name!r}, not a {column}'s name")
@@ -362,6 +366,10 @@ def _run(path, line, row, split, skipped) -> Run | None:
     role = row.get("role") or "grid"
     if role not in ROLES:
         raise DataError(f"{where}: column role is {role!r}; expected one of {', '.join(ROLES)}")
+    step = _number(row.get("branch_step"), where, "branch_step", allow_missing=True)
+    if (step is None) != (optional["branch_from"] is None) or (step is not None and step < 1):
+        raise DataError(f"{where}: columns branch_from and branch_step: both or neither, step >= 1")
+    optional["branch_step"] = None if step is None else int(step)
     seed = _number(row.get("seed"), where, "seed", allow_missing=True)
     if seed is not None and (not seed.is_integer() or seed < 0):
         raise DataError(f"{where}: column seed must be a whole number >= 0, got {seed}")

@@ -1,6 +1,7 @@
 """Grids of trials for compute-optimal studies, for sweep files to yield: ``isoflop_grid`` (per
 compute budget, the sizes nearest a tokens-per-parameter ratio, each trained on the tokens the
-budget buys at its own training FLOPs per token, not 6N) and ``learning_rate_grid``."""
+budget buys at its own training FLOPs per token, not 6N), ``wsd_grid`` (the same budgets as
+cooldowns branched from one warmup-stable-decay run per size) and ``learning_rate_grid``."""
 
 from __future__ import annotations
 
@@ -113,6 +114,76 @@ def isoflop_grid(
         note = f"learning rate {lr:.3g} from {learning_rate_from}" if lr is not None else ""
         trials += _seeded(name, config, seeds, caller(1), "isoflop", note)
     return trials
+
+
+def wsd_grid(
+    models: Mapping[str, Sequence[ModelConfig]],
+    budgets: Iterable[float],
+    make_config: MakeConfig,
+    *,
+    decay: float = 0.2,
+    shape: str = "1-sqrt",
+    min_steps: int = 50,
+    evals: int = 10,
+    role: str = "isoflop",
+    learning_rate: Callable[[str, int], float] | None = None,
+) -> list[Trial]:
+    """Every model at every compute budget (training FLOPs), as cooldowns: per model, one
+    stable run (warmup, then the peak rate: a "wsd" schedule without decay; role "stable"),
+    and per budget a branch of it that trains the steps the budget buys at the model's own
+    FLOPs per token with a "wsd" schedule whose last ``decay`` of them decay along ``shape``
+    (``optim.decay_shape``). Each branch starts from the stable run's checkpoint where its
+    decay begins, so the stable run trains as far as the largest budget's. The warmup is the
+    base config's fraction of the smallest budget's steps (the same for all of a model's runs);
+    evaluations come every ``steps // evals`` steps. Names: FAMILY-N-stable and FAMILY-N-C
+    (``lmu-29k-3e11``). ValueError when a budget buys fewer than ``min_steps`` steps."""
+    origin = caller(1)
+    budgets = sorted(budgets)
+    trials = []
+    for family, candidates in models.items():
+        for model in sorted(candidates, key=lambda m: count_params(m).non_embedding):
+            base = make_config(model)
+            n = count_params(model).non_embedding
+            tokens_per_step = base.train.global_batch * base.data.seq_len
+            per_token = flops_per_token(model, base.data.seq_len).train
+            steps = [round(budget / (per_token * tokens_per_step)) for budget in budgets]
+            if steps[0] < min_steps:
+                raise ValueError(
+                    f"{family} N={n:,} at C = {budgets[0]:.3g} FLOPs: {steps[0]} steps of "
+                    f"{tokens_per_step:,} tokens; at least {min_steps} are needed"
+                )
+            fraction = base.optim.warmup_steps / base.train.steps
+            warmup = min(max(1, round(fraction * steps[0])), steps[0] - 1)
+            lr = None if learning_rate is None else learning_rate(family, n)
+            starts = [s - round(decay * s) for s in steps]
+            stable_name = f"{family}-{short(n)}-stable"
+            stable = _wsd(base, max(starts), warmup, evals, lr, 0.0, shape)
+            trials.append(Trial(stable_name, stable, role="stable", origin=origin))
+            for budget, length, start in zip(budgets, steps, starts, strict=True):
+                config = _wsd(base, length, warmup, evals, lr, decay, shape)
+                note = f"cooldown of {stable_name} from step {start:,}"
+                name = f"{family}-{short(n)}-{short(budget)}"
+                branch = (stable_name, start)
+                trials.append(
+                    Trial(name, config, role=role, note=note, branch_from=branch, origin=origin)
+                )
+    return trials
+
+
+def _wsd(base: ConfigDict, steps: int, warmup: int, evals: int, lr, decay: float, shape: str):
+    """``base`` trained ``steps`` on a "wsd" schedule (see ``wsd_grid``)."""
+    config = ConfigDict(base.to_dict())
+    config.train.steps = steps
+    config.optim.update(
+        schedule="wsd", warmup_steps=warmup, decay_fraction=decay, decay_steps=0, decay_shape=shape
+    )
+    if lr is not None:
+        config.optim.learning_rate = float(lr)
+    every = max(1, steps // evals)
+    config.eval.every = every
+    config.checkpoint.every = every
+    config.log.every = min(config.log.every, every)
+    return config
 
 
 def chosen_learning_rates(done: Mapping[str, dict], trials: Sequence[Trial], split: str = "val"):

@@ -87,7 +87,8 @@ def plan(trials, workdir: Path, throughput: Throughput) -> list[dict]:
                 row["family"], row["N"], row["flops_per_token"], row["dtype"]
             )
         speed = row["flops_per_second"]
-        row["seconds"] = row["total_flops"] / speed if speed else None  # the training steps
+        # the training steps (a branch trains only its own: spent_flops)
+        row["seconds"] = row["spent_flops"] / speed if speed else None
         row["overhead"], row["overhead_source"] = extra, extra_source
         row["estimate"] = row["seconds"] + extra if speed else None
     return rows
@@ -106,9 +107,10 @@ def table(rows: list[dict]) -> str:
         "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---|---:|---|" + "---|" * notes,
     ]
     for r in rows:
+        rate = "-" if r.get("waits") and not r["branch_from"] else f"{r['learning_rate']:.3g}"
         lines.append(
             f"| {r['trial']} | {r['family']} | {r['N']:,} | {r['total_params']:,} "
-            f"| {'-' if r.get('waits') else format(r['learning_rate'], '.3g')} "
+            f"| {rate} "
             f"| {human(r['tokens'])} | {r['tokens'] / r['N']:,.0f} "
             f"| {human(r['flops_per_token'])} | {human(r['total_flops'])} "
             f"| {human(r['flops_per_second']) if r['flops_per_second'] else '-'} "
@@ -121,8 +123,9 @@ def table(rows: list[dict]) -> str:
         total_time += f" ({len(rows) - len(known)} unknown)"
     lines.append(
         f"| **total** ({len(rows)}) | | | | | {human(sum(r['tokens'] for r in rows))} | "
-        f"| | {human(sum(r['total_flops'] for r in rows))} | | | {total_time} | |"
+        f"| | {human(sum(r['spent_flops'] for r in rows))} | | | {total_time} | |"
     )
+    lines += branch_lines(rows)
     if rows:
         lines.append(
             f"\nEach estimate includes {duration(rows[0]['overhead'])} a trial of start-up, "
@@ -135,6 +138,25 @@ def table(rows: list[dict]) -> str:
             "the trials before them have ended (their learning rate is shown as -)."
         )
     return "\n".join(lines)
+
+
+def branch_lines(rows: list[dict]) -> list[str]:
+    """What the branches save: their compute with their parents', against the same budgets
+    trained as independent runs (none without branches)."""
+    branches = [r for r in rows if r["branch_from"]]
+    if not branches:
+        return []
+    parents = {r["branch_from"] for r in branches}
+    stable = sum(r["spent_flops"] for r in rows if r["trial"] in parents)
+    cooldowns = sum(r["spent_flops"] for r in branches)
+    alone = sum(r["total_flops"] for r in branches)
+    return [
+        f"\nThe total counts a branch's own steps only ({len(branches)} branches of "
+        f"{len(parents)} runs: tokens and total FLOPs per row include the parent's share).",
+        f"Branches: {human(stable + cooldowns)} FLOPs ({human(stable)} in their {len(parents)} "
+        f"parents, {human(cooldowns)} in their own steps); the same {len(branches)} budgets as "
+        f"independent runs: {human(alone)} FLOPs ({(stable + cooldowns) / alone:.0%} of it).",
+    ]
 
 
 def missing_data(trials) -> list[str]:

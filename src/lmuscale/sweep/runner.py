@@ -50,6 +50,9 @@ def folders(sweep: Sweep, workdir: Path, trials: list[ResolvedTrial]) -> dict[st
         folder = out[trial.name] = workdir / TRIALS / trial.folder_name
         folder.mkdir(parents=True, exist_ok=True)
         record = {"name": trial.name, "key": trial.key, "config": trial.config.to_dict()}
+        if trial.branch_from is not None:  # what the worker starts it from
+            parent, step = trial.branch_from
+            record["branch_from"] = {"trial": parent, "folder": trial.parent_folder, "step": step}
         if read_json(folder / TRIAL) != record:
             atomic_write_json(folder / TRIAL, record)
     return out

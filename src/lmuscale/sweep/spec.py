@@ -3,6 +3,12 @@ optionally with ``THROUGHPUT`` (``lmuscale.sweep.throughput``), ``SLURM`` (submi
 and ``after(workdir)``, called once every trial has finished. A trial's folder is ``NAME-HASH``,
 HASH a sha256 of the config keys that change the trained numbers (``config_hash``).
 
+A branch: ``Trial(..., branch_from=("parent", step))`` trains from the checkpoint at ``step``
+of the sweep's trial ``parent`` (``lmuscale.train.branch``), e.g. a cooldown of a
+warmup-stable-decay run (``lmuscale.sweep.grids.wsd_grid``). It waits until the parent has
+finished (the parent saves and keeps that step: ``checkpoint.keep_steps``), ends as "parent
+diverged" when the parent diverged, and its folder's hash covers its parent's.
+
 A sweep in stages: ``get_trials(done)`` is given the result rows of the sweep's trials that
 have ended (finished or diverged), by name (``lmuscale.sweepdir.result_row``). A trial that
 needs results not there yet is yielded with ``waits="why"``: ``--dry-run`` lists it, the runner
@@ -26,7 +32,7 @@ from ml_collections import ConfigDict
 from lmuscale import sweepdir
 from lmuscale.models import count_params, flops_per_token
 from lmuscale.outcomes import ConfigError
-from lmuscale.resume import FINGERPRINT, RESUMABLE_CHANGES, flatten
+from lmuscale.resume import flatten, hashed
 from lmuscale.sweep.throughput import Throughput, short_path
 from lmuscale.train.config import errors_named, load, load_module, model_config, override
 from lmuscale.workdir import DONE
@@ -34,8 +40,9 @@ from lmuscale.workdir import DONE
 NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._+=-]*")
 # What a trial is for, which decides the analyses that take it (lmuscale.analysis.results): the
 # paper's grid of sizes at one budget, an IsoFLOP budget, a learning-rate grid, or a repeat of
-# a grid trial at another seed. Not part of the config, so it does not change the folder.
-ROLES = ("grid", "isoflop", "learning_rate", "seed")
+# a grid trial at another seed, or the stable run of warmup-stable-decay cooldowns (which
+# feeds no fit: its branches do). Not part of the config, so it does not change the folder.
+ROLES = ("grid", "isoflop", "learning_rate", "seed", "stable")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -43,7 +50,8 @@ class Trial:
     """One training run: ``config`` is a ConfigDict or ``"FILE.py:NAME"`` (relative to the
     sweep file), changed by ``overrides`` (``{"train.steps": 250_000}``); ``role``: one of
     ``ROLES``; ``waits``: why it cannot run yet (see the module docstring); ``note``: what
-    ``--dry-run`` should say of it, e.g. where its learning rate came from."""
+    ``--dry-run`` should say of it, e.g. where its learning rate came from; ``branch_from``:
+    ``(trial name, step)`` to start from (see the module docstring)."""
 
     name: str
     config: ConfigDict | str
@@ -51,6 +59,7 @@ class Trial:
     role: str = "grid"
     waits: str = ""
     note: str = ""
+    branch_from: tuple[str, int] | None = None
     origin: str = dataclasses.field(default="", compare=False, repr=False)
 
     def __post_init__(self):
@@ -66,6 +75,8 @@ class ResolvedTrial:
     role: str = "grid"
     waits: str = ""
     note: str = ""
+    branch_from: tuple[str, int] | None = None  # (the parent trial's name, the step)
+    parent_folder: str = ""  # a branch's parent's folder name
 
     @property
     def folder_name(self) -> str:
@@ -101,12 +112,12 @@ class Sweep:
         return load_sweep(self.path, self.workdir, self.overrides, self.table)
 
 
-def config_hash(config: ConfigDict | dict) -> str:
-    """12 hex digits of a sha256 over the keys that change the trained numbers (the data's
-    fingerprint only where it is pinned)."""
-    flat = {k: v for k, v in flatten(config).items() if not k.startswith(RESUMABLE_CHANGES)}
-    if not flat.get(FINGERPRINT, True):
-        del flat[FINGERPRINT]
+def config_hash(config: ConfigDict | dict, branch: tuple[str, int] | None = None) -> str:
+    """12 hex digits of a sha256 over the keys that change the trained numbers
+    (``resume.hashed``), and for a branch, ``(its parent's hash, the step)``."""
+    flat = hashed(config)
+    if branch is not None:
+        flat["branch_from"] = list(branch)
     text = json.dumps(flat, sort_keys=True, separators=(",", ":"))
     return hashlib.sha256(text.encode()).hexdigest()[:12]
 
@@ -139,6 +150,8 @@ def load_sweep(
         if now.keys() <= done.keys():
             break
         done = now
+    if any(t.branch_from for t in resolved):
+        resolved = [_waits_for_parent(t, resolved, table) for t in resolved]
     throughput = _throughput(path, getattr(module, "THROUGHPUT", None))
     slurm = getattr(module, "SLURM", {})
     if not isinstance(slurm, dict):
@@ -153,7 +166,7 @@ def _trials(path: Path, get_trials, done: dict | None, overrides=()) -> list[Res
         trials = list(get_trials() if done is None else get_trials(dict(done)))
     if not trials:
         raise ConfigError(f"{path}: get_trials() returned no trials")
-    resolved, seen = [], {}
+    resolved, seen, wheres = [], {}, {}
     for trial in trials:
         if not isinstance(trial, Trial):
             raise ConfigError(f"{path}: get_trials() gave {trial!r}; expected Trial(...) items")
@@ -173,9 +186,129 @@ def _trials(path: Path, get_trials, done: dict | None, overrides=()) -> list[Res
         for key in ("waits", "note"):
             if not isinstance(getattr(trial, key), str):
                 raise ConfigError(f"{where}: {key} is {getattr(trial, key)!r}; expected text")
+        branch = trial.branch_from
+        if branch is not None and not (
+            isinstance(branch, tuple)
+            and len(branch) == 2
+            and isinstance(branch[0], str)
+            and isinstance(branch[1], int)
+            and not isinstance(branch[1], bool)
+        ):
+            raise ConfigError(f"{where}: branch_from is {branch!r}; expected (trial name, step)")
         seen[trial.name] = _short(trial.origin)
         resolved.append(_resolve(trial, path.parent, where, path.stem, overrides))
-    return resolved
+        wheres[trial.name] = where
+    return _branches(resolved, wheres)
+
+
+# The keys in which a branch may differ from its parent: its length, its schedule's decay and
+# what trains no differently (evaluations, logs, checkpoints). The learning rate up to the
+# branch point is compared too, step by step.
+BRANCH_MAY_DIFFER = (
+    "name",
+    "train.steps",
+    "optim.schedule",
+    "optim.decay_",
+    "optim.final_lr_fraction",
+    "eval.",
+    "log.",
+    "checkpoint.",
+)
+
+
+def _branches(trials: list[ResolvedTrial], wheres: dict[str, str]) -> list[ResolvedTrial]:
+    """Each branch checked against its parent (ConfigError naming the trial), its hash made its
+    own; each parent given its branch points to save and keep (``checkpoint.keep_steps``)."""
+    from lmuscale.train import optim
+
+    by_name = {t.name: t for t in trials}
+    points: dict[str, set[int]] = {}
+    out = []
+    for trial in trials:
+        if trial.branch_from is None:
+            out.append(trial)
+            continue
+        name, step = trial.branch_from
+        where, parent = wheres[trial.name], by_name.get(name)
+        if parent is None:
+            raise ConfigError(f"{where}: branch_from names {name!r}, which is not a trial here")
+        if parent.branch_from is not None:
+            raise ConfigError(
+                f"{where}: its parent {name!r} is a branch itself; branch from {name!r}'s "
+                f"parent, {parent.branch_from[0]!r}, instead"
+            )
+        length = parent.config.train.steps
+        if not 1 <= step <= length:
+            raise ConfigError(
+                f"{where}: branch_from step {step} is past its parent {name!r}, which trains "
+                f"{length} steps"
+            )
+        if step >= trial.config.train.steps:
+            raise ConfigError(
+                f"{where}: it branches at step {step} but trains {trial.config.train.steps} "
+                "steps (train.steps): nothing would be left to train"
+            )
+        mine, theirs = flatten(trial.config), flatten(parent.config)
+        for key in mine:
+            if not key.startswith(BRANCH_MAY_DIFFER) and mine[key] != theirs.get(key):
+                raise ConfigError(
+                    f"{where}: its {key} is {mine[key]!r} where its parent {name!r} has "
+                    f"{theirs.get(key)!r}: a branch continues its parent's training (only "
+                    "train.steps, the schedule's decay, eval, log and checkpoint may differ)"
+                )
+        _same_rate(trial, parent, step, where, optim)
+        points.setdefault(name, set()).add(step)
+        key = config_hash(trial.config, (parent.key, step))
+        out.append(dataclasses.replace(trial, key=key, parent_folder=parent.folder_name))
+    return [_keeping(t, points[t.name]) if t.name in points else t for t in out]
+
+
+RATE_BLOCK = 4096  # steps of a learning-rate comparison evaluated at once
+
+
+def _same_rate(trial: ResolvedTrial, parent: ResolvedTrial, step: int, where: str, optim) -> None:
+    """ConfigError unless the branch's learning rate equals its parent's at every step before
+    the branch point (e.g. a cooldown that would start before it)."""
+    import numpy as np
+
+    def rates(config) -> np.ndarray:  # in blocks of one shape: JAX compiles each op once
+        schedule = optim.schedule(config.optim, config.train.steps)
+        blocks = [schedule(np.arange(i, i + RATE_BLOCK)) for i in range(0, step, RATE_BLOCK)]
+        return np.concatenate([np.asarray(b) for b in blocks])[:step]
+
+    ours, theirs = rates(trial.config), rates(parent.config)
+    differ = np.flatnonzero(ours != theirs)
+    if differ.size:
+        first = int(differ[0])
+        raise ConfigError(
+            f"{where}: its learning rate at step {first} is {ours[first]:.4g} where its parent "
+            f"{parent.name!r} had {theirs[first]:.4g}: a branch trains as its parent did up to the "
+            f"branch point (step {step}); start its decay at or after it"
+        )
+
+
+def _keeping(trial: ResolvedTrial, steps: set[int]) -> ResolvedTrial:
+    """``trial`` with ``steps`` added to its ``checkpoint.keep_steps`` (its hash stays)."""
+    config = ConfigDict(trial.config.to_dict())
+    own = {int(s) for s in config.checkpoint.keep_steps.replace(" ", "").split(",") if s}
+    config.checkpoint.keep_steps = ",".join(str(s) for s in sorted(own | steps))
+    config.lock()
+    return dataclasses.replace(trial, config=config)
+
+
+def _waits_for_parent(
+    trial: ResolvedTrial, trials: list[ResolvedTrial], table: sweepdir.Table | None
+) -> ResolvedTrial:
+    """A branch waits until its parent has ended (a diverged parent ends it, in its worker)."""
+    if trial.branch_from is None or trial.waits:
+        return trial
+    name = trial.branch_from[0]
+    parent = next(t for t in trials if t.name == name)
+    state = None if table is None or parent.waits else table.row(parent)["status"]
+    if state in DONE:
+        return trial
+    waits = f"their parent {name} to finish (each starts from one of its checkpoints)"
+    return dataclasses.replace(trial, waits=waits)
 
 
 def _ended(trials: list[ResolvedTrial], table: sweepdir.Table) -> dict[str, dict]:
@@ -258,7 +391,13 @@ def _resolve(
         raise ConfigError(f"{where}: {error}") from None
     config.lock()
     return ResolvedTrial(
-        trial.name, config, config_hash(config), trial.role, trial.waits.strip(), trial.note
+        trial.name,
+        config,
+        config_hash(config),
+        trial.role,
+        trial.waits.strip(),
+        trial.note,
+        trial.branch_from,
     )
 
 

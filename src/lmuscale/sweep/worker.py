@@ -35,6 +35,8 @@ from lmuscale.workdir import (
     read_json,
     read_log,
     status,
+    summary,
+    write_summary,
 )
 from lmuscale.workdir import outcome as final_outcome
 
@@ -134,12 +136,15 @@ def train(folder: Path) -> int:
             if rank == 0:
                 _close_attempt(folder)
             return Exit.FINISHED if final == "finished" else Exit.DIVERGED
+        options["branch"] = branch = _branch(folder)
         if rank > 0:
             run(_config(folder, tasks), folder, **options)
             return Exit.FINISHED
         (folder / ERROR).unlink(missing_ok=True)
         spawned = os.environ.get(SPAWNED)
         _attempt(folder, {"event": "start"} | ({"spawned": float(spawned)} if spawned else {}))
+        if branch is not None and status(branch.folder) == "diverged":
+            return _parent_diverged(folder, branch)
         try:
             summary = run(_config(folder, tasks), folder, **options)
         except BaseException as error:
@@ -163,6 +168,29 @@ def train(folder: Path) -> int:
         return Exit.FINISHED
     finally:
         lock.release()
+
+
+def _branch(folder: Path):
+    """The ``train.branch.Branch`` that trial.json names, or None."""
+    from lmuscale.train.branch import Branch
+
+    record = (read_json(folder / TRIAL) or {}).get("branch_from")
+    if record is None:
+        return None
+    return Branch(record["trial"], folder.parent / record["folder"], int(record["step"]))
+
+
+def _parent_diverged(folder: Path, branch) -> int:
+    """End a branch whose parent diverged as diverged, untrained, saying so."""
+    parent = summary(branch.folder) or {}
+    message = (
+        f"parent diverged: {branch.trial} diverged at step {parent.get('step')} ("
+        f"{branch.folder.name}); this branch of its step {branch.step} was not trained"
+    )
+    write_summary(folder, {"status": "diverged", "error": message, "step": branch.step})
+    _attempt(folder, {"event": "end", "outcome": "diverged"})
+    print(message, flush=True)
+    return Exit.DIVERGED
 
 
 def record_crash(folder: Path, returncode: int) -> None:

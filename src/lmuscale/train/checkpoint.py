@@ -25,6 +25,7 @@ import sys
 import tempfile
 import traceback
 import zlib
+from collections.abc import Collection
 from pathlib import Path
 
 import jax
@@ -267,12 +268,20 @@ def _remove_unfinished(folder: Path) -> None:
 
 
 class Checkpoints:
-    """A run's ``checkpoints`` folder: the last ``keep`` states, by step. ``accept_unverified``:
-    as ``check_verifiable``'s ``accept``."""
+    """A run's ``checkpoints`` folder: the last ``keep`` states, by step, and those of the steps
+    in ``protect`` (branch points) whatever ``keep`` says. ``accept_unverified``: as
+    ``check_verifiable``'s ``accept``."""
 
-    def __init__(self, directory: Path, keep: int, accept_unverified: bool | None = None):
+    def __init__(
+        self,
+        directory: Path,
+        keep: int,
+        accept_unverified: bool | None = None,
+        protect: Collection[int] = (),
+    ):
         self.directory = Path(directory).absolute()
         self.accept_unverified = accept_unverified
+        self.keep, self.protect = keep, frozenset(protect)
         try:
             self.directory.mkdir(parents=True, exist_ok=True)
         except OSError as error:
@@ -283,8 +292,10 @@ class Checkpoints:
             _remove_unfinished(self.directory)
         # Orbax's own clean-up runs on a thread that ``close`` does not wait for: a run that
         # stops at once (bad data) would exit under it, and it would report from its thread.
+        # With steps to protect, the pruning is ours (``_prune``): not every orbax we support
+        # has a preservation policy.
         options = ocp.CheckpointManagerOptions(
-            max_to_keep=keep, create=True, cleanup_tmp_directories=False
+            max_to_keep=None if self.protect else keep, create=True, cleanup_tmp_directories=False
         )
         self.manager = ocp.CheckpointManager(self.directory, options=options)
         self.writing: int | None = None  # the step of the last save, until it is checked
@@ -365,7 +376,18 @@ class Checkpoints:
                     + ("Free some space and run" if full else "Run")
                     + " again to resume"
                 ) from None
+        if self.writing is not None and self.protect:
+            self._prune()
         self.writing = None
+
+    def _prune(self) -> None:
+        """Remove the steps past the newest ``keep`` that are not protected."""
+        for step in sorted(self.manager.all_steps())[: -self.keep]:
+            if step not in self.protect:
+                try:
+                    self.manager.delete(step)
+                except Exception as error:
+                    raise self._failed("removing", step, error) from None
 
     def restore(self, step: int, abstract_state) -> tuple[dict, dict]:
         """The state at ``step``, placed as ``abstract_state`` (``ShapeDtypeStruct``s with

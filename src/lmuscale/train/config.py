@@ -21,6 +21,7 @@ from lmuscale.models import ModelConfig
 from lmuscale.models import family as families
 from lmuscale.outcomes import ConfigError
 from lmuscale.resume import flatten
+from lmuscale.train import optim
 
 POSITIVE = (lambda v: v >= 1, "> 0")
 NON_NEGATIVE = (lambda v: v >= 0, ">= 0")
@@ -55,6 +56,12 @@ RANGES = {
     "optim.b1": (lambda v: 0 <= v < 1, "in [0, 1)"),
     "optim.b2": (lambda v: 0 <= v < 1, "in [0, 1)"),
     "optim.eps": (lambda v: v > 0, "> 0"),  # 0 would divide 0 by 0 where a gradient is 0
+    "optim.schedule": (lambda v: v in optim.SCHEDULES, " or ".join(optim.SCHEDULES)),
+    "optim.decay_shape": (lambda v: v in optim.DECAY_SHAPES, ", ".join(optim.DECAY_SHAPES)),
+    "optim.decay_fraction": (lambda v: 0 <= v <= 1, "in [0, 1]"),
+    "optim.decay_steps": NON_NEGATIVE,
+    "optim.final_lr_fraction": (lambda v: 0 <= v < 1, "in [0, 1)"),
+    "optim.weight_decay": (lambda v: v >= 0, ">= 0"),
     "optim.plateau_factor": (lambda v: 0 < v < 1, "in (0, 1)"),
     "optim.plateau_rtol": (lambda v: 0 < v <= 1, "in (0, 1]"),  # optax's range when atol is 0
     # optax cuts the scale when its count of evaluations without improvement (0 after an
@@ -106,6 +113,17 @@ def base_config(model: ModelConfig) -> ConfigDict:
         {
             "learning_rate": 1e-3,
             "warmup_steps": 500,
+            # train.optim's schedules: "cosine" (the paper's) or "wsd" (warmup-stable-decay)
+            "schedule": "cosine",
+            "decay_shape": "1-sqrt",  # wsd's: linear, cosine or 1-sqrt
+            "decay_fraction": 0.2,  # wsd's decay, as a fraction of train.steps ...
+            "decay_steps": 0,  # ... or in steps (0: the fraction)
+            "final_lr_fraction": 0.0,  # every schedule's floor, a fraction of the peak
+            # AdamW's decoupled weight decay (0: Adam), and whether it takes these parameters
+            "weight_decay": 0.0,
+            "weight_decay_norms": False,
+            "weight_decay_biases": False,
+            "weight_decay_embedding": False,
             "b1": 0.9,
             "b2": 0.999,
             "eps": 1e-8,
@@ -125,7 +143,9 @@ def base_config(model: ModelConfig) -> ConfigDict:
             "final_batches": 0,  # batches for the final val/test losses (0 = whole splits)
         }
     )
-    c.checkpoint = ConfigDict({"every": 1000, "keep": 3})
+    # keep_steps: steps (comma-separated) also saved and always kept: the branch points of
+    # cooldowns (a sweep's branch_from fills it in)
+    c.checkpoint = ConfigDict({"every": 1000, "keep": 3, "keep_steps": ""})
     c.log = ConfigDict(
         {
             "every": 50,
@@ -236,6 +256,15 @@ def _check_values(c: ConfigDict, model: ModelConfig, where: str) -> None:
             f"{where}: optim.warmup_steps ({c.optim.warmup_steps}) must be below train.steps "
             f"({c.train.steps})"
         )
+    if c.optim.schedule == "wsd":
+        decay = optim.decay_steps(c.optim, c.train.steps)
+        if decay + c.optim.warmup_steps > c.train.steps:
+            raise ConfigError(
+                f"{where}: optim's decay ({decay} steps) and warmup ({c.optim.warmup_steps}) are "
+                f"longer than the run (train.steps = {c.train.steps}): shorten the decay "
+                "(optim.decay_steps or optim.decay_fraction)"
+            )
+    keep_steps(c, where)
     if c.log.profile_steps and c.log.profile_start > c.train.steps:
         raise ConfigError(
             f"{where}: log.profile_start ({c.log.profile_start}) is after the last step "
@@ -246,6 +275,21 @@ def _check_values(c: ConfigDict, model: ModelConfig, where: str) -> None:
         raise ConfigError(
             f"{where}: data.seq_len ({c.data.seq_len}) exceeds model.max_len ({max_len})"
         )
+
+
+def keep_steps(c: ConfigDict, where: str = "config") -> list[int]:
+    """``checkpoint.keep_steps`` as steps, each in 1..train.steps (ConfigError otherwise)."""
+    text = c.checkpoint.keep_steps.replace(" ", "")
+    try:
+        steps = sorted({int(part) for part in text.split(",")}) if text else []
+    except ValueError:
+        steps = None
+    if steps is None or not all(1 <= s <= c.train.steps for s in steps):
+        raise ConfigError(
+            f"{where}: checkpoint.keep_steps is {c.checkpoint.keep_steps!r}; expected "
+            f"comma-separated steps in 1..{c.train.steps} (train.steps)"
+        )
+    return steps
 
 
 def load(spec: str, checker=check) -> ConfigDict:

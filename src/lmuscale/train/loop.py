@@ -42,6 +42,7 @@ from lmuscale.data import (
 from lmuscale.data.format import META
 from lmuscale.models import build, count_params, flops_per_token
 from lmuscale.outcomes import ConfigError, LostProcess, TrainingDiverged, TrainingInterrupted
+from lmuscale.train import branch as branch_lib
 from lmuscale.train import config as config_lib
 from lmuscale.train import memory, optim, wandb_log
 from lmuscale.train import step as step_lib
@@ -203,6 +204,7 @@ def run(
     progress: bool | None = None,
     locked: bool = False,
     accept_unverified: bool | None = None,
+    branch: branch_lib.Branch | None = None,
 ) -> dict:
     """Train (or resume) ``config`` in ``workdir``; returns the summary (also summary.json).
 
@@ -213,6 +215,7 @@ def run(
     else prints a line every ``log.every`` steps (``metrics.progress_line``).
     ``accept_unverified``: resume from a checkpoint nothing can verify (``checkpoint.
     check_verifiable``; None: refuse it without naming the flag, which the caller lacks).
+    ``branch``: start from another run's checkpoint (``train.branch``) when ``workdir`` has none.
     """
     c = config.copy_and_resolve_references()  # open_data records the data's fingerprint in it
     config_lib.check(c)
@@ -235,11 +238,20 @@ def run(
     with contextlib.ExitStack() as hold:
         if primary and not locked:
             hold.enter_context(workdir_lib.Lock(workdir_lib.usable(workdir)))
+        if branch is not None and not workdir_lib.has_checkpoint(workdir):
+            if primary:
+                branch_lib.seed(workdir, branch)
+                print(f"branch of {branch.trial}: starts from its step {branch.step}", flush=True)
+            if jax.process_count() > 1:
+                from jax.experimental import multihost_utils
+
+                multihost_utils.sync_global_devices("lmuscale-branch")
         check_workdir(c, workdir)  # again: locked, and with the data's fingerprint known
         if primary:
             workdir_lib.write_config(c, workdir)
         program = compile_program(c, workdir, model_config, impls, mesh, primary)
-        return _train(Session(c, workdir, dataset, mesh, program, primary, show, accept_unverified))
+        accept = accept_unverified
+        return _train(Session(c, workdir, dataset, mesh, program, primary, show, accept, branch))
 
 
 def _train(session: Session) -> dict:
@@ -351,6 +363,8 @@ def train(session: Session, stop: _StopSignals) -> None:
             if first:
                 session.fetch()  # the clock starts once the first step is done
             due = [action for every, action in hooks if done % every == 0 or done == last]
+            if done in session.keep_steps and session.checkpoint not in due:
+                due.append(session.checkpoint)
             for action in due:
                 action(done)
             if first or due:
@@ -406,16 +420,28 @@ def compile_program(c, workdir: Path, model_config, impls, mesh, primary: bool) 
 class Session:
     """One process's part of a run: state, checkpoints, logs, and ``train``'s hook actions."""
 
-    def __init__(self, c, workdir: Path, dataset, mesh, program: Program, primary, show, accept):
+    def __init__(
+        self, c, workdir: Path, dataset, mesh, program: Program, primary, show, accept, branch
+    ):
         self.c, self.workdir, self.dataset, self.mesh = c, workdir, dataset, mesh
-        self.program, self.primary = program, primary
+        self.program, self.primary, self.branch = program, primary, branch
+        self.keep_steps = frozenset(config_lib.keep_steps(c))  # saved and kept: branch points
         self.checkpoints = Checkpoints(
-            workdir / workdir_lib.CHECKPOINTS, c.checkpoint.keep, accept_unverified=accept
+            workdir / workdir_lib.CHECKPOINTS,
+            c.checkpoint.keep,
+            accept_unverified=accept,
+            protect=self.keep_steps,
         )
         try:
             target = restore_target(jax.eval_shape(program.init), program.shardings)
             # meta: the checkpoint's JSON, with "elapsed" and LOG_WINDOW
             restored = self.checkpoints.restore_latest(target)
+            if restored is None and branch is not None:  # every one was set aside
+                raise CheckpointError(
+                    f"{self.checkpoints.directory}: no intact checkpoint, and a branch does not "
+                    "start from the beginning: move this folder's checkpoints aside to start "
+                    f"again from {branch.trial}'s step {branch.step}"
+                )
             if restored is None:
                 restored = None, step_lib.init_state(program.init, mesh, program.shardings), {}
             self.last_checkpoint, self.state, meta = restored
@@ -583,7 +609,9 @@ def summarise(session: Session) -> dict:
     """The final validation and test losses: the summary, written as summary.json."""
     c = session.c
     summary = {**sizes(c, session.program), "status": "finished", "steps": c.train.steps}
-    summary["tokens"] = c.train.steps * session.tokens_per_step
+    summary["tokens"] = c.train.steps * session.tokens_per_step  # a branch's parent's share too
+    if session.branch is not None:
+        summary["branch_from"] = session.branch.record()
     for split in ("val", "test"):
         result = evaluate(session, split, c.eval.final_batches)
         tokens_per_byte = 1.0 / session.dataset.bytes_per_token(split)
