@@ -8,6 +8,7 @@ import json
 import math
 from pathlib import Path
 
+import matplotlib.pyplot as plt
 import numpy as np
 import pytest
 from figure_checks import legend_covers_data, text_overlaps, tick_problems
@@ -42,9 +43,10 @@ def n_opt(family, c):
     return grid[np.argmin(loss(family, grid, c / (6 * grid)))]
 
 
-def sweep(root: Path, budgets=(1e14, 1e15, 1e16), seeds=(0,), rates=None) -> Path:
+def sweep(root: Path, budgets=(1e14, 1e15, 1e16), seeds=(0,), rates=None, branches=None) -> Path:
     """A results table and trial folders (eval.jsonl) of an IsoFLOP grid drawn from LAW, f = 6N,
-    with 0.2% multiplicative noise on the final losses."""
+    with 0.2% multiplicative noise on the final losses; ``branches``: (family, budget) whose
+    runs the table calls cooldown branches (of a stable run, at 80% of their steps)."""
     rng = np.random.default_rng(0)
     rows = []
     for family in LAW:
@@ -72,6 +74,10 @@ def sweep(root: Path, budgets=(1e14, 1e15, 1e16), seeds=(0,), rates=None) -> Pat
                             folder=trial, seed=seed, learning_rate=1e-3,  # as a sweep: in trials/
                         )
                     )  # fmt: skip
+                    if (family, c) == branches:
+                        rows[-1].update(
+                            branch_from=f"{family}-{n}-stable", branch_step=steps * 4 // 5
+                        )
     for family, n, lr, extra in rates or ():
         trial = f"{family}-{n}-lr{lr:g}"
         rows.append(
@@ -93,9 +99,35 @@ def analysed(tmp_path_factory):
         ("lmu", 5000, lr, 0.2 * (math.log10(lr) - math.log10(3e-3)) ** 2)
         for lr in (1e-3, 3e-3, 1e-2)
     ]
-    table = sweep(root, rates=rates)
+    # the transformer's largest budget as cooldown branches: the same numbers, marked
+    table = sweep(root, rates=rates, branches=("transformer", 1e16))
     report = analyse(table, root / "analysis", split="val", n_boot=100)
     return root, report
+
+
+def test_fits_and_figures_mark_the_cooldown_branches(analysed):
+    root, report = analysed
+    text = (root / "analysis" / "fits.md").read_text()
+    assert "- Cooldown branches: 7 runs are warmup-stable-decay cooldowns" in text
+    assert "  - Transformer, IsoFLOP: rests on 7 branch(es) of its 21 runs" in text
+    assert "LMU, IsoFLOP: rests on" not in text
+    assert "Transformer / LMU tokens: rests on" in text  # its curves include the 7
+    iso = figures.isoflop_figure(report.optimal.frontiers, "nats")
+    hollow = [
+        line
+        for ax in iso.axes
+        for line in ax.get_lines()
+        if line.get_markerfacecolor() in ("white", (1.0, 1.0, 1.0, 1.0))
+    ]
+    assert len(hollow) == 1 and len(hollow[0].get_xdata()) == 7
+    notes = " ".join(t.get_text() for ax in iso.axes for t in ax.texts)
+    assert "Transformer: hollow points are cooldown branches." in notes
+    curves = list(report.optimal.curves.values())
+    tokens = figures.tokens_figure(curves, report.optimal.efficiency[0], "nats")
+    marks = [line for ax in tokens.axes for line in ax.get_lines() if line.get_marker() == "x"]
+    assert len(marks) == 7
+    for fig in (iso, tokens):
+        plt.close(fig)
 
 
 def test_every_figure_and_table_is_written(analysed):

@@ -46,6 +46,7 @@ def isoflop_figure(frontiers, unit: str, ci: float = 0.95):
                     lw=0.8,
                     label=f"{label(fit.family)}, C = {sci(fit.budget)} FLOPs",
                 )
+                _hollow(ax, fit.runs, MARKERS.get(fit.family, "o"), tint)
                 if fit.n_opt is not None:
                     x = np.linspace(np.log10(n.min()), np.log10(n.max()), 100)
                     ax.plot(10**x, np.polyval(fit.coef, x), color=tint, lw=1)
@@ -62,6 +63,8 @@ def isoflop_figure(frontiers, unit: str, ci: float = 0.95):
                 if fit.error:
                     notes.append(f"{label(fit.family)}, C = {fit.budget:.3g}: {fit.error}.")
             ax.set_title(f"{label(frontier.family)}: IsoFLOP curves (* = N_opt, {ci:.0%} CI)")
+            if any(r.branch_from for fit in frontier.fits for r in fit.runs):
+                notes.append(f"{label(frontier.family)}: hollow points are cooldown branches.")
             log_axis(ax, "x")
             ax.set_xlabel("non-embedding parameters N")
             ax.set_ylabel(f"validation loss ({unit})")
@@ -190,6 +193,7 @@ def tokens_figure(curves, efficiency, unit: str):
                 for curve in (c for c in mine if c.run.n == n):
                     text = f"{label(family)}, N = {human(n)}"  # one legend entry per size
                     ax.plot(curve.tokens, curve.loss, color=tint, lw=0.9, label=text)
+                    _branch_point(ax, curve, tint)
             reached = [efficiency.reached.get(c.run.trial) for c in mine]
             reached = [r for r in reached if r is not None]
             last = ax is axes[-1]  # the legend's shared entries after every size
@@ -227,6 +231,11 @@ def tokens_figure(curves, efficiency, unit: str):
         width = fig.get_size_inches()[0] - inches  # centred over the axes, clear of the legend
         text = "\n".join(textwrap.wrap(title, int(width * 12)))
         fig.suptitle(text, x=width / 2 / (width + inches), fontsize=STYLE["axes.titlesize"])
+        if any(c.run.branch_from for c in curves):
+            notes.append(
+                "x: where a cooldown branch leaves its stable run (the curve before it is the "
+                "stable run's)."
+            )
         not_reached = sorted(t for t, v in efficiency.reached.items() if v is None)
         if not_reached:
             shown = ", ".join(not_reached[:6]) + (", ..." if len(not_reached) > 6 else "")
@@ -276,6 +285,26 @@ def _tints(family: str, k: int) -> list[tuple]:
     rgb = np.array(matplotlib.colors.to_rgb(color(family)))
     shades = np.linspace(0.35, 1.0, k) if k > 1 else np.ones(1)
     return [tuple(1 - shade * (1 - rgb)) for shade in shades]
+
+
+def _hollow(ax, runs, marker: str, tint) -> None:
+    """Draw the sizes whose runs are all cooldown branches hollow, over their points."""
+    n, mean, _, _ = _spread(runs)
+    branch = [all(r.branch_from for r in runs if r.n == size) for size in n]
+    if any(branch):
+        mask = np.array(branch)
+        ax.plot(n[mask], mean[mask], marker, ms=4, mfc="white", mec=tint, ls="none", zorder=4)
+
+
+def _branch_point(ax, curve, tint) -> None:
+    """An x on a branch's curve at the last evaluation before it left its stable run."""
+    run = curve.run
+    if run.branch_from and run.branch_step:
+        at = run.branch_step * run.batch_tokens
+        before = np.flatnonzero(curve.tokens <= at)
+        if before.size:
+            i = before[-1]
+            ax.plot(curve.tokens[i], curve.loss[i], "x", ms=5, color=tint, zorder=4)
 
 
 def _spread(runs):

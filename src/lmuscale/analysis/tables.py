@@ -115,6 +115,7 @@ def markdown(results: Results, fits, best, refusals: list[str], sections=(), tes
     )
     if results.skipped:
         out.append(f"- Left out ({len(results.skipped)}): " + "; ".join(results.skipped))
+    out += branch_markdown(results, fits, best)
     out += ["", *summary_markdown(fits, best, tested), ""]
     for section in sections:
         out += [*section, ""]
@@ -274,6 +275,25 @@ def runs_behind(fits, best) -> list[tuple[str, tuple[str, ...]]]:
         a, b = (label(f) for f in eff.families)
         named.append((f"{b} / {a} tokens", tuple(eff.reached)))
     return named
+
+
+def branch_markdown(results: Results, fits, best) -> list[str]:
+    """The fits that rest on cooldown branches (runs with a branch_from), with how many of
+    their runs are branches; none without branches."""
+    branches = {r.trial for r in results.runs if r.branch_from}
+    if not branches:
+        return []
+    out = [
+        f"- Cooldown branches: {len(branches)} runs are warmup-stable-decay cooldowns, each "
+        "started from a stable run's checkpoint (columns branch_from, branch_step; their tokens "
+        "and FLOPs include the stable run's). They enter the fits as independent runs would; "
+        "the figures draw them hollow (marked x where they leave their stable run)."
+    ]
+    for name, trials in runs_behind(fits, best):
+        count = len(branches.intersection(trials))
+        if count:
+            out.append(f"  - {name}: rests on {count} branch(es) of its {len(set(trials))} runs")
+    return out
 
 
 def reference_markdown(results: Results) -> list[str]:
