@@ -209,6 +209,8 @@ def test_wsd_grid_branches_every_budget_from_one_stable_run_per_size():
         # the stable run reaches the largest budget's branch point, at the peak rate
         assert stable.config.train.steps == branches[-1].branch_from[1]
         assert stable.config.optim.decay_fraction == 0.0
+        # evaluated at the smallest budget's pace, whatever its own length
+        assert stable.config.eval.every == steps[0] // 10
     with pytest.raises(ValueError, match="at least 500 are needed"):
         wsd_grid(models, [2e10], make_config, min_steps=500)
 

@@ -139,9 +139,11 @@ def test_wsd_schedule_against_hand_computed_values(shape, floor, given):
     np.testing.assert_allclose(got, 2.0 * np.array(hand), rtol=1e-6, atol=1e-7)
 
 
-def test_a_wsd_decay_of_zero_steps_keeps_the_peak_to_the_end():
-    """The stable run that cooldowns branch from."""
-    _, lr = optim.optimizer(optim_section(schedule="wsd", decay_fraction=0.0), 10)
+@pytest.mark.parametrize("shape", list(HAND))
+def test_a_wsd_decay_of_zero_steps_keeps_the_peak_to_the_end(shape):
+    """The stable run that cooldowns branch from, whatever its shape says."""
+    section = optim_section(schedule="wsd", decay_fraction=0.0, decay_shape=shape)
+    _, lr = optim.optimizer(section, 10)
     got = [float(lr(s)) for s in (0, 1, 2, 9, 10)]
     np.testing.assert_allclose(got, [0.0, 5e-4, 1e-3, 1e-3, 1e-3], rtol=1e-6)
     assert got[2] == got[3] == got[4]

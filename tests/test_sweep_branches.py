@@ -132,15 +132,18 @@ def test_a_branch_refuses_what_would_not_continue_its_parent(tmp_path, byte_corp
             ("stable", 12),
             ("optim's decay (20 steps) and warmup (2) are longer than the run",),
         ),
-        # the decay would start at step 10 (at the peak), before the branch point: it differs at 11
+        # the decay would start at step 10, before the branch point
         (
             {**BRANCH, "optim.decay_fraction": 0.5},
             ("stable", 12),
-            (
-                "learning rate at step 11 is 0.006838 where its parent 'stable' had 0.01",
-                "start its decay at or after it",
-            ),
+            ("its decay starts at step 10, before the branch point (step 12)",),
         ),
+        (
+            {**BRANCH, "optim.schedule": "cosine"},
+            ("stable", 12),
+            ("its optim.schedule is 'cosine' where its parent 'stable' has 'wsd'",),
+        ),
+        ({**BRANCH}, ("stable", 0), ("branch_from step 0; expected a step >= 1",)),
         (
             {**BRANCH, "optim.learning_rate": 0.02},
             ("stable", 12),
@@ -165,6 +168,12 @@ def test_the_sweep_keeps_hashes_saves_branch_points_and_counts_both_designs(
     assert stable.config.checkpoint.keep_steps == "12"  # filled in for the branch
     alone = load_sweep(sweep_file(tmp_path, GOOD.splitlines()[0]))
     assert alone.trials[0].folder_name == stable.folder_name  # keep_steps: not in the hash
+    # A longer parent (a larger budget added) keeps the branch's folder; a parent that ends at
+    # the branch point (and evaluates there) does not.
+    for steps, same in ((24, True), (POINT, False)):
+        other = load_sweep(sweep_file(tmp_path, GOOD.replace("16,", f"{steps},", 1)))
+        assert other.trials[0].folder_name != stable.folder_name
+        assert (other.trials[1].folder_name == cool.folder_name) is same, steps
     assert cool.branch_from == ("stable", POINT) and cool.waits  # until the parent finishes
     rows = plan(sweep.trials, tmp_path / "work", Throughput(1e9, source="test"))
     by = {r["trial"]: r for r in rows}
@@ -198,7 +207,8 @@ def test_killing_parent_and_branch_resumes_to_identical_results(tmp_path, byte_c
         wait_for(lambda: not is_locked(folder), 20, "the worker to die with its runner")
         assert not (folder / "summary.json").exists()
 
-    kill_when("trials/stable-*/checkpoints/10", "the parent's checkpoint 10")  # before step 12
+    kill_when("trials/stable-*/checkpoints/5", "the parent's checkpoint 5")
+    assert not list(work.glob("trials/stable-*/checkpoints/12"))  # killed before the branch point
     kill_when("trials/cool-*/checkpoints/15", "the branch's checkpoint 15")  # mid-cooldown
     out = run_sweep(sweep, work, byte_corpus, extra_env=cache_env(cache))
     assert out.returncode == 0, out.stdout + out.stderr
@@ -211,6 +221,8 @@ def test_killing_parent_and_branch_resumes_to_identical_results(tmp_path, byte_c
     assert cool["spent_flops"] == pytest.approx(cool["total_flops"] * 8 / 20)
     record = json.loads(next(work.glob("trials/cool-*/trial.json")).read_text())
     assert record["branch_from"]["trial"] == "stable" and record["branch_from"]["step"] == 12
+    log = next(work.glob("trials/cool-*/train.log")).read_text()
+    assert log.count("branch of stable: starts from its step 12") == 1  # seeded once
     for name, steps in (("stable", 16), ("cool", 20)):
         folder = work / "trials" / rows[name]["folder"]
         logged = [json.loads(x)["step"] for x in (folder / "metrics.jsonl").open()]
@@ -218,8 +230,6 @@ def test_killing_parent_and_branch_resumes_to_identical_results(tmp_path, byte_c
         attempts = [json.loads(x) for x in (folder / "attempts.jsonl").open()]
         # killed mid-run (a start without an end), then resumed to its end
         assert [a.get("outcome") for a in attempts] == [None, None, "finished"], name
-    third = run_sweep(sweep, work, byte_corpus)  # everything done: nothing runs
-    assert third.returncode == 0 and "0 to run" in third.stdout, third.stdout
 
 
 def test_a_branch_whose_parent_diverged_ends_as_parent_diverged(tmp_path, byte_corpus, monkeypatch):
@@ -244,3 +254,7 @@ def test_a_branch_whose_parent_diverged_ends_as_parent_diverged(tmp_path, byte_c
     assert not (branch / "checkpoints").exists()
     ends = [json.loads(x) for x in (branch / "attempts.jsonl").open()]
     assert [e["event"] for e in ends] == ["start", "end"] and ends[1]["outcome"] == "diverged"
+    # A parent that diverged after the branch point left it a good checkpoint: it would train.
+    late = Branch("stable", paths["stable"], 8)
+    assert worker._parent_diverged_first(late) is False
+    assert worker._parent_diverged_first(Branch("stable", paths["stable"], 9)) is True

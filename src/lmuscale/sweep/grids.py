@@ -135,8 +135,9 @@ def wsd_grid(
     (``optim.decay_shape``). Each branch starts from the stable run's checkpoint where its
     decay begins, so the stable run trains as far as the largest budget's. The warmup is the
     base config's fraction of the smallest budget's steps (the same for all of a model's runs);
-    evaluations come every ``steps // evals`` steps. Names: FAMILY-N-stable and FAMILY-N-C
-    (``lmu-29k-3e11``). ValueError when a budget buys fewer than ``min_steps`` steps."""
+    evaluations come every ``steps // evals`` steps (the stable run's: the smallest budget's).
+    Names: FAMILY-N-stable and FAMILY-N-C (``lmu-29k-3e11``). ValueError when a budget buys
+    fewer than ``min_steps`` steps."""
     origin = caller(1)
     budgets = sorted(budgets)
     trials = []
@@ -157,10 +158,12 @@ def wsd_grid(
             lr = None if learning_rate is None else learning_rate(family, n)
             starts = [s - round(decay * s) for s in steps]
             stable_name = f"{family}-{short(n)}-stable"
-            stable = _wsd(base, max(starts), warmup, evals, lr, 0.0, shape)
+            # evaluated at the smallest budget's pace whatever its length: a larger budget added
+            # later lengthens it, and its branches keep their folders (``spec``'s branch hash)
+            stable = _wsd(base, max(starts), warmup, steps[0] // evals, lr, 0.0, shape)
             trials.append(Trial(stable_name, stable, role="stable", origin=origin))
             for budget, length, start in zip(budgets, steps, starts, strict=True):
-                config = _wsd(base, length, warmup, evals, lr, decay, shape)
+                config = _wsd(base, length, warmup, length // evals, lr, decay, shape)
                 note = f"cooldown of {stable_name} from step {start:,}"
                 name = f"{family}-{short(n)}-{short(budget)}"
                 branch = (stable_name, start)
@@ -170,8 +173,9 @@ def wsd_grid(
     return trials
 
 
-def _wsd(base: ConfigDict, steps: int, warmup: int, evals: int, lr, decay: float, shape: str):
-    """``base`` trained ``steps`` on a "wsd" schedule (see ``wsd_grid``)."""
+def _wsd(base: ConfigDict, steps: int, warmup: int, every: int, lr, decay: float, shape: str):
+    """``base`` trained ``steps`` on a "wsd" schedule, evaluated ``every`` steps (see
+    ``wsd_grid``)."""
     config = ConfigDict(base.to_dict())
     config.train.steps = steps
     config.optim.update(
@@ -179,7 +183,7 @@ def _wsd(base: ConfigDict, steps: int, warmup: int, evals: int, lr, decay: float
     )
     if lr is not None:
         config.optim.learning_rate = float(lr)
-    every = max(1, steps // evals)
+    every = max(1, every)
     config.eval.every = every
     config.checkpoint.every = every
     config.log.every = min(config.log.every, every)

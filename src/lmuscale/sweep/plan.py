@@ -70,7 +70,8 @@ def plan(trials, workdir: Path, throughput: Throughput) -> list[dict]:
             statistics.median(speeds) * row["flops_per_token"] if speeds else None
         )
         row["source"] = "measured" if row["flops_per_second"] else None
-        row["overhead"] = measured_overhead(folder, row["tokens"], speeds)
+        own_tokens = row["spent_flops"] / row["flops_per_token"]  # a branch's own steps
+        row["overhead"] = measured_overhead(folder, own_tokens, speeds)
         row["waits"], row["note"] = trial.waits, trial.note
         if trial.waits:
             row["status"] = "waits"

@@ -7,7 +7,8 @@ A branch: ``Trial(..., branch_from=("parent", step))`` trains from the checkpoin
 of the sweep's trial ``parent`` (``lmuscale.train.branch``), e.g. a cooldown of a
 warmup-stable-decay run (``lmuscale.sweep.grids.wsd_grid``). It waits until the parent has
 finished (the parent saves and keeps that step: ``checkpoint.keep_steps``), ends as "parent
-diverged" when the parent diverged, and its folder's hash covers its parent's.
+diverged" when the parent diverged at or before that step, and its folder's hash covers its
+parent's config but the parent's length.
 
 A sweep in stages: ``get_trials(done)`` is given the result rows of the sweep's trials that
 have ended (finished or diverged), by name (``lmuscale.sweepdir.result_row``). A trial that
@@ -207,7 +208,6 @@ def _trials(path: Path, get_trials, done: dict | None, overrides=()) -> list[Res
 BRANCH_MAY_DIFFER = (
     "name",
     "train.steps",
-    "optim.schedule",
     "optim.decay_",
     "optim.final_lr_fraction",
     "eval.",
@@ -219,8 +219,6 @@ BRANCH_MAY_DIFFER = (
 def _branches(trials: list[ResolvedTrial], wheres: dict[str, str]) -> list[ResolvedTrial]:
     """Each branch checked against its parent (ConfigError naming the trial), its hash made its
     own; each parent given its branch points to save and keep (``checkpoint.keep_steps``)."""
-    from lmuscale.train import optim
-
     by_name = {t.name: t for t in trials}
     points: dict[str, set[int]] = {}
     out = []
@@ -238,7 +236,9 @@ def _branches(trials: list[ResolvedTrial], wheres: dict[str, str]) -> list[Resol
                 f"parent, {parent.branch_from[0]!r}, instead"
             )
         length = parent.config.train.steps
-        if not 1 <= step <= length:
+        if step < 1:
+            raise ConfigError(f"{where}: branch_from step {step}; expected a step >= 1")
+        if step > length:
             raise ConfigError(
                 f"{where}: branch_from step {step} is past its parent {name!r}, which trains "
                 f"{length} steps"
@@ -256,35 +256,42 @@ def _branches(trials: list[ResolvedTrial], wheres: dict[str, str]) -> list[Resol
                     f"{theirs.get(key)!r}: a branch continues its parent's training (only "
                     "train.steps, the schedule's decay, eval, log and checkpoint may differ)"
                 )
-        _same_rate(trial, parent, step, where, optim)
+        _same_rate(trial, parent, step, where)
         points.setdefault(name, set()).add(step)
-        key = config_hash(trial.config, (parent.key, step))
+        # The parent's length is left out: a longer stable run (a larger budget added) trains
+        # the same steps up to here, so its earlier branches keep their folders; whether the
+        # branch point is its last step is not (that step is evaluated, for reduce-on-plateau).
+        stem = {k: v for k, v in flatten(parent.config).items() if k != "train.steps"}
+        key = config_hash(trial.config, (config_hash(stem), step, step == length))
         out.append(dataclasses.replace(trial, key=key, parent_folder=parent.folder_name))
     return [_keeping(t, points[t.name]) if t.name in points else t for t in out]
 
 
-RATE_BLOCK = 4096  # steps of a learning-rate comparison evaluated at once
-
-
-def _same_rate(trial: ResolvedTrial, parent: ResolvedTrial, step: int, where: str, optim) -> None:
+def _same_rate(trial: ResolvedTrial, parent: ResolvedTrial, step: int, where: str) -> None:
     """ConfigError unless the branch's learning rate equals its parent's at every step before
-    the branch point (e.g. a cooldown that would start before it)."""
-    import numpy as np
+    the branch point: the same schedule, or the same kind (peak and warmup are the same keys)
+    with both still at the peak there (e.g. not a cooldown that would start before it). Read
+    from the configs: the runner computes nothing with JAX."""
+    from lmuscale.train import optim
 
-    def rates(config) -> np.ndarray:  # in blocks of one shape: JAX compiles each op once
-        schedule = optim.schedule(config.optim, config.train.steps)
-        blocks = [schedule(np.arange(i, i + RATE_BLOCK)) for i in range(0, step, RATE_BLOCK)]
-        return np.concatenate([np.asarray(b) for b in blocks])[:step]
-
-    ours, theirs = rates(trial.config), rates(parent.config)
-    differ = np.flatnonzero(ours != theirs)
-    if differ.size:
-        first = int(differ[0])
+    mine, theirs = trial.config, parent.config
+    if mine.optim.schedule != theirs.optim.schedule:
         raise ConfigError(
-            f"{where}: its learning rate at step {first} is {ours[first]:.4g} where its parent "
-            f"{parent.name!r} had {theirs[first]:.4g}: a branch trains as its parent did up to the "
-            f"branch point (step {step}); start its decay at or after it"
+            f"{where}: its optim.schedule is {mine.optim.schedule!r} where its parent "
+            f"{parent.name!r} has {theirs.optim.schedule!r}: a branch trains as its parent did up "
+            "to the branch point"
         )
+    if mine.train.steps == theirs.train.steps and mine.optim.to_dict() == theirs.optim.to_dict():
+        return  # one schedule
+    for config, whose in ((mine, "its"), (theirs, f"its parent {parent.name!r}'s")):
+        first = optim.peak_until(config.optim, config.train.steps)
+        if step > first:
+            what = "decay" if config.optim.schedule == "wsd" else "cosine decay"
+            raise ConfigError(
+                f"{where}: {whose} {what} starts at step {first}, before the branch point (step "
+                f"{step}): a branch trains as its parent did up to there; start the decay at or "
+                "after it"
+            )
 
 
 def _keeping(trial: ResolvedTrial, steps: set[int]) -> ResolvedTrial:
@@ -299,7 +306,8 @@ def _keeping(trial: ResolvedTrial, steps: set[int]) -> ResolvedTrial:
 def _waits_for_parent(
     trial: ResolvedTrial, trials: list[ResolvedTrial], table: sweepdir.Table | None
 ) -> ResolvedTrial:
-    """A branch waits until its parent has ended (a diverged parent ends it, in its worker)."""
+    """A branch waits until its parent has ended (a parent diverged before the branch point ends
+    it, in its worker)."""
     if trial.branch_from is None or trial.waits:
         return trial
     name = trial.branch_from[0]

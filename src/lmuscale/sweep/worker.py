@@ -137,13 +137,15 @@ def train(folder: Path) -> int:
                 _close_attempt(folder)
             return Exit.FINISHED if final == "finished" else Exit.DIVERGED
         options["branch"] = branch = _branch(folder)
+        if branch is not None and _parent_diverged_first(branch) and rank > 0:
+            return Exit.DIVERGED  # task 0 ends the trial so
         if rank > 0:
             run(_config(folder, tasks), folder, **options)
             return Exit.FINISHED
         (folder / ERROR).unlink(missing_ok=True)
         spawned = os.environ.get(SPAWNED)
         _attempt(folder, {"event": "start"} | ({"spawned": float(spawned)} if spawned else {}))
-        if branch is not None and status(branch.folder) == "diverged":
+        if branch is not None and _parent_diverged_first(branch):
             return _parent_diverged(folder, branch)
         try:
             summary = run(_config(folder, tasks), folder, **options)
@@ -178,6 +180,13 @@ def _branch(folder: Path):
     if record is None:
         return None
     return Branch(record["trial"], folder.parent / record["folder"], int(record["step"]))
+
+
+def _parent_diverged_first(branch) -> bool:
+    """Whether the parent diverged at or before the branch point (a later divergence leaves
+    the branch's checkpoint good: the branch trains from it)."""
+    parent = summary(branch.folder) or {}
+    return parent.get("status") == "diverged" and (parent.get("step") or 0) <= branch.step
 
 
 def _parent_diverged(folder: Path, branch) -> int:

@@ -292,7 +292,7 @@ class Checkpoints:
             _remove_unfinished(self.directory)
         # Orbax's own clean-up runs on a thread that ``close`` does not wait for: a run that
         # stops at once (bad data) would exit under it, and it would report from its thread.
-        # With steps to protect, the pruning is ours (``_prune``): not every orbax we support
+        # With steps to protect, the pruning is ours (``prune``): not every orbax we support
         # has a preservation policy.
         options = ocp.CheckpointManagerOptions(
             max_to_keep=None if self.protect else keep, create=True, cleanup_tmp_directories=False
@@ -310,6 +310,7 @@ class Checkpoints:
         here: orbax's threads would wait forever for a full disk or a read-only folder)."""
         meta = {**meta, CHECKSUMS: checksums(state)}  # while the previous save is written
         self.wait()  # orbax would wait for it too; this names the step that failed
+        self.prune()
         self._check_room(step, sum(x.nbytes for x in jax.tree.leaves(state)))
         args = ocp.args.Composite(
             **{STATE: ocp.args.StandardSave(state), META: ocp.args.JsonSave(meta)}
@@ -376,12 +377,14 @@ class Checkpoints:
                     + ("Free some space and run" if full else "Run")
                     + " again to resume"
                 ) from None
-        if self.writing is not None and self.protect:
-            self._prune()
         self.writing = None
 
-    def _prune(self) -> None:
-        """Remove the steps past the newest ``keep`` that are not protected."""
+    def prune(self) -> None:
+        """With protected steps: remove the steps past the newest ``keep`` that are not
+        protected (orbax keeps them all). Called by every process at the same point of a run,
+        never from ``check``, whose timing differs between processes."""
+        if not self.protect:
+            return
         for step in sorted(self.manager.all_steps())[: -self.keep]:
             if step not in self.protect:
                 try:

@@ -238,11 +238,11 @@ def run(
     with contextlib.ExitStack() as hold:
         if primary and not locked:
             hold.enter_context(workdir_lib.Lock(workdir_lib.usable(workdir)))
-        if branch is not None and not workdir_lib.has_checkpoint(workdir):
-            if primary:
+        if branch is not None:
+            if primary and not workdir_lib.has_checkpoint(workdir):
                 branch_lib.seed(workdir, branch)
                 print(f"branch of {branch.trial}: starts from its step {branch.step}", flush=True)
-            if jax.process_count() > 1:
+            if jax.process_count() > 1:  # every process, whichever saw the seeded folder
                 from jax.experimental import multihost_utils
 
                 multihost_utils.sync_global_devices("lmuscale-branch")
@@ -373,6 +373,7 @@ def train(session: Session, stop: _StopSignals) -> None:
             if signum and done < last:
                 session.stop(done, signum, stop.received)
     session.checkpoints.wait()
+    session.checkpoints.prune()  # every process, here: orbax's delete waits for them all
 
 
 @dataclasses.dataclass(frozen=True)
@@ -438,9 +439,9 @@ class Session:
             restored = self.checkpoints.restore_latest(target)
             if restored is None and branch is not None:  # every one was set aside
                 raise CheckpointError(
-                    f"{self.checkpoints.directory}: no intact checkpoint, and a branch does not "
-                    "start from the beginning: move this folder's checkpoints aside to start "
-                    f"again from {branch.trial}'s step {branch.step}"
+                    f"{self.checkpoints.directory}: no intact checkpoint left, and a branch does "
+                    f"not start from the beginning: run again to start over from {branch.trial}'s "
+                    f"step {branch.step}"
                 )
             if restored is None:
                 restored = None, step_lib.init_state(program.init, mesh, program.shardings), {}
@@ -633,7 +634,8 @@ def diverged(session: Session, step: int, metrics: dict) -> None:
     session.checkpoints.wait()
     c, start, last_checkpoint = session.c, session.start, session.last_checkpoint
     where = session.workdir / workdir_lib.CHECKPOINTS
-    if start > 0 and step <= start + max(1, c.log.every):
+    seeded = session.branch is not None and start == session.branch.step  # the parent's state
+    if start > 0 and step <= start + max(1, c.log.every) and not seeded:
         raise TrainingDiverged(
             f"training diverged at step {step}, {step - start} step(s) after resuming from "
             f"checkpoint {where / str(start)}: that checkpoint is suspect (damaged files, or "

@@ -41,6 +41,14 @@ def cosine(peak: float, warmup_steps: int, total_steps: int, floor: float = 0.0)
     return lr
 
 
+def peak_until(optim, total_steps: int) -> int:
+    """The first step whose rate may differ from that of another schedule of the same kind,
+    peak and warmup: where a "wsd" decay starts, or the end of the cosine's warmup."""
+    if optim.schedule == "wsd":
+        return total_steps - decay_steps(optim, total_steps)
+    return optim.warmup_steps
+
+
 def decay_steps(optim, total_steps: int) -> int:
     """The steps of a "wsd" schedule's decay: ``decay_steps``, else ``decay_fraction`` of the
     run (rounded)."""
@@ -52,7 +60,9 @@ def wsd(peak, warmup_steps, total_steps, decay: int, shape: str, floor: float = 
     ``floor`` (a fraction of ``peak``) along ``shape`` (``DECAY_SHAPES``), reached at
     ``total_steps``."""
     end = peak * floor
-    if shape == "linear":
+    if not decay:
+        down = None
+    elif shape == "linear":
         down = optax.linear_schedule(peak, end, decay)
     elif shape == "cosine":
         down = optax.cosine_decay_schedule(peak, decay, alpha=floor)
@@ -63,6 +73,8 @@ def wsd(peak, warmup_steps, total_steps, decay: int, shape: str, floor: float = 
             return end + (peak - end) * (1.0 - jnp.sqrt(progress))
 
     pieces = [optax.linear_schedule(0.0, peak, warmup_steps), optax.constant_schedule(peak)]
+    if not decay:  # a stable run (optax's cosine piece refuses 0 steps)
+        return optax.join_schedules(pieces, [warmup_steps])
     return optax.join_schedules([*pieces, down], [warmup_steps, total_steps - decay])
 
 
@@ -79,12 +91,13 @@ def schedule(optim, total_steps: int) -> optax.Schedule:
 
 def decayed(path, _leaf, optim) -> bool:
     """Whether weight decay applies to the parameter at ``path`` (a key path): every weight
-    but norms' (a module named ``norm*``), biases and the embeddings (token and position
-    tables), unless ``optim.weight_decay_norms`` / ``_biases`` / ``_embedding`` say so."""
+    but norms' (a module named ``norm*``), biases (``bias``, the SRU's ``b``) and the
+    embeddings (token and position tables), unless ``optim.weight_decay_norms`` / ``_biases``
+    / ``_embedding`` say so."""
     names = [str(getattr(k, "key", k)) for k in path]
     if any(name.startswith("norm") for name in names[:-1]):
         return optim.weight_decay_norms
-    if names[-1] == "bias":
+    if names[-1] in ("bias", "b"):
         return optim.weight_decay_biases
     if names[-1] in ("embedding", "positions"):
         return optim.weight_decay_embedding
