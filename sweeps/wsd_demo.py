@@ -1,6 +1,6 @@
 """Many budgets from one run per size: cosine runs against warmup-stable-decay cooldowns.
 
-    python -m lmuscale.sweep sweeps/wsd_demo.py          (about 10 minutes on two CPU cores)
+    python -m lmuscale.sweep sweeps/wsd_demo.py          (about 7 minutes on two CPU cores)
     python -m lmuscale.sweep sweeps/wsd_demo.py --dry-run   (both designs' compute)
 
 The byte-level LMUs and transformers of sweeps/demo.py, three widths each (N = 2.4k to 7.9k and
