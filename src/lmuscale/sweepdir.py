@@ -107,7 +107,6 @@ def result_row(trial, folder: Path, count: Callable[[], dict]) -> dict:
         tokens=tokens,
         flops_per_token=model["flops_per_token"],
         total_flops=model["flops_per_token"] * tokens,
-        spent_flops=model["flops_per_token"] * tokens,
         learning_rate=c.optim.learning_rate,
         seed=c.train.seed,
         status=state,
@@ -116,6 +115,7 @@ def result_row(trial, folder: Path, count: Callable[[], dict]) -> dict:
         or c.data.fingerprint
         or None,
     )
+    row["spent_flops"] = row["total_flops"]
     branch = getattr(trial, "branch_from", None)
     if branch is not None:
         parent, step = branch

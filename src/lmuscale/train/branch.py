@@ -60,18 +60,7 @@ def seed(workdir: Path, branch: Branch) -> None:
 
 
 def _lines_until(path: Path, step: int) -> list[bytes]:
-    """The lines of a JSONL log whose step is at most ``step``, as they are (none without the
-    file; a torn last line is left out)."""
-    try:
-        lines = path.read_bytes().splitlines(keepends=True)
-    except FileNotFoundError:
-        return []
-    kept = []
-    for line in lines:
-        try:
-            record = json.loads(line)
-        except ValueError:
-            continue
-        if isinstance(record, dict) and record.get("step", step + 1) <= step:
-            kept.append(line if line.endswith(b"\n") else line + b"\n")
-    return kept
+    """The records of a JSONL log (``workdir.read_log``) whose step is at most ``step``, as
+    lines written as the run's logs write them."""
+    records = workdir_lib.read_log(path)
+    return [(json.dumps(r) + "\n").encode() for r in records if r.get("step", step + 1) <= step]

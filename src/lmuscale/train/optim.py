@@ -59,22 +59,20 @@ def wsd(peak, warmup_steps, total_steps, decay: int, shape: str, floor: float = 
     """Warmup-stable-decay: linear warmup to ``peak``, constant, then ``decay`` steps down to
     ``floor`` (a fraction of ``peak``) along ``shape`` (``DECAY_SHAPES``), reached at
     ``total_steps``."""
+    pieces = [optax.linear_schedule(0.0, peak, warmup_steps), optax.constant_schedule(peak)]
+    if not decay:  # a stable run (optax's cosine piece refuses 0 steps)
+        return optax.join_schedules(pieces, [warmup_steps])
     end = peak * floor
-    if not decay:
-        down = None
-    elif shape == "linear":
+    if shape == "linear":
         down = optax.linear_schedule(peak, end, decay)
     elif shape == "cosine":
         down = optax.cosine_decay_schedule(peak, decay, alpha=floor)
     else:  # 1-sqrt: no optax piece has it
 
         def down(step):
-            progress = jnp.clip(jnp.asarray(step, jnp.float32) / max(decay, 1), 0.0, 1.0)
+            progress = jnp.clip(jnp.asarray(step, jnp.float32) / decay, 0.0, 1.0)
             return end + (peak - end) * (1.0 - jnp.sqrt(progress))
 
-    pieces = [optax.linear_schedule(0.0, peak, warmup_steps), optax.constant_schedule(peak)]
-    if not decay:  # a stable run (optax's cosine piece refuses 0 steps)
-        return optax.join_schedules(pieces, [warmup_steps])
     return optax.join_schedules([*pieces, down], [warmup_steps, total_steps - decay])
 
 
